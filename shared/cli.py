@@ -1,0 +1,116 @@
+"""Click options derived from a config dataclass, so defaults and help have one source.
+
+A stage declares `@dataclass(frozen=True, kw_only=True) class XConfig` with fields made by
+`option(...)`; `click_options(XConfig)` turns them into click options and `build(XConfig,
+kwargs)` makes the config, turning a `ValueError` from `__post_init__` into a clean usage error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    choices: Sequence[str] | None = None,
+    flag: str | None = None,
+    metavar: str | None = None,
+) -> Any:
+    """A config field with its CLI help. A tuple-typed field takes one or more values."""
+    meta = {"help": help, "choices": tuple(choices) if choices else None, "flag": flag}
+    meta["metavar"] = metavar
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("use a tuple default for sequence fields")
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _base_type(tp: Any) -> tuple[Any, bool, bool]:
+    """(element type, is_optional, is_sequence) of a field annotation."""
+    optional = False
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(tp))
+        tp = args[0]
+        origin = typing.get_origin(tp)
+    if origin is tuple:
+        return typing.get_args(tp)[0], optional, True
+    return tp, optional, False
+
+
+def _click_type(tp: Any, choices: Sequence[str] | None) -> Any:
+    if choices:
+        return click.Choice(list(choices), case_sensitive=False)
+    return {int: int, float: float, str: str, Path: click.Path(path_type=Path)}.get(tp, str)
+
+
+def click_options(cls: type) -> Callable[[Callable], Callable]:
+    """Decorator adding one click option per field of dataclass `cls`."""
+    hints = typing.get_type_hints(cls)
+
+    def decorate(fn: Callable) -> Callable:
+        for f in reversed(dataclasses.fields(cls)):
+            if "help" not in f.metadata:
+                continue
+            tp, optional, sequence = _base_type(hints[f.name])
+            name = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            default = None if f.default is dataclasses.MISSING else f.default
+            help_text = f.metadata["help"]
+            if tp is bool and not sequence:
+                no = "--no-" + name[2:]
+                fn = click.option(
+                    f"{name}/{no}", f.name, default=bool(default), help=help_text, show_default=True
+                )(fn)
+                continue
+            fn = click.option(
+                name,
+                f.name,
+                type=_click_type(tp, f.metadata.get("choices")),
+                multiple=sequence,
+                default=default if default is not None or optional else None,
+                required=f.default is dataclasses.MISSING,
+                help=help_text,
+                show_default=default is not None and default != (),
+                metavar=f.metadata.get("metavar"),
+            )(fn)
+        return fn
+
+    return decorate
+
+
+def build(cls: type, kwargs: dict[str, Any]) -> Any:
+    """Make `cls(**kwargs)`, turning validation errors into click usage errors."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items() if k in names}
+    # click passes () for an unset multiple option: let the dataclass default apply.
+    for f in dataclasses.fields(cls):
+        if values.get(f.name) == () and f.default is not dataclasses.MISSING:
+            values[f.name] = f.default
+    try:
+        return cls(**values)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def to_json(cfg: Any) -> dict[str, Any]:
+    """A JSON-ready dict of a config (paths as strings, tuples as lists)."""
+
+    def conv(v: Any) -> Any:
+        if isinstance(v, Path):
+            return str(v)
+        if isinstance(v, (tuple, list)):
+            return [conv(x) for x in v]
+        if isinstance(v, dict):
+            return {k: conv(x) for k, x in v.items()}
+        return v
+
+    return {f.name: conv(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}

@@ -1,0 +1,202 @@
+"""Device lists and process launch: one process per device, torchrun-compatible.
+
+This is the only module that reads RANK / LOCAL_RANK / WORLD_SIZE. Everything below it receives
+a `RankInfo` as an argument.
+
+`--gpus` grammar: `0-4`, `0,2,5`, `5-7`, `cpu` (one CPU process), `cpu:N` (N CPU processes on
+gloo). Without `--gpus`: all visible GPUs, else `cpu`. Under torchrun the environment wins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    kind: str  # "cuda" or "cpu"
+    devices: tuple[int, ...]  # CUDA ordinals; for cpu, one entry per process (all 0)
+
+    @property
+    def nprocs(self) -> int:
+        return len(self.devices)
+
+    def __str__(self) -> str:
+        if self.kind == "cpu":
+            return "cpu" if self.nprocs == 1 else f"cpu:{self.nprocs}"
+        return ",".join(map(str, self.devices))
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def parse_gpus(spec: str | None, *, visible: int | None = None) -> DeviceSpec:
+    """Parse a `--gpus` value; raise ValueError naming the bad part.
+
+    >>> parse_gpus("0-2,5").devices
+    (0, 1, 2, 5)
+    >>> parse_gpus("cpu:2")
+    DeviceSpec(kind='cpu', devices=(0, 0))
+    """
+    visible = torch.cuda.device_count() if visible is None else visible
+    if spec is None or spec.strip() in ("", "auto"):
+        return DeviceSpec("cuda", tuple(range(visible))) if visible else DeviceSpec("cpu", (0,))
+    spec = spec.strip().lower()
+    if spec == "cpu" or spec.startswith("cpu:"):
+        n = spec.partition(":")[2] or "1"
+        if not n.isdigit() or int(n) < 1:
+            raise ValueError(f"--gpus {spec!r}: expected cpu or cpu:N with N >= 1")
+        return DeviceSpec("cpu", (0,) * int(n))
+    devices: list[int] = []
+    for part in spec.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"--gpus {spec!r}: {part!r} is not N or N-M (e.g. 0-4 or 0,2,5)")
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if last < first:
+            raise ValueError(f"--gpus {spec!r}: range {part!r} runs backwards")
+        devices.extend(range(first, last + 1))
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"--gpus {spec!r} names a GPU twice")
+    bad = [d for d in devices if d >= visible]
+    if bad:
+        raise ValueError(
+            f"--gpus {spec!r}: GPU {bad[0]} does not exist ({visible} visible); "
+            "use --gpus cpu to run on the CPU"
+        )
+    return DeviceSpec("cuda", tuple(devices))
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, world: int, local_rank: int, spec: DeviceSpec) -> RankInfo:
+    if spec.kind == "cuda":
+        device = torch.device("cuda", spec.devices[local_rank])
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if spec.kind == "cuda" else "gloo"
+        kwargs: dict[str, Any] = {"timeout": datetime.timedelta(minutes=30)}
+        if spec.kind == "cuda":
+            kwargs["device_id"] = device
+        dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
+    return RankInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def _spawned(local_rank: int, fn: Callable, spec: DeviceSpec, args: tuple) -> None:
+    info = _init(local_rank, spec.nprocs, local_rank, spec)
+    try:
+        fn(info, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(
+    fn: Callable[..., None],
+    args: tuple,
+    spec: DeviceSpec,
+    *,
+    monitor: Callable[[], None] | None = None,
+    monitor_every: float = 0.5,
+) -> None:
+    """Run `fn(rank_info, *args)` once per device.
+
+    Under torchrun this process is one rank (devices come from LOCAL_RANK; `spec` picks cuda or
+    cpu). Otherwise one process runs in place, or N are spawned; while spawned processes run,
+    `monitor()` is called in the parent every `monitor_every` seconds (for a progress bar).
+    An exception in any process is re-raised here.
+    """
+    if under_torchrun():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ["LOCAL_RANK"])
+        if spec.kind == "cuda":
+            spec = DeviceSpec("cuda", tuple(range(torch.cuda.device_count())))
+        info = _init(rank, world, local, spec)
+        try:
+            fn(info, *args)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        return
+    if spec.nprocs == 1:
+        fn(_init(0, 1, 0, spec), *args)
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(_free_port())
+    ctx = mp.start_processes(
+        _spawned, args=(fn, spec, args), nprocs=spec.nprocs, join=False, start_method="spawn"
+    )
+    while not ctx.join(timeout=monitor_every):
+        if monitor is not None:
+            monitor()
+    if monitor is not None:
+        monitor()
+
+
+# Collectives that are no-ops in a single process, so stage code never branches on world size.
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+@contextlib.contextmanager
+def main_first(info: RankInfo) -> Iterator[None]:
+    """Rank 0 runs the block before the others (e.g. to create a folder or a cache)."""
+    if not info.is_main:
+        barrier()
+    yield
+    if info.is_main:
+        barrier()

@@ -1,0 +1,256 @@
+"""The cache manifest: what was extracted, from what, and which parts are complete.
+
+`manifest.json` is the commit record of a cache. A part counts as present only when the manifest
+lists it; files on disk are never trusted by themselves. Every update is a locked
+read-modify-write followed by an atomic replace, so several extract processes can record parts
+concurrently and a crash leaves the previous manifest intact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shared.fsio import atomic_write_json, file_lock
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LAYER_CONVENTION = "id i = output of target decoder layer i (0-based) = HF hidden_states[i + 1]"
+MAX_LISTED_REJECTS = 200  # per part; counts stay exact, the list of rows is capped
+
+
+class CacheMismatch(ValueError):
+    """A cache cannot serve the request; `problems` lists every reason at once."""
+
+    def __init__(self, cache: Path | str, problems: Sequence[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"cache {cache} cannot be used:\n{lines}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetInfo:
+    path: str
+    revision: str  # content hash of config + weight files, or a hub revision
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int  # rows of the embedding matrix
+    tokenizer_vocab_size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceFile:
+    path: str
+    sha256: str
+    rows: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RejectedRow:
+    row: int
+    source: str
+    line: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartRecord:
+    """One committed work unit: source rows [first_row, end_row)."""
+
+    name: str
+    unit: int
+    first_row: int
+    end_row: int
+    rows_kept: int
+    rows_truncated: int
+    rejected: dict[str, int]
+    rejected_rows: tuple[RejectedRow, ...]
+    tokens: int
+    supervised_tokens: int
+    stored_rows: int
+    nbytes: int
+    checksum: str
+
+    @property
+    def rows_read(self) -> int:
+        return self.end_row - self.first_row
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    format_version: int = FORMAT_VERSION
+    complete: bool = False
+    format: str
+    store: str
+    codec: dict[str, Any]
+    target: TargetInfo
+    tokenizer_sha256: str
+    chat_template_sha256: str
+    layer_ids: tuple[int, ...]
+    layer_convention: str = LAYER_CONVENTION
+    max_length: int
+    rows_per_part: int
+    sources: tuple[SourceFile, ...]
+    total_rows: int
+    parts: tuple[PartRecord, ...] = ()
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_units(self) -> int:
+        return -(-self.total_rows // self.rows_per_part) if self.total_rows else 0
+
+    def unit_rows(self, unit: int) -> range:
+        start = unit * self.rows_per_part
+        return range(start, min(start + self.rows_per_part, self.total_rows))
+
+    def done_units(self) -> set[int]:
+        return {p.unit for p in self.parts}
+
+    def totals(self) -> dict[str, Any]:
+        rejected: dict[str, int] = {}
+        for p in self.parts:
+            for reason, n in p.rejected.items():
+                rejected[reason] = rejected.get(reason, 0) + n
+        return {
+            "parts": len(self.parts),
+            "rows_read": sum(p.rows_read for p in self.parts),
+            "rows_kept": sum(p.rows_kept for p in self.parts),
+            "rows_truncated": sum(p.rows_truncated for p in self.parts),
+            "rows_rejected": sum(rejected.values()),
+            "rejected": dict(sorted(rejected.items())),
+            "tokens": sum(p.tokens for p in self.parts),
+            "supervised_tokens": sum(p.supervised_tokens for p in self.parts),
+            "nbytes": sum(p.nbytes for p in self.parts),
+        }
+
+    def identity(self) -> dict[str, Any]:
+        """The settings that decide the cache's content: a resume must match all of them."""
+        return {
+            "format_version": self.format_version,
+            "format": self.format,
+            "store": self.store,
+            "target": self.target.revision,
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "chat_template_sha256": self.chat_template_sha256,
+            "layer_ids": list(self.layer_ids),
+            "max_length": self.max_length,
+            "rows_per_part": self.rows_per_part,
+            "sources": [s.sha256 for s in self.sources],
+        }
+
+    def with_part(self, record: PartRecord) -> Manifest:
+        parts = [p for p in self.parts if p.unit != record.unit] + [record]
+        return dataclasses.replace(self, parts=tuple(sorted(parts, key=lambda p: p.unit)))
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["totals"] = self.totals()
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Manifest:
+        obj = dict(obj)
+        obj.pop("totals", None)
+        version = obj.get("format_version")
+        if version != FORMAT_VERSION:
+            raise CacheMismatch(
+                "manifest", [f"format version {version!r}, this tool reads {FORMAT_VERSION}"]
+            )
+        parts = tuple(
+            PartRecord(
+                **{**p, "rejected_rows": tuple(RejectedRow(**r) for r in p["rejected_rows"])}
+            )
+            for p in obj.pop("parts", [])
+        )
+        return cls(
+            **{
+                **obj,
+                "target": TargetInfo(**obj["target"]),
+                "sources": tuple(SourceFile(**s) for s in obj["sources"]),
+                "layer_ids": tuple(obj["layer_ids"]),
+                "parts": parts,
+            }
+        )
+
+
+def identity_mismatches(old: Manifest, new: Manifest) -> list[str]:
+    """Human-readable differences between two manifests' identities."""
+    a, b = old.identity(), new.identity()
+    return [f"{k}: cache has {a[k]!r}, requested {b[k]!r}" for k in a if a[k] != b[k]]
+
+
+def manifest_path(cache: Path) -> Path:
+    return Path(cache) / MANIFEST
+
+
+def read_manifest(cache: Path) -> Manifest:
+    path = manifest_path(cache)
+    if not path.is_file():
+        raise CacheMismatch(cache, [f"no {MANIFEST}: not a cache, or extraction never started"])
+    try:
+        obj = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CacheMismatch(cache, [f"{MANIFEST} is not valid JSON ({e})"]) from None
+    try:
+        return Manifest.from_json(obj)
+    except CacheMismatch as e:
+        raise CacheMismatch(cache, e.problems) from None
+    except (KeyError, TypeError) as e:
+        raise CacheMismatch(cache, [f"{MANIFEST} is malformed ({e})"]) from None
+
+
+def write_manifest(cache: Path, manifest: Manifest) -> None:
+    atomic_write_json(manifest_path(cache), manifest.to_json())
+
+
+def update_manifest(cache: Path, change: Callable[[Manifest], Manifest]) -> Manifest:
+    """Locked read-modify-write: safe with several processes recording parts at once."""
+    with file_lock(Path(cache) / ".manifest.lock"):
+        manifest = change(read_manifest(cache))
+        write_manifest(cache, manifest)
+    return manifest
+
+
+def check_compatible(
+    manifest: Manifest,
+    *,
+    cache: Path | str = "cache",
+    layer_ids: Sequence[int] | None = None,
+    hidden_size: int | None = None,
+    vocab_size: int | None = None,
+    require_complete: bool = True,
+) -> None:
+    """Raise CacheMismatch listing every reason the cache cannot serve this request."""
+    problems = []
+    if manifest.format_version != FORMAT_VERSION:
+        problems.append(f"format version {manifest.format_version}, expected {FORMAT_VERSION}")
+    if require_complete and not manifest.complete:
+        done, total = len(manifest.parts), manifest.num_units
+        problems.append(
+            f"extraction is incomplete ({done}/{total} parts): rerun the same extract command "
+            "to resume it"
+        )
+    if layer_ids is not None:
+        missing = [i for i in layer_ids if i not in manifest.layer_ids]
+        if missing:
+            problems.append(
+                f"target layers {missing} are not in the cache (cached: {list(manifest.layer_ids)})"
+            )
+        if len(set(layer_ids)) != len(layer_ids):
+            problems.append(f"target layers {list(layer_ids)} repeat a layer")
+    if hidden_size is not None and hidden_size != manifest.target.hidden_size:
+        problems.append(
+            f"hidden size {manifest.target.hidden_size} in the cache, the drafter needs "
+            f"{hidden_size}"
+        )
+    if vocab_size is not None and vocab_size != manifest.target.vocab_size:
+        problems.append(
+            f"vocab size {manifest.target.vocab_size} in the cache, the drafter needs {vocab_size}"
+        )
+    if problems:
+        raise CacheMismatch(cache, problems)
