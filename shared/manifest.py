@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.codec import FORMAT_VERSION
 from shared.fsio import atomic_write_json, file_lock
 
-FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LAYER_CONVENTION = "id i = output of target decoder layer i (0-based) = HF hidden_states[i + 1]"
 MAX_LISTED_REJECTS = 200  # per part; counts stay exact, the list of rows is capped
