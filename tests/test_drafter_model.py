@@ -1,0 +1,217 @@
+"""Drafter config, batched forward vs a per-block reference, flex vs sdpa, checkpointing."""
+
+import pytest
+import torch
+
+from train.anchors import block_positions
+from train.mask import build_masks
+from train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
+
+TINY_TARGET = {
+    "model_type": "qwen3",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 8,
+    "vocab_size": 300,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
+}
+
+
+def tiny_cfg(**kwargs) -> DrafterConfig:
+    kwargs.setdefault("num_layers", 2)
+    return DrafterConfig.from_target_config(
+        TINY_TARGET, target_layer_ids=(1, 4, 6), block_size=4, mask_token_id=299, **kwargs
+    )
+
+
+def test_from_qwen3_config():
+    cfg = DrafterConfig.from_target_config(
+        {**TINY_TARGET, "vocab_size": 151936}, target_layer_ids=(1, 3, 5, 6, 7)
+    )
+    assert cfg.mask_token_id == 151669 and cfg.block_size == 16 and cfg.num_layers == 5
+    assert (cfg.hidden_size, cfg.num_key_value_heads, cfg.head_dim) == (64, 2, 16)
+    assert cfg.num_target_layers == 8 and cfg.num_context_layers == 5
+    assert cfg.layer_types == ("full_attention",) * 5 and cfg.rope_scaling is None
+
+
+def test_from_qwen35_nested_config():
+    text = {k: v for k, v in TINY_TARGET.items() if k not in ("model_type", "rope_theta")}
+    text.update(
+        model_type="qwen3_5_text",
+        vocab_size=248320,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+        },
+    )
+    target = {"model_type": "qwen3_5", "text_config": text}
+    cfg = DrafterConfig.from_target_config(
+        target,
+        num_layers=3,
+        target_layer_ids=(1, 4, 6),
+        layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+        sliding_window=64,
+    )
+    assert cfg.mask_token_id == 248070 and cfg.vocab_size == 248320
+    assert cfg.rope_theta == 1e7 and cfg.rope_scaling is None
+    assert cfg.sliding_window == 64
+
+
+def test_mask_token_fallback_and_no_spare_row():
+    other = {**TINY_TARGET, "model_type": "llama"}
+    cfg = DrafterConfig.from_target_config(other, target_layer_ids=(1,), tokenizer_vocab_size=290)
+    assert cfg.mask_token_id == 290
+    with pytest.raises(ValueError, match="no spare row"):
+        DrafterConfig.from_target_config(other, target_layer_ids=(1,), tokenizer_vocab_size=300)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        DrafterConfig.from_target_config(other, target_layer_ids=(1,))
+    # A Qwen3-typed config whose embedding lacks row 151669 falls back to the tokenizer rule.
+    small_qwen = DrafterConfig.from_target_config(
+        TINY_TARGET, target_layer_ids=(1,), tokenizer_vocab_size=280
+    )
+    assert small_qwen.mask_token_id == 280
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"target_layer_ids": (1, 9)}, "target_layer_ids"),
+        ({"layer_types": ("full_attention",)}, "layer_types"),
+        ({"layer_types": ("full_attention", "sliding_attention")}, "sliding_window"),
+        ({"mask_token_id": 300}, "mask_token_id"),
+        ({"block_size": 1}, "block_size"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+    ],
+)
+def test_config_validation_names_the_field(change, field):
+    with pytest.raises(ValueError, match=field):
+        DrafterConfig(**{**tiny_cfg().to_dict(), **change})
+
+
+def test_config_dict_round_trip():
+    cfg = tiny_cfg(layer_types=("sliding_attention", "full_attention"), sliding_window=5)
+    assert DrafterConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def _model(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
+    model = DFlashDrafter(cfg)
+    init_drafter_weights(model, seed)
+    # Non-trivial norm weights, so a swapped or skipped norm would show.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
+    return model.eval()
+
+
+def _inputs(cfg: DrafterConfig, anchors, keep, seq: int = 12):
+    gen = torch.Generator().manual_seed(3)
+    batch, n_blocks = anchors.shape
+    q_len = n_blocks * cfg.block_size
+    context = torch.randn(batch, seq, cfg.num_context_layers * cfg.hidden_size, generator=gen)
+    block_emb = torch.randn(batch, q_len, cfg.hidden_size, generator=gen)
+    ctx_pos = torch.arange(seq).expand(batch, seq)
+    return context, block_emb, ctx_pos, block_positions(anchors, block_size=cfg.block_size)
+
+
+def _masks(cfg, anchors, keep, seq, attention="sdpa"):
+    return build_masks(
+        anchors,
+        keep,
+        context_len=seq,
+        block_size=cfg.block_size,
+        layer_types=cfg.layer_types,
+        sliding_window=cfg.sliding_window,
+        attention=attention,
+    )
+
+
+def _reference_block(model, cfg, context_SC, emb_BH, anchor):
+    """One block alone: context truncated to positions < anchor, its own tokens only."""
+    bs = cfg.block_size
+    pos = torch.arange(anchor + bs)
+    # Visibility among [context ; block] by absolute position: full = all, sliding = causal window.
+    q_pos, k_pos = pos[anchor:, None], pos[None, :]
+    sliding = (k_pos <= q_pos) & (q_pos - k_pos < (cfg.sliding_window or 1))
+    masks = {
+        "full_attention": torch.ones(1, 1, bs, anchor + bs, dtype=torch.bool),
+        "sliding_attention": sliding[None, None],
+    }
+    ctx, emb = context_SC[None, :anchor], emb_BH[None]
+    return model(ctx, emb, pos[None, :anchor], pos[None, anchor:], masks)[0]
+
+
+@pytest.mark.parametrize(
+    "layer_types", [("full_attention", "full_attention"), ("sliding_attention", "full_attention")]
+)
+def test_batched_forward_equals_each_block_alone(layer_types):
+    cfg = tiny_cfg(layer_types=layer_types, sliding_window=3)
+    model = _model(cfg)
+    anchors = torch.tensor([[0, 2, 7, 0], [1, 5, 6, 10]])
+    keep = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    context, block_emb, ctx_pos, block_pos = _inputs(cfg, anchors, keep)
+    with torch.no_grad():
+        out = model(context, block_emb, ctx_pos, block_pos, _masks(cfg, anchors, keep, 12))
+        assert out.shape == block_emb.shape and torch.isfinite(out).all()
+        bs = cfg.block_size
+        for b in range(2):
+            for j in range(4):
+                if not keep[b, j]:
+                    continue
+                cols = slice(j * bs, (j + 1) * bs)
+                ref = _reference_block(
+                    model, cfg, context[b], block_emb[b, cols], int(anchors[b, j])
+                )
+                torch.testing.assert_close(out[b, cols], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_flex_forward_equals_sdpa_forward():
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    cfg = tiny_cfg(layer_types=("sliding_attention", "full_attention"), sliding_window=3)
+    model = _model(cfg)
+    anchors = torch.tensor([[0, 2, 7, 0], [1, 5, 6, 10]])
+    keep = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    args = _inputs(cfg, anchors, keep)
+    with torch.no_grad():
+        sdpa = model(*args, _masks(cfg, anchors, keep, 12), attention="sdpa")
+        flex = model(*args, _masks(cfg, anchors, keep, 12, "flex"), attention="flex")
+    torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=1e-5)
+
+
+def test_layer_checkpointing_gives_the_same_gradients():
+    cfg = tiny_cfg(layer_types=("sliding_attention", "full_attention"), sliding_window=3)
+    model = _model(cfg).train()
+    anchors, keep = torch.tensor([[2, 7]]), torch.tensor([[True, False]])
+    args = _inputs(cfg, anchors, keep)
+    masks = _masks(cfg, anchors, keep, 12)
+    grads = []
+    for ckpt in (False, True):
+        model.zero_grad()
+        model(*args, masks, checkpoint_layers=ckpt).square().sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for plain, ckpt in zip(*grads, strict=True):
+        torch.testing.assert_close(plain, ckpt)
+
+
+def test_init_is_deterministic():
+    cfg = tiny_cfg()
+    a, b, c = DFlashDrafter(cfg), DFlashDrafter(cfg), DFlashDrafter(cfg)
+    init_drafter_weights(a, 1)
+    init_drafter_weights(b, 1)
+    init_drafter_weights(c, 2)
+    for (name, pa), pb, pc in zip(
+        a.named_parameters(), b.parameters(), c.parameters(), strict=True
+    ):
+        assert torch.equal(pa, pb)
+        if not name.endswith("norm.weight"):
+            assert not torch.equal(pa, pc)
+            assert 0.01 < pa.std().item() < 0.03

@@ -1,0 +1,191 @@
+"""Drafter attention masks: one mask function, rendered dense (sdpa) or as a flex BlockMask.
+
+Query index q in [0, Q) is block j = q // block_size at offset k = q % block_size with anchor
+a = anchors[b, j]; key index kv in [0, S + Q) is context row kv when kv < S, else block token
+kv - S. Visibility:
+
+- full layers: context kv < a (strictly before the anchor), and every key of the same block;
+- sliding layers (window W): context a + k - (W - 1) <= kv < a, and same-block keys at offsets
+  k' <= k with k - k' < W (causal inside the block);
+- dropped blocks (keep False) see no real key. A softmax over an empty row is NaN in sdpa, so a
+  dropped query sees exactly its own key instead; its loss weight is zero, so nothing leaks.
+
+Every query row therefore sees at least its own key (a kept block always sees itself), and no
+NaN can reach the loss.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+log = logging.getLogger(__name__)
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# The only process-level singletons allowed (STYLE.md 5): compiled kernels, built once.
+_compiled_flex_attention: Callable[..., Any] | None = None
+_compiled_create_block_mask: Callable[..., BlockMask] | None = None
+
+
+def make_mask_mod(
+    anchors_BN: torch.Tensor,
+    keep_BN: torch.Tensor,
+    *,
+    context_len: int,
+    block_size: int,
+    layer_type: str,
+    sliding_window: int | None,
+) -> MaskMod:
+    """The mask function `mask_mod(b, h, q_idx, kv_idx) -> bool` (flex signature, broadcasts).
+
+    >>> anchors, keep = torch.tensor([[2]]), torch.tensor([[True]])
+    >>> mod = make_mask_mod(anchors, keep, context_len=4, block_size=2,
+    ...                     layer_type="full_attention", sliding_window=None)
+    >>> mod(torch.tensor(0), torch.tensor(0), torch.arange(2)[:, None], torch.arange(6)).int()
+    tensor([[1, 1, 0, 0, 1, 1],
+            [1, 1, 0, 0, 1, 1]], dtype=torch.int32)
+    """
+    if layer_type not in ("full_attention", "sliding_attention"):
+        raise ValueError(f"layer_type must be full_attention or sliding_attention: {layer_type!r}")
+    sliding = layer_type == "sliding_attention"
+    if sliding and (sliding_window is None or sliding_window <= 0):
+        raise ValueError(f"sliding_window must be positive for sliding layers: {sliding_window}")
+    window = sliding_window or 0
+    # A tensor, not a Python int: a compiled mask builder would otherwise recompile per length.
+    ctx_len = torch.tensor(context_len, dtype=torch.int64, device=anchors_BN.device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        j, k = q_idx // block_size, q_idx % block_size
+        anchor, keep = anchors_BN[b, j], keep_BN[b, j]
+        in_ctx = kv_idx < ctx_len
+        blk_idx = kv_idx - ctx_len
+        ctx_ok = in_ctx & (kv_idx < anchor)
+        blk_ok = ~in_ctx & (blk_idx // block_size == j)
+        if sliding:
+            k_key = blk_idx % block_size
+            ctx_ok = ctx_ok & (kv_idx >= anchor + k - (window - 1))
+            blk_ok = blk_ok & (k_key <= k) & (k - k_key < window)
+        own_key = ~keep & (blk_idx == q_idx)
+        return (keep & (ctx_ok | blk_ok)) | own_key
+
+    return mask_mod
+
+
+def dense_mask(
+    anchors_BN: torch.Tensor,
+    keep_BN: torch.Tensor,
+    *,
+    context_len: int,
+    block_size: int,
+    layer_type: str,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Boolean sdpa mask [B, 1, Q, S + Q] (True = may attend) from the mask function."""
+    mod = make_mask_mod(
+        anchors_BN,
+        keep_BN,
+        context_len=context_len,
+        block_size=block_size,
+        layer_type=layer_type,
+        sliding_window=sliding_window,
+    )
+    batch, n_blocks = anchors_BN.shape
+    q_len = n_blocks * block_size
+    dev = anchors_BN.device
+    b = torch.arange(batch, device=dev).view(batch, 1, 1, 1)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.int64, device=dev)
+    q = torch.arange(q_len, device=dev).view(1, 1, q_len, 1)
+    kv = torch.arange(context_len + q_len, device=dev).view(1, 1, 1, -1)
+    return mod(b, h, q, kv).expand(batch, 1, q_len, context_len + q_len)
+
+
+def flex_block_mask(
+    anchors_BN: torch.Tensor,
+    keep_BN: torch.Tensor,
+    *,
+    context_len: int,
+    block_size: int,
+    layer_type: str,
+    sliding_window: int | None,
+    compiled: bool = False,
+) -> BlockMask:
+    """flex_attention BlockMask built from the same mask function as `dense_mask`.
+
+    `compiled` uses one `torch.compile(create_block_mask)` per process; lengths padded to
+    multiples of 128 keep the number of distinct shapes (and recompiles) bounded.
+    """
+    mod = make_mask_mod(
+        anchors_BN,
+        keep_BN,
+        context_len=context_len,
+        block_size=block_size,
+        layer_type=layer_type,
+        sliding_window=sliding_window,
+    )
+    batch, n_blocks = anchors_BN.shape
+    q_len = n_blocks * block_size
+    build = _get_compiled_create_block_mask() if compiled else create_block_mask
+    return build(mod, batch, None, q_len, context_len + q_len, device=anchors_BN.device)
+
+
+def build_masks(
+    anchors_BN: torch.Tensor,
+    keep_BN: torch.Tensor,
+    *,
+    context_len: int,
+    block_size: int,
+    layer_types: Sequence[str],
+    sliding_window: int | None,
+    attention: str,
+    compiled: bool = False,
+) -> dict[str, Any]:
+    """One mask per distinct layer type, in the form `attention` ("sdpa" or "flex") needs."""
+    if attention not in ("sdpa", "flex"):
+        raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}")
+    masks: dict[str, Any] = {}
+    for layer_type in dict.fromkeys(layer_types):
+        kwargs = dict(
+            context_len=context_len,
+            block_size=block_size,
+            layer_type=layer_type,
+            sliding_window=sliding_window,
+        )
+        if attention == "sdpa":
+            masks[layer_type] = dense_mask(anchors_BN, keep_BN, **kwargs)
+        else:
+            masks[layer_type] = flex_block_mask(anchors_BN, keep_BN, compiled=compiled, **kwargs)
+    return masks
+
+
+def _fail_on_recompile_limit() -> None:
+    # A silent fallback to eager flex materialises [Q, S+Q] scores per head: make it an error.
+    import torch._dynamo
+
+    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+def _get_compiled_create_block_mask() -> Callable[..., BlockMask]:
+    global _compiled_create_block_mask
+    if _compiled_create_block_mask is None:
+        _fail_on_recompile_limit()
+        log.info("compiling create_block_mask (once per process)")
+        _compiled_create_block_mask = torch.compile(create_block_mask)
+    return _compiled_create_block_mask
+
+
+def get_flex_attention(*, compiled: bool) -> Callable[..., Any]:
+    """flex_attention, compiled once per process when `compiled` (eager is a slow reference)."""
+    global _compiled_flex_attention
+    if not compiled:
+        return flex_attention
+    if _compiled_flex_attention is None:
+        _fail_on_recompile_limit()
+        log.info("compiling flex_attention (once per process)")
+        _compiled_flex_attention = torch.compile(flex_attention)
+    return _compiled_flex_attention

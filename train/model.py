@@ -1,0 +1,397 @@
+"""The DFlash drafter: a few Qwen3-style layers that attend to target hidden states.
+
+Parameter names equal the export keys of the public DFlash checkpoints (DESIGN.md section 5), so
+export is a plain state dict. The drafter owns no embedding and no lm_head: the training step
+embeds block tokens with the target's frozen embedding and scores with the target's lm_head.
+
+Shapes: B batch, S context length, K captured target layers, H hidden size, C = K*H,
+N blocks per sequence, Q = N * block_size block tokens, T = S + Q keys, D head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from train.mask import get_flex_attention
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+SUPPORTED_ROPE_TYPES = ("default", "linear")
+# Mask token rows of the public DFlash drafters, keyed by target model family.
+QWEN3_MASK_TOKEN_ID = 151669
+QWEN35_MASK_TOKEN_ID = 248070
+_QWEN3_TYPES = ("qwen3", "qwen3_moe")
+_QWEN35_PREFIXES = ("qwen3_5", "qwen3_6")
+_POSITIVE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "vocab_size",
+    "num_target_layers",
+)
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Sizes of a DFlash drafter; `from_target_config` derives them from a target config.json."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    layer_types: tuple[str, ...]
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        for name in _POSITIVE_FIELDS:
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads ({self.num_key_value_heads}) must divide "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError("rms_norm_eps and rope_theta must be positive")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_scaling type {rope_type!r} unsupported: {SUPPORTED_ROPE_TYPES}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} not in [0, {self.vocab_size})")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must not be empty")
+        if any(not 0 <= i < self.num_target_layers for i in self.target_layer_ids):
+            raise ValueError(
+                f"target_layer_ids {self.target_layer_ids} must lie in "
+                f"[0, num_target_layers={self.num_target_layers})"
+            )
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types needs {self.num_layers} entries: {self.layer_types}")
+        if any(t not in LAYER_TYPES for t in self.layer_types):
+            raise ValueError(f"layer_types entries must be in {LAYER_TYPES}: {self.layer_types}")
+        if "sliding_attention" in self.layer_types and (self.sliding_window or 0) <= 0:
+            raise ValueError("sliding_window must be a positive int when a layer slides")
+
+    @property
+    def num_context_layers(self) -> int:
+        """K: how many target layers are concatenated into the context input."""
+        return len(self.target_layer_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict; `from_dict` inverts it."""
+        out = dataclasses.asdict(self)
+        out["target_layer_ids"] = list(self.target_layer_ids)
+        out["layer_types"] = list(self.layer_types)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DrafterConfig:
+        return cls(**data)
+
+    @classmethod
+    def from_target_config(
+        cls,
+        target_cfg: dict[str, Any],
+        *,
+        num_layers: int = 5,
+        target_layer_ids: tuple[int, ...] | list[int],
+        block_size: int = 16,
+        mask_token_id: int | None = None,
+        layer_types: tuple[str, ...] | list[str] | None = None,
+        sliding_window: int | None = None,
+        tokenizer_vocab_size: int | None = None,
+    ) -> DrafterConfig:
+        """Build a drafter config from a Hugging Face target config.json dict.
+
+        Qwen3.5/3.6 configs keep the size fields under `text_config`. The drafter copies hidden
+        size, heads, head_dim, intermediate size, eps and the rope base from the target; it always
+        rotates the full head_dim with 1-D positions (Qwen3 style), so a target's
+        `partial_rotary_factor` and multimodal rope sections are not carried over.
+        """
+        text = target_cfg.get("text_config") or target_cfg
+        hidden = int(text["hidden_size"])
+        heads = int(text["num_attention_heads"])
+        rope_theta, rope_scaling = rope_fields_from_hf(text)
+        if mask_token_id is None:
+            mask_token_id = default_mask_token_id(target_cfg, tokenizer_vocab_size)
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(text["intermediate_size"]),
+            num_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+            vocab_size=int(text["vocab_size"]),
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            target_layer_ids=tuple(target_layer_ids),
+            num_target_layers=int(text["num_hidden_layers"]),
+            layer_types=tuple(layer_types or ("full_attention",) * num_layers),
+            sliding_window=sliding_window,
+        )
+
+
+def rope_fields_from_hf(text_cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either the legacy or the transformers-5 rope fields.
+
+    rope_scaling is None for plain RoPE; fields the drafter does not use (partial rotary,
+    multimodal sections) are dropped.
+
+    >>> rope_fields_from_hf({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    (1000000.0, None)
+    """
+    params = text_cfg.get("rope_parameters") or text_cfg.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", text_cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    dropped = ("rope_theta", "type", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
+    scaling = {k: v for k, v in params.items() if k not in dropped}
+    scaling["rope_type"] = rope_type
+    return theta, scaling
+
+
+def default_mask_token_id(target_cfg: dict[str, Any], tokenizer_vocab_size: int | None) -> int:
+    """Mask row: Qwen3 151669, Qwen3.5/3.6 248070, else the first embedding row past the tokenizer.
+
+    >>> default_mask_token_id({"model_type": "qwen3", "vocab_size": 151936}, None)
+    151669
+    >>> default_mask_token_id({"model_type": "llama", "vocab_size": 300}, 290)
+    290
+    """
+    text = target_cfg.get("text_config") or target_cfg
+    vocab = int(text["vocab_size"])
+    types = {str(target_cfg.get("model_type", "")), str(text.get("model_type", ""))}
+    if types & set(_QWEN3_TYPES) and QWEN3_MASK_TOKEN_ID < vocab:
+        return QWEN3_MASK_TOKEN_ID
+    if any(t.startswith(_QWEN35_PREFIXES) for t in types) and QWEN35_MASK_TOKEN_ID < vocab:
+        return QWEN35_MASK_TOKEN_ID
+    if tokenizer_vocab_size is None:
+        raise ValueError(
+            f"mask_token_id: no default for model_type {sorted(types)}; pass mask_token_id or "
+            "tokenizer_vocab_size (the mask is then the first embedding row past the tokenizer)"
+        )
+    if tokenizer_vocab_size >= vocab:
+        raise ValueError(
+            f"mask_token_id: the embedding has no spare row (vocab_size {vocab}, tokenizer "
+            f"{tokenizer_vocab_size} tokens); pass an existing unused token id as mask_token_id"
+        )
+    return int(tokenizer_vocab_size)
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in float32, scale after casting back (same rounding as HF)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg: DrafterConfig) -> torch.Tensor:
+    """Inverse frequencies [D/2] in float32; "linear" scaling divides positions by `factor`."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    if cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "linear":
+        inv_freq = inv_freq / float(cfg.rope_scaling["factor"])
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_BnTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_BTD[:, None].to(x_BnTD.dtype), sin_BTD[:, None].to(x_BnTD.dtype)
+    return x_BnTD * cos + rotate_half(x_BnTD) * sin
+
+
+class DrafterAttention(nn.Module):
+    """Queries from the block; keys/values from [context ; block]; q/k per-head RMSNorm."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            d,
+        )
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x_BQH: torch.Tensor,
+        ctx_BSH: torch.Tensor,
+        cos_BTD: torch.Tensor,
+        sin_BTD: torch.Tensor,
+        mask: Any,
+        attention: str,
+    ) -> torch.Tensor:
+        b, q_len, _ = x_BQH.shape
+        t_len = ctx_BSH.shape[1] + q_len
+        q = self.q_norm(self.q_proj(x_BQH).view(b, q_len, self.num_heads, self.head_dim))
+        k = torch.cat([self.k_proj(ctx_BSH), self.k_proj(x_BQH)], dim=1)
+        v = torch.cat([self.v_proj(ctx_BSH), self.v_proj(x_BQH)], dim=1)
+        k = self.k_norm(k.view(b, t_len, self.num_kv_heads, self.head_dim))
+        q_BnQD = apply_rope(q.transpose(1, 2), cos_BTD[:, -q_len:], sin_BTD[:, -q_len:])
+        k_BnTD = apply_rope(k.transpose(1, 2), cos_BTD, sin_BTD)
+        v_BnTD = v.view(b, t_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        out_BnQD = _attend(q_BnQD, k_BnTD, v_BnTD, mask, attention)
+        return self.o_proj(out_BnQD.transpose(1, 2).reshape(b, q_len, -1))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, attention: str):
+    scale = q.shape[-1] ** -0.5
+    if attention == "flex":
+        return get_flex_attention(compiled=q.is_cuda)(
+            q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+    if attention != "sdpa":
+        raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}")
+    # Repeat kv heads explicitly: sdpa's enable_gqa with a mask falls back to the math kernel.
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DrafterAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DrafterMLP(cfg)
+
+    def forward(self, x_BQH, ctx_BSH, cos_BTD, sin_BTD, mask, attention: str) -> torch.Tensor:
+        # The context feature is not re-normalised per layer: only the block stream is.
+        h = self.input_layernorm(x_BQH)
+        x_BQH = x_BQH + self.self_attn(h, ctx_BSH, cos_BTD, sin_BTD, mask, attention)
+        return x_BQH + self.mlp(self.post_attention_layernorm(x_BQH))
+
+
+class DFlashDrafter(nn.Module):
+    """Single-device DFlash drafter; parameter names are the export keys."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(cfg.num_context_layers * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(cfg, t) for t in cfg.layer_types)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(
+        self,
+        context_BSC: torch.Tensor,
+        block_emb_BQH: torch.Tensor,
+        ctx_pos_BS: torch.Tensor,
+        block_pos_BQ: torch.Tensor,
+        masks: dict[str, Any],
+        *,
+        attention: str = "sdpa",
+        checkpoint_layers: bool = False,
+    ) -> torch.Tensor:
+        """Hidden states [B, Q, H] of the block tokens after the final norm.
+
+        `masks` maps each layer type to the mask object for `attention` (see train/mask.py).
+        `checkpoint_layers` recomputes each layer in backward (non-reentrant checkpointing).
+        """
+        ctx_BSH = self.hidden_norm(self.fc(_compute_dtype(context_BSC, self.fc.weight)))
+        x_BQH = _compute_dtype(block_emb_BQH, self.fc.weight)
+        pos_BT = torch.cat([ctx_pos_BS, block_pos_BQ], dim=1)
+        freqs_BTd = pos_BT[..., None].float() * self.inv_freq.float()
+        emb_BTD = torch.cat([freqs_BTd, freqs_BTd], dim=-1)
+        cos_BTD, sin_BTD = emb_BTD.cos(), emb_BTD.sin()
+        for layer in self.layers:
+            args = (x_BQH, ctx_BSH, cos_BTD, sin_BTD, masks[layer.layer_type], attention)
+            if checkpoint_layers and torch.is_grad_enabled():
+                x_BQH = checkpoint(layer, *args, use_reentrant=False)
+            else:
+                x_BQH = layer(*args)
+        return self.norm(x_BQH)
+
+
+def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Cast inputs to the weight dtype unless autocast is on (it casts inside each matmul)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return x
+    return x.to(weight.dtype)
+
+
+@torch.no_grad()
+def init_drafter_weights(model: DFlashDrafter, seed: int) -> None:
+    """Deterministic init: linear weights N(0, 0.02) (Qwen3's initializer_range), norms 1.
+
+    Draws from a CPU generator in parameter-name order, so the result does not depend on the
+    device or on how many processes run.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            draw = torch.empty(param.shape, dtype=torch.float32)
+            draw.normal_(0.0, 0.02, generator=gen)
+            param.copy_(draw)
+
+
+def num_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
