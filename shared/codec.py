@@ -1,0 +1,212 @@
+"""Codec settings and value transforms of the hidden-state cache (format version 1).
+
+Everything here is independent of the container (zarr folder or webdataset tar): the Blosc
+settings, the bf16 <-> uint16 views, the fp8 e4m3 quantisation with one scale per token per
+layer, and crc32c checksums of payloads, files and whole parts.
+
+Blosc threading: we compress from our own writer threads (and zarr from its worker pool), so
+Blosc's internal threads stay off. With ``use_threads = False`` numcodecs calls
+``blosc_compress_ctx`` with one internal thread and releases the GIL around it, so N Python
+threads compress on N cores (measured in ``shared/cache.py``). zarr sets the same flag when it
+is imported; we set it here too so the webdataset path does not depend on import order.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import crc32c
+import numcodecs.blosc
+import numpy as np
+import torch
+from numcodecs import Blosc
+
+FORMAT_VERSION = 1
+# Each sample's first row in a zarr part is a multiple of this; also the row extent of a chunk.
+CHUNK_ROWS = 64
+# Measured on synthetic bf16 activations (DESIGN.md section 3): zstd-1 with byte shuffle beats
+# bitshuffle, lz4 and an automatic blocksize. typesize is 1 for fp8 payloads.
+BLOSC = dict(cname="zstd", clevel=1, shuffle="shuffle", typesize=2, blocksize=1 << 20)
+STORES = ("bf16", "fp8")
+FORMATS = ("zarr", "wds")
+# Largest finite float8 e4m3fn magnitude: scale = amax / FP8_MAX maps each row onto the full range.
+FP8_MAX = 448.0
+CHECKSUM_PREFIX = "crc32c:"
+
+numcodecs.blosc.use_threads = False
+numcodecs.blosc.set_nthreads(1)
+
+_SHUFFLE_IDS = {
+    "noshuffle": Blosc.NOSHUFFLE,
+    "shuffle": Blosc.SHUFFLE,
+    "bitshuffle": Blosc.BITSHUFFLE,
+}
+_READ_BLOCK = 8 << 20
+HiddenInput = torch.Tensor | tuple[torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]
+
+
+def check_store(store: str) -> None:
+    """Raise ValueError unless ``store`` is one of STORES."""
+    if store not in STORES:
+        raise ValueError(f"store must be one of {STORES}, got {store!r}")
+
+
+def check_format(fmt: str) -> None:
+    """Raise ValueError unless ``fmt`` is one of FORMATS."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+
+
+def payload_dtype(store: str) -> np.dtype:
+    """numpy dtype of the stored hidden payload: bf16 bit patterns or e4m3 bit patterns."""
+    check_store(store)
+    return np.dtype(np.uint16) if store == "bf16" else np.dtype(np.uint8)
+
+
+def blosc_settings(typesize: int) -> dict:
+    """BLOSC with the given typesize (2 for bf16 payloads, 1 for fp8, the itemsize otherwise)."""
+    return {**BLOSC, "typesize": int(typesize)}
+
+
+def numcodecs_blosc(typesize: int) -> Blosc:
+    """A numcodecs Blosc codec with the cache settings (used by the webdataset format)."""
+    s = blosc_settings(typesize)
+    return Blosc(
+        cname=s["cname"],
+        clevel=s["clevel"],
+        shuffle=_SHUFFLE_IDS[s["shuffle"]],
+        blocksize=s["blocksize"],
+        typesize=s["typesize"],
+    )
+
+
+def codec_description(store: str) -> dict:
+    """What the manifest records about the stored values and their codec."""
+    ptype = payload_dtype(store)
+    return {
+        "format_version": FORMAT_VERSION,
+        "store": store,
+        "hidden_dtype": str(ptype),
+        "hidden_meaning": "bfloat16 bits" if store == "bf16" else "float8_e4m3fn bits",
+        "scale": None if store == "bf16" else "float32 per token per layer, amax/448",
+        "compressor": {"id": "blosc", **blosc_settings(ptype.itemsize)},
+        "checksum": "crc32c",
+        "chunk_rows": CHUNK_ROWS,
+    }
+
+
+def bf16_to_u16(t: torch.Tensor) -> np.ndarray:
+    """The uint16 bit patterns of a bf16 tensor, as a numpy view of its CPU copy."""
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"expected a bfloat16 tensor, got {t.dtype}")
+    return t.detach().cpu().contiguous().view(torch.uint16).numpy()
+
+
+def u16_to_bf16(a: np.ndarray) -> torch.Tensor:
+    """Reinterpret uint16 bit patterns as a bf16 tensor sharing the array's memory."""
+    if a.dtype != np.uint16:
+        raise TypeError(f"expected a uint16 array, got {a.dtype}")
+    return torch.from_numpy(np.ascontiguousarray(a)).view(torch.bfloat16)
+
+
+def quantize_fp8(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row float8 e4m3 quantisation over the last dim, on ``h``'s device.
+
+    Returns ``(q, scale)``: q uint8 [..., H] holding e4m3 bits and scale float32 [...] with
+    ``h ~= e4m3(q) * scale``. scale = amax / 448 so a row's largest value lands on e4m3's largest
+    finite value; an all-zero row gets scale 1. A plain cast would clip massive activations.
+
+    >>> q, s = quantize_fp8(torch.tensor([[3000.0, 1.0, -2.0]]))
+    >>> dequantize_fp8(q, s, torch.float32)[0, 0].item()
+    3000.0
+    """
+    h32 = h.detach().float()
+    amax = h32.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (h32 / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8), scale
+
+
+def dequantize_fp8(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Inverse of quantize_fp8 on ``q``'s device: e4m3 bits [..., H] times scale [...]."""
+    if q.dtype != torch.uint8:
+        raise TypeError(f"expected uint8 e4m3 bits, got {q.dtype}")
+    values = q.view(torch.float8_e4m3fn).float() * scale.float().unsqueeze(-1)
+    return values.to(dtype)
+
+
+def encode_hidden(
+    hidden: HiddenInput, store: str, shape: tuple[int, int, int]
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The stored payload of one sample: (uint16 or uint8 [L, K, H], float32 scale [L, K] or None).
+
+    bf16 takes a bf16 tensor; fp8 takes a bf16/float tensor (quantised here, on its device) or
+    an already quantised ``(q uint8 [L, K, H], scale float32 [L, K])``.
+    """
+    if isinstance(hidden, tuple):
+        if store != "fp8":
+            raise TypeError("a (q, scale) tuple is only accepted by store 'fp8'")
+        q, scale = (host_array(x) for x in hidden)
+    elif store == "fp8":
+        q, scale = (x.cpu().numpy() for x in quantize_fp8(hidden))
+    elif isinstance(hidden, torch.Tensor):
+        q, scale = bf16_to_u16(hidden), None
+    else:
+        raise TypeError(f"store 'bf16' takes a bfloat16 tensor, got {type(hidden).__name__}")
+    if q.shape != shape or q.dtype != payload_dtype(store):
+        raise ValueError(f"hidden must be {payload_dtype(store)} {shape}, got {q.dtype} {q.shape}")
+    if scale is not None:
+        scale = np.ascontiguousarray(scale, dtype=np.float32)
+        if scale.shape != shape[:2]:
+            raise ValueError(f"scale must be float32 {shape[:2]}, got {scale.shape}")
+    return np.ascontiguousarray(q), scale
+
+
+def host_array(x: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A numpy view of a (CPU copy of a) tensor, or the array itself."""
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def token_array(x: torch.Tensor | np.ndarray, dtype: type, length: int, name: str) -> np.ndarray:
+    """A per-token input (tensor, array or list) as a numpy array of ``dtype`` and ``length``."""
+    a = host_array(x)
+    if a.shape != (length,):
+        raise ValueError(f"{name} must have shape ({length},), got {a.shape}")
+    return a.astype(dtype, copy=False)
+
+
+def crc32c_hex(data: bytes | bytearray | memoryview | np.ndarray, value: int = 0) -> str:
+    """Prefixed crc32c of a buffer (a numpy array is hashed as its raw bytes)."""
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+    return f"{CHECKSUM_PREFIX}{crc32c.crc32c(data, value):08x}"
+
+
+def _crc_file_into(path: Path, value: int) -> int:
+    with open(path, "rb") as f:
+        while block := f.read(_READ_BLOCK):
+            value = crc32c.crc32c(block, value)
+    return value
+
+
+def crc32c_file(path: Path | str) -> str:
+    """Prefixed crc32c of a file's bytes."""
+    return f"{CHECKSUM_PREFIX}{_crc_file_into(Path(path), 0):08x}"
+
+
+def part_checksum(path: Path) -> str:
+    """Checksum of a part: a .tar's bytes, or for a zarr folder every file in sorted relative
+    path order with its path, its size and its bytes all hashed (so a renamed, moved, truncated
+    or missing file changes the result)."""
+    path = Path(path)
+    if path.is_file():
+        return crc32c_file(path)
+    files = {p.relative_to(path).as_posix(): p for p in path.rglob("*") if p.is_file()}
+    value = 0
+    for rel in sorted(files):
+        header = rel.encode() + b"\0" + os.path.getsize(files[rel]).to_bytes(8, "little")
+        value = _crc_file_into(files[rel], crc32c.crc32c(header, value))
+    return f"{CHECKSUM_PREFIX}{value:08x}"

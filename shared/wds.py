@@ -1,0 +1,250 @@
+"""Webdataset parts: the records of a zarr part as tar members, for object stores and streaming.
+
+A part is ``part-XXXXXX.tar``. Its first member, ``__part__``, holds the part's JSON attributes
+(format version, store, layer count, hidden size, sample count); webdataset's tar iterator skips
+names of that shape. Then per sample, with KEY = ``s{sample_index:012d}``:
+
+    KEY.hidden.blosc   Blosc frames of the [L, K, H] payload (bf16 or e4m3 bits), in C order
+    KEY.scale.npy      float32 [L, K] (fp8 store only)
+    KEY.ids.npy        int32 [L]
+    KEY.mask.npy       uint8 [L]
+    KEY.json           sample_index, length, shape, dtype, store, frames, crc32c of the payload
+
+Members of one sample are adjacent; samples are in order of completion, which readers do not
+rely on. Compression happens in the writing thread (numcodecs releases the GIL), only the tar
+append is serialised.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from shared.cache import PartReader, PartWriter, Sample
+from shared.codec import FORMAT_VERSION, crc32c_hex, numcodecs_blosc, payload_dtype
+
+PART_MEMBER = "__part__"
+# Blosc takes at most ~2 GiB per call; a long sample is stored as several frames.
+FRAME_BYTES = 1 << 29
+_BASE_EXTS = ("hidden.blosc", "ids.npy", "mask.npy", "json")
+
+
+def sample_key(sample_index: int) -> str:
+    """Member key of a sample: no dots, sorts by source row."""
+    return f"s{sample_index:012d}"
+
+
+def required_exts(store: str) -> frozenset[str]:
+    """Member extensions every sample of a part with this store has."""
+    return frozenset(_BASE_EXTS + (("scale.npy",) if store == "fp8" else ()))
+
+
+def compress_payload(payload: np.ndarray) -> list[bytes]:
+    """Blosc frames (cache settings, typesize = itemsize) of a C-contiguous array's bytes."""
+    codec = numcodecs_blosc(payload.itemsize)
+    flat = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
+    return [codec.encode(flat[i : i + FRAME_BYTES]) for i in range(0, flat.size, FRAME_BYTES)]
+
+
+def decompress_payload(
+    blob: bytes, frames: Sequence[int], dtype: np.dtype, shape: Sequence[int]
+) -> np.ndarray:
+    """Inverse of compress_payload; ``frames`` are the compressed frame sizes."""
+    out = np.empty(tuple(shape), dtype)
+    flat = out.reshape(-1).view(np.uint8)
+    codec = numcodecs_blosc(out.itemsize)
+    view, pos, done = memoryview(blob), 0, 0
+    for size in frames:
+        n = min(FRAME_BYTES, flat.size - done)
+        codec.decode(view[pos : pos + size], out=flat[done : done + n])
+        pos, done = pos + size, done + n
+    if pos != len(view) or done != flat.size:
+        raise ValueError(f"payload of {len(view)} bytes does not decode to {tuple(shape)}")
+    return out
+
+
+def _npy_bytes(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, a, allow_pickle=False)
+    return buf.getvalue()
+
+
+def _npy_load(data: bytes) -> np.ndarray:
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+class WdsPartWriter(PartWriter):
+    """Appends each sample's members to ``part-XXXXXX.tar.tmp`` as soon as it is written."""
+
+    def __init__(self, final: Path, **kw) -> None:
+        super().__init__(final, **kw)
+        self._tar_lock = threading.Lock()
+        self._file = open(self.tmp, "xb")
+        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.PAX_FORMAT)
+        meta = dict(
+            format_version=FORMAT_VERSION,
+            store=self.store,
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_samples=len(self.lengths),
+        )
+        self._add(PART_MEMBER, json.dumps(meta).encode())
+
+    def _add(self, name: str, data: bytes) -> None:
+        # Fixed metadata (mtime 0, root owner) so identical content gives identical bytes.
+        info = tarfile.TarInfo(name)
+        info.size, info.mtime, info.mode = len(data), 0, 0o644
+        self._tar.addfile(info, io.BytesIO(data))
+
+    def _store(self, n, sample_index, ids, mask, payload, scale) -> None:  # noqa: ANN001
+        key = sample_key(sample_index)
+        frames = compress_payload(payload)  # outside the lock: this is the expensive part
+        meta = dict(
+            sample_index=sample_index,
+            length=len(ids),
+            shape=list(payload.shape),
+            dtype=str(payload.dtype),
+            store=self.store,
+            frames=[len(f) for f in frames],
+            crc32c=crc32c_hex(payload),
+        )
+        members = [(f"{key}.hidden.blosc", b"".join(frames) if len(frames) > 1 else frames[0])]
+        if scale is not None:
+            members.append((f"{key}.scale.npy", _npy_bytes(scale)))
+        members += [(f"{key}.ids.npy", _npy_bytes(ids)), (f"{key}.mask.npy", _npy_bytes(mask))]
+        members.append((f"{key}.json", json.dumps(meta).encode()))
+        with self._tar_lock:
+            for name, data in members:
+                self._add(name, data)
+
+    def _finish(self) -> None:
+        with self._tar_lock:
+            self._tar.close()
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+
+    def _close_quietly(self) -> None:
+        with self._tar_lock:
+            try:
+                self._tar.close()
+            finally:
+                self._file.close()
+
+
+def _read_part_meta(tar: tarfile.TarFile, path: Path) -> dict:
+    first = tar.next()
+    if first is None or first.name != PART_MEMBER:
+        raise ValueError(f"{path}: first member is not {PART_MEMBER}: not a cache part")
+    meta = json.loads(tar.extractfile(first).read())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: format_version {meta.get('format_version')}, expected {FORMAT_VERSION}"
+        )
+    return meta
+
+
+def iter_records(path: Path, required: frozenset[str]) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """Stream (key, {ext: bytes}) in order of completion, whatever the member order.
+
+    Raises ValueError at the end if some key never got all of ``required``.
+    """
+    pending: dict[str, dict[str, bytes]] = {}
+    with tarfile.open(path, "r|") as tar:
+        for info in tar:
+            if not info.isfile() or info.name == PART_MEMBER:
+                continue
+            key, _, ext = info.name.partition(".")
+            pending.setdefault(key, {})[ext] = tar.extractfile(info).read()
+            if required <= pending[key].keys():
+                yield key, pending.pop(key)
+    if pending:
+        raise ValueError(f"incomplete samples: {sorted(pending)[:5]}")
+
+
+class WdsPartReader(PartReader):
+    """Streaming reader of a ``.tar`` part (no random access)."""
+
+    def __init__(self, path: Path) -> None:
+        lengths, indices = [], []
+        with tarfile.open(path, "r:") as tar:  # seeks over payloads: reads headers and JSON only
+            meta = _read_part_meta(tar, path)
+            for info in tar:
+                if info.isfile() and info.name.endswith(".json"):
+                    rec = json.loads(tar.extractfile(info).read())
+                    lengths.append(rec["length"])
+                    indices.append(rec["sample_index"])
+        if len(lengths) != meta["num_samples"]:
+            raise ValueError(
+                f"{path}: {len(lengths)} of {meta['num_samples']} samples (truncated?)"
+            )
+        super().__init__(
+            path,
+            store=meta["store"],
+            num_layers=int(meta["num_layers"]),
+            hidden_size=int(meta["hidden_size"]),
+            lengths=np.asarray(lengths, dtype=np.int64),
+            sample_indices=np.asarray(indices, dtype=np.int64),
+        )
+
+    def decode(self, rec: dict[str, bytes], layers: np.ndarray | None = None) -> Sample:
+        """A Sample from one key's members; raises ValueError if the payload's crc32c differs."""
+        meta = json.loads(rec["json"])
+        shape = (meta["length"], self.num_layers, self.hidden_size)
+        hidden = decompress_payload(
+            rec["hidden.blosc"], meta["frames"], payload_dtype(self.store), shape
+        )
+        if crc32c_hex(hidden) != meta["crc32c"]:
+            raise ValueError(f"{self.path.name} sample {meta['sample_index']}: crc32c mismatch")
+        ids, mask = _npy_load(rec["ids.npy"]), _npy_load(rec["mask.npy"])
+        scale = _npy_load(rec["scale.npy"]) if "scale.npy" in rec else None
+        if ids.shape != shape[:1] or mask.shape != shape[:1]:
+            raise ValueError(f"{self.path.name} sample {meta['sample_index']}: ids/mask shape")
+        if scale is not None and scale.shape != shape[:2]:
+            raise ValueError(f"{self.path.name} sample {meta['sample_index']}: scale shape")
+        if layers is not None:
+            hidden = hidden[:, layers]
+            scale = None if scale is None else scale[:, layers]
+        return Sample(
+            sample_index=int(meta["sample_index"]),
+            input_ids=ids,
+            loss_mask=mask,
+            hidden=hidden,
+            scale=scale,
+        )
+
+    def iter_samples(self, layers: Sequence[int] | None = None) -> Iterator[Sample]:
+        pos = self.layer_positions(layers)
+        for _, rec in iter_records(self.path, required_exts(self.store)):
+            yield self.decode(rec, pos)
+
+
+def verify_wds(path: Path) -> list[str]:
+    """Problems of a .tar part: missing members, bad payloads, counts (see verify_part)."""
+    try:
+        reader = WdsPartReader(path)
+    except Exception as e:  # a verifier reports, whatever broke
+        return [f"cannot open: {type(e).__name__}: {e}"]
+    problems, count = [], 0
+    try:
+        for key, rec in iter_records(path, required_exts(reader.store)):
+            count += 1
+            try:
+                sample = reader.decode(rec)
+            except Exception as e:
+                problems.append(f"{key}: {type(e).__name__}: {e}")
+                continue
+            if key != sample_key(sample.sample_index) or len(sample.input_ids) == 0:
+                problems.append(f"{key}: key, sample_index or length inconsistent")
+    except Exception as e:
+        problems.append(f"unreadable after {count} samples: {type(e).__name__}: {e}")
+    if count != reader.num_samples:
+        problems.append(f"{count} complete samples, the part lists {reader.num_samples}")
+    return problems
