@@ -1,0 +1,145 @@
+"""Export: exact key set, config fields, atomic folder, and parity with z-lab's `dflash` package."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from train.export import EXPORT_KEYS, export_drafter, load_export
+from train.mask import build_masks
+from train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
+
+TINY_TARGET = {
+    "model_type": "qwen3",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 8,
+    "vocab_size": 300,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
+}
+
+
+def _drafter(layer_types=("full_attention", "full_attention"), sliding_window=None):
+    cfg = DrafterConfig.from_target_config(
+        TINY_TARGET,
+        num_layers=len(layer_types),
+        target_layer_ids=(1, 4, 6),
+        block_size=4,
+        mask_token_id=299,
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+    )
+    drafter = DFlashDrafter(cfg)
+    init_drafter_weights(drafter, 0)
+    with torch.no_grad():  # non-trivial norms so a misplaced norm shows in the parity tests
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
+    return drafter.eval(), cfg
+
+
+def test_parameter_names_are_the_export_keys():
+    drafter, cfg = _drafter()
+    names = [name for name, _ in drafter.named_parameters()]
+    assert len(names) == len(EXPORT_KEYS(2)) and set(names) == set(EXPORT_KEYS(2))
+    assert len(EXPORT_KEYS(5)) == 3 + 5 * 11
+
+
+def test_export_writes_exact_keys_bf16_and_config(tmp_path):
+    drafter, cfg = _drafter(("sliding_attention", "full_attention"), sliding_window=3)
+    out = export_drafter(drafter, cfg, tmp_path / "export")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no temporary folder left
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(EXPORT_KEYS(2))
+        assert all(f.get_tensor(k).dtype == torch.bfloat16 for k in f.keys())
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert "auto_map" not in config and config["tie_word_embeddings"] is False
+    assert config["dflash_config"] == {"mask_token_id": 299, "target_layer_ids": [1, 4, 6]}
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    assert config["use_sliding_window"] is True and config["sliding_window"] == 3
+    assert (config["num_hidden_layers"], config["block_size"], config["num_target_layers"]) == (
+        2,
+        4,
+        8,
+    )
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+
+
+def test_export_round_trip_and_replace(tmp_path):
+    drafter, cfg = _drafter()
+    export_drafter(drafter, cfg, tmp_path / "export")
+    init_drafter_weights(drafter, 5)
+    export_drafter(drafter, cfg, tmp_path / "export")  # replaces the older export
+    loaded, loaded_cfg = load_export(tmp_path / "export")
+    assert loaded_cfg == cfg
+    for (name, p), q in zip(drafter.named_parameters(), loaded.parameters(), strict=True):
+        torch.testing.assert_close(q, p.detach().bfloat16().float(), msg=name)
+
+
+def test_export_rejects_unknown_and_missing_keys(tmp_path):
+    drafter, cfg = _drafter()
+    drafter.embed_tokens = nn.Embedding(300, 64)
+    with pytest.raises(ValueError, match="unknown.*embed_tokens.weight"):
+        export_drafter(drafter, cfg, tmp_path / "export")
+    drafter, cfg = _drafter()
+    del drafter.layers[1].mlp.up_proj
+    drafter.layers[1].mlp.up_proj = lambda x: x
+    with pytest.raises(ValueError, match="missing.*layers.1.mlp.up_proj.weight"):
+        export_drafter(drafter, cfg, tmp_path / "export")
+    assert not (tmp_path / "export").exists()
+
+
+def _ours_single_block(drafter, cfg, target_hidden, noise):
+    ctx = target_hidden.shape[1]
+    anchors, keep = torch.tensor([[ctx]]), torch.tensor([[True]])
+    masks = build_masks(
+        anchors,
+        keep,
+        context_len=ctx,
+        block_size=cfg.block_size,
+        layer_types=cfg.layer_types,
+        sliding_window=cfg.sliding_window,
+        attention="sdpa",
+    )
+    pos = torch.arange(ctx + cfg.block_size)[None]
+    return drafter(target_hidden, noise, pos[:, :ctx], pos[:, ctx:], masks)
+
+
+@pytest.mark.parametrize(
+    ("layer_types", "window"),
+    [(("full_attention", "full_attention"), None), (("sliding_attention", "full_attention"), 3)],
+)
+def test_reference_package_loads_export_and_matches_forward(tmp_path, layer_types, window):
+    dflash_model = pytest.importorskip("dflash.model")
+    drafter, cfg = _drafter(layer_types, window)
+    export_drafter(drafter, cfg, tmp_path / "export")
+    ref = dflash_model.DFlashDraftModel.from_pretrained(tmp_path / "export", dtype=torch.float32)
+    ref.eval()
+    assert ref.block_size == 4 and ref.mask_token_id == 299
+    assert list(ref.target_layer_ids) == [1, 4, 6]
+    for layer, layer_type in zip(ref.layers, layer_types, strict=True):
+        sliding = layer_type == "sliding_attention"
+        assert layer.self_attn.sliding_window == (window if sliding else None)
+        assert layer.self_attn.is_causal == sliding
+    ours, _ = load_export(tmp_path / "export")  # the same bf16-rounded weights
+    gen = torch.Generator().manual_seed(0)
+    ctx = 9
+    target_hidden = torch.randn(1, ctx, 3 * 64, generator=gen)
+    noise = torch.randn(1, cfg.block_size, 64, generator=gen)
+    with torch.no_grad():
+        expected = ref(
+            target_hidden=target_hidden,
+            noise_embedding=noise,
+            position_ids=torch.arange(ctx + cfg.block_size)[None],
+        )
+        got = _ours_single_block(ours.eval(), cfg, target_hidden, noise)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,169 @@
+"""Export a trained drafter as the folder SGLang, vLLM and the reference `dflash` package load.
+
+`config.json` is a Qwen3 config with `architectures: ["DFlashDraftModel"]` plus the DFlash
+fields; `model.safetensors` holds exactly `EXPORT_KEYS` in bf16. No embedding, no lm_head, no
+`auto_map`. SGLang ignores unknown weight names silently, so the key set is checked both ways.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from shared.fsio import replace_dir
+from train.model import DFlashDrafter, DrafterConfig, rope_fields_from_hf
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+_LAYER_KEYS = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+
+
+def EXPORT_KEYS(num_layers: int) -> tuple[str, ...]:  # noqa: N802 (name fixed by the API)
+    """The exact weight names of an exported drafter with `num_layers` layers.
+
+    >>> len(EXPORT_KEYS(2)), EXPORT_KEYS(1)[:3]
+    (25, ('fc.weight', 'hidden_norm.weight', 'norm.weight'))
+    """
+    per_layer = tuple(f"layers.{i}.{key}" for i in range(num_layers) for key in _LAYER_KEYS)
+    return ("fc.weight", "hidden_norm.weight", "norm.weight", *per_layer)
+
+
+def check_keys(keys: set[str] | list[str], num_layers: int) -> None:
+    """Raise ValueError naming unknown and missing weight names."""
+    expected, got = set(EXPORT_KEYS(num_layers)), set(keys)
+    unknown, missing = sorted(got - expected), sorted(expected - got)
+    if unknown or missing:
+        raise ValueError(
+            f"drafter weight names differ from the export keys: unknown {unknown}, "
+            f"missing {missing}"
+        )
+
+
+def hf_config(cfg: DrafterConfig) -> dict[str, Any]:
+    """The config.json dict of an exported drafter."""
+    rope_parameters = {"rope_type": "default", **(cfg.rope_scaling or {})}
+    rope_parameters["rope_theta"] = cfg.rope_theta
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "rope_parameters": rope_parameters,
+        "layer_types": list(cfg.layer_types),
+        "sliding_window": cfg.sliding_window,
+        "use_sliding_window": "sliding_attention" in cfg.layer_types,
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "dtype": "bfloat16",
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": list(cfg.target_layer_ids),
+        },
+    }
+
+
+def config_from_hf(data: dict[str, Any]) -> DrafterConfig:
+    """Inverse of `hf_config` (also reads public DFlash configs with the same fields)."""
+    dflash = data.get("dflash_config", {})
+    heads = int(data["num_attention_heads"])
+    num_layers = int(data["num_hidden_layers"])
+    rope_theta, rope_scaling = rope_fields_from_hf(data)
+    return DrafterConfig(
+        hidden_size=int(data["hidden_size"]),
+        intermediate_size=int(data["intermediate_size"]),
+        num_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(data.get("num_key_value_heads") or heads),
+        head_dim=int(data.get("head_dim") or data["hidden_size"] // heads),
+        rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(data.get("max_position_embeddings", 32768)),
+        vocab_size=int(data["vocab_size"]),
+        block_size=int(dflash.get("block_size", data.get("block_size", 16))),
+        mask_token_id=int(dflash.get("mask_token_id", data.get("mask_token_id"))),
+        target_layer_ids=tuple(dflash.get("target_layer_ids", data.get("target_layer_ids"))),
+        num_target_layers=int(data["num_target_layers"]),
+        layer_types=tuple(data.get("layer_types") or ("full_attention",) * num_layers),
+        sliding_window=data.get("sliding_window"),
+    )
+
+
+def export_drafter(drafter: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Path) -> Path:
+    """Write config.json and bf16 model.safetensors into `out_dir` atomically; return it.
+
+    The files are written into a temporary sibling folder that is renamed to `out_dir` (an
+    existing `out_dir` is replaced), so readers never see a half-written export.
+    """
+    out = Path(out_dir)
+    state = drafter.state_dict()
+    check_keys(list(state), cfg.num_layers)
+    tensors = {
+        key: state[key].detach().to("cpu", torch.bfloat16).contiguous()
+        for key in EXPORT_KEYS(cfg.num_layers)
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+        for name in (WEIGHTS_FILE, CONFIG_FILE):
+            _fsync_file(tmp / name)
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported drafter (%d tensors) to %s", len(tensors), out)
+    return out
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def load_export(export_dir: str | Path) -> tuple[DFlashDrafter, DrafterConfig]:
+    """Load an exported folder into a float32 DFlashDrafter (checks the key set first)."""
+    folder = Path(export_dir)
+    cfg = config_from_hf(json.loads((folder / CONFIG_FILE).read_text()))
+    tensors = load_file(str(folder / WEIGHTS_FILE))
+    check_keys(list(tensors), cfg.num_layers)
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+    return drafter, cfg

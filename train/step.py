@@ -1,0 +1,158 @@
+"""One training forward: anchors -> block inputs -> masks -> drafter -> chunked CE."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from train.anchors import (
+    block_inputs,
+    block_positions,
+    block_targets,
+    loss_weights,
+    sample_anchors,
+)
+from train.loss import acceptance_stats, chunked_ce
+from train.mask import build_masks
+from train.model import DFlashDrafter
+
+GRAD_CKPT_MODES = ("loss", "none", "layers")
+
+
+@dataclass
+class Batch:
+    """A padded batch of cached samples; give exactly one of hidden_BSKH or context_BSC.
+
+    hidden_BSKH holds the K captured target layers per token (bf16 or float); context_BSC is
+    the same data already flattened to C = K*H (layers concatenated in target_layer_ids order).
+    """
+
+    ids_BS: torch.Tensor
+    loss_mask_BS: torch.Tensor
+    lengths_B: torch.Tensor
+    hidden_BSKH: torch.Tensor | None = None
+    context_BSC: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.hidden_BSKH is None) == (self.context_BSC is None):
+            raise ValueError("Batch: give exactly one of hidden_BSKH and context_BSC")
+        if self.ids_BS.shape != self.loss_mask_BS.shape:
+            raise ValueError(
+                f"Batch: ids_BS {tuple(self.ids_BS.shape)} and loss_mask_BS "
+                f"{tuple(self.loss_mask_BS.shape)} differ"
+            )
+
+    def context(self) -> torch.Tensor:
+        """Context input [B, S, K*H]."""
+        if self.context_BSC is not None:
+            return self.context_BSC
+        batch, seq, layers, hidden = self.hidden_BSKH.shape
+        return self.hidden_BSKH.reshape(batch, seq, layers * hidden)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return Batch(
+            ids_BS=move(self.ids_BS),
+            loss_mask_BS=move(self.loss_mask_BS),
+            lengths_B=move(self.lengths_B),
+            hidden_BSKH=move(self.hidden_BSKH),
+            context_BSC=move(self.context_BSC),
+        )
+
+
+@dataclass
+class StepOut:
+    """weighted_sum = sum(w * CE) (differentiable), weight_total = sum(w); stats from loss.py."""
+
+    weighted_sum: torch.Tensor
+    weight_total: torch.Tensor
+    stats: dict[str, torch.Tensor]
+
+
+def _unwrap(model: nn.Module) -> DFlashDrafter:
+    """The DFlashDrafter under DDP (`.module`) or torch.compile (`._orig_mod`) wrappers."""
+    while not isinstance(model, DFlashDrafter):
+        inner = getattr(model, "module", None)
+        if inner is None:
+            inner = getattr(model, "_orig_mod", None)
+        if inner is None:
+            raise TypeError(f"expected a DFlashDrafter (possibly wrapped), got {type(model)}")
+        model = inner
+    return model
+
+
+def forward_loss(
+    drafter: nn.Module,
+    embed_weight_VH: torch.Tensor,
+    lm_head_weight_VH: torch.Tensor,
+    batch: Batch,
+    *,
+    num_anchors: int,
+    block_size: int,
+    gamma: float,
+    mask_token_id: int,
+    attention: str,
+    generator: torch.Generator,
+    ce_chunk_blocks: int = 128,
+    grad_ckpt: str = "loss",
+) -> StepOut:
+    """The whole training forward for one micro-batch.
+
+    `drafter` may be wrapped (DDP, torch.compile). The embedding and lm_head weights are the
+    target's, frozen: plain tensors, never drafter parameters. `grad_ckpt`: "loss" checkpoints
+    the chunked lm_head + CE, "layers" also each drafter layer, "none" neither.
+    """
+    if grad_ckpt not in GRAD_CKPT_MODES:
+        raise ValueError(f"grad_ckpt must be one of {GRAD_CKPT_MODES}, got {grad_ckpt!r}")
+    cfg = _unwrap(drafter).cfg
+    if block_size != cfg.block_size:
+        raise ValueError(f"block_size {block_size} differs from the drafter's {cfg.block_size}")
+    ids_BS, loss_mask_BS, lengths_B = batch.ids_BS, batch.loss_mask_BS, batch.lengths_B
+    batch_size, seq = ids_BS.shape
+    anchors_BN, keep_BN = sample_anchors(
+        loss_mask_BS, lengths_B, num_anchors=num_anchors, generator=generator
+    )
+    with torch.no_grad():
+        block_ids_BQ = block_inputs(
+            ids_BS, anchors_BN, block_size=block_size, mask_token_id=mask_token_id
+        )
+        block_emb_BQH = F.embedding(block_ids_BQ, embed_weight_VH)
+    masks = build_masks(
+        anchors_BN,
+        keep_BN,
+        context_len=seq,
+        block_size=block_size,
+        layer_types=cfg.layer_types,
+        sliding_window=cfg.sliding_window,
+        attention=attention,
+        compiled=attention == "flex" and ids_BS.is_cuda,
+    )
+    ctx_pos_BS = torch.arange(seq, device=ids_BS.device).expand(batch_size, seq)
+    hidden_BQH = drafter(
+        batch.context(),
+        block_emb_BQH,
+        ctx_pos_BS,
+        block_positions(anchors_BN, block_size=block_size),
+        masks,
+        attention=attention,
+        checkpoint_layers=grad_ckpt == "layers",
+    )
+    targets_BQ = block_targets(ids_BS, anchors_BN, block_size=block_size)
+    w_BQ = loss_weights(
+        loss_mask_BS, lengths_B, anchors_BN, keep_BN, block_size=block_size, gamma=gamma
+    )
+    weighted_sum, weight_total, correct_N = chunked_ce(
+        hidden_BQH.flatten(0, 1),
+        lm_head_weight_VH,
+        targets_BQ.flatten(),
+        w_BQ.flatten(),
+        chunk_rows=ce_chunk_blocks * block_size,
+        checkpoint=grad_ckpt != "none",
+    )
+    stats = acceptance_stats(correct_N.view_as(targets_BQ), w_BQ, keep_BN, block_size=block_size)
+    return StepOut(weighted_sum=weighted_sum, weight_total=weight_total, stats=stats)
