@@ -1,0 +1,216 @@
+"""TrainConfig: every setting of stage two, the single source of CLI options and defaults.
+
+Fields left at None are resolved against the cache and the device by `train.run.resolve` (the
+target layers, mask token, gamma, attention backend, compile mode, max length); the resolved
+config is what `runs/NAME/config.json` records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared.cli import option
+
+ATTENTIONS = ("flex", "sdpa")
+COMPILE_MODES = ("none", "flex", "model")
+GRAD_CKPT_MODES = ("none", "loss", "layers")
+LAYER_TYPE_ALIASES = {
+    "full": "full_attention",
+    "full_attention": "full_attention",
+    "sliding": "sliding_attention",
+    "sliding_attention": "sliding_attention",
+}
+
+# Changing these in an existing run folder changes no state a checkpoint holds, so a resume may
+# use new values; any other change (drafter shape, data order, recipe) makes the run refuse.
+HARMLESS_CHANGES = frozenset(
+    {
+        "data",  # the cache itself is compared by its manifest identity instead
+        "gpus",  # the world size is checked against the checkpoint's loader state
+        "steps",
+        "epochs",
+        "stop_after_steps",
+        "attention",
+        "compile",
+        "recompile_limit",
+        "grad_ckpt",
+        "prefetch",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "resume",
+        "log_every",
+        "eval_every",
+        "eval_batches",
+        "verbose",
+    }
+)
+
+
+def parse_ints(text: str | None, name: str) -> tuple[int, ...] | None:
+    """'1,9,17' -> (1, 9, 17); ValueError naming the field on anything else."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(v) for v in str(text).replace(" ", "").split(",") if v != "")
+    except ValueError:
+        raise ValueError(f"{name}: expected comma-separated integers, got {text!r}") from None
+
+
+def parse_layer_types(text: str | None, num_layers: int) -> tuple[str, ...]:
+    """'sliding,full,...' (one per drafter layer, or one for all) -> full layer type names."""
+    if text is None:
+        return ("full_attention",) * num_layers
+    names = [v for v in str(text).replace(" ", "").split(",") if v]
+    bad = [v for v in names if v not in LAYER_TYPE_ALIASES]
+    if bad:
+        raise ValueError(f"layer_types: unknown {bad}; use full_attention or sliding_attention")
+    if len(names) == 1:
+        names = names * num_layers
+    if len(names) != num_layers:
+        raise ValueError(f"layer_types: {len(names)} given for {num_layers} drafter layers")
+    return tuple(LAYER_TYPE_ALIASES[v] for v in names)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    # where
+    data: Path = option(help="cache folder written by `python -m extract` (holds manifest.json)")
+    out: Path = option(help="run folder: config.json, checkpoints/, metrics.jsonl, export/")
+    gpus: str | None = option(
+        None, help="devices: 0-4, 0,2,5, cpu, cpu:N (N gloo processes); default all GPUs, else cpu"
+    )
+    # drafter
+    drafter_layers: int = option(5, help="number of drafter layers")
+    layer_types: str | None = option(
+        None,
+        help="per drafter layer, comma-separated: full_attention or sliding_attention (aliases "
+        "full, sliding; one value applies to all); default all full",
+    )
+    sliding_window: int | None = option(None, help="window of sliding-attention layers")
+    block_size: int = option(16, help="tokens per draft block")
+    num_anchors: int = option(512, help="blocks (anchors) drawn per sequence per step")
+    gamma: float | None = option(
+        None, help="loss decay over block offsets; default 7 for block 16, 4 for block 8"
+    )
+    target_layers: str | None = option(
+        None, help="comma-separated cached target layer ids to use, in this order; default all"
+    )
+    mask_token_id: int | None = option(
+        None, help="embedding row used as the mask token; default from the target's vocabulary"
+    )
+    # compute
+    attention: str | None = option(
+        None, choices=ATTENTIONS, help="attention backend; default flex on CUDA, sdpa on CPU"
+    )
+    compile: str | None = option(
+        None,
+        choices=COMPILE_MODES,
+        help="torch.compile: none, flex (flex_attention only) or model (the whole drafter); "
+        "default model on CUDA, none on CPU",
+    )
+    recompile_limit: int = option(
+        16, help="torch.compile recompiles allowed per function; hitting it is an error"
+    )
+    grad_ckpt: str = option(
+        "loss",
+        choices=GRAD_CKPT_MODES,
+        help="activation checkpointing: none, loss (lm_head + CE chunks) or layers (also layers)",
+    )
+    ce_chunk_blocks: int = option(128, help="blocks per lm_head + CE chunk")
+    # data
+    batch_tokens: int = option(
+        6144, help="micro-batch budget: padded length x sequences (a longer sample goes alone)"
+    )
+    max_length: int | None = option(None, help="truncate samples to this; default the cache's")
+    workers: int = option(2, help="DataLoader worker processes per rank (0: read in-process)")
+    shuffle_buffer: int = option(1024, help="samples held by the shuffle buffer of each worker")
+    prefetch: int = option(2, help="micro-batches each worker prepares ahead")
+    # recipe
+    grad_accum: int = option(1, help="micro-batches per optimizer step (per rank)")
+    lr: float = option(6e-4, help="peak learning rate (AdamW)")
+    warmup: float = option(0.04, help="fraction of steps of linear warmup before cosine decay")
+    weight_decay: float = option(0.0, help="AdamW weight decay")
+    grad_clip: float = option(1.0, help="clip the global gradient norm to this (0: off)")
+    epochs: int = option(6, help="epochs over the training parts (ignored with --steps)")
+    steps: int | None = option(None, help="optimizer steps to train; default from --epochs")
+    seed: int = option(0, help="seed of init, data order and anchors")
+    # evaluation
+    eval_fraction: float = option(
+        0.01, help="fraction of parts held out for evaluation (rounded down)"
+    )
+    eval_parts: int | None = option(None, help="number of held-out parts (overrides the fraction)")
+    eval_every: int = option(1000, help="evaluate every this many steps (0: only at the end)")
+    eval_batches: int = option(0, help="micro-batches per rank per evaluation (0: all)")
+    # bookkeeping
+    log_every: int = option(10, help="log metrics every this many steps")
+    checkpoint_every: int = option(1000, help="save a checkpoint every this many steps")
+    keep_checkpoints: int = option(3, help="keep this many newest checkpoints")
+    resume: str = option("auto", help="auto (newest complete checkpoint), none, or a step-N path")
+    stop_after_steps: int | None = option(
+        None, help="stop after this many steps as if killed (no export); for resume tests"
+    )
+    verbose: bool = option(False, help="debug logging on every rank")
+
+    def __post_init__(self) -> None:
+        for name in ("drafter_layers", "block_size", "num_anchors", "batch_tokens", "grad_accum"):
+            _check(getattr(self, name) >= 1, name, "must be >= 1")
+        for name in ("epochs", "shuffle_buffer", "workers", "eval_every", "eval_batches"):
+            _check(getattr(self, name) >= 0, name, "must be >= 0")
+        for name in ("log_every", "checkpoint_every", "keep_checkpoints", "prefetch"):
+            _check(getattr(self, name) >= 1, name, "must be >= 1")
+        _check(self.recompile_limit >= 1, "recompile_limit", "must be >= 1")
+        _check(self.block_size >= 2, "block_size", "must be >= 2")
+        _check(self.ce_chunk_blocks >= 1, "ce_chunk_blocks", "must be >= 1")
+        _check(self.lr > 0, "lr", "must be > 0")
+        _check(0 <= self.warmup < 1, "warmup", "must be in [0, 1)")
+        _check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        _check(self.grad_clip >= 0, "grad_clip", "must be >= 0")
+        _check(0 <= self.eval_fraction < 1, "eval_fraction", "must be in [0, 1)")
+        for name in ("steps", "stop_after_steps", "max_length", "sliding_window"):
+            value = getattr(self, name)
+            _check(value is None or value >= 1, name, "must be >= 1")
+        _check(self.eval_parts is None or self.eval_parts >= 0, "eval_parts", "must be >= 0")
+        _check(self.gamma is None or self.gamma > 0, "gamma", "must be > 0")
+        _check(self.mask_token_id is None or self.mask_token_id >= 0, "mask_token_id", ">= 0")
+        _check(self.steps is not None or self.epochs >= 1, "epochs", "must be >= 1 without steps")
+        for name, allowed in (
+            ("attention", ATTENTIONS),
+            ("compile", COMPILE_MODES),
+            ("grad_ckpt", GRAD_CKPT_MODES),
+        ):
+            value = getattr(self, name)
+            _check(value is None or value in allowed, name, f"must be one of {allowed}")
+        ids = parse_ints(self.target_layers, "target_layers")
+        _check(ids is None or len(ids) > 0, "target_layers", "must name at least one layer")
+        types = parse_layer_types(self.layer_types, self.drafter_layers)
+        if "sliding_attention" in types and self.sliding_window is None:
+            raise ValueError("sliding_window: required when a drafter layer slides")
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...] | None:
+        return parse_ints(self.target_layers, "target_layers")
+
+    @property
+    def layer_type_names(self) -> tuple[str, ...]:
+        return parse_layer_types(self.layer_types, self.drafter_layers)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(harmful, harmless) field differences between two saved configs, as readable lines."""
+    harmful, harmless = [], []
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            line = f"{key}: run has {old.get(key)!r}, now {new.get(key)!r}"
+            (harmless if key in HARMLESS_CHANGES else harmful).append(line)
+    return harmful, harmless
