@@ -169,29 +169,42 @@ def iter_records(path: Path, required: frozenset[str]) -> Iterator[tuple[str, di
         raise ValueError(f"incomplete samples: {sorted(pending)[:5]}")
 
 
+def _scan_json(tar: tarfile.TarFile, required: frozenset[str]) -> list[dict]:
+    """The JSON record of every complete sample, in the order iter_records yields them."""
+    seen: dict[str, set[str]] = {}
+    found: dict[str, dict] = {}
+    records = []
+    for info in tar:
+        if not info.isfile() or info.name == PART_MEMBER:
+            continue
+        key, _, ext = info.name.partition(".")
+        seen.setdefault(key, set()).add(ext)
+        if ext == "json":
+            found[key] = json.loads(tar.extractfile(info).read())
+        if required <= seen[key]:
+            records.append(found[key])
+            del seen[key]
+    return records
+
+
 class WdsPartReader(PartReader):
     """Streaming reader of a ``.tar`` part (no random access)."""
 
     def __init__(self, path: Path) -> None:
-        lengths, indices = [], []
         with tarfile.open(path, "r:") as tar:  # seeks over payloads: reads headers and JSON only
             meta = _read_part_meta(tar, path)
-            for info in tar:
-                if info.isfile() and info.name.endswith(".json"):
-                    rec = json.loads(tar.extractfile(info).read())
-                    lengths.append(rec["length"])
-                    indices.append(rec["sample_index"])
-        if len(lengths) != meta["num_samples"]:
+            records = _scan_json(tar, required_exts(meta["store"]))
+        if len(records) != meta["num_samples"]:
             raise ValueError(
-                f"{path}: {len(lengths)} of {meta['num_samples']} samples (truncated?)"
+                f"{path}: {len(records)} of {meta['num_samples']} samples (truncated?)"
             )
         super().__init__(
             path,
             store=meta["store"],
             num_layers=int(meta["num_layers"]),
             hidden_size=int(meta["hidden_size"]),
-            lengths=np.asarray(lengths, dtype=np.int64),
-            sample_indices=np.asarray(indices, dtype=np.int64),
+            lengths=np.asarray([r["length"] for r in records], dtype=np.int64),
+            sample_indices=np.asarray([r["sample_index"] for r in records], dtype=np.int64),
         )
 
     def decode(self, rec: dict[str, bytes], layers: np.ndarray | None = None) -> Sample:
@@ -247,4 +260,17 @@ def verify_wds(path: Path) -> list[str]:
         problems.append(f"unreadable after {count} samples: {type(e).__name__}: {e}")
     if count != reader.num_samples:
         problems.append(f"{count} complete samples, the part lists {reader.num_samples}")
+    if not _has_end_marker(path):
+        problems.append("no end-of-archive marker: truncated")
     return problems
+
+
+def _has_end_marker(path: Path) -> bool:
+    """Whether two zero blocks follow the last member, as tarfile writes on close."""
+    with tarfile.open(path, "r:") as tar:
+        last = tar.getmembers()[-1]
+    end = last.offset_data + -(-last.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+    with open(path, "rb") as f:
+        f.seek(end)
+        marker = f.read(2 * tarfile.BLOCKSIZE)
+    return len(marker) == 2 * tarfile.BLOCKSIZE and not any(marker)

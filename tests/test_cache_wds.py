@@ -1,0 +1,123 @@
+"""webdataset parts: member order, truncation, damage, long payloads, webdataset compatibility."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import tarfile
+
+import numpy as np
+import pytest
+import webdataset
+
+from shared import wds
+from shared.cache import open_part, verify_part
+from tests.test_cache import K, assert_matches, make_records, write_part
+
+LENGTHS = [5, 64, 70, 1]
+
+
+@pytest.fixture(params=["bf16", "fp8"])
+def part(tmp_path, request):
+    records = make_records(lengths=LENGTHS)
+    stats = write_part(tmp_path, 0, records, fmt="wds", store=request.param)
+    return tmp_path / "part-000000.tar", records, stats, request.param
+
+
+def rewrite_tar(src, dst, reorder) -> None:
+    """Copy a tar with its members (after ``__part__``) in the order ``reorder`` gives."""
+    with tarfile.open(src) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    head, rest = members[:1], reorder(members[1:])
+    with tarfile.open(dst, "w", format=tarfile.PAX_FORMAT) as out:
+        for info, data in head + rest:
+            out.addfile(info, io.BytesIO(data))
+
+
+def test_members_and_keys(part):
+    path, records, _, store = part
+    with tarfile.open(path) as tar:
+        names = tar.getnames()
+        meta = json.loads(tar.extractfile(names[0]).read())
+        first = json.loads(tar.extractfile(f"s{records[0].sample_index:012d}.json").read())
+    assert names[0] == wds.PART_MEMBER and meta["num_samples"] == len(records)
+    exts = ["hidden.blosc", "ids.npy", "mask.npy", "json"] + (
+        ["scale.npy"] if store == "fp8" else []
+    )
+    want = {f"s{r.sample_index:012d}.{e}" for r in records for e in exts}
+    assert set(names[1:]) == want and len(names) == len(want) + 1
+    assert first["length"] == LENGTHS[0] and first["shape"] == [LENGTHS[0], K, 64]
+    assert first["store"] == store and first["crc32c"].startswith("crc32c:")
+
+
+def test_reader_does_not_depend_on_member_order(part, tmp_path):
+    path, records, _, store = part
+    shuffled = tmp_path / "shuffled.tar"
+    rewrite_tar(path, shuffled, lambda ms: random.Random(3).sample(ms, len(ms)))
+    reader = open_part(shuffled)
+    by_index = {r.sample_index: r for r in records}
+    got = list(reader.iter_samples(layers=[2, 0]))
+    assert sorted(s.sample_index for s in got) == sorted(by_index)
+    assert [s.sample_index for s in got] == reader.sample_indices.tolist()
+    assert [len(s.input_ids) for s in got] == reader.lengths.tolist()
+    for s in got:
+        assert_matches(s, by_index[s.sample_index], store, [2, 0])
+    assert verify_part(shuffled) == []
+
+
+def test_random_access_is_refused_clearly(part):
+    with pytest.raises(NotImplementedError, match="random access"):
+        open_part(part[0]).read(0)
+
+
+def test_webdataset_reads_the_part(part):
+    path, records, _, store = part
+    samples = list(webdataset.WebDataset(str(path), shardshuffle=False, empty_check=False))
+    assert [s["__key__"] for s in samples] == [f"s{r.sample_index:012d}" for r in records]
+    for s, r in zip(samples, records, strict=True):
+        assert np.array_equal(np.load(io.BytesIO(s["ids.npy"])), r.input_ids)
+        assert ("scale.npy" in s) == (store == "fp8")
+
+
+def test_verify_catches_truncation_anywhere(part, tmp_path):
+    path, _, stats, _ = part
+    data = path.read_bytes()
+    with tarfile.open(path) as tar:
+        members = tar.getmembers()
+    boundary = members[-6].offset  # a member boundary, before the last sample's members
+    end = members[-1].offset_data + 512  # the last member's data, without the end marker
+    for cut in (boundary, members[-3].offset_data + 10, end, len(data) // 2):
+        short = tmp_path / f"cut-{cut}.tar"
+        short.write_bytes(data[:cut])
+        assert verify_part(short) != [], cut
+        assert verify_part(short, stats.checksum) != [], cut
+
+
+def test_verify_and_reader_catch_a_flipped_payload_byte(part, tmp_path):
+    path, _, stats, _ = part
+    with tarfile.open(path) as tar:
+        info = next(
+            m for m in tar.getmembers() if m.name.endswith(".hidden.blosc") and m.size > 600
+        )
+    data = bytearray(path.read_bytes())
+    data[info.offset_data + info.size - 40] ^= 0xFF
+    path.write_bytes(bytes(data))
+    problems = verify_part(path, stats.checksum)
+    assert any("checksum" in p for p in problems)
+    assert any(p.startswith(info.name.split(".")[0]) for p in problems)
+    with pytest.raises(Exception):  # noqa: B017 - Blosc or the crc32c check, whichever sees it
+        list(open_part(path))
+
+
+def test_long_payloads_are_split_into_frames(tmp_path, monkeypatch):
+    monkeypatch.setattr(wds, "FRAME_BYTES", 1000)  # Blosc's ~2 GiB limit, scaled down
+    records = make_records(lengths=[9, 40])
+    write_part(tmp_path, 0, records, fmt="wds", store="bf16")
+    path = tmp_path / "part-000000.tar"
+    with tarfile.open(path) as tar:
+        meta = json.loads(tar.extractfile(f"s{records[1].sample_index:012d}.json").read())
+    assert len(meta["frames"]) == -(-40 * K * 64 * 2 // 1000)
+    for s, r in zip(open_part(path), records, strict=True):
+        assert_matches(s, r, "bf16")
+    assert verify_part(path) == []

@@ -1,0 +1,107 @@
+"""zarr parts: layout on disk, random access, per-layer chunks, verification."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zarr
+
+from shared.cache import layout_problems, open_part, verify_part
+from shared.codec import CHUNK_ROWS
+from tests.test_cache import LENGTHS, H, K, assert_matches, make_records, write_part
+
+
+@pytest.fixture
+def part(tmp_path):
+    records = make_records()
+    stats = write_part(tmp_path, 0, records, fmt="zarr", store="bf16")
+    return tmp_path / "part-000000", records, stats
+
+
+def shard_file(path, row: int):
+    return path / "hidden" / "c" / str(row // CHUNK_ROWS) / "0" / "0"
+
+
+def flip_byte(path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def inner_chunk_range(shard, layer: int) -> tuple[int, int]:
+    """(offset, nbytes) of one layer's inner chunk, from the shard index at the end of the file
+    (zarr v3 sharding: uint64 pairs per inner chunk, then a 4-byte crc32c)."""
+    index = np.frombuffer(shard.read_bytes()[-(16 * K + 4) : -4], dtype="<u8").reshape(K, 2)
+    return int(index[layer, 0]), int(index[layer, 1])
+
+
+def test_samples_start_on_chunk_boundaries_and_padding_is_zero(part):
+    path, records, _ = part
+    reader = open_part(path)
+    offsets = reader.offsets
+    assert (offsets % CHUNK_ROWS == 0).all() and offsets[-1] % CHUNK_ROWS == 0
+    assert layout_problems(offsets, reader.lengths, int(offsets[-1])) == []
+    hidden = zarr.open_group(path, mode="r")["hidden"]
+    assert hidden.shape == (offsets[-1], K, H) and hidden.dtype == np.uint16
+    for n, length in enumerate(LENGTHS):
+        assert not hidden[offsets[n] + length : offsets[n + 1]].any()
+    attrs = dict(zarr.open_group(path, mode="r").attrs)
+    assert attrs["format_version"] == 1 and attrs["store"] == "bf16"
+    assert (attrs["num_layers"], attrs["hidden_size"]) == (K, H)
+
+
+def test_random_access_in_any_order(part):
+    path, records, _ = part
+    reader = open_part(path)
+    for n in (4, 0, 2, 2, 3, 1):
+        assert_matches(reader.read(n), records[n], "bf16")
+        assert_matches(reader.read(n, layers=[2, 0]), records[n], "bf16", [2, 0])
+    with pytest.raises(IndexError):
+        reader.read(len(LENGTHS))
+
+
+def test_reading_one_layer_does_not_decode_the_others(part):
+    path, records, stats = part
+    shard = shard_file(path, row=0)
+    offset, nbytes = inner_chunk_range(shard, layer=1)
+    flip_byte(shard, offset + nbytes // 2)
+    reader = open_part(path)
+    assert_matches(reader.read(0, layers=[0, 2]), records[0], "bf16", [0, 2])
+    assert_matches(reader.read(1), records[1], "bf16")
+    with pytest.raises(Exception, match="(?i)checksum|crc"):
+        reader.read(0, layers=[1])
+    problems = verify_part(path, stats.checksum)
+    assert any("checksum" in p and "expected" in p for p in problems)
+    assert any("hidden rows 0.." in p for p in problems)
+    assert any("hidden rows" in p for p in verify_part(path))
+
+
+def test_verify_catches_a_flipped_byte_anywhere_in_a_chunk_file(part):
+    path, _, stats = part
+    assert verify_part(path, stats.checksum) == []
+    shard = shard_file(path, row=int(open_part(path).offsets[4]))
+    flip_byte(shard, shard.stat().st_size // 3)
+    assert len(verify_part(path, stats.checksum)) >= 2  # checksum and the chunk itself
+    assert verify_part(path, None) != []
+
+
+def test_verify_catches_a_missing_shard_and_a_damaged_small_array(part, tmp_path):
+    path, _, stats = part
+    shard_file(path, row=64).unlink()
+    assert any("chunks" in p for p in verify_part(path))
+    ids = next((path / "input_ids").rglob("c/*"))
+    flip_byte(ids, ids.stat().st_size - 10)
+    assert any(p.startswith("input_ids: ") for p in verify_part(path))
+    assert verify_part(tmp_path / "part-000999") != []
+
+
+def test_layout_problems():
+    lengths = np.array([5, 70])
+    assert layout_problems(np.array([0, 64, 192]), lengths, 192) == []
+    assert layout_problems(np.array([0, 64]), lengths, 192) != []  # wrong count
+    assert any("aligned" in p for p in layout_problems(np.array([0, 65, 192]), lengths, 256))
+    assert any("overlap" in p for p in layout_problems(np.array([0, 64, 128]), lengths, 256))
+    assert any("beyond" in p for p in layout_problems(np.array([0, 64, 192]), lengths, 128))
+    assert any(
+        "non-positive" in p for p in layout_problems(np.array([0, 64, 128]), lengths * 0, 128)
+    )
