@@ -272,11 +272,13 @@ class ZarrPartWriter(PartWriter):
 
     def _store(self, n, sample_index, ids, mask, payload, scale) -> None:  # noqa: ANN001
         start, stop, length = int(self.offsets[n]), int(self.offsets[n + 1]), len(ids)
-        block = payload
-        if stop - start != length:  # pad to whole chunks: a partial chunk write reads it first
-            block = np.zeros((stop - start, *payload.shape[1:]), payload.dtype)
-            block[:length] = payload
-        self._hidden[start:stop] = block
+        body = length - length % CHUNK_ROWS
+        if body:
+            self._hidden[start : start + body] = payload[:body]
+        if body != length:  # the last chunk is padded: a partial-chunk write would read it first
+            tail = np.zeros((stop - start - body, *payload.shape[1:]), payload.dtype)
+            tail[: length - body] = payload[body:]
+            self._hidden[start + body : stop] = tail
         self._ids[start : start + length] = ids
         self._mask[start : start + length] = mask
         if scale is not None:

@@ -86,6 +86,7 @@ class WdsPartWriter(PartWriter):
     def __init__(self, final: Path, **kw) -> None:
         super().__init__(final, **kw)
         self._tar_lock = threading.Lock()
+        self._broken = False
         self._file = open(self.tmp, "xb")
         self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.PAX_FORMAT)
         meta = dict(
@@ -121,11 +122,17 @@ class WdsPartWriter(PartWriter):
         members += [(f"{key}.ids.npy", _npy_bytes(ids)), (f"{key}.mask.npy", _npy_bytes(mask))]
         members.append((f"{key}.json", json.dumps(meta).encode()))
         with self._tar_lock:
-            for name, data in members:
-                self._add(name, data)
+            try:
+                for name, data in members:
+                    self._add(name, data)
+            except BaseException:
+                self._broken = True  # a half-appended sample: the tar cannot be committed
+                raise
 
     def _finish(self) -> None:
         with self._tar_lock:
+            if self._broken:
+                raise RuntimeError(f"{self.tmp}: an append failed, the tar is incomplete")
             self._tar.close()
             self._file.flush()
             os.fsync(self._file.fileno())
