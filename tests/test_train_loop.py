@@ -1,0 +1,146 @@
+"""Stage two end to end on CPU: loss falls, resume is bitwise exact, export, run-folder checks."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from tests.cachegen import write_cache
+from train.__main__ import main
+from train.checkpoint import list_checkpoints, load_drafter, load_state
+from train.config import TrainConfig
+from train.export import EXPORT_KEYS
+from train.loop import lr_factor
+from train.run import RunError, run
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return write_cache(tmp_path_factory.mktemp("cache"), num_parts=4, samples_per_part=6)
+
+
+def tiny(cache, out, **kw) -> TrainConfig:
+    base = dict(
+        data=cache,
+        out=out,
+        gpus="cpu",
+        drafter_layers=1,
+        block_size=4,
+        num_anchors=8,
+        batch_tokens=512,
+        workers=0,
+        shuffle_buffer=4,
+        lr=3e-3,
+        epochs=2,
+        log_every=1,
+        checkpoint_every=1000,
+        eval_fraction=0.0,
+    )
+    return TrainConfig(**{**base, **kw})
+
+
+def records(out, kind="train"):
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def final_state(out):
+    return load_state(list_checkpoints(out)[-1][1])
+
+
+def test_lr_schedule():
+    values = [lr_factor(s, total=100, warmup=4) for s in range(100)]
+    assert values[0] == 0.25 and values[3] == 1.0 and max(values) == 1.0
+    assert all(a >= b for a, b in zip(values[3:], values[4:], strict=False))
+    assert values[-1] < 0.01 and lr_factor(100, total=100, warmup=4) == 0.0
+
+
+def test_loss_decreases_and_export_is_written(cache, tmp_path):
+    out = tmp_path / "run"
+    export = run(tiny(cache, out, epochs=4, eval_parts=1, eval_every=10))
+    train = records(out)
+    first, last = train[0]["loss"], sum(r["loss"] for r in train[-5:]) / 5
+    assert last < 0.8 * first, (first, last)
+    assert train[-1]["step"] == len(train)
+    for key in ("tau", "acc", "lr", "grad_norm", "tokens_per_s", "data_wait"):
+        assert key in train[-1]
+    assert len(train[-1]["acc"]) == 3  # offsets 1..B-1
+    evals = records(out, "eval")
+    assert evals and evals[-1]["step"] == train[-1]["step"] and evals[-1]["tau"] >= 1.0
+    # the export holds exactly the drafter's keys and the last weights
+    tensors = load_file(str(export / "model.safetensors"))
+    assert set(tensors) == set(EXPORT_KEYS(1))
+    drafter, dcfg = load_drafter(list_checkpoints(out)[-1][1])
+    assert dcfg.target_layer_ids == (0, 1, 3) and dcfg.mask_token_id == 300
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(tensors[key], value.to(torch.bfloat16))
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["train"]["attention"] == "sdpa" and saved["train"]["gamma"] == 2.0
+    assert saved["train"]["target_layers"] == "0,1,3"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_killed_run_resumes_bitwise(cache, tmp_path, workers):
+    """Interrupted at step 7 (last checkpoint at 5, mid-epoch 2) then resumed == uninterrupted."""
+    kw = dict(steps=12, checkpoint_every=5, keep_checkpoints=2, target_layers="3,0")
+    kw["workers"] = workers
+    whole = tmp_path / "whole"
+    run(tiny(cache, whole, **kw))
+    broken = tmp_path / "broken"
+    run(tiny(cache, broken, stop_after_steps=7, **kw))
+    assert not (broken / "export").exists()
+    assert [s for s, _ in list_checkpoints(broken)] == [5]
+    run(tiny(cache, broken, **kw))  # --resume auto
+    a, b = final_state(whole), final_state(broken)
+    assert a["step"] == b["step"] == 12
+    assert a["loader"] == b["loader"]
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for s, t in zip(
+        a["optimizer"]["state"].values(), b["optimizer"]["state"].values(), strict=True
+    ):
+        assert torch.equal(s["exp_avg_sq"], t["exp_avg_sq"])
+    assert [s for s, _ in list_checkpoints(broken)] == [10, 12]  # keeps the newest 2
+    losses = {r["step"]: r["loss"] for r in records(whole)}
+    assert all(losses[r["step"]] == r["loss"] for r in records(broken))
+
+
+def test_run_folder_refuses_a_different_run(cache, tmp_path):
+    out = tmp_path / "run"
+    run(tiny(cache, out, steps=2))
+    with pytest.raises(RunError, match="lr: run has 0.003, now 0.001"):
+        run(tiny(cache, out, steps=2, lr=1e-3))
+    with pytest.raises(RunError, match="--resume none"):
+        run(tiny(cache, out, steps=2, resume="none"))
+    run(tiny(cache, out, steps=3))  # more steps: harmless, resumes from step 2
+    assert final_state(out)["step"] == 3
+    assert [r["step"] for r in records(out)] == [1, 2, 3]
+
+
+def test_incompatible_cache_lists_every_problem(tmp_path):
+    bad = write_cache(tmp_path / "bad", num_parts=2, samples_per_part=2, complete=False)
+    result = CliRunner().invoke(
+        main,
+        ["--data", str(bad), "--out", str(tmp_path / "r"), "--gpus", "cpu"]
+        + ["--target-layers", "0,2,7", "--mask-token-id", "5000"],
+    )
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output and result.exception is not None
+    text = result.output
+    assert "incomplete" in text and "[2, 7]" in text and "mask_token_id" in text
+    assert not (tmp_path / "r").exists()  # refused before any work
+
+
+def test_cli_errors_are_usage_errors(cache, tmp_path):
+    runner = CliRunner()
+    out = str(tmp_path / "r")
+    r = runner.invoke(main, ["--data", str(cache), "--out", out, "--gpus", "cpu", "--lr", "-1"])
+    assert r.exit_code == 2 and "lr" in r.output
+    r = runner.invoke(
+        main, ["--data", str(cache), "--out", out, "--gpus", "cpu", "--attention", "flex"]
+    )
+    assert r.exit_code == 1 and "no backward on CPU" in r.output
+    r = runner.invoke(main, ["--data", str(cache), "--out", out, "--gpus", "9"])
+    assert r.exit_code == 1 and "does not exist" in r.output

@@ -1,0 +1,28 @@
+"""`python -m train --data shards/ --out runs/NAME [--gpus 5-7] ...`: parse, build, run."""
+
+from __future__ import annotations
+
+import click
+
+from shared.cli import build, click_options
+from shared.logs import setup_logging
+from shared.manifest import CacheMismatch
+from train.config import TrainConfig
+from train.run import RunError, run
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click_options(TrainConfig)
+def main(**kwargs: object) -> None:
+    """Train a DFlash drafter from a hidden-state cache written by `python -m extract`."""
+    cfg = build(TrainConfig, kwargs)
+    setup_logging(0, verbose=cfg.verbose)
+    try:
+        out = run(cfg)
+    except (CacheMismatch, RunError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"drafter exported to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Checkpoints: one folder `runs/NAME/checkpoints/step-N/` per save, written atomically.
+
+A folder holds `state.pt` (model, optimizer, scheduler, loader position, every rank's RNG
+states, step, config) and `drafter.json` (the DrafterConfig), then `meta.json`, written last.
+It is built as `.step-N.tmp` and renamed, so a `step-N` folder is complete by construction; the
+`meta.json` check also rejects a folder copied by hand only in part.
+
+The anchor generator has no state to save: every micro-batch reseeds it from its place in the
+plan (seed, epoch, stream, round), so a resumed run draws the same anchors by construction.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.fsio import atomic_write_json, fsync_dir, replace_dir
+from train.model import DFlashDrafter, DrafterConfig
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "state.pt"
+DRAFTER_FILE = "drafter.json"
+META_FILE = "meta.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def is_complete(path: Path) -> bool:
+    return all((Path(path) / f).is_file() for f in (STATE_FILE, DRAFTER_FILE, META_FILE))
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints of a run as (step, folder), oldest first."""
+    folder = checkpoints_dir(run_dir)
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in folder.iterdir():
+        m = _STEP_DIR.match(path.name)
+        if m and path.is_dir() and is_complete(path):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def resolve_resume(run_dir: Path, resume: str) -> Path | None:
+    """The checkpoint to resume from: `auto` (newest complete, or none), `none`, or a path."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        found = list_checkpoints(run_dir)
+        return found[-1][1] if found else None
+    path = Path(resume)
+    if not is_complete(path):
+        raise ValueError(f"resume: {path} is not a complete checkpoint folder")
+    return path
+
+
+def save_checkpoint(
+    run_dir: Path, step: int, state: dict[str, Any], drafter_cfg: DrafterConfig, *, keep: int
+) -> Path:
+    """Write `state` as checkpoint `step` atomically, then keep only the newest `keep`."""
+    folder = checkpoints_dir(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"step-{step}"
+    tmp = folder / f".step-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    torch.save(state, tmp / STATE_FILE)
+    atomic_write_json(tmp / DRAFTER_FILE, drafter_cfg.to_dict())
+    atomic_write_json(tmp / META_FILE, {"step": step, "files": [STATE_FILE, DRAFTER_FILE]})
+    fsync_dir(tmp)
+    replace_dir(tmp, final)
+    prune(run_dir, keep=keep)
+    log.info("saved checkpoint %s", final)
+    return final
+
+
+def prune(run_dir: Path, *, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints, and stale temporary folders."""
+    for _, path in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+    for tmp in checkpoints_dir(run_dir).glob(".step-*.tmp"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_state(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """The state dict of a checkpoint folder (tensors on `device`)."""
+    return torch.load(Path(path) / STATE_FILE, map_location=device, weights_only=True)
+
+
+def load_drafter(ckpt_dir: Path) -> tuple[DFlashDrafter, DrafterConfig]:
+    """The trained drafter (float32, CPU) and its config from a checkpoint folder."""
+    ckpt_dir = Path(ckpt_dir)
+    if not is_complete(ckpt_dir):
+        raise ValueError(f"{ckpt_dir} is not a complete checkpoint folder")
+    cfg = DrafterConfig.from_dict(json.loads((ckpt_dir / DRAFTER_FILE).read_text()))
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(load_state(ckpt_dir)["model"])
+    return drafter, cfg
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's torch RNG states (CPU, and the current CUDA device when on GPU)."""
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)

@@ -1,0 +1,377 @@
+"""The training loop of one rank: model, optimizer, schedule, DDP, steps, logs, checkpoints.
+
+`train_rank(info, cfg, prep)` is what `shared.dist.launch` runs once per device. DDP wraps the
+drafter here and nowhere else. The loss of an optimizer step is normalised over all its
+micro-batches on all ranks: each backward runs on the unnormalised sum(w * CE), then the
+gradients are scaled by world_size / sum(w) (DDP has averaged them over ranks), so the update
+equals that of one process seeing the whole global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from shared.cli import to_json
+from shared.dist import RankInfo, all_gather_objects, all_reduce_sum, barrier
+from shared.logs import setup_logging
+from shared.target_files import load_heads
+from train.checkpoint import load_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
+from train.config import TrainConfig
+from train.data import (
+    LoaderState,
+    PartInfo,
+    PlanDataset,
+    device_batch,
+    epoch_limits,
+    make_loader,
+)
+from train.evaluate import Evaluator
+from train.export import export_drafter
+from train.metrics import MetricsWriter, StatSums
+from train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
+from train.plan import PlanSpec
+from train.step import forward_loss
+
+log = logging.getLogger(__name__)
+
+EXPORT_DIR = "export"
+
+
+class RecompileLimitError(RuntimeError):
+    """torch.compile would recompile once more than allowed (never a silent fallback)."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What `train.run` resolves once from the cache and hands to every rank."""
+
+    drafter: DrafterConfig
+    parts: tuple[PartInfo, ...]
+    train_parts: tuple[int, ...]
+    eval_parts: tuple[int, ...]
+    layers: tuple[int, ...]  # positions in the cached layer axis, in the drafter's order
+    gamma: float
+
+
+def lr_factor(step: int, *, total: int, warmup: int) -> float:
+    """Multiplier of the peak lr at optimizer step `step`: linear warmup, cosine to 0.
+
+    >>> [round(lr_factor(s, total=10, warmup=2), 3) for s in (0, 1, 2, 6, 10)]
+    [0.5, 1.0, 1.0, 0.5, 0.0]
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def configure_compile(cfg: TrainConfig) -> None:
+    """Bound recompiles and make hitting the bound an error rather than a fall back to eager."""
+    import torch._dynamo
+
+    dynamo = torch._dynamo.config
+    if hasattr(dynamo, "recompile_limit"):
+        dynamo.recompile_limit = cfg.recompile_limit
+    else:  # torch < 2.6 spelled it cache_size_limit
+        dynamo.cache_size_limit = cfg.recompile_limit
+    if hasattr(dynamo, "fail_on_recompile_limit_hit"):
+        dynamo.fail_on_recompile_limit_hit = True
+    elif cfg.compile != "none":
+        log.warning("this torch cannot fail on the recompile limit; recompiles are not bounded")
+
+
+def train_rank(info: RankInfo, cfg: TrainConfig, prep: Prepared) -> None:
+    """One rank's whole run: set up, resume, train, evaluate, checkpoint, export."""
+    setup_logging(info.rank, verbose=cfg.verbose)
+    configure_compile(cfg)
+    if info.device.type == "cpu" and info.world_size > 1:
+        # CPU ranks share the host: without this each would start one thread per core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))
+    Trainer(info, cfg, prep).fit()
+
+
+class Trainer:
+    def __init__(self, info: RankInfo, cfg: TrainConfig, prep: Prepared) -> None:
+        self.info, self.cfg, self.prep = info, cfg, prep
+        self.device = info.device
+        cuda = self.device.type == "cuda"
+        torch.manual_seed(cfg.seed)
+        dtype = torch.bfloat16 if cuda else torch.float32
+        self.embed_VH, self.lm_head_VH = load_heads(cfg.data, device=self.device, dtype=dtype)
+        self.model = DFlashDrafter(prep.drafter)
+        init_drafter_weights(self.model, cfg.seed)
+        self.model.to(self.device)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=cuda
+        )
+        self.workers = max(cfg.workers, 1)
+        self.spec = PlanSpec(
+            lengths=tuple(prep.parts[p].lengths for p in prep.train_parts),
+            seed=cfg.seed,
+            num_streams=info.world_size * self.workers,
+            batch_tokens=cfg.batch_tokens,
+            shuffle_buffer=cfg.shuffle_buffer,
+            max_length=cfg.max_length,
+        )
+        by_steps = cfg.steps is not None
+        self.limits = epoch_limits(
+            self.spec,
+            workers=self.workers,
+            grad_accum=cfg.grad_accum,
+            epochs=None if by_steps else cfg.epochs,
+            steps=cfg.steps,
+        )
+        self.total = cfg.steps if by_steps else sum(n // cfg.grad_accum for n in self.limits)
+        warmup = math.ceil(cfg.warmup * self.total) if cfg.warmup > 0 else 0
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, total=self.total, warmup=warmup)
+        )
+        self.step, self.loader_state = 0, LoaderState()
+        self.autocast = (
+            (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+            if cuda
+            else contextlib.nullcontext
+        )
+        self.step_kwargs: dict[str, Any] = dict(
+            num_anchors=cfg.num_anchors,
+            block_size=cfg.block_size,
+            gamma=prep.gamma,
+            mask_token_id=prep.drafter.mask_token_id,
+            attention=cfg.attention,
+            ce_chunk_blocks=cfg.ce_chunk_blocks,
+        )
+        self.sums = StatSums(cfg.block_size, self.device)
+        self.writer = MetricsWriter(cfg.out, enabled=info.is_main)
+        self.evaluator = self._make_evaluator()
+
+    def _make_evaluator(self) -> Evaluator | None:
+        if not self.prep.eval_parts:
+            return None
+        return Evaluator(
+            [self.prep.parts[p] for p in self.prep.eval_parts],
+            layers=self.prep.layers,
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+            batch_tokens=self.cfg.batch_tokens,
+            max_length=self.cfg.max_length,
+            max_batches=self.cfg.eval_batches,
+        )
+
+    # --- state ---------------------------------------------------------------------------
+
+    def restore(self) -> None:
+        path = resolve_resume(self.cfg.out, self.cfg.resume)
+        if path is None:
+            log.info("starting from scratch: %d steps", self.total)
+            return
+        state = load_state(path, self.device)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.loader_state = LoaderState.from_dict(
+            state["loader"], world_size=self.info.world_size, workers=self.workers
+        )
+        self.step = int(state["step"])
+        if len(state["rng"]) == self.info.world_size:
+            set_rng_state(state["rng"][self.info.rank], self.device)
+        log.info("resumed from %s at step %d of %d", path, self.step, self.total)
+
+    def save(self) -> None:
+        rngs = all_gather_objects(rng_state(self.device))
+        if self.info.is_main:
+            state = {
+                "step": self.step,
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "loader": self.loader_state.to_dict(
+                    world_size=self.info.world_size, workers=self.workers
+                ),
+                "rng": rngs,
+                "config": to_json(self.cfg),
+            }
+            save_checkpoint(
+                self.cfg.out, self.step, state, self.prep.drafter, keep=self.cfg.keep_checkpoints
+            )
+        barrier()
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def _wrap(self) -> torch.nn.Module:
+        """The module the steps call: DDP (the one place it is applied), then torch.compile."""
+        net: torch.nn.Module = self.model
+        if self.info.world_size > 1:
+            ids = [self.device] if self.device.type == "cuda" else None
+            net = DistributedDataParallel(self.model, device_ids=ids)
+        if self.cfg.compile == "model":
+            net = torch.compile(net)
+        return net
+
+    def _loader(self) -> Iterator[dict[str, Any]]:
+        dataset = PlanDataset(
+            [self.prep.parts[p] for p in self.prep.train_parts],
+            self.spec,
+            layers=self.prep.layers,
+            rank=self.info.rank,
+            workers=self.workers,
+            limits=dict(enumerate(self.limits)),
+            start_epoch=self.loader_state.epoch,
+            consumed=self.loader_state.consumed,
+        )
+        loader = make_loader(
+            dataset,
+            workers=self.cfg.workers,
+            prefetch=self.cfg.prefetch,
+            pin_memory=self.device.type == "cuda",
+        )
+        return iter(loader)
+
+    def fit(self) -> None:
+        self.restore()
+        self.net = self._wrap()
+        self.batches = self._loader()
+        bar = tqdm(total=self.total, initial=self.step, desc="train", disable=not self.info.is_main)
+        self.window = (time.perf_counter(), 0.0)  # (start, seconds waiting for data)
+        try:
+            while self.step < self.total:
+                self._optimizer_step()
+                self.step += 1
+                bar.update(1)
+                if self._after_step(bar):
+                    return
+        except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+            raise RecompileLimitError(
+                f"torch.compile hit its recompile limit ({self.cfg.recompile_limit}): some "
+                "shape or guard changes from step to step. Raise --recompile-limit, or narrow it "
+                "down with --compile flex or --compile none; see TORCH_LOGS=recompiles"
+            ) from e
+        finally:
+            bar.close()
+            self.batches = None  # stops the DataLoader workers
+        self._finish()
+
+    def _after_step(self, bar: tqdm) -> bool:
+        """Logs, evaluations and checkpoints due after a step; True to stop as if killed."""
+        cfg, step = self.cfg, self.step
+        last = step == self.total
+        if step % cfg.log_every == 0 or last:
+            record = self._log()
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}")
+        if cfg.eval_every and step % cfg.eval_every == 0 and not last:
+            self.evaluate()
+        if step % cfg.checkpoint_every == 0 and not last:
+            self.save()
+        if cfg.stop_after_steps is not None and step == cfg.stop_after_steps and not last:
+            log.warning("stopping after step %d (--stop-after-steps)", step)
+            return True
+        return False
+
+    def _next_item(self) -> dict[str, Any]:
+        while True:
+            start = time.perf_counter()
+            item = next(self.batches, None)
+            self.window = (self.window[0], self.window[1] + time.perf_counter() - start)
+            if item is None:
+                raise RuntimeError("the loader ran out of batches before the planned last step")
+            if item["real"]:
+                if item["epoch"] != self.loader_state.epoch:
+                    raise RuntimeError(
+                        f"loader out of step: got epoch {item['epoch']}, expected "
+                        f"{self.loader_state.epoch}"
+                    )
+                return item
+
+    def _optimizer_step(self) -> None:
+        accum = self.cfg.grad_accum
+        ddp = hasattr(self.net, "no_sync")  # DDP, possibly under torch.compile
+        weight_local = torch.zeros((), dtype=torch.float32, device=self.device)
+        for i in range(accum):
+            item = self._next_item()
+            batch = device_batch(item, self.device)
+            gen = torch.Generator().manual_seed(item["anchor_seed"])
+            sync = self.net.no_sync() if ddp and i < accum - 1 else contextlib.nullcontext()
+            with sync:
+                with self.autocast():
+                    out = forward_loss(
+                        self.net,
+                        self.embed_VH,
+                        self.lm_head_VH,
+                        batch,
+                        generator=gen,
+                        grad_ckpt=self.cfg.grad_ckpt,
+                        **self.step_kwargs,
+                    )
+                out.weighted_sum.backward()
+            weight_local += out.weight_total.detach().float()
+            self.sums.add(out.weighted_sum, out.weight_total, out.stats, batch.lengths_B.sum())
+            self.loader_state = self.loader_state.advance(self.limits)
+        # Every kept block weighs >= 1 at offset 1, so a total below 1 means no targets at all.
+        weight_total = all_reduce_sum(weight_local).clamp(min=1.0)
+        scale = self.info.world_size / weight_total
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        for p in params:
+            p.grad.mul_(scale)
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.sums.add_step(grad_norm)
+
+    def _log(self) -> dict[str, Any]:
+        summary = self.sums.reduce()  # the one synchronisation of a logging window
+        start, waited = self.window
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        record = {
+            "kind": "train",
+            "step": self.step,
+            "epoch": self.loader_state.epoch,
+            "loss": summary["loss"],
+            "tau": summary["tau"],
+            "acc": summary["acc"],
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": summary["grad_norm"],
+            "tokens_per_s": summary["tokens"] / elapsed,
+            "data_wait": waited / elapsed,
+        }
+        self.writer.write(record)
+        log.debug("step %d: %s", self.step, record)
+        self.window = (time.perf_counter(), 0.0)
+        return record
+
+    def evaluate(self) -> dict[str, Any] | None:
+        if self.evaluator is None:
+            return None
+        result = self.evaluator.run(
+            self.model,
+            self.embed_VH,
+            self.lm_head_VH,
+            device=self.device,
+            autocast=self.autocast,
+            grad_ckpt="none",
+            **self.step_kwargs,
+        )
+        record = {"kind": "eval", "step": self.step, **result}
+        self.writer.write(record)
+        log.info("eval at step %d: loss %.4f, tau %.3f", self.step, record["loss"], record["tau"])
+        return record
+
+    def _finish(self) -> None:
+        if self.step > 0:
+            self.save()
+        self.evaluate()
+        if self.info.is_main:
+            export_drafter(self.model, self.prep.drafter, self.cfg.out / EXPORT_DIR)
+        self.writer.close()
+        barrier()

@@ -1,0 +1,153 @@
+"""Training metrics: device-side sums between log steps, one dict per log step on rank 0.
+
+Sums stay on the device until a log step, where one all-reduce and one host copy turn them
+into a dict (the only synchronisation). Rank 0 appends the dict to `metrics.jsonl`, writes it to
+TensorBoard when `torch.utils.tensorboard` imports, and at the end plots loss and per-offset
+accuracy when matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.dist import all_reduce_sum
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+PLOTS_DIR = "plots"
+
+
+class StatSums:
+    """Running sums of a window of micro-batches: loss terms, per-offset counts, tau terms."""
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size, self.device = block_size, device
+        # [weighted_sum, weight_total, accepted_sum, num_blocks, tokens, grad_norm, steps]
+        self.scalars = torch.zeros(7, dtype=torch.float64, device=device)
+        self.correct = torch.zeros(block_size, dtype=torch.float64, device=device)
+        self.count = torch.zeros(block_size, dtype=torch.float64, device=device)
+
+    def add(
+        self,
+        weighted_sum: torch.Tensor,
+        weight_total: torch.Tensor,
+        stats: dict[str, torch.Tensor],
+        tokens: torch.Tensor,
+    ) -> None:
+        """One micro-batch (no synchronisation: all on the device)."""
+        s = self.scalars
+        s[0] += weighted_sum.detach().double()
+        s[1] += weight_total.detach().double()
+        s[2] += stats["accepted_sum"].double()
+        s[3] += stats["num_blocks"].double()
+        s[4] += tokens.double()
+        self.correct += stats["correct_per_offset"].double()
+        self.count += stats["count_per_offset"].double()
+
+    def add_step(self, grad_norm: torch.Tensor) -> None:
+        self.scalars[5] += grad_norm.detach().double()
+        self.scalars[6] += 1
+
+    def reduce(self) -> dict[str, Any]:
+        """Sum over ranks, copy to the host, summarise, reset. Every rank must call it."""
+        packed = all_reduce_sum(torch.cat([self.scalars, self.correct, self.count]))
+        values = packed.tolist()
+        self.scalars.zero_(), self.correct.zero_(), self.count.zero_()
+        return summarise(values, self.block_size)
+
+
+def summarise(values: list[float], block_size: int) -> dict[str, Any]:
+    """Loss, tau and accuracy per block offset (1..B-1) from packed sums (see StatSums)."""
+    ws, wt, accepted, blocks, tokens, gnorm, steps = values[:7]
+    correct = values[7 : 7 + block_size]
+    count = values[7 + block_size : 7 + 2 * block_size]
+    return {
+        "loss": ws / wt if wt > 0 else math.nan,
+        "tau": 1.0 + accepted / blocks if blocks > 0 else math.nan,
+        "acc": [c / n if n > 0 else math.nan for c, n in zip(correct[1:], count[1:], strict=True)],
+        "tokens": tokens,
+        "grad_norm": gnorm / steps if steps > 0 else math.nan,
+    }
+
+
+class MetricsWriter:
+    """Rank 0's sink: metrics.jsonl, optional TensorBoard, plots at the end."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool) -> None:
+        self.run_dir, self.enabled = Path(run_dir), enabled
+        self.history: list[dict[str, Any]] = []
+        self.tb = None
+        if not enabled:
+            return
+        self.path = self.run_dir / METRICS_FILE
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            log.debug("tensorboard is not installed: metrics go to %s only", METRICS_FILE)
+        else:
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.history.append(record)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            prefix = "eval/" if record.get("kind") == "eval" else "train/"
+            for key, value in record.items():
+                if key in ("step", "kind", "epoch"):
+                    continue
+                if isinstance(value, list):
+                    for k, v in enumerate(value, start=1):
+                        self.tb.add_scalar(f"{prefix}{key}/offset_{k}", v, record["step"])
+                elif isinstance(value, (int, float)):
+                    self.tb.add_scalar(prefix + key, value, record["step"])
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.tb is not None:
+            self.tb.close()
+        plot_metrics(self.history, self.run_dir / PLOTS_DIR)
+
+
+def plot_metrics(history: list[dict[str, Any]], out_dir: Path) -> None:
+    """loss.png (train and eval loss by step) and accuracy.png (last accuracy per offset)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib is not installed: skipping the plots")
+        return
+    train = [r for r in history if r.get("kind") == "train"]
+    evals = [r for r in history if r.get("kind") == "eval"]
+    if not train:
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="eval")
+    ax.set(xlabel="step", ylabel="loss", title="loss")
+    ax.legend()
+    fig.savefig(out_dir / "loss.png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, records in (("train", train), ("eval", evals)):
+        if records:
+            acc = records[-1]["acc"]
+            ax.plot(range(1, len(acc) + 1), acc, "o-", label=f"{name} @ {records[-1]['step']}")
+    ax.set(xlabel="block offset k", ylabel="accuracy", title="accuracy per block offset")
+    ax.legend()
+    fig.savefig(out_dir / "accuracy.png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
