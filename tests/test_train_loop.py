@@ -121,16 +121,29 @@ def test_run_folder_refuses_a_different_run(cache, tmp_path):
 
 def test_incompatible_cache_lists_every_problem(tmp_path):
     bad = write_cache(tmp_path / "bad", num_parts=2, samples_per_part=2, complete=False)
+    config = bad / "target" / "config.json"
+    config.write_text(config.read_text().replace('"hidden_size": 64', '"hidden_size": 128'))
     result = CliRunner().invoke(
         main,
         ["--data", str(bad), "--out", str(tmp_path / "r"), "--gpus", "cpu"]
         + ["--target-layers", "0,2,7", "--mask-token-id", "5000"],
     )
-    assert result.exit_code != 0
-    assert "Traceback" not in result.output and result.exception is not None
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    problems = [line for line in result.output.splitlines() if line.startswith("  - ")]
+    assert len(problems) == 4, result.output
     text = result.output
     assert "incomplete" in text and "[2, 7]" in text and "mask_token_id" in text
+    assert "hidden size 64 in the cache, the drafter needs 128" in text
     assert not (tmp_path / "r").exists()  # refused before any work
+
+
+def test_unknown_format_version_is_refused(cache, tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    manifest = json.loads((cache / "manifest.json").read_text())
+    (old / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
+    result = CliRunner().invoke(main, ["--data", str(old), "--out", str(tmp_path / "r")])
+    assert result.exit_code == 1 and "format version 99" in result.output
 
 
 def test_cli_errors_are_usage_errors(cache, tmp_path):

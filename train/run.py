@@ -75,15 +75,11 @@ def prepare(
     cfg = resolve_devices(cfg, device_kind)
     problems: list[str] = []
     wanted = cfg.target_layer_ids or tuple(manifest.layer_ids)
-    drafter = _drafter_config(cfg, manifest, wanted, problems)
+    drafter, hidden = _drafter_config(cfg, manifest, wanted, problems)
     embed_rows = _embedding_rows(cfg.data, manifest, problems)
     try:
         check_compatible(
-            manifest,
-            cache=cfg.data,
-            layer_ids=wanted,
-            hidden_size=drafter.hidden_size if drafter else None,
-            vocab_size=embed_rows,
+            manifest, cache=cfg.data, layer_ids=wanted, hidden_size=hidden, vocab_size=embed_rows
         )
     except CacheMismatch as e:
         problems = e.problems + problems
@@ -122,14 +118,17 @@ def prepare(
 
 def _drafter_config(
     cfg: TrainConfig, manifest: Manifest, wanted: tuple[int, ...], problems: list[str]
-) -> DrafterConfig | None:
+) -> tuple[DrafterConfig | None, int | None]:
+    """(the drafter's config, the hidden size it needs), None where the target config fails."""
     try:
         target_cfg = read_target_config(cfg.data)
-    except (OSError, json.JSONDecodeError) as e:
-        problems.append(f"target config unreadable ({e})")
-        return None
+        text = target_cfg.get("text_config") or target_cfg
+        hidden = int(text["hidden_size"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        problems.append(f"target config unreadable ({e!r})")
+        return None, None
     try:
-        return DrafterConfig.from_target_config(
+        drafter = DrafterConfig.from_target_config(
             target_cfg,
             num_layers=cfg.drafter_layers,
             target_layer_ids=wanted,
@@ -141,7 +140,8 @@ def _drafter_config(
         )
     except (ValueError, KeyError) as e:
         problems.append(f"drafter config: {e}")
-        return None
+        return None, hidden
+    return drafter, hidden
 
 
 def _embedding_rows(cache: Path, manifest: Manifest, problems: list[str]) -> int | None:
