@@ -24,7 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -76,28 +76,33 @@ def default_cache_dir() -> Path:
 
 
 def tiny_target(cache_dir: Path | None = None, *, kind: str = "qwen3") -> Path:
-    """Path of the tiny target folder `tiny-{kind}-v{TINY_VERSION}`, building it on first use.
-
-    Built in a private temporary folder and renamed into place, so a reader never sees a partial
-    folder and two processes racing both end up with one complete copy.
-    """
+    """Path of the tiny target folder `tiny-{kind}-v{TINY_VERSION}`, building it on first use."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     folder = root / f"tiny-{kind}-v{TINY_VERSION}"
+    return _build_once(folder, lambda tmp: build_tiny_target(tmp, kind=kind))
+
+
+def _build_once(folder: Path, build: Callable[[Path], None]) -> Path:
+    """`folder`, made by `build(tmp)` in a private temporary folder renamed into place if absent.
+
+    A reader never sees a partial folder, and processes racing all end up with one complete copy:
+    the first rename wins and the others drop their own build.
+    """
     if folder.is_dir():
         return folder
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=root))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
     try:
-        build_tiny_target(tmp, kind=kind)
+        build(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
         os.rename(tmp, folder)
     except OSError:
         # rename refuses to replace a non-empty folder: another process finished first.
         if not folder.is_dir():
             raise
-        logger.info("tiny target %s was built by another process", folder)
+        logger.info("%s was built by another process", folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
