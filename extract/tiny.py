@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 # Bump whenever anything below changes the built folder (recipe, sizes, demo corpus): the version
 # names the cache folder, so a stale build is never reused.
-TINY_VERSION = 1
+TINY_VERSION = 2
 KINDS = ("qwen3", "qwen3_5")
 
 PAD_TOKEN, START_TOKEN, END_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -171,7 +171,7 @@ def tiny_config(kind: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedConf
         vocab_size=vocab_rows,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=6,
+        num_hidden_layers=8,  # the default 5-layer capture rule needs >= 8 distinct ids
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
@@ -187,10 +187,13 @@ def tiny_config(kind: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedConf
         return Qwen3Config(**common)
     from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
-    # Gated DeltaNet layers with a full-attention layer every third, like Qwen3.5's 3:1 pattern.
+    # Three Gated DeltaNet layers per full-attention layer, Qwen3.5's 3:1 pattern.
     return Qwen3_5TextConfig(
         **common,
-        layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+        layer_types=["linear_attention"] * 3
+        + ["full_attention"]
+        + ["linear_attention"] * 3
+        + ["full_attention"],
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         linear_key_head_dim=16,

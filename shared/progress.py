@@ -8,6 +8,7 @@ Files work across processes and nodes alike, with no extra collective in the hot
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -26,16 +27,19 @@ class RankCounters:
         self.counts: Counter[str] = Counter()
         self.every = every
         self._last = 0.0
+        self._lock = threading.Lock()  # the commit thread adds too
 
     def add(self, **increments: float) -> None:
-        self.counts.update(increments)
-        now = time.monotonic()
-        if now - self._last >= self.every:
+        with self._lock:
+            self.counts.update(increments)
+            due = time.monotonic() - self._last >= self.every
+        if due:
             self.flush()
-            self._last = now
 
     def flush(self) -> None:
-        atomic_write_json(self.path, dict(self.counts))
+        with self._lock:
+            counts, self._last = dict(self.counts), time.monotonic()
+            atomic_write_json(self.path, counts)
 
 
 def read_counters(folder: Path) -> Counter[str]:

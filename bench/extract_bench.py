@@ -1,0 +1,199 @@
+"""Extraction throughput against the pure forward of the same model on the same batches.
+
+    python bench/extract_bench.py --shape qwen3-8b --tokens 400000 --out /tmp/bench-cache
+
+Builds a real-shaped target with random weights on the GPU (only the layers up to the last
+captured one, as extraction does), makes synthetic rows of realistic lengths, and times, side by
+side in one process: (A) the plain forward of those batches, (B) the product's extraction
+pipeline on the same batches (hooks, async host copy, Blosc compression on writer threads,
+zarr parts written to --out on local disk and committed to a manifest), then (A) again.
+Prints tokens/s of each, the ratio B / mean(A), bytes per token on disk (random weights do not
+compress like real activations), peak host memory and peak GPU memory. Writes --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from shapes import SHAPES, random_model  # noqa: E402
+
+from extract.batching import length_order, make_batches  # noqa: E402
+from extract.capture import LayerCapture  # noqa: E402
+from extract.data import Tokenized  # noqa: E402
+from extract.target import build_target_layer_ids  # noqa: E402
+from extract.worker import Job, PartPipeline  # noqa: E402
+from shared.codec import codec_description  # noqa: E402
+from shared.manifest import Manifest, SourceFile, TargetInfo, read_manifest, write_manifest  # noqa: E402
+from shared.progress import RankCounters  # noqa: E402
+
+
+def synthetic_rows(tokens: int, vocab: int, seed: int) -> list[Tokenized]:
+    """Rows with chat-like lengths (log-normal, median ~900, 128..3072) and random ids."""
+    rng = np.random.default_rng(seed)
+    rows, total = [], 0
+    while total < tokens:
+        n = int(np.clip(rng.lognormal(np.log(900), 0.7), 128, 3072))
+        ids = rng.integers(0, vocab, n, dtype=np.int32)
+        mask = np.zeros(n, np.uint8)
+        mask[n // 4 :] = 1
+        rows.append(
+            Tokenized(
+                row=len(rows),
+                source="synthetic",
+                line=len(rows) + 1,
+                input_ids=ids,
+                loss_mask=mask,
+                truncated=False,
+            )
+        )
+        total += n
+    return rows
+
+
+def pure_forward(body, rows, batches, device) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for batch in batches:
+            ids = [rows[i].input_ids for i in batch]
+            width = max(len(r) for r in ids)
+            t = torch.zeros((len(ids), width), dtype=torch.long)
+            for b, r in enumerate(ids):
+                t[b, : len(r)] = torch.from_numpy(r.astype(np.int64))
+            body(input_ids=t.to(device, non_blocking=True), use_cache=False)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def extract_once(capture, rows, args, layer_ids, hidden, out: Path, device) -> float:
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    per_part = args.rows_per_part
+    units = -(-len(rows) // per_part)
+    manifest = Manifest(
+        format=args.format,
+        store=args.store,
+        codec=codec_description(args.store),
+        target=TargetInfo(
+            path="random",
+            revision="random",
+            model_type=args.shape,
+            num_layers=0,
+            hidden_size=hidden,
+            vocab_size=0,
+            tokenizer_vocab_size=0,
+        ),
+        tokenizer_sha256="-",
+        chat_template_sha256="-",
+        layer_ids=tuple(layer_ids),
+        max_length=3072,
+        rows_per_part=per_part,
+        sources=(SourceFile(path="synthetic", sha256="-", rows=len(rows)),),
+        total_rows=len(rows),
+    )
+    write_manifest(out, manifest)
+    job = Job(
+        out=out,
+        target="random",
+        files=(),
+        layer_ids=tuple(layer_ids),
+        max_length=3072,
+        format=args.format,
+        store=args.store,
+        batch_tokens=args.batch_tokens,
+        rows_per_part=per_part,
+        total_rows=len(rows),
+        units=tuple(range(units)),
+        writer_threads=args.writer_threads,
+        progress_dir=out / ".progress",
+        draw_bar=False,
+    )
+    counters = RankCounters(job.progress_dir, 0)
+    pipe = PartPipeline(job, device, capture, threads=args.writer_threads, counters=counters)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for u in range(units):
+        pipe.submit(u, rows[u * per_part : (u + 1) * per_part], [], job.unit_rows(u))
+    pipe.close()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    p.add_argument("--tokens", type=int, default=400_000)
+    p.add_argument("--batch-tokens", type=int, default=16384)
+    p.add_argument("--rows-per-part", type=int, default=128)
+    p.add_argument("--writer-threads", type=int, default=12)
+    p.add_argument("--format", default="zarr")
+    p.add_argument("--store", default="bf16")
+    p.add_argument("--out", type=Path, default=Path("/tmp/bench-cache"))
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    n_layers = SHAPES[args.shape]["num_hidden_layers"]
+    layer_ids = build_target_layer_ids(n_layers, 5)
+    model = random_model(args.shape, last_layer=max(layer_ids))
+    hidden = model.config.hidden_size
+    rows = synthetic_rows(args.tokens, model.config.vocab_size, seed=0)
+    tokens = sum(len(r.input_ids) for r in rows)
+    # The pipeline sorts each part by length; the pure forward uses the same batches.
+    ordered, batches = [], []
+    for u in range(0, len(rows), args.rows_per_part):
+        part = rows[u : u + args.rows_per_part]
+        part = [part[i] for i in length_order([len(r.input_ids) for r in part])]
+        base = len(ordered)
+        ordered += part
+        batches += [
+            range(b.start + base, b.stop + base)
+            for b in make_batches([len(r.input_ids) for r in part], batch_tokens=args.batch_tokens)
+        ]
+    body = model.get_decoder()
+    pure_forward(body, ordered, batches[:3], device)  # warm-up
+    t_a1 = pure_forward(body, ordered, batches, device)
+    capture = LayerCapture(model, layer_ids)
+    torch.cuda.reset_peak_memory_stats()
+    t_b = extract_once(capture, rows, args, layer_ids, hidden, args.out, device)
+    capture.close()
+    t_a2 = pure_forward(body, ordered, batches, device)
+    nbytes = read_manifest(args.out).totals()["nbytes"]
+    res = {
+        "shape": args.shape,
+        "tokens": tokens,
+        "rows": len(rows),
+        "layers": layer_ids,
+        "batch_tokens": args.batch_tokens,
+        "writer_threads": args.writer_threads,
+        "format": args.format,
+        "store": args.store,
+        "forward_tok_s": tokens / ((t_a1 + t_a2) / 2),
+        "extract_tok_s": tokens / t_b,
+        "ratio": ((t_a1 + t_a2) / 2) / t_b,
+        "disk_bytes_per_token": nbytes / tokens,
+        "raw_bytes_per_token": len(layer_ids) * hidden * 2,
+        "disk_MB_s": nbytes / t_b / 1e6,
+        "peak_host_rss_GB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        "peak_gpu_GB": torch.cuda.max_memory_allocated() / 1e9,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(),
+    }
+    shutil.rmtree(args.out, ignore_errors=True)
+    print(json.dumps(res))
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

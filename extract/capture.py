@@ -1,0 +1,65 @@
+"""Capture hidden states of chosen target layers with forward hooks.
+
+Layer id i is the output of decoder layer i (0-based), i.e. Hugging Face
+`outputs.hidden_states[i + 1]`. Rows are right-padded: in a causal model a real token never
+sees the padding after it, so its states equal those of the row run alone (left padding would
+feed pad tokens into the recurrent state of linear-attention layers first). Only real tokens are
+gathered: padding never leaves the GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from extract.target import decoder_layers
+
+
+class LayerCapture:
+    """Hooks on `layer_ids` that write real-token states into one packed [N, K, H] tensor."""
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], *, pad_id: int = 0):
+        self.model, self.layer_ids, self.pad_id = model, list(layer_ids), pad_id
+        self.body = model.get_decoder() if hasattr(model, "get_decoder") else model
+        layers = decoder_layers(model)
+        self._packed: torch.Tensor | None = None
+        self._index: torch.Tensor | None = None
+        self._handles = [
+            layers[layer_id].register_forward_hook(self._hook(slot))
+            for slot, layer_id in enumerate(self.layer_ids)
+        ]
+
+    def _hook(self, slot: int):
+        def hook(module: nn.Module, args: tuple, output) -> None:
+            hidden = output[0] if isinstance(output, tuple) else output
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            if self._packed is None:
+                shape = (self._index.numel(), len(self.layer_ids), flat.shape[-1])
+                self._packed = torch.empty(shape, dtype=flat.dtype, device=flat.device)
+            self._packed[:, slot] = flat.index_select(0, self._index)
+
+        return hook
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    @torch.inference_mode()
+    def run(self, rows: Sequence[np.ndarray], *, device: torch.device) -> torch.Tensor:
+        """States of `rows` (token id arrays) as one tensor [sum(len), K, H] on `device`,
+        rows one after another, in the model's dtype."""
+        lengths = [len(r) for r in rows]
+        width = max(lengths)
+        ids_BL = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids_BL[b, : len(r)] = torch.from_numpy(np.asarray(r, dtype=np.int64))
+        index = torch.cat([torch.arange(n) + b * width for b, n in enumerate(lengths)])
+        self._index = index.to(device, non_blocking=True)
+        try:
+            self.body(input_ids=ids_BL.to(device, non_blocking=True), use_cache=False)
+            return self._packed
+        finally:
+            self._packed, self._index = None, None

@@ -1,0 +1,79 @@
+"""ExtractConfig: every option of `python -m extract`, with its help and validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.cli import option
+from shared.codec import FORMATS, STORES
+
+
+def parse_layer_list(text: str) -> tuple[int, ...]:
+    """`"1,9,17"` -> (1, 9, 17); raises ValueError naming the bad item."""
+    out = []
+    for item in text.replace(" ", "").split(","):
+        if not item.lstrip("-").isdigit():
+            raise ValueError(f"--layers {text!r}: {item!r} is not an integer layer id")
+        out.append(int(item))
+    if len(set(out)) != len(out):
+        raise ValueError(f"--layers {text!r} repeats a layer id")
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtractConfig:
+    out: Path = option(help="Output cache folder (created; resumed if it holds the same job).")
+    target: str | None = option(
+        None,
+        help="Target model: a local Hugging Face folder (or hub id, if cached locally). "
+        "Default: the embedded tiny Qwen3 demo target, built on first use.",
+    )
+    data: tuple[Path, ...] = option(
+        (),
+        help="JSONL file(s): OpenAI `messages`, ShareGPT `conversations` or `input_ids` + "
+        "`loss_mask` rows; repeat the option for several. Default: the shipped demo chats.",
+    )
+    gpus: str | None = option(
+        None, help="Devices: 0-4, 0,2,5, cpu or cpu:N. Default: all visible GPUs, else cpu."
+    )
+    layers: str | None = option(
+        None, help="Explicit target layer ids to capture, e.g. 1,9,17 (0-based decoder layers)."
+    )
+    num_layers: int = option(
+        5, help="Without --layers: capture this many layers by the DFlash default rule."
+    )
+    max_length: int = option(3072, help="Truncate rows to this many tokens (counted).")
+    format: str = option("zarr", help="Shard format.", choices=FORMATS)
+    store: str = option(
+        "bf16", help="bf16 (lossless) or fp8 (e4m3 + a scale per token and layer).", choices=STORES
+    )
+    batch_tokens: int = option(16384, help="Tokens per forward batch (padded length x rows).")
+    rows_per_part: int = option(512, help="Source rows per part (the unit of work and resume).")
+    max_rows: int | None = option(None, help="Only the first N source rows (quick runs).")
+    writer_threads: int = option(
+        0, help="Compression/write threads per process (0: the host's cores / processes)."
+    )
+    overwrite: bool = option(
+        False, help="Delete an existing cache in --out that was made with other settings."
+    )
+    verbose: bool = option(False, help="Debug logging on every rank.")
+
+    def __post_init__(self) -> None:
+        if self.layers is not None:
+            parse_layer_list(self.layers)
+        checks = {
+            "num_layers": self.num_layers >= 1,
+            "max_length": self.max_length >= 2,
+            "batch_tokens": self.batch_tokens >= 2,
+            "rows_per_part": self.rows_per_part >= 1,
+            "writer_threads": self.writer_threads >= 0,
+            "max_rows": self.max_rows is None or self.max_rows >= 1,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"--{name.replace('_', '-')}: {getattr(self, name)} is too small")
+
+    @property
+    def layer_ids(self) -> tuple[int, ...] | None:
+        return parse_layer_list(self.layers) if self.layers is not None else None

@@ -1,0 +1,245 @@
+"""`run(cfg)`: validate everything, prepare the output, launch one process per device, commit."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from extract.config import ExtractConfig
+from extract.data import RowIndex, index_rows, source_fingerprint, template_fingerprint
+from extract.target import (
+    TargetError,
+    build_target_layer_ids,
+    read_config,
+    target_info,
+    text_config,
+    write_target_files,
+)
+from extract.worker import Job, rank_main
+from shared.cli import to_json
+from shared.codec import codec_description
+from shared.dist import (
+    DeviceSpec,
+    RankInfo,
+    barrier,
+    launch,
+    main_first,
+    parse_gpus,
+    under_torchrun,
+)
+from shared.fsio import atomic_write_json
+from shared.manifest import (
+    FORMAT_VERSION,
+    MANIFEST,
+    CacheMismatch,
+    Manifest,
+    SourceFile,
+    identity_mismatches,
+    read_manifest,
+    update_manifest,
+    write_manifest,
+)
+from shared.progress import SummedBar
+
+log = logging.getLogger(__name__)
+PROGRESS_DIR = ".progress"
+
+
+class ExtractError(ValueError):
+    """A problem with the request, found before any work; the message says what to do."""
+
+
+def default_data() -> tuple[Path, ...]:
+    from extract.data import demo_dataset
+
+    return (demo_dataset(),)
+
+
+def resolve_target(cfg: ExtractConfig) -> str:
+    if cfg.target is not None:
+        return cfg.target
+    from extract.tiny import tiny_target
+
+    return str(tiny_target())
+
+
+def _check_writable(out: Path) -> None:
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK):
+        raise ExtractError(f"--out {out}: {probe} is not a writable folder")
+
+
+def _layer_ids(cfg: ExtractConfig, num_target_layers: int) -> tuple[int, ...]:
+    ids = cfg.layer_ids or tuple(build_target_layer_ids(num_target_layers, cfg.num_layers))
+    bad = [i for i in ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise ExtractError(
+            f"--layers: ids {bad} out of range: the target has {num_target_layers} decoder "
+            f"layers (ids 0..{num_target_layers - 1})"
+        )
+    return ids
+
+
+def plan_manifest(cfg: ExtractConfig) -> tuple[Manifest, RowIndex]:
+    """The manifest this request would write (no parts yet) and the row index of its data.
+    Validates everything; writes nothing."""
+    target = resolve_target(cfg)
+    config = read_config(target)
+    files = cfg.data or default_data()
+    missing = [str(f) for f in files if not Path(f).is_file()]
+    if missing:
+        raise ExtractError(f"--data: no such file: {', '.join(missing)}")
+    layer_ids = _layer_ids(cfg, int(text_config(config)["num_hidden_layers"]))
+    _check_writable(cfg.out)
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+    except (OSError, ValueError) as e:
+        raise ExtractError(f"--target {target}: cannot load its tokenizer ({e})") from None
+    index = index_rows(list(files))
+    rows = index.counts
+    sources = tuple(
+        SourceFile(path=str(f), sha256=source_fingerprint(f), rows=n)
+        for f, n in zip(files, rows, strict=True)
+    )
+    total = sum(rows) if cfg.max_rows is None else min(sum(rows), cfg.max_rows)
+    prints = template_fingerprint(tokenizer)
+    resolved = dataclasses.replace(cfg, target=target, data=tuple(Path(f) for f in files))
+    return Manifest(
+        format=cfg.format,
+        store=cfg.store,
+        codec=codec_description(cfg.store),
+        target=target_info(target, config, len(tokenizer)),
+        tokenizer_sha256=prints["tokenizer"],
+        chat_template_sha256=prints["chat_template"] or "",
+        layer_ids=layer_ids,
+        max_length=cfg.max_length,
+        rows_per_part=cfg.rows_per_part,
+        sources=sources,
+        total_rows=total,
+        config={**to_json(resolved), "format_version": FORMAT_VERSION},
+    ), index
+
+
+def existing_state(cfg: ExtractConfig, planned: Manifest) -> Manifest | None:
+    """The cache to resume, None for a fresh start; raises if --out holds something else."""
+    out = cfg.out
+    if not out.exists() or not any(out.iterdir()):
+        return None
+    if (out / MANIFEST).is_file():
+        try:
+            old = read_manifest(out)
+        except CacheMismatch as e:
+            old, problems = None, e.problems
+        else:
+            problems = identity_mismatches(old, planned)
+            if old.total_rows != planned.total_rows:
+                problems.append(f"rows: cache has {old.total_rows}, requested {planned.total_rows}")
+        if not problems:
+            return old
+    else:
+        problems = ["it is not empty and holds no manifest.json"]
+    if cfg.overwrite:
+        return None
+    lines = "\n".join(f"  - {p}" for p in problems)
+    raise ExtractError(
+        f"--out {out} holds a different cache:\n{lines}\n"
+        "Use the same settings to resume it, another --out, or --overwrite to replace it."
+    )
+
+
+def _init_output(cfg: ExtractConfig, planned: Manifest, resume: Manifest | None) -> None:
+    if resume is None:
+        if cfg.out.exists():
+            shutil.rmtree(cfg.out)
+        cfg.out.mkdir(parents=True)
+        from transformers import AutoTokenizer
+
+        target = planned.target.path
+        write_target_files(Path(target), AutoTokenizer.from_pretrained(target), cfg.out)
+        write_manifest(cfg.out, planned)
+    shutil.rmtree(cfg.out / PROGRESS_DIR, ignore_errors=True)
+    atomic_write_json(cfg.out / "extract_config.json", planned.config)
+
+
+def _finalize(out: Path) -> Manifest:
+    def close(m: Manifest) -> Manifest:
+        done = m.done_units() >= set(range(m.num_units))
+        return dataclasses.replace(m, complete=done)
+
+    return update_manifest(out, close)
+
+
+def _entry(
+    info: RankInfo, job: Job, cfg: ExtractConfig, planned: Manifest, resume: Manifest | None
+) -> None:
+    """Torchrun path: rank 0 prepares the output while the others wait; rank 0 commits."""
+    with main_first(info):
+        if info.is_main:
+            _init_output(cfg, planned, resume)
+    rank_main(info, job)
+    barrier()
+    if info.is_main:
+        _finalize(cfg.out)
+
+
+def run(cfg: ExtractConfig) -> Manifest:
+    """Extract the cache described by `cfg`; returns the final manifest."""
+    try:
+        spec: DeviceSpec = parse_gpus(cfg.gpus)
+        planned, index = plan_manifest(cfg)
+    except (TargetError, ValueError) as e:
+        raise ExtractError(str(e)) from None
+    resume = existing_state(cfg, planned)
+    done = resume.done_units() if resume is not None else set()
+    pending = tuple(u for u in range(planned.num_units) if u not in done)
+    spawned = spec.nprocs > 1 and not under_torchrun()
+    job = Job(
+        out=cfg.out,
+        target=planned.target.path,
+        files=tuple(Path(s.path) for s in planned.sources),
+        index=index,
+        layer_ids=planned.layer_ids,
+        max_length=cfg.max_length,
+        format=cfg.format,
+        store=cfg.store,
+        batch_tokens=cfg.batch_tokens,
+        rows_per_part=cfg.rows_per_part,
+        total_rows=planned.total_rows,
+        units=pending,
+        writer_threads=cfg.writer_threads,
+        progress_dir=cfg.out / PROGRESS_DIR,
+        draw_bar=not spawned,
+        verbose=cfg.verbose,
+    )
+    log.info(
+        "%s: %d of %d parts to do, layers %s, %s",
+        cfg.out,
+        len(pending),
+        planned.num_units,
+        list(planned.layer_ids),
+        spec,
+    )
+    start = time.monotonic()
+    if under_torchrun():
+        launch(_entry, (job, cfg, planned, resume), spec)
+        return read_manifest(cfg.out)
+    _init_output(cfg, planned, resume)
+    bar = None
+    if spawned:
+        bar = SummedBar(job.progress_dir, total=job.pending_rows, unit_key="rows", desc="extract")
+    try:
+        launch(rank_main, (job,), spec, monitor=bar.refresh if bar else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    manifest = _finalize(cfg.out)
+    log.info("extract finished in %.1f s", time.monotonic() - start)
+    return manifest

@@ -1,0 +1,76 @@
+"""Host side of capture: pinned staging buffers, and compression + writing on a thread pool.
+
+The GPU never waits for the disk while a staging buffer is free: a batch's states are copied
+asynchronously into a pinned buffer, and a writer thread waits for that copy, then compresses
+and writes each sample. The number of buffers bounds the memory and the work in flight.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+
+class Staging:
+    """A fixed pool of reusable host buffers (pinned on CUDA), one per batch in flight."""
+
+    def __init__(self, count: int, *, pinned: bool):
+        self.pinned = pinned
+        self._free: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
+        for _ in range(count):
+            self._free.put({})
+
+    def stage(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Callable]:
+        """Copy device tensors into a free buffer (blocking while none is free).
+
+        Returns host views and a `release()` to call once they have been written.
+        """
+        slot = self._free.get()
+        views = {}
+        for name, t in tensors.items():
+            buf = slot.get(name)
+            if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
+                buf = torch.empty(t.numel(), dtype=t.dtype, pin_memory=self.pinned)
+                slot[name] = buf
+            view = buf[: t.numel()].view(t.shape)
+            view.copy_(t, non_blocking=self.pinned)
+            views[name] = view
+        event = None
+        if self.pinned:
+            event = torch.cuda.Event()
+            event.record()
+        views["_event"] = event  # type: ignore[assignment]
+        return views, lambda: self._free.put(slot)
+
+
+class WriterPool:
+    """Threads for compression and writing; errors surface on the next `check()` or `close()`."""
+
+    def __init__(self, threads: int):
+        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="writer")
+        self.futures: list[Future] = []
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        fut = self.pool.submit(fn, *args)
+        with self._lock:
+            self.futures.append(fut)
+        return fut
+
+    def check(self) -> None:
+        with self._lock:
+            done = [f for f in self.futures if f.done()]
+            self.futures = [f for f in self.futures if not f.done()]
+        for f in done:
+            f.result()
+
+    def close(self) -> None:
+        try:
+            for f in list(self.futures):
+                f.result()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)

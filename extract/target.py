@@ -1,0 +1,156 @@
+"""The target model: its facts, loading it for capture, and what the cache keeps of it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from shared.fsio import replace_dir
+from shared.manifest import TargetInfo
+from shared.target_files import EMBED_FILE, EMBED_KEY, LM_HEAD_KEY, TARGET_DIR
+
+log = logging.getLogger(__name__)
+
+
+class TargetError(ValueError):
+    """The target cannot be used; the message says why and what to do."""
+
+
+def build_target_layer_ids(num_target_layers: int, num_layers: int) -> list[int]:
+    """The DFlash default capture rule.
+
+    >>> build_target_layer_ids(36, 5)
+    [1, 9, 17, 25, 33]
+    >>> build_target_layer_ids(64, 5)
+    [1, 16, 31, 46, 61]
+    >>> build_target_layer_ids(36, 1)
+    [18]
+    """
+    if num_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + k * span / (num_layers - 1)) for k in range(num_layers)]
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language-model part of a config (multimodal Qwen3.5/3.6 configs nest it)."""
+    return config.get("text_config") or config
+
+
+def read_config(target: str) -> dict[str, Any]:
+    path = Path(target)
+    if not (path / "config.json").is_file():
+        hint = "it is not a folder" if not path.is_dir() else "it has no config.json"
+        raise TargetError(
+            f"--target {target!r}: {hint}; give a local Hugging Face model folder "
+            "(download it first: this tool never fetches models)"
+        )
+    return json.loads((path / "config.json").read_text())
+
+
+def weight_files(target: Path) -> list[Path]:
+    files = sorted(Path(target).glob("*.safetensors"))
+    if not files:
+        raise TargetError(f"--target {target}: no *.safetensors weight files found")
+    return files
+
+
+def content_hash(target: Path) -> str:
+    """sha256 over config.json and the safetensors headers (names, shapes, dtypes, offsets).
+
+    Reading headers only keeps this fast for large checkpoints; with random-init checkpoints of
+    the same shape, the weight bytes are hashed too when the files are small (< 64 MiB).
+    """
+    h = hashlib.sha256((Path(target) / "config.json").read_bytes())
+    for f in weight_files(target):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(f.name.encode() + fh.read(n))
+            if f.stat().st_size < 64 << 20:
+                h.update(fh.read())
+    return "sha256:" + h.hexdigest()
+
+
+def target_info(target: str, config: dict[str, Any], tokenizer_vocab: int) -> TargetInfo:
+    tc = text_config(config)
+    return TargetInfo(
+        path=str(target),
+        revision=content_hash(Path(target)),
+        model_type=str(config.get("model_type", "unknown")),
+        num_layers=int(tc["num_hidden_layers"]),
+        hidden_size=int(tc["hidden_size"]),
+        vocab_size=int(tc["vocab_size"]),
+        tokenizer_vocab_size=tokenizer_vocab,
+    )
+
+
+def _find_key(files: list[Path], suffix: str) -> tuple[Path, str] | None:
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                if key == suffix or key.endswith("." + suffix):
+                    return f, key
+    return None
+
+
+def write_target_files(target: Path, tokenizer: Any, cache: Path) -> None:
+    """Write `<cache>/target/`: tokenizer, config.json, embedding and lm_head (read from the
+    safetensors files directly, never loading the model). Atomic: tmp folder, then rename."""
+    files = weight_files(target)
+    embed = _find_key(files, "embed_tokens.weight")
+    if embed is None:
+        raise TargetError(f"--target {target}: no `embed_tokens.weight` tensor in its weights")
+    tensors = {}
+    with safe_open(str(embed[0]), framework="pt") as st:
+        tensors[EMBED_KEY] = st.get_tensor(embed[1]).contiguous()
+    head = _find_key(files, "lm_head.weight")
+    if head is not None:
+        with safe_open(str(head[0]), framework="pt") as st:
+            tensors[LM_HEAD_KEY] = st.get_tensor(head[1]).contiguous()
+    elif not text_config(read_config(str(target))).get("tie_word_embeddings", False):
+        raise TargetError(f"--target {target}: no `lm_head.weight` and embeddings are not tied")
+    final = Path(cache) / TARGET_DIR
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tokenizer.save_pretrained(str(tmp))
+    shutil.copyfile(Path(target) / "config.json", tmp / "config.json")
+    save_file(tensors, str(tmp / EMBED_FILE))
+    replace_dir(tmp, final)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layer list of a causal LM (Qwen3, Qwen3.5/3.6 and most HF decoders)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model
+    for candidate in (base, getattr(base, "language_model", None), getattr(base, "model", None)):
+        layers = getattr(candidate, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise TargetError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def load_target(target: str, *, device: torch.device, last_layer: int) -> nn.Module:
+    """Load the causal LM for capture: bf16 on GPU, fp32 on CPU, eval mode, and without the
+    layers after `last_layer` (they would be computed for nothing)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # device_map loads weights straight onto the GPU (it needs `accelerate`); CPU needs none.
+    placement = {"device_map": str(device)} if device.type == "cuda" else {}
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **placement)
+    return truncate(model.eval().requires_grad_(False), last_layer).to(device)
+
+
+def truncate(model: nn.Module, last_layer: int) -> nn.Module:
+    layers = decoder_layers(model)
+    del layers[last_layer + 1 :]
+    return model

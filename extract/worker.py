@@ -1,0 +1,242 @@
+"""One extract process: its share of the work units, target forward, capture, shard writing."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from extract.batching import length_order, make_batches
+from extract.capture import LayerCapture
+from extract.data import Rejected, RowIndex, Tokenized, iter_rows
+from extract.sink import Staging, WriterPool
+from extract.target import load_target
+from shared.cache import open_part_writer, part_name
+from shared.codec import quantize_fp8
+from shared.dist import RankInfo
+from shared.logs import setup_logging
+from shared.manifest import MAX_LISTED_REJECTS, PartRecord, RejectedRow, update_manifest
+from shared.progress import RankCounters, SummedBar
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every extract process needs; picklable, identical on all ranks."""
+
+    out: Path
+    target: str
+    files: tuple[Path, ...]
+    index: RowIndex | None  # seek points into `files`, so a rank reads only its rows
+    layer_ids: tuple[int, ...]
+    max_length: int
+    format: str
+    store: str
+    batch_tokens: int
+    rows_per_part: int
+    total_rows: int
+    units: tuple[int, ...]  # pending units, sorted; rank r takes units[r::world]
+    writer_threads: int
+    progress_dir: Path
+    draw_bar: bool  # rank 0 draws the bar itself (no launching parent to do it)
+    verbose: bool = False
+
+    def unit_rows(self, unit: int) -> range:
+        first = unit * self.rows_per_part
+        return range(first, min(first + self.rows_per_part, self.total_rows))
+
+    @property
+    def pending_rows(self) -> int:
+        return sum(len(self.unit_rows(u)) for u in self.units)
+
+
+def _threads(job: Job, info: RankInfo) -> int:
+    if job.writer_threads:
+        return job.writer_threads
+    return max(1, min(16, (os.cpu_count() or 2) // info.world_size))
+
+
+class PartPipeline:
+    """Forward -> capture -> async host copy -> compress/write threads -> atomic part commit.
+
+    `submit(unit, kept, rejected, rows)` runs the forwards of one part on this process's device
+    and queues its writes; the commit (rename + manifest record) happens on a commit thread once
+    the writes are done, so the device moves on to the next part at once.
+    """
+
+    def __init__(
+        self,
+        job: Job,
+        device: torch.device,
+        capture: LayerCapture,
+        *,
+        threads: int,
+        counters: RankCounters,
+    ):
+        self.job, self.device, self.capture, self.counters = job, device, capture, counters
+        self.staging = Staging(threads + 1, pinned=device.type == "cuda")
+        self.writers = WriterPool(threads)
+        self.committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
+        self.commits: list[Future] = []
+
+    def submit(
+        self, unit: int, kept: list[Tokenized], rejected: list[Rejected], rows: range
+    ) -> None:
+        job = self.job
+        kept = [kept[i] for i in length_order([len(k.input_ids) for k in kept])]
+        lengths = [len(k.input_ids) for k in kept]
+        writer = open_part_writer(
+            job.out,
+            unit,
+            fmt=job.format,
+            store=job.store,
+            num_layers=len(job.layer_ids),
+            hidden_size=_hidden(self.capture),
+            lengths=lengths,
+        )
+        futures = []
+        for batch in make_batches(lengths, batch_tokens=job.batch_tokens):
+            packed = self.capture.run([kept[i].input_ids for i in batch], device=self.device)
+            host, release = self.staging.stage(_device_payload(packed, job.store))
+            futures.append(self.writers.submit(_write_batch, writer, kept, batch, host, release))
+            self.counters.add(
+                tokens=packed.shape[0], raw_bytes=packed.shape[0] * packed[0].numel() * 2
+            )
+            self.writers.check()
+        self.commits.append(
+            self.committer.submit(
+                _commit, unit, job, writer, futures, kept, rejected, rows, self.counters
+            )
+        )
+        for f in [f for f in self.commits if f.done()]:
+            f.result()
+
+    def close(self) -> None:
+        """Wait for every queued write and commit; re-raise the first failure."""
+        try:
+            for f in self.commits:
+                f.result()
+        finally:
+            self.writers.close()
+            self.committer.shutdown(wait=True)
+
+
+def rank_main(info: RankInfo, job: Job) -> None:
+    setup_logging(info.rank, verbose=job.verbose)
+    from transformers import AutoTokenizer
+
+    if info.device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // info.world_size))
+    mine = job.units[info.rank :: info.world_size]
+    tokenizer = AutoTokenizer.from_pretrained(job.target)
+    model = load_target(job.target, device=info.device, last_layer=max(job.layer_ids))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    capture = LayerCapture(model, job.layer_ids, pad_id=pad)
+    counters = RankCounters(job.progress_dir, info.rank)
+    bar = None
+    if job.draw_bar and info.is_main:
+        bar = SummedBar(job.progress_dir, total=job.pending_rows, unit_key="rows", desc="extract")
+    threads = _threads(job, info)
+    pipeline = PartPipeline(job, info.device, capture, threads=threads, counters=counters)
+    log.info(
+        "rank %d: %d units on %s, %d writer threads", info.rank, len(mine), info.device, threads
+    )
+    try:
+        for unit in mine:
+            rows = job.unit_rows(unit)
+            items = list(
+                iter_rows(list(job.files), tokenizer, max_length=job.max_length, rows=rows)
+            )
+            kept = [x for x in items if isinstance(x, Tokenized)]
+            rejected = [x for x in items if isinstance(x, Rejected)]
+            pipeline.submit(unit, kept, rejected, rows)
+            if bar is not None:
+                bar.refresh()
+    finally:
+        pipeline.close()
+        capture.close()
+        counters.flush()
+        if bar is not None:
+            bar.close()
+
+
+def _device_payload(packed: torch.Tensor, store: str) -> dict[str, torch.Tensor]:
+    if store == "fp8":
+        q, scale = quantize_fp8(packed)
+        return {"q": q, "scale": scale}
+    return {"hidden": packed.to(torch.bfloat16)}
+
+
+def _hidden(capture: LayerCapture) -> int:
+    cfg = capture.body.config
+    return int(getattr(cfg, "hidden_size", None) or cfg.text_config.hidden_size)
+
+
+def _write_batch(writer, kept: Sequence[Tokenized], batch: range, host: dict, release) -> None:
+    try:
+        if host["_event"] is not None:
+            host["_event"].synchronize()
+        start = 0
+        for n in batch:
+            row, length = kept[n], len(kept[n].input_ids)
+            if "q" in host:
+                hidden = (host["q"][start : start + length], host["scale"][start : start + length])
+            else:
+                hidden = host["hidden"][start : start + length]
+            writer.write(
+                n,
+                sample_index=row.row,
+                input_ids=row.input_ids,
+                loss_mask=row.loss_mask,
+                hidden=hidden,
+            )
+            start += length
+    finally:
+        release()
+
+
+def _commit(unit, job, writer, futures, kept, rejected, rows, counters) -> None:
+    wait(futures)
+    for f in futures:
+        f.result()  # re-raise a failed write: the part is not committed
+    stats = writer.commit()
+    reasons: dict[str, int] = {}
+    for r in rejected:
+        reasons[r.reason] = reasons.get(r.reason, 0) + 1
+    record = PartRecord(
+        name=part_name(unit, job.format),
+        unit=unit,
+        first_row=rows.start,
+        end_row=rows.stop,
+        rows_kept=len(kept),
+        rows_truncated=sum(k.truncated for k in kept),
+        rejected=dict(sorted(reasons.items())),
+        rejected_rows=tuple(
+            RejectedRow(row=r.row, source=r.source, line=r.line, reason=r.reason)
+            for r in rejected[:MAX_LISTED_REJECTS]
+        ),
+        tokens=stats.tokens,
+        supervised_tokens=stats.supervised_tokens,
+        stored_rows=stats.stored_rows,
+        nbytes=stats.nbytes,
+        checksum=stats.checksum,
+    )
+    update_manifest(job.out, lambda m: m.with_part(record))
+    log.info(
+        "committed %s: %d rows kept, %d rejected, %d tokens, %.1f MB",
+        record.name,
+        record.rows_kept,
+        len(rejected),
+        record.tokens,
+        record.nbytes / 1e6,
+    )
+    counters.add(
+        rows=len(rows), parts=1, stored_bytes=stats.nbytes, kept=len(kept), rejected=len(rejected)
+    )
+    counters.flush()

@@ -1,0 +1,243 @@
+"""Stage one end to end on CPU with tiny targets built in code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from extract.config import ExtractConfig
+from extract.run import ExtractError, run
+from shared.cache import open_part
+from shared.manifest import read_manifest
+from shared.target_files import load_heads, read_target_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def chat(i: int, turns: int = 1) -> dict:
+    msgs = [{"role": "system", "content": f"You are helper number {i}."}] if i % 3 == 0 else []
+    for t in range(turns):
+        msgs.append({"role": "user", "content": f"What is {i} plus {t}?"})
+        msgs.append({"role": "assistant", "content": f"{i} plus {t} is {i + t}. " * (1 + i % 4)})
+    return {"messages": msgs}
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    lines = [json.dumps(chat(i, 1 + i % 3)) for i in range(22)]
+    lines[5] = "{not json"
+    lines[9] = json.dumps({"messages": [{"role": "user", "content": "no answer"}]})
+    lines[14] = json.dumps({"prompt": "unknown schema"})
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture()
+def qwen3(tiny_qwen3) -> Path:
+    return tiny_qwen3
+
+
+def extract(out: Path, target: Path, data: Path, **over) -> object:
+    cfg = dict(
+        out=out,
+        target=str(target),
+        data=(data,),
+        gpus="cpu",
+        rows_per_part=6,
+        batch_tokens=512,
+        layers="0,2,3",
+        writer_threads=2,
+    )
+    cfg.update(over)
+    return run(ExtractConfig(**cfg))
+
+
+def samples_by_row(cache: Path) -> dict[int, object]:
+    out = {}
+    for rec in read_manifest(cache).parts:
+        for s in open_part(cache / rec.name).iter_samples():
+            out[s.sample_index] = s
+    return out
+
+
+def reference_states(target: Path, ids: np.ndarray, layer_ids) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    with torch.no_grad():
+        hs = model(torch.from_numpy(ids.astype(np.int64))[None], output_hidden_states=True)
+    return torch.stack([hs.hidden_states[i + 1][0] for i in layer_ids], dim=1)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_stored_states_are_hidden_states_plus_one(tmp_path, data_file, kind, request):
+    target = request.getfixturevalue("tiny_qwen3" if kind == "qwen3" else "tiny_qwen35")
+    m = extract(tmp_path / "cache", target, data_file, batch_tokens=4096)
+    assert m.complete
+    samples = samples_by_row(tmp_path / "cache")
+    assert len(samples) == m.totals()["rows_kept"] > 10
+    for row in list(samples)[:4]:
+        s = samples[row]
+        ref = reference_states(target, s.input_ids, m.layer_ids)
+        got = s.hidden_tensor(torch.device("cpu")).float()
+        assert got.shape == ref.shape
+        # bf16 storage of fp32 states: 8 mantissa bits.
+        torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+
+
+def test_bad_rows_are_counted_with_line_numbers(tmp_path, qwen3, data_file):
+    m = extract(tmp_path / "c", qwen3, data_file)
+    t = m.totals()
+    assert t["rows_read"] == 22 and t["rows_kept"] + t["rows_rejected"] == 22
+    assert t["rejected"] == {"malformed_json": 1, "no_assistant_turn": 1, "unknown_schema": 1}
+    lines = {r.reason: r.line for p in m.parts for r in p.rejected_rows}
+    assert lines == {"malformed_json": 6, "no_assistant_turn": 10, "unknown_schema": 15}
+
+
+def test_target_files_are_copied(tmp_path, qwen3, data_file):
+    extract(tmp_path / "c", qwen3, data_file, max_rows=4)
+    embed, head = load_heads(tmp_path / "c")
+    cfg = read_target_config(tmp_path / "c")
+    assert embed.shape == (cfg["vocab_size"], cfg["hidden_size"]) and head.shape == embed.shape
+    assert (tmp_path / "c" / "target" / "tokenizer_config.json").is_file()
+
+
+def _parts_checksums(cache: Path) -> dict[str, str]:
+    return {p.name: p.checksum for p in read_manifest(cache).parts}
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one(tmp_path, qwen3, data_file):
+    one = extract(tmp_path / "one", qwen3, data_file)
+    two = extract(tmp_path / "two", qwen3, data_file, gpus="cpu:2")
+    assert two.complete and _parts_checksums(tmp_path / "one") == _parts_checksums(tmp_path / "two")
+    assert one.totals() == two.totals()
+
+
+@pytest.mark.parametrize("fmt, store", [("wds", "bf16"), ("zarr", "fp8"), ("wds", "fp8")])
+def test_formats_and_stores(tmp_path, qwen3, data_file, fmt, store):
+    m = extract(tmp_path / "c", qwen3, data_file, format=fmt, store=store, max_rows=8)
+    base = extract(tmp_path / "base", qwen3, data_file, max_rows=8)
+    assert m.totals()["tokens"] == base.totals()["tokens"]
+    a, b = samples_by_row(tmp_path / "c"), samples_by_row(tmp_path / "base")
+    assert a.keys() == b.keys()
+    for row in a:
+        x = a[row].hidden_tensor(torch.device("cpu")).float()
+        y = b[row].hidden_tensor(torch.device("cpu")).float()
+        np.testing.assert_array_equal(a[row].input_ids, b[row].input_ids)
+        tol = 0 if store == "bf16" else 0.07
+        assert ((x - y).norm() / y.norm()).item() <= tol
+
+
+def test_resume_after_kill_equals_uninterrupted(tmp_path, qwen3, data_file):
+    full = extract(tmp_path / "full", qwen3, data_file)
+    out = tmp_path / "killed"
+    cmd = [
+        sys.executable,
+        "-m",
+        "extract",
+        "--out",
+        str(out),
+        "--target",
+        str(qwen3),
+        "--data",
+        str(data_file),
+        "--gpus",
+        "cpu",
+        "--rows-per-part",
+        "6",
+        "--batch-tokens",
+        "512",
+        "--layers",
+        "0,2,3",
+        "--writer-threads",
+        "2",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:  # kill -9 as soon as the first part is committed
+        if "committed part-" in line:
+            proc.kill()
+            break
+    proc.wait()
+    assert proc.returncode == -9
+    partial = read_manifest(out)
+    assert not partial.complete and 1 <= len(partial.parts) < full.num_units
+    resumed = extract(out, qwen3, data_file)
+    assert resumed.complete
+    assert _parts_checksums(out) == _parts_checksums(tmp_path / "full")
+    assert not list(out.glob("*.tmp"))
+
+
+def test_other_settings_are_refused_then_overwritten(tmp_path, qwen3, data_file):
+    extract(tmp_path / "c", qwen3, data_file, max_rows=6)
+    with pytest.raises(ExtractError, match="layer_ids"):
+        extract(tmp_path / "c", qwen3, data_file, max_rows=6, layers="1")
+    m = extract(tmp_path / "c", qwen3, data_file, max_rows=6, layers="1", overwrite=True)
+    assert m.layer_ids == (1,) and m.complete
+
+
+def _cli(*args: str):
+    from click.testing import CliRunner
+
+    from extract.__main__ import main
+
+    return CliRunner().invoke(main, list(args))
+
+
+def test_clear_errors_before_any_work(tmp_path, qwen3, data_file):
+    out = tmp_path / "out"
+    cases = [
+        (["--target", str(tmp_path / "nope")], "--target"),
+        (["--target", str(qwen3), "--layers", "0,99"], "out of range"),
+        (["--target", str(qwen3), "--data", str(tmp_path / "missing.jsonl")], "no such file"),
+        (["--target", str(qwen3), "--gpus", "0-"], "--gpus"),
+    ]
+    for args, needle in cases:
+        r = _cli("--out", str(out), "--data", str(data_file), *args)
+        assert r.exit_code != 0 and needle in r.output, r.output
+        assert isinstance(r.exception, SystemExit)  # a clean message, not a crash
+        assert not out.exists()
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    if os.access(locked, os.W_OK):  # root ignores permissions
+        pytest.skip("running as root: cannot make an unwritable folder")
+    r = _cli("--out", str(locked / "c"), "--target", str(qwen3))
+    assert r.exit_code != 0 and "writable" in r.output
+
+
+def test_verify_passes_then_names_a_corrupt_part(tmp_path, qwen3, data_file):
+    extract(tmp_path / "c", qwen3, data_file, max_rows=12)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ok = subprocess.run(
+        [sys.executable, "-m", "extract.verify", str(tmp_path / "c"), "--samples", "2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0, ok.stderr
+    victim = max(
+        (p for p in (tmp_path / "c" / "part-000001").rglob("*") if p.is_file()),
+        key=lambda p: p.stat().st_size,
+    )
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    bad = subprocess.run(
+        [sys.executable, "-m", "extract.verify", str(tmp_path / "c")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 1 and "part-000001" in bad.stderr
