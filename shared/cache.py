@@ -9,9 +9,10 @@ file. The webdataset format (``shared/wds.py``) stores the same records as tar m
 
 zarr layout of ``hidden``: shards [64, K, H] holding inner chunks [64, 1, H], so a reader of one
 layer decodes only that layer's inner chunks (via the shard index), and a part has one file per
-64 rows rather than K. Measured through zarr's Array API on a 210 MB array (5 samples of 1024 rows, K=5, H=4096, random
-bf16), best of 3 on 2 shared cores with zarr 3.1.6: plain chunks [64, 1, H] wrote 102 MB/s from
-1 thread and 113 MB/s from 2; shards 138 and 123 MB/s (the spread between runs is ~30%).
+64 rows rather than K. Measured through zarr's Array API on a 210 MB array (5 samples of 1024
+rows, K=5, H=4096, random bf16), best of 3 on 2 shared cores with zarr 3.1.6: plain chunks
+[64, 1, H] wrote 102 MB/s from 1 thread and 113 MB/s from 2; shards 138 and 123 MB/s (the
+spread between runs is ~30%).
 
 Where compression runs: in the writing thread. ``encode_shard`` encodes each hidden shard
 exactly as the array's zarr metadata declares and writes it as a plain file under its chunk key;
