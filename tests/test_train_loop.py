@@ -59,7 +59,7 @@ def test_lr_schedule():
 
 def test_loss_decreases_and_export_is_written(cache, tmp_path):
     out = tmp_path / "run"
-    export = run(tiny(cache, out, epochs=4, eval_parts=1, eval_every=10))
+    export = run(tiny(cache, out, epochs=3, eval_parts=1, eval_every=10))
     train = records(out)
     first, last = train[0]["loss"], sum(r["loss"] for r in train[-5:]) / 5
     assert last < 0.8 * first, (first, last)
@@ -114,6 +114,10 @@ def test_run_folder_refuses_a_different_run(cache, tmp_path):
         run(tiny(cache, out, steps=2, lr=1e-3))
     with pytest.raises(RunError, match="--resume none"):
         run(tiny(cache, out, steps=2, resume="none"))
+    with pytest.raises(RunError, match="1 ranks x 1 loader streams, this run has 2 x 1"):
+        run(tiny(cache, out, steps=2, gpus="cpu:2"))
+    with pytest.raises(RunError, match="not a complete checkpoint"):
+        run(tiny(cache, out, steps=2, resume=str(tmp_path / "missing")))
     run(tiny(cache, out, steps=3))  # more steps: harmless, resumes from step 2
     assert final_state(out)["step"] == 3
     assert [r["step"] for r in records(out)] == [1, 2, 3]

@@ -78,7 +78,8 @@ def save_checkpoint(
     tmp.mkdir()
     torch.save(state, tmp / STATE_FILE)
     atomic_write_json(tmp / DRAFTER_FILE, drafter_cfg.to_dict())
-    atomic_write_json(tmp / META_FILE, {"step": step, "files": [STATE_FILE, DRAFTER_FILE]})
+    meta = {"step": step, "files": [STATE_FILE, DRAFTER_FILE], "loader": state.get("loader")}
+    atomic_write_json(tmp / META_FILE, meta)
     fsync_dir(tmp)
     replace_dir(tmp, final)
     prune(run_dir, keep=keep)
@@ -92,6 +93,11 @@ def prune(run_dir: Path, *, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
     for tmp in checkpoints_dir(run_dir).glob(".step-*.tmp"):
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """The small `meta.json` of a checkpoint: step and loader position, without loading state."""
+    return json.loads((Path(path) / META_FILE).read_text())
 
 
 def load_state(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:

@@ -89,6 +89,14 @@ def configure_compile(cfg: TrainConfig) -> None:
         dynamo.fail_on_recompile_limit_hit = True
     elif cfg.compile != "none":
         log.warning("this torch cannot fail on the recompile limit; recompiles are not bounded")
+    if cfg.compile == "model":
+        import torch._inductor.config as inductor
+
+        # Padded lengths and batch sizes vary, so the drafter recompiles once with dynamic
+        # shapes; Inductor's coalescing analysis (torch 2.11, "does not yet apply to dynamic
+        # shapes") then fails an assertion in tiling_utils.get_pw_red_splits. Skip it.
+        if hasattr(inductor.triton, "coalesce_tiling_analysis"):
+            inductor.triton.coalesce_tiling_analysis = False
 
 
 def train_rank(info: RankInfo, cfg: TrainConfig, prep: Prepared) -> None:

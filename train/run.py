@@ -15,12 +15,12 @@ from typing import Any
 from safetensors import safe_open
 
 from shared.cli import to_json
-from shared.dist import launch, parse_gpus
+from shared.dist import launch, parse_gpus, under_torchrun
 from shared.fsio import atomic_write_json
 from shared.manifest import CacheMismatch, Manifest, check_compatible, read_manifest
 from shared.target_files import EMBED_FILE, EMBED_KEY, read_target_config, target_dir
 from train.anchors import default_gamma
-from train.checkpoint import list_checkpoints
+from train.checkpoint import list_checkpoints, read_meta, resolve_resume
 from train.config import TrainConfig, config_changes
 from train.data import layer_positions, load_catalog, split_eval
 from train.loop import EXPORT_DIR, Prepared, train_rank
@@ -43,7 +43,8 @@ def run(cfg: TrainConfig) -> Path:
         raise RunError(str(e)) from None
     manifest = read_manifest(cfg.data)
     cfg, prep = prepare(cfg, manifest, device_kind=spec.kind)
-    prepare_run_dir(cfg, prep, manifest)
+    world_size = None if under_torchrun() else spec.nprocs
+    prepare_run_dir(cfg, prep, manifest, world_size=world_size)
     log.info(
         "training a %d-layer drafter on %d parts (%d held out) with %s, target layers %s",
         prep.drafter.num_layers,
@@ -170,8 +171,14 @@ def run_record(cfg: TrainConfig, prep: Prepared, manifest: Manifest) -> dict[str
     }
 
 
-def prepare_run_dir(cfg: TrainConfig, prep: Prepared, manifest: Manifest) -> None:
-    """Create the run folder or check that it holds this run; write config.json."""
+def prepare_run_dir(
+    cfg: TrainConfig, prep: Prepared, manifest: Manifest, *, world_size: int | None = None
+) -> None:
+    """Create the run folder or check that it holds this run; write config.json.
+
+    `world_size` (None when unknown here, as under torchrun) is checked against the checkpoint
+    a resume would start from: the data plan depends on it.
+    """
     out = Path(cfg.out)
     path = out / CONFIG_FILE
     record = run_record(cfg, prep, manifest)
@@ -192,5 +199,23 @@ def prepare_run_dir(cfg: TrainConfig, prep: Prepared, manifest: Manifest) -> Non
             f"{out} has checkpoints and --resume none was given: use another --out, delete "
             "the folder, or resume (--resume auto)"
         )
+    _check_resume_point(cfg, world_size)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, record)
+
+
+def _check_resume_point(cfg: TrainConfig, world_size: int | None) -> None:
+    try:
+        path = resolve_resume(cfg.out, cfg.resume)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    if path is None or world_size is None:
+        return
+    loader = read_meta(path).get("loader") or {}
+    saved = (loader.get("world_size"), loader.get("workers"))
+    if saved != (world_size, max(cfg.workers, 1)):
+        raise RunError(
+            f"{path} was written by {saved[0]} ranks x {saved[1]} loader streams, this run has "
+            f"{world_size} x {max(cfg.workers, 1)}: resume with the same --gpus count and "
+            "--workers, or start a new --out"
+        )
