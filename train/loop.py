@@ -78,6 +78,8 @@ def lr_factor(step: int, *, total: int, warmup: int) -> float:
 
 def configure_compile(cfg: TrainConfig) -> None:
     """Bound recompiles and make hitting the bound an error rather than a fall back to eager."""
+    if cfg.compile == "none" and cfg.attention == "sdpa":
+        return  # nothing is compiled; importing dynamo alone takes seconds
     import torch._dynamo
 
     dynamo = torch._dynamo.config
