@@ -78,6 +78,47 @@ def _sample(rng: np.random.Generator, length: int, codes: np.ndarray) -> tuple:
     )
 
 
+def _write_part(
+    root: Path,
+    part: int,
+    lens: list[int],
+    codes: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    fmt: str,
+    store: str,
+) -> PartRecord:
+    writer = open_part_writer(
+        root,
+        part,
+        fmt=fmt,
+        store=store,
+        num_layers=codes.shape[0],
+        hidden_size=codes.shape[2],
+        lengths=lens,
+    )
+    first = part * len(lens)
+    for n, length in enumerate(lens):
+        ids, mask, hidden = _sample(rng, length, codes)
+        writer.write(n, sample_index=first + n, input_ids=ids, loss_mask=mask, hidden=hidden)
+    stats = writer.commit()
+    return PartRecord(
+        name=part_name(part, fmt),
+        unit=part,
+        first_row=first,
+        end_row=first + len(lens),
+        rows_kept=len(lens),
+        rows_truncated=0,
+        rejected={},
+        rejected_rows=(),
+        tokens=stats.tokens,
+        supervised_tokens=stats.supervised_tokens,
+        stored_rows=stats.stored_rows,
+        nbytes=stats.nbytes,
+        checksum=stats.checksum,
+    )
+
+
 def write_cache(
     root: Path,
     *,
@@ -100,39 +141,7 @@ def write_cache(
     records = []
     for part in range(num_parts):
         lens = [int(n) for n in rng.integers(lengths[0], lengths[1] + 1, samples_per_part)]
-        writer = open_part_writer(
-            root,
-            part,
-            fmt=fmt,
-            store=store,
-            num_layers=len(layer_ids),
-            hidden_size=hidden,
-            lengths=lens,
-        )
-        supervised = 0
-        for n, length in enumerate(lens):
-            ids, mask, h = _sample(rng, length, codes)
-            supervised += int(mask.sum())
-            row = part * samples_per_part + n
-            writer.write(n, sample_index=row, input_ids=ids, loss_mask=mask, hidden=h)
-        stats = writer.commit()
-        records.append(
-            PartRecord(
-                name=part_name(part, fmt),
-                unit=part,
-                first_row=part * samples_per_part,
-                end_row=(part + 1) * samples_per_part,
-                rows_kept=samples_per_part,
-                rows_truncated=0,
-                rejected={},
-                rejected_rows=(),
-                tokens=stats.tokens,
-                supervised_tokens=stats.supervised_tokens,
-                stored_rows=stats.stored_rows,
-                nbytes=stats.nbytes,
-                checksum=stats.checksum,
-            )
-        )
+        records.append(_write_part(root, part, lens, codes, rng, fmt=fmt, store=store))
     manifest = Manifest(
         complete=complete,
         format=fmt,

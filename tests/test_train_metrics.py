@@ -48,3 +48,12 @@ def test_writer_appends_jsonl_on_rank_zero_only(tmp_path):
     quiet.write({"kind": "train", "step": 1})
     quiet.close()
     assert list(other.iterdir()) == []
+
+
+def test_rewind_drops_records_after_the_checkpoint(tmp_path):
+    writer = MetricsWriter(tmp_path, enabled=True)
+    for step in (1, 2, 3):
+        writer.write({"kind": "train", "step": step, "loss": 1.0, "acc": []})
+    MetricsWriter(tmp_path, enabled=True).rewind(2)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]

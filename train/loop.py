@@ -193,6 +193,7 @@ class Trainer:
             state["loader"], world_size=self.info.world_size, workers=self.workers
         )
         self.step = int(state["step"])
+        self.writer.rewind(self.step)
         if len(state["rng"]) == self.info.world_size:
             set_rng_state(state["rng"][self.info.rank], self.device)
         log.info("resumed from %s at step %d of %d", path, self.step, self.total)

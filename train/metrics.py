@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from shared.dist import all_reduce_sum
+from shared.fsio import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,17 @@ class MetricsWriter:
             log.debug("tensorboard is not installed: metrics go to %s only", METRICS_FILE)
         else:
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def rewind(self, step: int) -> None:
+        """Drop records after `step` (logged by a run that died before its next checkpoint),
+        so a resumed run's log has each step once."""
+        if not self.enabled or not self.path.is_file():
+            return
+        lines = self.path.read_text().splitlines()
+        kept = [line for line in lines if json.loads(line)["step"] <= step]
+        if len(kept) < len(lines):
+            atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+        self.history = [json.loads(line) for line in kept]
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
