@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.cache import PartReader, PartWriter, Sample
 from shared.codec import FORMAT_VERSION, crc32c_hex, numcodecs_blosc, payload_dtype
+from shared.part import PartReader, PartWriter, Sample
 
 PART_MEMBER = "__part__"
 # Blosc takes at most ~2 GiB per call; a long sample is stored as several frames.

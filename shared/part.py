@@ -1,0 +1,281 @@
+"""Cache parts (format version 1): the layout, samples, and the writer/reader base classes.
+
+A part is one work unit's samples, packed without padding. In the zarr format (DESIGN.md
+section 3) sample n occupies rows ``offsets[n] .. offsets[n] + lengths[n]`` of ``hidden``
+[T, K, H]; each sample starts on a multiple of CHUNK_ROWS and the rows up to the next sample are
+zeros that are never written (fill value 0). The layout is fixed from the lengths up front, so
+every sample write covers whole chunks and writes from several threads never touch the same
+file. The webdataset format (``shared/wds.py``) stores the same records as tar members.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shared.codec import (
+    CHUNK_ROWS,
+    HiddenInput,
+    check_format,
+    check_store,
+    dequantize_fp8,
+    encode_hidden,
+    part_checksum,
+    token_array,
+    u16_to_bf16,
+)
+from shared.fsio import fsync_dir, replace_dir
+
+log = logging.getLogger(__name__)
+
+
+def part_name(part_id: int, fmt: str) -> str:
+    """``part-000123`` (zarr) or ``part-000123.tar`` (wds)."""
+    check_format(fmt)
+    return f"part-{part_id:06d}" + (".tar" if fmt == "wds" else "")
+
+
+def aligned_offsets(lengths: Sequence[int]) -> np.ndarray:
+    """int64 [N+1]: sample starts rounded up to CHUNK_ROWS; the last entry is the row count T.
+
+    >>> aligned_offsets([3, 64, 65]).tolist()
+    [0, 64, 128, 256]
+    """
+    rows_N = -(-np.asarray(lengths, dtype=np.int64) // CHUNK_ROWS) * CHUNK_ROWS
+    return np.concatenate([np.zeros(1, np.int64), np.cumsum(rows_N, dtype=np.int64)])
+
+
+@dataclass(frozen=True, eq=False)
+class Sample:
+    """One cached sample. hidden holds bf16 bits (uint16) or e4m3 bits (uint8) [L, K', H]."""
+
+    sample_index: int
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    hidden: np.ndarray
+    scale: np.ndarray | None = None
+
+    def hidden_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """bf16 [L, K', H] on ``device``; fp8 payloads are dequantised there."""
+        if self.scale is None:
+            return u16_to_bf16(self.hidden).to(device)
+        q = torch.from_numpy(np.ascontiguousarray(self.hidden)).to(device)
+        return dequantize_fp8(q, torch.from_numpy(np.ascontiguousarray(self.scale)).to(device))
+
+
+@dataclass(frozen=True)
+class PartStats:
+    """What the manifest records about a committed part."""
+
+    rows: int  # samples
+    tokens: int
+    supervised_tokens: int
+    stored_rows: int  # T: tokens plus alignment rows (zarr); tokens (wds)
+    nbytes: int  # on disk
+    checksum: str
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file or folder if it exists."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _disk_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+class PartWriter:
+    """Writes one part into ``<final>.tmp`` and renames it on commit(); see open_part_writer.
+
+    ``write`` is thread-safe and samples may arrive in any order. Use as a context manager to
+    abort on an exception.
+    """
+
+    def __init__(
+        self, final: Path, *, store: str, num_layers: int, hidden_size: int, lengths: Sequence[int]
+    ) -> None:
+        self.final = final
+        self.tmp = final.with_name(final.name + ".tmp")
+        self.store, self.num_layers, self.hidden_size = store, num_layers, hidden_size
+        self.lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        if (self.lengths <= 0).any():
+            raise ValueError("every sample length must be > 0")
+        self._lock = threading.Lock()
+        self._claimed: set[int] = set()
+        self._sample_indices: set[int] = set()
+        self._written = np.zeros(len(self.lengths), dtype=bool)
+        self._supervised = 0
+        self._closed = False
+
+    def write(
+        self,
+        n: int,
+        *,
+        sample_index: int,
+        input_ids: torch.Tensor | np.ndarray,
+        loss_mask: torch.Tensor | np.ndarray,
+        hidden: HiddenInput,
+    ) -> None:
+        """Store sample n (lengths[n] tokens). Safe to call from several threads at once."""
+        if not 0 <= n < len(self.lengths):
+            raise IndexError(f"sample {n} out of range for a part of {len(self.lengths)}")
+        length = int(self.lengths[n])
+        ids = token_array(input_ids, np.int32, length, "input_ids")
+        mask = token_array(loss_mask, np.uint8, length, "loss_mask")
+        shape = (length, self.num_layers, self.hidden_size)
+        payload, scale = encode_hidden(hidden, self.store, shape)
+        sample_index = int(sample_index)
+        with self._lock:
+            if self._closed or n in self._claimed:
+                raise RuntimeError(f"sample {n} already written or writer closed")
+            if sample_index in self._sample_indices:
+                raise ValueError(f"sample_index {sample_index} written twice")
+            self._claimed.add(n)
+            self._sample_indices.add(sample_index)
+        try:
+            self._store(n, sample_index, ids, mask, payload, scale)
+        except BaseException:
+            with self._lock:
+                self._claimed.discard(n)
+                self._sample_indices.discard(sample_index)
+            raise
+        with self._lock:
+            self._written[n] = True
+            self._supervised += int(np.count_nonzero(mask))
+
+    def commit(self) -> PartStats:
+        """Finish the part, rename ``.tmp`` to its final name and return its stats.
+
+        Raises RuntimeError if a sample was not written (the tmp is kept for abort()).
+        """
+        with self._lock:
+            missing = np.flatnonzero(~self._written)
+            if self._closed or len(missing):
+                raise RuntimeError(f"cannot commit {self.final.name}: missing {missing[:10]}")
+            self._closed = True
+        self._finish()
+        checksum = part_checksum(self.tmp)
+        stats = PartStats(
+            rows=len(self.lengths),
+            tokens=int(self.lengths.sum()),
+            supervised_tokens=self._supervised,
+            stored_rows=self._stored_rows(),
+            nbytes=_disk_bytes(self.tmp),
+            checksum=checksum,
+        )
+        if self.final.exists():
+            # Committed before a crash but never recorded in the manifest, so never trusted.
+            log.warning("replacing %s, which the manifest does not list", self.final)
+        if self.tmp.is_dir():
+            replace_dir(self.tmp, self.final)
+        else:
+            os.replace(self.tmp, self.final)
+            fsync_dir(self.final.parent)
+        log.debug("committed %s: %s", self.final, stats)
+        return stats
+
+    def abort(self) -> None:
+        """Discard the part being written."""
+        with self._lock:
+            self._closed = True
+        self._close_quietly()
+        remove_path(self.tmp)
+
+    def __enter__(self) -> PartWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is not None and self.tmp.exists():
+            self.abort()
+
+    # Format-specific parts.
+    def _store(self, n: int, sample_index: int, ids: np.ndarray, mask: np.ndarray,
+               payload: np.ndarray, scale: np.ndarray | None) -> None:  # fmt: skip
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        """Write what is left and make the tmp durable."""
+        raise NotImplementedError
+
+    def _stored_rows(self) -> int:
+        return int(self.lengths.sum())
+
+    def _close_quietly(self) -> None:
+        pass
+
+
+class PartReader:
+    """Reads one part. Iteration yields samples in stored order; ``layers`` are positions into
+    the stored layer axis (0..K-1), any subset in any order, returned in the order given."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        store: str,
+        num_layers: int,
+        hidden_size: int,
+        lengths: np.ndarray,
+        sample_indices: np.ndarray,
+    ) -> None:
+        check_store(store)
+        self.path = path
+        self.store, self.num_layers, self.hidden_size = store, num_layers, hidden_size
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.sample_indices = np.asarray(sample_indices, dtype=np.int64)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def __iter__(self) -> Iterator[Sample]:
+        return self.iter_samples()
+
+    def iter_samples(self, layers: Sequence[int] | None = None) -> Iterator[Sample]:
+        raise NotImplementedError
+
+    def read(self, n: int, layers: Sequence[int] | None = None) -> Sample:
+        """Sample n by random access (zarr parts only)."""
+        raise NotImplementedError(f"{self.path.name}: random access needs a zarr part")
+
+    def layer_positions(self, layers: Sequence[int] | None) -> np.ndarray | None:
+        """Validated int64 positions into the stored layer axis, or None for all layers."""
+        if layers is None:
+            return None
+        pos = np.asarray(list(layers), dtype=np.int64).reshape(-1)
+        if len(pos) == 0 or (pos < 0).any() or (pos >= self.num_layers).any():
+            raise IndexError(f"layers must be non-empty positions in 0..{self.num_layers - 1}")
+        return pos
+
+
+def layout_problems(offsets: np.ndarray, lengths: np.ndarray, total_rows: int) -> list[str]:
+    """What is wrong with a zarr part's offsets/lengths: alignment, overlap, bounds."""
+    if offsets.shape != (len(lengths) + 1,):
+        return [f"offsets shape {offsets.shape} for {len(lengths)} samples"]
+    problems = []
+    if (lengths <= 0).any():
+        problems.append(f"non-positive lengths at samples {np.flatnonzero(lengths <= 0)[:10]}")
+    if offsets[0] != 0 or (offsets % CHUNK_ROWS).any():
+        problems.append(f"offsets not aligned to {CHUNK_ROWS} rows")
+    if (offsets[:-1] + lengths > offsets[1:]).any():
+        problems.append("samples overlap or offsets decrease")
+    if offsets[-1] > total_rows:
+        problems.append(f"offsets end at {offsets[-1]} beyond {total_rows} rows")
+    return problems
