@@ -7,6 +7,7 @@ and batching changes GPU reductions slightly (tolerance 2e-2); fp8 e4m3 keeps 3 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import sys
@@ -57,10 +58,11 @@ def rerun_samples(
     problems, tol = [], TOLERANCE[manifest.store]
     for rec, n in picks:
         reader = open_part(cache / rec.name)
+        # wds parts stream only: walk to the n-th sample.
         sample = (
             reader.read(n)
-            if hasattr(reader, "read") and manifest.format == "zarr"
-            else (next(s for i, s in enumerate(reader.iter_samples()) if i == n))
+            if manifest.format == "zarr"
+            else next(itertools.islice(reader.iter_samples(), n, None))
         )
         fresh = capture.run([sample.input_ids], device=device).float().cpu()
         stored = sample.hidden_tensor(torch.device("cpu")).float()
