@@ -33,13 +33,23 @@ def test_candidates_need_two_supervised_tokens_inside_the_length():
     assert keep.tolist() == [[True, True, True, False, False], [True, True, True, False, False]]
 
 
-def test_last_position_is_never_an_anchor_and_more_anchors_than_tokens_pad():
+def test_last_position_is_never_an_anchor_and_blocks_are_capped_by_length():
     anchors, keep = sample_anchors(
         torch.ones(1, 4, dtype=torch.uint8), torch.tensor([4]), num_anchors=6, generator=_gen(1)
     )
-    assert anchors.shape == (1, 6)
+    assert anchors.shape == (1, 4)  # never more blocks than positions: N = min(anchors, S)
     assert anchors[keep].tolist() == [0, 1, 2]
     assert not keep[0, 3:].any() and (anchors[0, 3:] == 0).all()
+
+
+def test_trim_keeps_the_anchors_and_drops_all_padding_columns():
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.uint8)
+    lengths = torch.tensor([8, 8])
+    full = sample_anchors(mask, lengths, num_anchors=6, generator=_gen(3))
+    trimmed = sample_anchors(mask, lengths, num_anchors=6, generator=_gen(3), trim=True)
+    assert full[0].shape == (2, 6) and trimmed[0].shape == (2, 3)
+    assert torch.equal(full[0][:, :3], trimmed[0]) and torch.equal(full[1][:, :3], trimmed[1])
+    assert not full[1][:, 3:].any()
 
 
 def test_no_candidates_gives_only_dropped_blocks():

@@ -19,12 +19,15 @@ def sample_anchors(
     *,
     num_anchors: int,
     generator: torch.Generator,
+    trim: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw up to `num_anchors` anchors per sequence without replacement, sorted ascending.
 
     Candidates are positions p with p + 1 < length and loss_mask[p] = loss_mask[p + 1] = 1
     (so p <= S - 2 and the first target x[p + 1] is supervised). Sequences with fewer
-    candidates are padded with dropped blocks: keep False, anchor 0. Randomness comes from
+    candidates are padded with dropped blocks: keep False, anchor 0. N = min(num_anchors, S):
+    a sequence never has more than S candidates, and sizing N by the (128-padded) length keeps
+    short batches small without a device sync and with few distinct shapes. Randomness comes from
     `generator` only (drawn on its device), so a restored generator state replays the draw.
 
     >>> g = torch.Generator().manual_seed(0)
@@ -42,6 +45,8 @@ def sample_anchors(
     keys_BS = torch.rand(batch, seq, generator=generator, device=generator.device).to(dev)
     keys_BS = torch.where(cand_BS, keys_BS, torch.full_like(keys_BS, -1.0))
     take = min(num_anchors, seq)
+    if trim:
+        take = max(1, min(take, int(cand_BS.sum(1).max())))
     top_keys_BN, top_pos_BN = keys_BS.topk(take, dim=1)
     chosen_BN = top_keys_BN >= 0
     # Sort kept anchors ascending and push dropped slots (key seq) to the end.
@@ -49,10 +54,6 @@ def sample_anchors(
     sorted_BN, _ = sort_keys_BN.sort(dim=1)
     keep_BN = sorted_BN < seq
     anchors_BN = torch.where(keep_BN, sorted_BN, torch.zeros_like(sorted_BN))
-    if take < num_anchors:
-        pad = num_anchors - take
-        anchors_BN = torch.cat([anchors_BN, anchors_BN.new_zeros(batch, pad)], dim=1)
-        keep_BN = torch.cat([keep_BN, keep_BN.new_zeros(batch, pad)], dim=1)
     return anchors_BN, keep_BN
 
 

@@ -119,8 +119,13 @@ def forward_loss(
         raise ValueError(f"block_size {block_size} differs from the drafter's {cfg.block_size}")
     ids_BS, loss_mask_BS, lengths_B = batch.ids_BS, batch.loss_mask_BS, batch.lengths_B
     batch_size, seq = ids_BS.shape
+    # Trimming all-padding blocks reads a count back: free on CPU, a sync on GPUs (skipped).
     anchors_BN, keep_BN = sample_anchors(
-        loss_mask_BS, lengths_B, num_anchors=num_anchors, generator=generator
+        loss_mask_BS,
+        lengths_B,
+        num_anchors=num_anchors,
+        generator=generator,
+        trim=ids_BS.device.type == "cpu",
     )
     with torch.no_grad():
         block_ids_BQ = block_inputs(
