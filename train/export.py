@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import click
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -167,3 +168,24 @@ def load_export(export_dir: str | Path) -> tuple[DFlashDrafter, DrafterConfig]:
     drafter = DFlashDrafter(cfg)
     drafter.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
     return drafter, cfg
+
+
+@click.command()
+@click.argument("checkpoint", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+def main(checkpoint: Path, out_dir: Path) -> None:
+    """Export the drafter of CHECKPOINT (a `runs/NAME/checkpoints/step-N` folder) to OUT_DIR in
+    the format SGLang, vLLM and the reference `dflash` package load."""
+    from shared.logs import setup_logging
+    from train.checkpoint import load_drafter
+
+    setup_logging()
+    try:
+        drafter, cfg = load_drafter(checkpoint)
+    except (ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"exported to {export_drafter(drafter, cfg, out_dir)}")
+
+
+if __name__ == "__main__":
+    main()
