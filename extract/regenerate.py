@@ -1,0 +1,444 @@
+"""`python -m extract.regenerate`: the target's own greedy answers as training data.
+
+A drafter learns the target's distribution only from the target's outputs, so the assistant
+turns of a chat dataset are replaced, turn by turn, by the target's greedy continuation of the
+conversation so far (system and user turns kept, earlier assistant turns already replaced),
+until eos or `--max-new-tokens`. Output rows are OpenAI `messages` rows plus `source_row` (the
+global row number) and `turns_at_limit` (indices of the messages cut by `--max-new-tokens`).
+
+Rows are cut into fixed chunks (`--rows-per-chunk`) spread over the ranks; each chunk is written
+to `OUT.parts/chunk-NNNNNN.jsonl` and recorded in `OUT.parts/state.json` (see
+`extract.regen_config`); OUT is the chunks concatenated in row order, replaced atomically at the
+end. Chunk files are kept, so a later run with more rows only generates the new ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from extract.chat import ChatTemplateError, render_chat
+from extract.data import Rejected, RowIndex, _RowError
+from extract.regen_config import (
+    PROGRESS_DIR,
+    Chat,
+    ChunkResult,
+    RegenConfig,
+    RegenError,
+    RegenState,
+    RowBar,
+    chunk_rows,
+    commit_chunk,
+    existing_state,
+    format_summary,
+    init_output,
+    iter_chats,
+    merge_chunks,
+    parts_dir,
+    pending_chunks,
+    read_state,
+    update_state,
+)
+from shared.cli import build, click_options, to_json
+from shared.dist import (
+    DeviceSpec,
+    RankInfo,
+    barrier,
+    broadcast_object,
+    launch,
+    parse_gpus,
+    under_torchrun,
+)
+from shared.logs import setup_logging
+from shared.progress import RankCounters
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Turn:
+    token_ids: list[int]  # without the eos that ended it
+    at_limit: bool  # stopped by max_new_tokens, not by eos
+
+
+class GreedyGenerator:
+    """Batched greedy generation (left padding + attention mask); each row stops at an eos.
+
+    eos: the tokenizer's plus the checkpoint's generation_config ones (Qwen3 instruct lists both
+    `<|im_end|>` and `<|endoftext|>`).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, max_new_tokens: int, max_length: int | None):
+        from transformers import GenerationConfig
+
+        self.model, self.tokenizer = model, tokenizer
+        self.max_new_tokens, self.max_length = max_new_tokens, max_length
+        eos = model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        if not eos:
+            raise RegenError("the target's tokenizer and generation config name no eos token")
+        self.eos = eos
+        pad = tokenizer.pad_token_id
+        self.pad = pad if pad is not None else min(eos)
+        # A fresh config replaces the checkpoint's: its sampling settings, repetition penalty and
+        # the like would otherwise fill every field left unset here. Greedy = argmax each step.
+        model.generation_config = GenerationConfig(eos_token_id=sorted(eos), pad_token_id=self.pad)
+        self.config = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=sorted(eos),
+            pad_token_id=self.pad,
+        )
+
+    def prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of the conversation with the template's generation prompt."""
+        try:
+            text = render_chat(self.tokenizer, messages, add_generation_prompt=True)
+        except ChatTemplateError as e:
+            raise _RowError("template_error", str(e)) from e
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise _RowError("empty", "the chat template rendered no tokens")
+        if self.max_length is not None and len(ids) + self.max_new_tokens > self.max_length:
+            raise _RowError(
+                "too_long", f"prompt of {len(ids)} tokens + {self.max_new_tokens} new tokens"
+            )
+        return ids
+
+    def generate(self, prompts: Sequence[list[int]]) -> list[Turn]:
+        width = max(len(p) for p in prompts)
+        ids_BS = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask_BS = torch.zeros((len(prompts), width), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids_BS[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask_BS[b, width - len(p) :] = 1
+        device = self.model.device
+        with torch.inference_mode():
+            out_BT = self.model.generate(
+                input_ids=ids_BS.to(device),
+                attention_mask=mask_BS.to(device),
+                generation_config=self.config,
+            )
+        turns = []
+        for new in out_BT[:, width:].tolist():
+            # After its eos a finished row is filled with pad until the batch ends; a row without
+            # eos ran to max_new_tokens.
+            stop = next((i for i, t in enumerate(new) if t in self.eos), None)
+            turns.append(Turn(new, True) if stop is None else Turn(new[:stop], False))
+        return turns
+
+    def decode(self, token_ids: list[int]) -> str:
+        # Special tokens stay: the text must render back to what the target produced.
+        return self.tokenizer.decode(
+            token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
+
+@dataclass
+class _Conversation:
+    chat: Chat
+    out: list[dict[str, Any]] = field(default_factory=list)
+    next: int = 0  # index in chat.messages of the next message to copy or regenerate
+    at_limit: list[int] = field(default_factory=list)
+
+    def advance(self) -> bool:
+        """Copy the messages before the next assistant turn; False when no turn is left."""
+        messages = self.chat.messages
+        while self.next < len(messages) and messages[self.next]["role"] != "assistant":
+            self.out.append(messages[self.next])
+            self.next += 1
+        return self.next < len(messages)
+
+    def answer(self, text: str, at_limit: bool) -> None:
+        if at_limit:
+            self.at_limit.append(len(self.out))
+        self.out.append({"role": "assistant", "content": text})
+        self.next += 1
+
+    def row(self) -> dict[str, Any]:
+        return {"messages": self.out, "source_row": self.chat.row, "turns_at_limit": self.at_limit}
+
+
+def regenerate_chats(
+    chats: Sequence[Chat],
+    gen: GreedyGenerator,
+    *,
+    batch_size: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> ChunkResult:
+    """Regenerate every assistant turn of `chats`, in rounds: round r generates the r-th
+    assistant turn of every conversation that has one, `batch_size` prompts at a time (sorted by
+    length, so a batch pads little). `progress(rows_finished, new_tokens)` after each batch."""
+    result = ChunkResult(rows=[], rejected=[])
+    convs = [_Conversation(c) for c in chats]
+    active = [c for c in convs if c.advance()]
+    failed: set[int] = set()
+    report = progress or (lambda rows, tokens: None)
+    while active:
+        ready = []
+        for c in active:
+            try:
+                ready.append((c, gen.prompt(c.out)))
+            except _RowError as e:
+                failed.add(c.chat.row)
+                chat = c.chat
+                result.rejected.append(
+                    Rejected(chat.row, chat.source, chat.line, e.reason, e.detail)
+                )
+        report(len(active) - len(ready), 0)
+        ready.sort(key=lambda item: len(item[1]))
+        active = []
+        for start in range(0, len(ready), batch_size):
+            batch = ready[start : start + batch_size]
+            turns = gen.generate([p for _, p in batch])
+            finished = 0
+            for (c, _), turn in zip(batch, turns, strict=True):
+                c.answer(gen.decode(turn.token_ids), turn.at_limit)
+                result.turns += 1
+                result.turns_at_limit += turn.at_limit
+                result.new_tokens += len(turn.token_ids)
+                if c.advance():
+                    active.append(c)
+                else:
+                    finished += 1
+            report(finished, sum(len(t.token_ids) for t in turns))
+    result.rows = [c.row() for c in convs if c.chat.row not in failed]
+    result.rejected.sort(key=lambda r: r.row)
+    return result
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every process needs; picklable, identical on all ranks."""
+
+    target: str
+    files: tuple[Path, ...]
+    index: RowIndex  # seek points into `files`, so a rank reads only its rows
+    parts: Path
+    rows_per_chunk: int
+    total_rows: int
+    max_new_tokens: int
+    max_length: int | None
+    batch_size: int
+    chunks: tuple[int, ...] = ()  # pending chunks, sorted; rank r takes chunks[r::world]
+    draw_bar: bool = True  # rank 0 draws the bar itself (no launching parent to do it)
+    verbose: bool = False
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.total_rows // self.rows_per_chunk)
+
+    def chunk_rows(self, chunk: int) -> range:
+        return chunk_rows(chunk, rows_per_chunk=self.rows_per_chunk, total_rows=self.total_rows)
+
+    def pending(self, state: RegenState) -> tuple[int, ...]:
+        return pending_chunks(
+            state, self.parts, rows_per_chunk=self.rows_per_chunk, total_rows=self.total_rows
+        )
+
+    @property
+    def pending_rows(self) -> int:
+        return sum(len(self.chunk_rows(c)) for c in self.chunks)
+
+
+def rank_main(info: RankInfo, job: Job) -> None:
+    """One process: load the target on its device, regenerate and commit its chunks."""
+    setup_logging(info.rank, verbose=job.verbose)
+    mine = job.chunks[info.rank :: info.world_size]
+    if not mine:
+        return
+    from transformers import AutoTokenizer
+
+    from extract.target import load_target, read_config, text_config
+
+    if info.device.type == "cpu":
+        # Share the cores the process may use (OMP_NUM_THREADS, or all) among the CPU ranks:
+        # oversubscribed intra-op threads spin and run ~10x slower.
+        torch.set_num_threads(max(1, torch.get_num_threads() // info.world_size))
+    tokenizer = AutoTokenizer.from_pretrained(job.target)
+    layers = int(text_config(read_config(job.target))["num_hidden_layers"])
+    model = load_target(job.target, device=info.device, last_layer=layers - 1)
+    gen = GreedyGenerator(
+        model, tokenizer, max_new_tokens=job.max_new_tokens, max_length=job.max_length
+    )
+    counters = RankCounters(job.parts / PROGRESS_DIR, info.rank)
+    bar = RowBar(counters.path.parent, total=job.pending_rows) if job.draw_bar else None
+    bar = bar if info.is_main else None
+
+    def progress(rows: int, new_tokens: int) -> None:
+        counters.add(rows=rows, new_tokens=new_tokens)
+        if bar is not None:
+            bar.refresh()
+
+    log.info("rank %d: %d chunks on %s", info.rank, len(mine), info.device)
+    try:
+        for chunk in mine:
+            rows = job.chunk_rows(chunk)
+            items = list(iter_chats(job.files, rows, job.index))
+            bad = [x for x in items if isinstance(x, Rejected)]
+            progress(len(bad), 0)
+            chats = [x for x in items if isinstance(x, Chat)]
+            result = regenerate_chats(chats, gen, batch_size=job.batch_size, progress=progress)
+            result.rejected = sorted([*bad, *result.rejected], key=lambda r: r.row)
+            commit_chunk(job.parts, chunk, rows, result)
+            counters.flush()
+    finally:
+        counters.flush()
+        if bar is not None:
+            bar.close()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    settings: dict[str, Any]  # must match to resume
+    config: dict[str, Any]  # the resolved options, recorded
+    job: Job
+
+
+def _plan(cfg: RegenConfig, spec: DeviceSpec) -> _Plan:
+    """Validate the request and work out its settings; writes nothing."""
+    from transformers import AutoTokenizer
+
+    from extract.data import index_rows, source_fingerprint, template_fingerprint
+    from extract.target import content_hash, read_config, text_config
+
+    config = read_config(cfg.target)
+    missing = [str(f) for f in cfg.data if not Path(f).is_file()]
+    if missing:
+        raise RegenError(f"--data: no such file: {', '.join(missing)}")
+    if cfg.out.is_dir():
+        raise RegenError(f"--out {cfg.out} is a folder; give a .jsonl file path")
+    if any(cfg.out.resolve() == Path(f).resolve() for f in cfg.data):
+        raise RegenError(f"--out {cfg.out} is one of the --data files")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    except (OSError, ValueError) as e:
+        raise RegenError(f"--target {cfg.target}: cannot load its tokenizer ({e})") from None
+    index = index_rows(list(cfg.data))
+    total = sum(index.counts) if cfg.max_rows is None else min(sum(index.counts), cfg.max_rows)
+    max_length = cfg.max_length or text_config(config).get("max_position_embeddings")
+    prints = template_fingerprint(tokenizer)
+    settings = {
+        "target_revision": content_hash(Path(cfg.target)),
+        "tokenizer_sha256": prints["tokenizer"],
+        "chat_template_sha256": prints["chat_template"],
+        "sources_sha256": [source_fingerprint(f) for f in cfg.data],
+        "decoding": "greedy",
+        "dtype": "bfloat16" if spec.kind == "cuda" else "float32",
+        "max_new_tokens": cfg.max_new_tokens,
+        "max_length": max_length,
+        "rows_per_chunk": cfg.rows_per_chunk,
+    }
+    job = Job(
+        target=cfg.target,
+        files=tuple(Path(f) for f in cfg.data),
+        index=index,
+        parts=parts_dir(cfg.out),
+        rows_per_chunk=cfg.rows_per_chunk,
+        total_rows=total,
+        max_new_tokens=cfg.max_new_tokens,
+        max_length=max_length,
+        batch_size=cfg.batch_size,
+        verbose=cfg.verbose,
+    )
+    resolved = {**to_json(cfg), "max_length": max_length, "total_rows": total}
+    return _Plan(settings=settings, config=resolved, job=job)
+
+
+def _finish(out: Path, job: Job, *, regenerated: bool) -> RegenState:
+    state = read_state(job.parts)
+    left = job.pending(state)
+    if left:
+        log.error("%d chunks are not done (first: %d); run again to resume", len(left), left[0])
+        return state
+    if regenerated or state.merged_rows != job.total_rows or not out.is_file():
+        merge_chunks(out, job.parts, job.num_chunks)
+        state = update_state(
+            job.parts, lambda s: dataclasses.replace(s, merged_rows=job.total_rows)
+        )
+        log.info("wrote %s: rows 0..%d of the source", out, job.total_rows - 1)
+    return state
+
+
+def _torchrun_entry(info: RankInfo, cfg: RegenConfig, plan: _Plan) -> None:
+    """Torchrun path: rank 0 checks and prepares the output and hands out the work (or its
+    refusal, raised on every rank); rank 0 merges."""
+    pending: tuple[int, ...] | RegenError | None = None
+    if info.is_main:
+        try:
+            resume = existing_state(cfg.out, plan.settings, overwrite=cfg.overwrite)
+            pending = plan.job.pending(init_output(cfg.out, plan.settings, plan.config, resume))
+        except RegenError as e:
+            pending = e
+    pending = broadcast_object(pending)
+    if isinstance(pending, RegenError):
+        raise pending
+    job = dataclasses.replace(plan.job, chunks=pending)
+    rank_main(info, job)
+    barrier()
+    if info.is_main:
+        _finish(cfg.out, job, regenerated=bool(job.chunks))
+    barrier()  # every rank returns the final state
+
+
+def run(cfg: RegenConfig) -> RegenState:
+    """Regenerate the assistant turns described by `cfg`; returns the final state."""
+    from extract.target import TargetError
+
+    try:
+        spec = parse_gpus(cfg.gpus)
+        plan = _plan(cfg, spec)
+    except (TargetError, ValueError) as e:
+        raise RegenError(str(e)) from None
+    if under_torchrun():
+        launch(_torchrun_entry, (cfg, plan), spec)
+        return read_state(plan.job.parts)
+    resume = existing_state(cfg.out, plan.settings, overwrite=cfg.overwrite)
+    spawned = spec.nprocs > 1
+    state = init_output(cfg.out, plan.settings, plan.config, resume)
+    job = dataclasses.replace(plan.job, chunks=plan.job.pending(state), draw_bar=not spawned)
+    log.info("%s: %d of %d chunks to do on %s", cfg.out, len(job.chunks), job.num_chunks, spec)
+    if job.chunks:
+        bar = RowBar(job.parts / PROGRESS_DIR, total=job.pending_rows) if spawned else None
+        try:
+            launch(rank_main, (job,), spec, monitor=bar.refresh if bar else None)
+        finally:
+            if bar is not None:
+                bar.close()
+    return _finish(cfg.out, job, regenerated=bool(job.chunks))
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click_options(RegenConfig)
+@click.argument("more_data", nargs=-1, type=click.Path(path_type=Path))
+def main(more_data: tuple[Path, ...], **kwargs: Any) -> None:
+    """Replace the assistant turns of chat data by the target's own greedy answers."""
+    kwargs["data"] = (*kwargs["data"], *more_data)
+    cfg = build(RegenConfig, kwargs)
+    setup_logging(verbose=cfg.verbose)
+    start = time.monotonic()
+    try:
+        state = run(cfg)
+    except RegenError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(format_summary(state, out=cfg.out, seconds=time.monotonic() - start))
+    if state.merged_rows != state.config["total_rows"]:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    # Run the imported module, not this `__main__` copy, so that spawned processes unpickle
+    # `rank_main` and `Job` under their real module name.
+    from extract.regenerate import main as _main
+
+    _main()
