@@ -132,7 +132,8 @@ def rank_main(info: RankInfo, job: Job) -> None:
     from transformers import AutoTokenizer
 
     if info.device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // info.world_size))
+        # Respects OMP_NUM_THREADS; several CPU ranks share the cores.
+        torch.set_num_threads(max(1, torch.get_num_threads() // info.world_size))
     mine = job.units[info.rank :: info.world_size]
     tokenizer = AutoTokenizer.from_pretrained(job.target)
     model = load_target(job.target, device=info.device, last_layer=max(job.layer_ids))
