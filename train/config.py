@@ -108,7 +108,8 @@ class TrainConfig:
     compile: str | None = option(
         None,
         choices=COMPILE_MODES,
-        help="torch.compile: none, flex (flex_attention only) or model (the whole drafter); "
+        help="torch.compile: none (on CUDA the flex_attention kernel is still compiled: eager flex "
+        "is a slow reference), flex (also the BlockMask builder) or model (the whole drafter); "
         "default model on CUDA, none on CPU",
     )
     recompile_limit: int = option(

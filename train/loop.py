@@ -160,6 +160,7 @@ class Trainer:
             mask_token_id=prep.drafter.mask_token_id,
             attention=cfg.attention,
             ce_chunk_blocks=cfg.ce_chunk_blocks,
+            compile_masks=cfg.compile == "flex" and self.device.type == "cuda",
         )
         self.sums = StatSums(cfg.block_size, self.device)
         self.writer = MetricsWriter(cfg.out, enabled=info.is_main)
