@@ -85,7 +85,9 @@ class RowIndex:
     seeks: tuple[tuple[tuple[int, int], ...], ...]
 
 
-class _RowError(Exception):
+class RowError(Exception):
+    """A row that cannot be used: `reason` (e.g. one of REJECT_REASONS) and a `detail`."""
+
     def __init__(self, reason: str, detail: str):
         super().__init__(detail)
         self.reason, self.detail = reason, detail
@@ -135,23 +137,25 @@ def iter_rows(
         raise ValueError(f"rows must be a contiguous range, got {rows}")
     start = rows.start if rows is not None else 0
     stop = rows.stop if rows is not None else None
-    for row, source, line, raw in _raw_rows(files, start, stop, index):
+    for row, source, line, raw in raw_rows(files, start, stop, index):
         try:
             ids_T, mask_T = _tokenize_row(raw, tokenizer, template_kwargs)
             truncated = len(ids_T) > max_length
             ids_T, mask_T = ids_T[:max_length], mask_T[:max_length]
             if not np.any(mask_T[:-1] & mask_T[1:]):
                 cut = " after truncation" if truncated else ""
-                raise _RowError("too_few_supervised_tokens", f"no two consecutive{cut}")
+                raise RowError("too_few_supervised_tokens", f"no two consecutive{cut}")
             yield Tokenized(row, source, line, ids_T, mask_T, truncated)
-        except _RowError as e:
+        except RowError as e:
             yield Rejected(row, source, line, e.reason, e.detail)
 
 
-def _raw_rows(
+def raw_rows(
     files: Sequence[Path | str], start: int, stop: int | None, index: RowIndex | None
 ) -> Iterator[tuple[int, str, int, bytes]]:
-    """(global row, source, line number, raw line) of rows start..stop-1."""
+    """(global row, source, line number, raw line) of rows start..stop-1 (to the end if stop is
+    None), unparsed; with `index` (from `index_rows` on the same files) reading seeks close to
+    `start`."""
     first_row = 0  # global number of the current file's first row
     for file_no, path in enumerate(files):
         if stop is not None and first_row >= stop:
@@ -179,59 +183,71 @@ def _raw_rows(
         first_row = row
 
 
-def _tokenize_row(
-    raw: bytes, tokenizer: PreTrainedTokenizerBase, template_kwargs: Mapping[str, Any] | None
-) -> tuple[np.ndarray, np.ndarray]:
+def parse_row(raw: bytes) -> list[dict[str, Any]] | dict[str, Any]:
+    """The messages of one JSONL row (ShareGPT converted to OpenAI roles), or, for a
+    pre-tokenized row, its JSON object (its tokens are checked by the caller).
+
+    Raises `RowError` for bad JSON, an unknown schema, a malformed message or a chat without an
+    assistant turn."""
     try:
         obj = json.loads(raw)
     except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, absurd nesting
-        raise _RowError("malformed_json", str(e)) from e
+        raise RowError("malformed_json", str(e)) from e
     if not isinstance(obj, dict):
-        raise _RowError("unknown_schema", f"a JSON {type(obj).__name__}, not an object")
+        raise RowError("unknown_schema", f"a JSON {type(obj).__name__}, not an object")
     if "messages" in obj:
         messages = _openai_messages(obj["messages"])
     elif "conversations" in obj:
         messages = _sharegpt_messages(obj["conversations"])
     elif "input_ids" in obj:
-        return _pretokenized(obj, len(tokenizer))
+        return obj
     else:
-        raise _RowError("unknown_schema", f"no messages, conversations or input_ids: {sorted(obj)}")
+        raise RowError("unknown_schema", f"no messages, conversations or input_ids: {sorted(obj)}")
     if not any(m["role"] == "assistant" for m in messages):
-        raise _RowError("no_assistant_turn", f"roles: {[m['role'] for m in messages]}")
+        raise RowError("no_assistant_turn", f"roles: {[m['role'] for m in messages]}")
+    return messages
+
+
+def _tokenize_row(
+    raw: bytes, tokenizer: PreTrainedTokenizerBase, template_kwargs: Mapping[str, Any] | None
+) -> tuple[np.ndarray, np.ndarray]:
+    parsed = parse_row(raw)
+    if isinstance(parsed, dict):
+        return _pretokenized(parsed, len(tokenizer))
     try:
-        ids_T, mask_T = tokenize_chat(tokenizer, messages, template_kwargs=template_kwargs)
+        ids_T, mask_T = tokenize_chat(tokenizer, parsed, template_kwargs=template_kwargs)
     except ChatTemplateError as e:
-        raise _RowError("template_error", str(e)) from e
+        raise RowError("template_error", str(e)) from e
     if len(ids_T) == 0:
-        raise _RowError("empty", "the chat template rendered no tokens")
+        raise RowError("empty", "the chat template rendered no tokens")
     return ids_T, mask_T
 
 
 def _openai_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list):
-        raise _RowError("unknown_schema", f"messages is a {type(messages).__name__}, not a list")
+        raise RowError("unknown_schema", f"messages is a {type(messages).__name__}, not a list")
     if not messages:
-        raise _RowError("empty", "no messages")
+        raise RowError("empty", "no messages")
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"]):
-            raise _RowError("unknown_schema", f"message {i} has no role")
+            raise RowError("unknown_schema", f"message {i} has no role")
         if not isinstance(m.get("content"), str):
-            raise _RowError("unknown_schema", f"message {i} content is not a string")
+            raise RowError("unknown_schema", f"message {i} content is not a string")
     return messages
 
 
 def _sharegpt_messages(turns: Any) -> list[dict[str, Any]]:
     if not isinstance(turns, list):
-        raise _RowError("unknown_schema", f"conversations is a {type(turns).__name__}, not a list")
+        raise RowError("unknown_schema", f"conversations is a {type(turns).__name__}, not a list")
     if not turns:
-        raise _RowError("empty", "no conversation turns")
+        raise RowError("empty", "no conversation turns")
     messages = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict) or turn.get("from") not in SHAREGPT_ROLES:
             who = turn.get("from") if isinstance(turn, dict) else turn
-            raise _RowError("unknown_schema", f"turn {i} from {who!r}")
+            raise RowError("unknown_schema", f"turn {i} from {who!r}")
         if not isinstance(turn.get("value"), str):
-            raise _RowError("unknown_schema", f"turn {i} value is not a string")
+            raise RowError("unknown_schema", f"turn {i} value is not a string")
         messages.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]})
     return messages
 
@@ -239,19 +255,19 @@ def _sharegpt_messages(turns: Any) -> list[dict[str, Any]]:
 def _pretokenized(obj: dict[str, Any], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     ids, mask = obj["input_ids"], obj.get("loss_mask")
     if not isinstance(ids, list) or not isinstance(mask, list):
-        raise _RowError("bad_tokens", "input_ids and loss_mask must both be lists")
+        raise RowError("bad_tokens", "input_ids and loss_mask must both be lists")
     if len(ids) != len(mask):
-        raise _RowError("bad_tokens", f"{len(ids)} input_ids but {len(mask)} loss_mask values")
+        raise RowError("bad_tokens", f"{len(ids)} input_ids but {len(mask)} loss_mask values")
     if not ids:
-        raise _RowError("empty", "no input_ids")
+        raise RowError("empty", "no input_ids")
     # `type(x) is int` also refuses bools and floats such as 1.0.
     if not all(type(x) is int for x in ids) or not all(type(x) is int for x in mask):
-        raise _RowError("bad_tokens", "input_ids and loss_mask must hold ints")
+        raise RowError("bad_tokens", "input_ids and loss_mask must hold ints")
     bad_id = next((x for x in ids if not 0 <= x < vocab_size), None)
     if bad_id is not None:
-        raise _RowError("bad_tokens", f"token id {bad_id} outside the vocabulary [0, {vocab_size})")
+        raise RowError("bad_tokens", f"token id {bad_id} outside the vocabulary [0, {vocab_size})")
     if any(x not in (0, 1) for x in mask):
-        raise _RowError("bad_tokens", "loss_mask values must be 0 or 1")
+        raise RowError("bad_tokens", "loss_mask values must be 0 or 1")
     return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
 
 

@@ -28,14 +28,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from extract.data import (
-    Rejected,
-    RowIndex,
-    _openai_messages,
-    _raw_rows,
-    _RowError,
-    _sharegpt_messages,
-)
+from extract.data import Rejected, RowError, RowIndex, parse_row, raw_rows
 from shared.cli import option
 from shared.fsio import atomic_write_json, atomic_write_text, file_lock, fsync_dir
 from shared.progress import read_counters
@@ -112,34 +105,21 @@ class Chat:
 
 
 def parse_chat(raw: bytes) -> list[dict[str, Any]]:
-    """The OpenAI-style messages of one JSONL row (ShareGPT converted); raises `_RowError`."""
-    try:
-        obj = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, absurd nesting
-        raise _RowError("malformed_json", str(e)) from e
-    if not isinstance(obj, dict):
-        raise _RowError("unknown_schema", f"a JSON {type(obj).__name__}, not an object")
-    if "messages" in obj:
-        messages = _openai_messages(obj["messages"])
-    elif "conversations" in obj:
-        messages = _sharegpt_messages(obj["conversations"])
-    elif "input_ids" in obj:
-        raise _RowError("pretokenized", "a pre-tokenized row holds no text to regenerate")
-    else:
-        raise _RowError("unknown_schema", f"no messages or conversations: {sorted(obj)}")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise _RowError("no_assistant_turn", f"roles: {[m['role'] for m in messages]}")
-    return [dict(m) for m in messages]
+    """The OpenAI-style messages of one JSONL row (ShareGPT converted); raises `RowError`."""
+    parsed = parse_row(raw)
+    if isinstance(parsed, dict):
+        raise RowError("pretokenized", "a pre-tokenized row holds no text to regenerate")
+    return parsed
 
 
 def iter_chats(
     files: Sequence[Path], rows: range, index: RowIndex | None = None
 ) -> Iterator[Chat | Rejected]:
     """One `Chat` or `Rejected` per row of `rows`, in row order (rows as in `iter_rows`)."""
-    for row, source, line, raw in _raw_rows(files, rows.start, rows.stop, index):
+    for row, source, line, raw in raw_rows(files, rows.start, rows.stop, index):
         try:
             yield Chat(row, source, line, parse_chat(raw))
-        except _RowError as e:
+        except RowError as e:
             yield Rejected(row, source, line, e.reason, e.detail)
 
 

@@ -26,7 +26,7 @@ import click
 import torch
 
 from extract.chat import ChatTemplateError, render_chat
-from extract.data import Rejected, RowIndex, _RowError
+from extract.data import Rejected, RowError, RowIndex
 from extract.regen_config import (
     PROGRESS_DIR,
     Chat,
@@ -105,12 +105,12 @@ class GreedyGenerator:
         try:
             text = render_chat(self.tokenizer, messages, add_generation_prompt=True)
         except ChatTemplateError as e:
-            raise _RowError("template_error", str(e)) from e
+            raise RowError("template_error", str(e)) from e
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not ids:
-            raise _RowError("empty", "the chat template rendered no tokens")
+            raise RowError("empty", "the chat template rendered no tokens")
         if self.max_length is not None and len(ids) + self.max_new_tokens > self.max_length:
-            raise _RowError(
+            raise RowError(
                 "too_long", f"prompt of {len(ids)} tokens + {self.max_new_tokens} new tokens"
             )
         return ids
@@ -189,7 +189,7 @@ def regenerate_chats(
         for c in active:
             try:
                 ready.append((c, gen.prompt(c.out)))
-            except _RowError as e:
+            except RowError as e:
                 failed.add(c.chat.row)
                 chat = c.chat
                 result.rejected.append(
