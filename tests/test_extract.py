@@ -206,6 +206,10 @@ def test_clear_errors_before_any_work(tmp_path, qwen3, data_file):
         assert r.exit_code != 0 and needle in r.output, r.output
         assert isinstance(r.exception, SystemExit)  # a clean message, not a crash
         assert not out.exists()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    r = _cli("--out", str(a_file / "cache"), "--target", str(qwen3))
+    assert r.exit_code != 0 and "writable folder" in r.output
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
