@@ -1,0 +1,332 @@
+"""Speculative decoding: lossless against greedy, step-by-step agreement with z-lab's `dflash`
+package, the command line's JSON line and its errors."""
+
+import copy
+import json
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from train.export import export_drafter, load_export
+from train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
+from train.speculate import context_features, greedy, main, speculate
+from train.step import Batch, forward_loss
+
+LAYERS = (1, 4, 6)  # of the tiny target's 8
+EOS = 2  # the tiny tokenizer's <|im_end|>
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matmuls on a shared 2-core machine run ~10x faster without intra-op threads.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_qwen3):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+
+
+def keep_only_dim0(norm: torch.nn.Module) -> None:
+    """Make an RMSNorm output zero except hidden dim 0 (weight w, or 1 + w in Qwen3.5 norms)."""
+    with torch.no_grad():
+        norm.weight.zero_()
+        offset = float(norm(torch.ones(1, norm.weight.shape[0]))[0, 0])  # 0 for w, 1 for 1 + w
+        norm.weight.fill_(-offset)
+        norm.weight[0] = 1.0 - offset
+
+
+@pytest.fixture(scope="module")
+def two_token_target(target):
+    """The tiny target with a final norm that keeps only hidden dim 0: its greedy output is one
+    of two tokens (the argmax or argmin of lm_head column 0), chosen by the sign of dim 0."""
+    model = copy.deepcopy(target)
+    keep_only_dim0(model.model.norm)
+    return model
+
+
+def drafter_config(tiny_qwen3, **over) -> DrafterConfig:
+    target_cfg = json.loads((tiny_qwen3 / "config.json").read_text())
+    kwargs = dict(num_layers=2, target_layer_ids=LAYERS, block_size=8, tokenizer_vocab_size=500)
+    return DrafterConfig.from_target_config(target_cfg, **{**kwargs, **over})
+
+
+def two_token_drafter(cfg: DrafterConfig) -> DFlashDrafter:
+    """A random drafter that proposes one of the same two tokens: its final norm also keeps dim 0
+    only; larger weights make the choice depend on the context rather than on the mask token."""
+    drafter = DFlashDrafter(cfg)
+    init_drafter_weights(drafter, 0)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.mul_(10.0)
+    keep_only_dim0(drafter.norm)
+    return drafter
+
+
+def reference(dflash_model, monkeypatch, export_dir):
+    # return_stats times with torch.cuda.synchronize; on a CPU build time with the plain clock.
+    monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)
+    ref = dflash_model.DFlashDraftModel.from_pretrained(export_dir, dtype=torch.float32)
+    return ref.eval()
+
+
+def prompt(seed: int, length: int = 6) -> torch.Tensor:
+    return torch.randint(3, 500, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+_greedy_outputs: dict = {}
+
+
+def greedy_ids(target, ids, *, max_new_tokens, eos) -> list[int]:
+    """Plain greedy output, computed once per (target, prompt, length, eos) in this module."""
+    key = (id(target), tuple(ids.flatten().tolist()), max_new_tokens, tuple(eos))
+    if key not in _greedy_outputs:
+        out = greedy(target, ids, max_new_tokens=max_new_tokens, eos_ids=eos)
+        _greedy_outputs[key] = out.output_ids.tolist()
+    return _greedy_outputs[key]
+
+
+def agree_with_reference(ref_generate, ref, ours, target, prompts, *, max_new_tokens, eos):
+    """Run both loops and plain greedy on every prompt; return all acceptance lengths."""
+    lengths = []
+    for ids in prompts:
+        got = speculate(target, ours, ids, max_new_tokens=max_new_tokens, eos_ids=eos)
+        expected = ref_generate(ref, target, ids, max_new_tokens, eos, return_stats=True)
+        plain = greedy_ids(target, ids, max_new_tokens=max_new_tokens, eos=eos)
+        assert got.acceptance_lengths == expected.acceptance_lengths
+        if got.acceptance_lengths:  # tau within 0.05 of the reference: implied by the above
+            ref_tau = sum(expected.acceptance_lengths) / len(expected.acceptance_lengths)
+            assert abs(got.tau - ref_tau) <= 0.05
+        assert got.output_ids.tolist() == plain  # lossless
+        assert got.output_ids.tolist() == expected.output_ids.tolist()
+        assert len(got.new_ids) == 1 + sum(got.acceptance_lengths)
+        lengths += got.acceptance_lengths
+    return lengths
+
+
+@pytest.mark.parametrize(
+    ("layer_types", "window"),
+    [(("full_attention", "full_attention"), None), (("sliding_attention", "full_attention"), 3)],
+)
+def test_equals_greedy_and_reference_per_step(
+    tmp_path, monkeypatch, tiny_qwen3, two_token_target, layer_types, window
+):
+    dflash_model = pytest.importorskip("dflash.model")
+    cfg = drafter_config(tiny_qwen3, layer_types=layer_types, sliding_window=window)
+    export_drafter(two_token_drafter(cfg), cfg, tmp_path / "export")
+    ours, _ = load_export(tmp_path / "export")
+    ref = reference(dflash_model, monkeypatch, tmp_path / "export")
+    prompts = [prompt(seed) for seed in range(100, 104)]
+    lengths = agree_with_reference(
+        dflash_model.dflash_generate, ref, ours.eval(), two_token_target, prompts,
+        max_new_tokens=32, eos=[EOS],
+    )  # fmt: skip
+    # Non-trivial: some blocks fully accepted, some rejected at once, some in between.
+    assert max(lengths) == cfg.block_size and min(lengths) == 1
+    assert any(1 < n < cfg.block_size for n in lengths)
+
+
+def test_stops_at_eos_like_the_reference(tmp_path, monkeypatch, tiny_qwen3, two_token_target):
+    dflash_model = pytest.importorskip("dflash.model")
+    cfg = drafter_config(tiny_qwen3)
+    export_drafter(two_token_drafter(cfg), cfg, tmp_path / "export")
+    ours, _ = load_export(tmp_path / "export")
+    ref = reference(dflash_model, monkeypatch, tmp_path / "export")
+    ids = prompt(101)
+    plain = greedy(two_token_target, ids, max_new_tokens=40).new_ids
+    # The first token that differs from the first output token ends generation mid-stream.
+    stop = next(t for t in plain if t != plain[0])
+    agree_with_reference(
+        dflash_model.dflash_generate, ref, ours.eval(), two_token_target, [ids],
+        max_new_tokens=40, eos=[stop],
+    )  # fmt: skip
+    got = speculate(two_token_target, ours.eval(), ids, max_new_tokens=40, eos_ids=[stop])
+    assert got.new_ids == plain[: plain.index(stop) + 1]
+
+
+def test_short_generations(tiny_qwen3, target):
+    cfg = drafter_config(tiny_qwen3)
+    drafter = DFlashDrafter(cfg).eval()
+    init_drafter_weights(drafter, 1)
+    ids = prompt(7)
+    one = speculate(target, drafter, ids, max_new_tokens=1)
+    assert one.acceptance_lengths == [] and one.output_ids.shape == (1, ids.shape[1] + 1)
+    assert one.output_ids.tolist() == greedy(target, ids, max_new_tokens=1).output_ids.tolist()
+    first = one.new_ids[0]
+    stopped = speculate(target, drafter, ids, max_new_tokens=20, eos_ids=[first])
+    assert stopped.new_ids == [first] and stopped.acceptance_lengths == []
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        speculate(target, drafter, ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match="one non-empty sequence"):
+        speculate(target, drafter, torch.zeros(2, 3, dtype=torch.long), max_new_tokens=4)
+
+
+@pytest.mark.slow
+def test_hybrid_target_rolls_back_recurrent_states(tiny_qwen35):
+    """Gated DeltaNet states cannot be cropped: rejected drafts must not leak into the state."""
+    from transformers import AutoModelForCausalLM
+
+    hybrid = AutoModelForCausalLM.from_pretrained(tiny_qwen35, dtype=torch.float32).eval()
+    cfg = drafter_config(tiny_qwen35, num_layers=1, block_size=4)
+    drafter = DFlashDrafter(cfg).eval()
+    init_drafter_weights(drafter, 0)
+    for seed in (0, 1):  # a random drafter: nearly every block is rejected and rolled back
+        got = speculate(hybrid, drafter, prompt(seed), max_new_tokens=24)
+        assert got.new_ids == greedy(hybrid, prompt(seed), max_new_tokens=24).new_ids
+        assert 1 in got.acceptance_lengths
+
+
+def train_on_greedy_outputs(target, cfg: DrafterConfig, ids_BS: torch.Tensor, steps: int):
+    """A drafter trained briefly (the real training forward) on the target's own continuations."""
+    with torch.no_grad():
+        hidden = target(ids_BS, output_hidden_states=True).hidden_states
+        context_BSC = context_features(hidden, cfg.target_layer_ids)
+    loss_mask = torch.ones_like(ids_BS)
+    batch = Batch(
+        ids_BS=ids_BS,
+        loss_mask_BS=loss_mask,
+        lengths_B=torch.full((ids_BS.shape[0],), ids_BS.shape[1]),
+        context_BSC=context_BSC,
+    )
+    drafter = DFlashDrafter(cfg)
+    init_drafter_weights(drafter, 0)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        out = forward_loss(
+            drafter, embed.detach(), head.detach(), batch, num_anchors=8,
+            block_size=cfg.block_size, gamma=4.0, mask_token_id=cfg.mask_token_id,
+            attention="sdpa", generator=gen, grad_ckpt="none",
+        )  # fmt: skip
+        (out.weighted_sum / out.weight_total).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return drafter
+
+
+@pytest.mark.slow
+def test_trained_drafter_accepts_more_and_matches_reference(
+    tmp_path, monkeypatch, tiny_qwen3, target
+):
+    dflash_model = pytest.importorskip("dflash.model")
+    cfg = drafter_config(tiny_qwen3, num_layers=1)
+    ids_BS = torch.randint(3, 500, (16, 4), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the target's greedy continuations, batched, without a cache
+        for _ in range(32):
+            ids_BS = torch.cat([ids_BS, target(ids_BS).logits[:, -1:].argmax(-1)], dim=1)
+    untrained = DFlashDrafter(cfg).eval()
+    init_drafter_weights(untrained, 0)
+    export_drafter(train_on_greedy_outputs(target, cfg, ids_BS, 100), cfg, tmp_path / "export")
+    ours, _ = load_export(tmp_path / "export")
+    ref = reference(dflash_model, monkeypatch, tmp_path / "export")
+    prompts = [ids_BS[n : n + 1, :4] for n in range(3)]
+    lengths = agree_with_reference(
+        dflash_model.dflash_generate, ref, ours.eval(), target, prompts, max_new_tokens=32,
+        eos=[EOS],
+    )  # fmt: skip
+    before = [
+        n
+        for p in prompts
+        for n in speculate(target, untrained, p, max_new_tokens=32).acceptance_lengths
+    ]
+    assert sum(lengths) / len(lengths) > sum(before) / len(before) + 1.0
+
+
+def write_json(path, data):
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def random_export(tmp_path_factory, tiny_qwen3):
+    cfg = drafter_config(tiny_qwen3)
+    drafter = DFlashDrafter(cfg)
+    init_drafter_weights(drafter, 0)
+    return export_drafter(drafter, cfg, tmp_path_factory.mktemp("drafter") / "export")
+
+
+def run_cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_cli_prints_report_and_json_line_last(tmp_path, tiny_qwen3, random_export):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    prompts = ["Say hello.", messages, {"messages": messages}, [1, 5, 9, 13]]
+    path = write_json(tmp_path / "prompts.json", prompts)
+    result = run_cli(
+        "--target", tiny_qwen3, "--drafter", random_export, "--prompts", path,
+        "--device", "cpu", "--max-new-tokens", 12, "--warmup", 0, "--json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    for key in ("tau", "lossless", "tokens_per_s", "baseline_tokens_per_s", "speedup"):
+        assert isinstance(summary[key], (int, float)), key
+    assert summary["prompts"] == 4 and summary["lossless"] is True
+    assert summary["speedup"] == pytest.approx(
+        summary["tokens_per_s"] / summary["baseline_tokens_per_s"]
+    )
+    rows = summary["per_prompt"]
+    assert [r["index"] for r in rows] == [0, 1, 2, 3]
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Say hello."}], tokenize=False, add_generation_prompt=True
+    )
+    assert rows[0]["prompt_tokens"] == len(tok(text, add_special_tokens=False)["input_ids"])
+    assert rows[1]["prompt_tokens"] == rows[2]["prompt_tokens"] and rows[3]["prompt_tokens"] == 4
+    assert summary["steps"] == sum(r["steps"] for r in rows)
+    assert all(1 <= r["new_tokens"] <= 12 for r in rows)
+    assert lines[0].split()[:2] == ["prompt", "in"] and "tau" in lines[-2]
+
+
+@pytest.mark.parametrize(
+    ("prompts", "message"),
+    [
+        ("not json", "not a readable JSON file"),
+        ([], "non-empty JSON list"),
+        (["fine", 5], "prompt 1: expected a string"),
+        ([[{"role": "user"}]], "prompt 0: expected a string"),
+        (["fine", "fine", [3, 100000]], "prompt 2: token ids \\[100000\\]"),
+    ],
+)
+def test_cli_prompt_errors(tmp_path, tiny_qwen3, random_export, prompts, message):
+    path = tmp_path / "prompts.json"
+    path.write_text(prompts if isinstance(prompts, str) else json.dumps(prompts))
+    result = run_cli("--target", tiny_qwen3, "--drafter", random_export, "--prompts", path)
+    assert result.exit_code != 0
+    assert message.replace("\\", "") in result.output, result.output
+
+
+def test_cli_missing_files(tmp_path, tiny_qwen3, random_export):
+    prompts = write_json(tmp_path / "prompts.json", ["hi"])
+    result = run_cli(
+        "--target", tiny_qwen3, "--drafter", random_export, "--prompts", tmp_path / "x"
+    )
+    assert result.exit_code != 0 and f"--prompts: {tmp_path / 'x'} does not exist" in result.output
+    result = run_cli("--target", tiny_qwen3, "--drafter", tmp_path, "--prompts", prompts)
+    assert result.exit_code != 0 and "--drafter:" in result.output
+
+
+def test_cli_drafter_that_does_not_fit(tmp_path, tiny_qwen3):
+    prompts = write_json(tmp_path / "prompts.json", ["hi"])
+    target_cfg = json.loads((tiny_qwen3 / "config.json").read_text())
+    other = {**target_cfg, "hidden_size": 32, "num_hidden_layers": 12}
+    cfg = DrafterConfig.from_target_config(
+        other, num_layers=1, target_layer_ids=(1, 10), block_size=4, tokenizer_vocab_size=500
+    )
+    export_drafter(DFlashDrafter(cfg), cfg, tmp_path / "export")
+    result = run_cli("--target", tiny_qwen3, "--drafter", tmp_path / "export", "--prompts", prompts)
+    assert result.exit_code != 0
+    assert "drafter hidden size 32, target 64" in result.output
+    assert "target layers [1, 10] not in a 8-layer target" in result.output
