@@ -13,14 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from extract.regen_config import (
-    REGEN_REJECT_REASONS,
-    RegenConfig,
-    RegenError,
-    format_summary,
-    parts_dir,
-    read_state,
-)
+from extract.regen_config import REGEN_REJECT_REASONS, RegenConfig, RegenError
+from extract.regen_report import format_summary
+from extract.regen_state import parts_dir, read_state
 from extract.regenerate import run
 
 ROOT = Path(__file__).resolve().parents[1]
