@@ -195,3 +195,17 @@ def test_import_boundary():
     assert not {"extract", "train"} & _imports("shared")
     assert "train" not in _imports("extract")
     assert "extract" not in _imports("train")
+
+
+def test_golden_version_1_manifest_still_reads():
+    """manifests/demo-v1.json was written by `python -m extract --out shards/` (format 1)."""
+    m = read_manifest_file(ROOT / "manifests" / "demo-v1.json")
+    assert m.complete and m.layer_ids == (1, 2, 3, 4, 5) and m.num_units == 1
+    assert m.totals()["rows_kept"] == 480 and m.parts[0].checksum.startswith("crc32c:")
+    check_compatible(m, layer_ids=[5, 1], hidden_size=64)
+
+
+def read_manifest_file(path: Path) -> Manifest:
+    import json
+
+    return Manifest.from_json(json.loads(path.read_text()))
