@@ -1,0 +1,161 @@
+"""`python -m train.compare`: the report from hand-written run folders, and its warnings."""
+
+import importlib.util
+import json
+
+from click.testing import CliRunner
+
+from train.compare import main, markdown_report, mismatch_warnings, read_run
+
+CACHE = {
+    "format_version": 1,
+    "format": "zarr",
+    "store": "bf16",
+    "target": "sha256:ab12",
+    "tokenizer_sha256": "tok",
+    "chat_template_sha256": "tpl",
+    "layer_ids": [1, 3, 5],
+    "max_length": 3072,
+    "rows_per_part": 512,
+    "sources": ["sha-of-demo"],
+}
+
+
+def write_run(folder, *, records, train=None, cache=None):
+    """A run folder as train.run and train.metrics write it: config.json and metrics.jsonl."""
+    config_train = {
+        "data": "shards",
+        "out": str(folder),
+        "drafter_layers": 5,
+        "block_size": 4,
+        "lr": 6e-4,
+        "seed": 0,
+        "eval_fraction": 0.01,
+        "eval_parts": None,
+        "eval_batches": 0,
+        "max_length": 3072,
+        "log_every": 10,
+        **(train or {}),
+    }
+    config = {"train": config_train, "drafter": {"block_size": 4}, "cache": cache or CACHE}
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return folder
+
+
+def train_record(step, loss, tau, acc):
+    return {
+        "kind": "train",
+        "step": step,
+        "epoch": 0,
+        "loss": loss,
+        "tau": tau,
+        "acc": acc,
+        "lr": 1e-4,
+        "grad_norm": 0.5,
+        "tokens_per_s": 1000.0,
+        "data_wait": 0.0,
+    }
+
+
+def eval_record(step, loss, tau, acc):
+    return {"kind": "eval", "step": step, "loss": loss, "tau": tau, "acc": acc, "tokens": 4096.0}
+
+
+def two_runs(tmp_path, **b_over):
+    a = write_run(
+        tmp_path / "runs" / "a",
+        records=[
+            train_record(10, 3.0, 1.5, [0.5, 0.3, 0.1]),
+            eval_record(10, 3.1, 1.4, [0.4, 0.2, 0.1]),
+            train_record(20, 2.0, 2.5, [0.8, 0.6, 0.4]),
+            eval_record(20, 2.1, 2.2, [0.7, 0.5, 0.3]),
+        ],
+    )
+    b = write_run(
+        tmp_path / "runs" / "b",
+        records=[
+            eval_record(20, 1.9, 2.6, [0.75, 0.55, float("nan")]),
+            eval_record(40, 1.5, 2.9, [0.85, 0.65, 0.45]),
+        ],
+        **{"train": {"drafter_layers": 3}, **b_over},
+    )
+    return a, b
+
+
+def rows_of(report):
+    """Markdown table rows as lists of cells (header and alignment rows included)."""
+    return [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in report.splitlines()
+        if line.startswith("|")
+    ]
+
+
+def test_report_takes_the_last_eval_record_and_lists_settings_that_differ(tmp_path):
+    a, b = two_runs(tmp_path)
+    report = markdown_report([read_run(a), read_run(b)])
+    assert "Warning" not in report  # same cache, same eval split, both from eval records
+    rows = rows_of(report)
+    assert rows[0] == ["run", "metrics", "step", "loss", "tau", "acc@1", "acc@2", "acc@3"]
+    assert rows[2] == [str(a), "eval", "20", "2.1000", "2.200", "0.700", "0.500", "0.300"]
+    assert rows[3] == [str(b), "eval", "40", "1.5000", "2.900", "0.850", "0.650", "0.450"]
+    # The ablated setting appears once, with one value per run; bookkeeping fields do not.
+    assert ["drafter_layers", "5", "3"] in rows
+    assert not any(row[0] in ("out", "log_every") for row in rows)
+
+
+def test_train_records_stand_in_without_evaluations(tmp_path):
+    a, _ = two_runs(tmp_path)
+    c = write_run(
+        tmp_path / "runs" / "c",
+        records=[train_record(5, 4.0, 1.2, [0.2]), train_record(15, 3.5, 1.3, [0.3, 0.1])],
+    )
+    report = markdown_report([read_run(a), read_run(c)])
+    assert [str(c), "train", "15", "3.5000", "1.300", "0.300", "0.100", "-"] in rows_of(report)
+    assert f"figures come from different records ({a}: eval, {c}: train)" in report
+
+
+def test_warns_when_caches_or_eval_splits_differ(tmp_path):
+    other_cache = {**CACHE, "layer_ids": [2, 4], "store": "fp8"}
+    a, b = two_runs(tmp_path, cache=other_cache)
+    warnings = mismatch_warnings([read_run(a), read_run(b)])
+    expected = f"{b} was trained on another cache than {a} (manifest identity differs in: "
+    assert warnings == [expected + "layer_ids, store)"]
+    c = write_run(
+        tmp_path / "runs" / "c",
+        records=[eval_record(20, 2.0, 2.0, [0.5])],
+        train={"data": "/elsewhere/shards", "eval_parts": 2, "eval_batches": 8},
+    )
+    warnings = mismatch_warnings([read_run(a), read_run(c)])
+    assert warnings == [
+        f"{c} read its cache from /elsewhere/shards, {a} from shards (same manifest identity)",
+        f"eval splits differ between {a} and {c}: eval_parts None vs 2, eval_batches 0 vs 8",
+    ]
+    report = markdown_report([read_run(a), read_run(c)])
+    assert report.count("> **Warning:**") == 2
+
+
+def test_cli_prints_writes_and_plots(tmp_path):
+    a, b = two_runs(tmp_path)
+    with open(b / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "eval", "step": 5')  # a run killed mid-write
+    out, plot = tmp_path / "report" / "compare.md", tmp_path / "compare.png"
+    result = CliRunner().invoke(main, [str(a), str(b), "--out", str(out), "--plot", str(plot)])
+    assert result.exit_code == 0, result.output
+    assert out.read_text() == result.stdout
+    assert [str(b), "eval", "40"] == rows_of(result.stdout)[3][:3]
+    assert "metrics.jsonl line 3 is not JSON: skipped" in result.stderr
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert not plot.exists()
+        assert "matplotlib is not installed: no plot written" in result.stderr
+
+
+def test_cli_refuses_a_folder_without_config(tmp_path):
+    a, _ = two_runs(tmp_path)
+    result = CliRunner().invoke(main, [str(a), str(tmp_path / "missing")])
+    assert result.exit_code != 0
+    assert f"{tmp_path / 'missing'}: no config.json, not a run folder" in result.output

@@ -1,0 +1,211 @@
+"""Compare drafter runs trained on one cache: loss, tau and accuracy per block offset.
+
+`python -m train.compare runs/A runs/B ... [--out report.md] [--plot compare.png]`
+
+Each run folder holds `config.json` (the resolved TrainConfig under "train", the drafter, and the
+cache's manifest identity under "cache") and `metrics.jsonl` (one record per log step: "kind"
+"train" or "eval", "step", "loss", "tau", "acc" = accuracy per block offset 1..B-1). A run is
+summarised by its last eval record, else its last train record. The report warns when the runs
+read different caches (manifest identity or folder) or evaluated on different held-out splits,
+since their figures then do not compare.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from shared.fsio import atomic_write_bytes, atomic_write_text
+from shared.logs import setup_logging
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+# TrainConfig fields that decide which held-out tokens an evaluation scores.
+EVAL_SPLIT_KEYS = ("eval_parts", "eval_fraction", "eval_batches", "max_length")
+# Fields that differ between runs without changing what is trained or measured.
+NOT_SETTINGS = frozenset(
+    {"out", "data", "resume", "verbose", "log_every", "checkpoint_every", "keep_checkpoints"}
+    | {"prefetch", "workers", "stop_after_steps", "gpus", "compile", "recompile_limit"}
+)
+
+
+class CompareError(ValueError):
+    """A run folder cannot be read; the message names it."""
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    name: str
+    config: dict[str, Any]
+    source: str  # "eval", "train", or "none" when metrics.jsonl holds no record yet
+    history: list[dict[str, Any]]  # the records of `source` kind, in step order
+
+    @property
+    def last(self) -> dict[str, Any]:
+        return self.history[-1] if self.history else {}
+
+    @property
+    def train(self) -> dict[str, Any]:
+        return self.config.get("train", {})
+
+
+def read_run(folder: Path | str) -> RunSummary:
+    """The run's config and its eval records, else its train records."""
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        raise CompareError(f"{folder}: no {CONFIG_FILE}, not a run folder") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise CompareError(f"{folder}/{CONFIG_FILE} unreadable ({e})") from None
+    records = []
+    path = folder / METRICS_FILE
+    lines = path.read_text().splitlines() if path.is_file() else []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
+            log.warning("%s line %d is not JSON: skipped", path, number)
+    for kind in ("eval", "train"):
+        history = [r for r in records if r.get("kind") == kind]
+        if history:
+            return RunSummary(str(folder), config, kind, history)
+    log.warning("%s: no metrics yet", folder)
+    return RunSummary(str(folder), config, "none", [])
+
+
+def mismatch_warnings(runs: list[RunSummary]) -> list[str]:
+    """Why the runs' figures may not compare: caches, eval splits, metric sources."""
+    first, warnings = runs[0], []
+    for run in runs[1:]:
+        ident_a, ident_b = first.config.get("cache", {}), run.config.get("cache", {})
+        keys = sorted(k for k in set(ident_a) | set(ident_b) if ident_a.get(k) != ident_b.get(k))
+        if keys:
+            warnings.append(
+                f"{run.name} was trained on another cache than {first.name} "
+                f"(manifest identity differs in: {', '.join(keys)})"
+            )
+        elif _norm(first.train.get("data")) != _norm(run.train.get("data")):
+            warnings.append(
+                f"{run.name} read its cache from {run.train.get('data')}, {first.name} from "
+                f"{first.train.get('data')} (same manifest identity)"
+            )
+        split = [k for k in EVAL_SPLIT_KEYS if first.train.get(k) != run.train.get(k)]
+        if split:
+            changes = ", ".join(f"{k} {first.train.get(k)} vs {run.train.get(k)}" for k in split)
+            warnings.append(f"eval splits differ between {first.name} and {run.name}: {changes}")
+    sources = {run.source for run in runs}
+    if len(sources) > 1:
+        by_source = ", ".join(f"{run.name}: {run.source}" for run in runs)
+        warnings.append(f"figures come from different records ({by_source})")
+    return warnings
+
+
+def _norm(path: Any) -> str | None:
+    return None if path is None else os.path.normpath(str(path))
+
+
+def differing_settings(runs: list[RunSummary]) -> list[tuple[str, list[Any]]]:
+    """(TrainConfig field, value per run) for the fields that differ: what the runs ablate."""
+    keys = sorted({k for run in runs for k in run.train} - NOT_SETTINGS)
+    rows = [(k, [run.train.get(k) for run in runs]) for k in keys]
+    return [(k, values) for k, values in rows if any(v != values[0] for v in values)]
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def _table(header: list[str], rows: list[list[str]], numeric_from: int) -> list[str]:
+    align = ["---" if i < numeric_from else "---:" for i in range(len(header))]
+    return ["| " + " | ".join(cells) + " |" for cells in (header, align, *rows)]
+
+
+def markdown_report(runs: list[RunSummary]) -> str:
+    """The comparison as markdown: warnings, the metrics table, the settings that differ."""
+    offsets = max((len(run.last.get("acc") or []) for run in runs), default=0)
+    header = ["run", "metrics", "step", "loss", "tau"] + [f"acc@{k}" for k in range(1, offsets + 1)]
+    rows = []
+    for run in runs:
+        acc = list(run.last.get("acc") or [])
+        acc += [None] * (offsets - len(acc))
+        figures = [_fmt(run.last.get("loss")), _fmt(run.last.get("tau"), 3)]
+        rows.append([run.name, run.source, _fmt(run.last.get("step"))] + figures)
+        rows[-1] += [_fmt(a, 3) for a in acc]
+    lines = ["# Drafter runs", ""]
+    for warning in mismatch_warnings(runs):  # one quote block each: markdown joins adjacent ones
+        lines += [f"> **Warning:** {warning}", ""]
+    lines += _table(header, rows, numeric_from=2)
+    settings = differing_settings(runs)
+    if settings:
+        lines += ["", "Settings that differ:", ""]
+        body = [[key] + [_fmt(v) for v in values] for key, values in settings]
+        lines += _table(["setting"] + [run.name for run in runs], body, numeric_from=1)
+    return "\n".join(lines) + "\n"
+
+
+def plot_runs(runs: list[RunSummary], path: Path) -> bool:
+    """accuracy per offset, tau and loss by step, one line per run; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning(
+            "matplotlib is not installed: no plot written to %s (pip install matplotlib)", path
+        )
+        return False
+    fig, (ax_acc, ax_tau, ax_loss) = plt.subplots(1, 3, figsize=(15, 4))
+    for run in runs:
+        acc = run.last.get("acc") or []
+        ax_acc.plot(range(1, len(acc) + 1), acc, "o-", label=f"{run.name} ({run.source})")
+        steps = [r["step"] for r in run.history]
+        ax_tau.plot(steps, [r.get("tau") for r in run.history], ".-", label=run.name)
+        ax_loss.plot(steps, [r.get("loss") for r in run.history], ".-", label=run.name)
+    ax_acc.set(xlabel="block offset k", ylabel="accuracy", title="accuracy per offset (last)")
+    ax_tau.set(xlabel="step", ylabel="tau", title="acceptance length tau")
+    ax_loss.set(xlabel="step", ylabel="loss", title="loss")
+    ax_acc.legend(fontsize="small")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, buffer.getvalue())
+    return True
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), help="also write the markdown report here")
+@click.option("--plot", type=click.Path(path_type=Path), help="write a PNG plot here")
+def main(runs: tuple[Path, ...], out: Path | None, plot: Path | None) -> None:
+    """Compare the metrics of run folders trained on the same cache."""
+    setup_logging(0)
+    try:
+        summaries = [read_run(folder) for folder in runs]
+    except CompareError as e:
+        raise click.ClickException(str(e)) from None
+    report = markdown_report(summaries)
+    click.echo(report, nl=False)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out, report)
+    if plot is not None and plot_runs(summaries, plot):
+        log.info("plot written to %s", plot)
+
+
+if __name__ == "__main__":
+    main()
