@@ -134,6 +134,25 @@ def test_equals_greedy_and_reference_per_step(
     assert any(1 < n < cfg.block_size for n in lengths)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_equals_greedy_and_reference_per_step(
+    tmp_path, monkeypatch, tiny_qwen3, two_token_target
+):
+    dflash_model = pytest.importorskip("dflash.model")
+    cfg = drafter_config(tiny_qwen3)
+    export_drafter(two_token_drafter(cfg), cfg, tmp_path / "export")
+    cuda_target = copy.deepcopy(two_token_target).cuda()
+    ours, _ = load_export(tmp_path / "export")
+    ref = reference(dflash_model, monkeypatch, tmp_path / "export").cuda()
+    prompts = [prompt(seed).cuda() for seed in range(100, 104)]
+    lengths = agree_with_reference(
+        dflash_model.dflash_generate, ref, ours.cuda().eval(), cuda_target, prompts,
+        max_new_tokens=32, eos=[EOS],
+    )  # fmt: skip
+    assert max(lengths) == cfg.block_size and min(lengths) == 1
+
+
 def test_stops_at_eos_like_the_reference(tmp_path, monkeypatch, tiny_qwen3, two_token_target):
     dflash_model = pytest.importorskip("dflash.model")
     cfg = drafter_config(tiny_qwen3)

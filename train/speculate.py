@@ -409,6 +409,11 @@ def load(cfg: SpeculateConfig) -> tuple[nn.Module, DFlashDrafter, list[list[int]
     problems = fit_problems(drafter_cfg, target_config)
     if problems:
         raise SpeculateError("the drafter does not fit the target:\n  - " + "\n  - ".join(problems))
+    if target_config.get_text_config().num_hidden_layers - 1 in drafter_cfg.target_layer_ids:
+        log.warning(
+            "the drafter reads the last target layer, which transformers returns after the "
+            "final norm (extraction captured it before): expect a lower tau"
+        )
     prompts = load_prompts(cfg.prompts, tokenizer, target_config.get_text_config().vocab_size)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES.get(cfg.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -436,8 +441,9 @@ def compare_with_greedy(
     """Speculative vs plain greedy decoding of every prompt: tau, losslessness, tokens/s."""
     kwargs = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids)
     for _ in range(warmup):  # first calls pay for kernel selection and allocator growth
-        speculate(target, drafter, prompts[0], **kwargs), greedy(target, prompts[0], **kwargs)
-    rows, lengths, spec_s, base_s = [], [], 0.0, 0.0
+        speculate(target, drafter, prompts[0], **kwargs)
+        greedy(target, prompts[0], **kwargs)
+    rows, lengths, spec_s, base_s, base_tokens = [], [], 0.0, 0.0, 0
     for n, ids in enumerate(prompts):
         spec, base = speculate(target, drafter, ids, **kwargs), greedy(target, ids, **kwargs)
         mismatch = _first_mismatch(spec.new_ids, base.new_ids)
@@ -447,6 +453,7 @@ def compare_with_greedy(
             )
         lengths += spec.acceptance_lengths
         spec_s, base_s = spec_s + spec.seconds, base_s + base.seconds
+        base_tokens += len(base.new_ids)
         rows.append(
             dict(
                 index=n,
@@ -461,7 +468,7 @@ def compare_with_greedy(
             )
         )
     new_tokens = sum(r["new_tokens"] for r in rows)
-    speed, baseline = new_tokens / max(spec_s, 1e-9), new_tokens / max(base_s, 1e-9)
+    speed, baseline = new_tokens / max(spec_s, 1e-9), base_tokens / max(base_s, 1e-9)
     return {
         "tau": sum(lengths) / len(lengths) if lengths else float("nan"),
         "lossless": all(r["lossless"] for r in rows),
