@@ -36,7 +36,7 @@ from shared.cli import build, click_options, option
 from shared.logs import setup_logging
 from train.export import CONFIG_FILE, config_from_hf, load_export
 from train.mask import dense_mask
-from train.model import DFlashDrafter, DrafterConfig, apply_rope
+from train.model import DFlashDrafter, DrafterConfig, apply_rope, rope_inv_freq
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +78,15 @@ class DraftState:
         self.drafter, self.cfg = drafter, drafter.cfg
         self.embed_VH, self.lm_head_VH = embed_VH, lm_head_VH
         self.dtype = drafter.fc.weight.dtype
+        # float32 always: drafter.to(bfloat16) also rounds the model's inv_freq buffer.
+        self.inv_freq_d = rope_inv_freq(self.cfg).to(embed_VH.device)
         self.keys: list[torch.Tensor | None] = [None] * len(drafter.layers)
         self.values: list[torch.Tensor | None] = [None] * len(drafter.layers)
         self.length = 0  # context rows cached = the position of the next block's first token
 
     def _rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         pos_N = torch.arange(start, start + n, device=self.embed_VH.device)
-        freqs_Nd = pos_N[:, None].float() * self.drafter.inv_freq.float()
+        freqs_Nd = pos_N[:, None].float() * self.inv_freq_d
         emb_1ND = torch.cat([freqs_Nd, freqs_Nd], dim=-1)[None]
         return emb_1ND.cos(), emb_1ND.sin()
 
