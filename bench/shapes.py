@@ -71,3 +71,39 @@ def random_model(name: str, *, device: str = "cuda", dtype=None, last_layer: int
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype or torch.bfloat16)
     return model.eval().requires_grad_(False)
+
+
+# CPU checks of the benchmark scripts: the 8B shape's structure at toy size (8 target layers, so
+# the default 5-layer capture rule gives distinct ids), and a hybrid one in Qwen3.6's 3:1 pattern.
+TINY: dict[str, Any] = dict(
+    model_type="qwen3",
+    architectures=["Qwen3ForCausalLM"],
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=320,
+    max_position_embeddings=8192,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+TINY_HYBRID: dict[str, Any] = dict(
+    TINY,
+    model_type="qwen3_5_text",
+    architectures=["Qwen3_5ForCausalLM"],
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(8)],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+)
+del TINY_HYBRID["rope_theta"]
+
+SHAPES["tiny"] = TINY
+SHAPES["tiny-hybrid"] = TINY_HYBRID
