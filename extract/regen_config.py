@@ -25,10 +25,14 @@ REGEN_REJECT_REASONS = (
 
 @dataclass(frozen=True, kw_only=True)
 class RegenConfig:
-    target: str = option(help="Target model: a local Hugging Face folder.")
+    target: str | None = option(
+        None,
+        help="Target model: a local Hugging Face folder. Default: the embedded tiny demo target.",
+    )
     data: tuple[Path, ...] = option(
+        (),
         help="Input JSONL file(s): OpenAI `messages` or ShareGPT `conversations` rows. "
-        "Several files: repeat --data, or list them after it."
+        "Several files: repeat --data, or list them after it. Default: the shipped demo chats.",
     )
     out: Path = option(
         help="Output JSONL of OpenAI `messages` rows; OUT.parts/ holds chunks and resume state."
@@ -61,8 +65,6 @@ class RegenConfig:
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')}: {getattr(self, name)} is too small")
-        if not self.data:
-            raise ValueError("--data: give at least one JSONL file")
 
 
 class RegenError(ValueError):

@@ -238,6 +238,12 @@ def run(cfg: RegenConfig) -> RegenState:
     """Regenerate the assistant turns described by `cfg`; returns the final state."""
     from extract.target import TargetError
 
+    if cfg.target is None or not cfg.data:  # the embedded demo, as in `python -m extract`
+        from extract.data import demo_dataset
+        from extract.tiny import tiny_target
+
+        target = cfg.target if cfg.target is not None else str(tiny_target())
+        cfg = dataclasses.replace(cfg, target=target, data=cfg.data or (demo_dataset(),))
     try:
         spec = parse_gpus(cfg.gpus)
         plan = _plan(cfg, spec)
