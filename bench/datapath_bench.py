@@ -264,7 +264,7 @@ def main() -> None:
     p.add_argument("--per-part", type=int, default=4, help="samples per written part")
     p.add_argument("--keep", action="store_true", help="keep the written cache")
     args = tb.finish_args(p.parse_args())
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -155,7 +155,7 @@ def main() -> None:
     )
     args = tb.finish_args(p.parse_args())
     args.batch, args.pool = 1, 4
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -169,7 +169,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=20, help="timed calls (median reported)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target, drafter = build(args.shape, device)
     rows = [

@@ -242,6 +242,7 @@ def run_steps(trainer: Trainer, n: int) -> tuple[list[float], float, float]:
 def time_training(trainer: Trainer, *, warmup: int, steps: int) -> dict[str, Any]:
     """First step (compilation included), warm-up, then `steps` timed steps."""
     _, first, _ = run_steps(trainer, 1)
+    log.info("first step (compilation included): %.1f s", first)
     if warmup > 1:
         run_steps(trainer, warmup - 1)
     per_step, wall, waited = run_steps(trainer, steps)
@@ -398,7 +399,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--pool", type=int, default=4, help="distinct random batches, cycled")
     args = finish_args(p.parse_args())
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
