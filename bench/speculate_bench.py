@@ -4,9 +4,9 @@
 
 Builds the whole random target (with its lm_head) and a random 5-layer drafter of the shape on
 the device (bf16 on CUDA), then for each --context length C prefills the target's cache with C
-random tokens (`train.speculate.TargetCache`, hybrid linear-attention layers included) and the
+random tokens (`train.decode.TargetCache`, hybrid linear-attention layers included) and the
 drafter's context cache (`DraftState.extend` with C rows of random target features), and times
-each call synchronised, the way `train.speculate.speculate()` clocks itself:
+each call synchronised, the way `train.decode.speculate()` clocks itself:
 
   draft   `DraftState.propose` of one block of 16 tokens, then `DraftState.extend` by --kept
           context rows: the drafter's work per verify step;
@@ -41,15 +41,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_bench as tb  # noqa: E402  (also puts the project root on sys.path)
 from shapes import random_model  # noqa: E402
 
-from train.model import DFlashDrafter, init_drafter_weights  # noqa: E402
-from train.speculate import (  # noqa: E402
+from train.decode import (  # noqa: E402
     DraftState,
     TargetCache,
-    _begin,
-    _clock,
-    _crop,
+    begin_decoding,
     context_features,
+    crop_cache,
+    sync_clock,
 )
+from train.model import DFlashDrafter, init_drafter_weights  # noqa: E402
 
 log = logging.getLogger("speculate_bench")
 
@@ -76,10 +76,10 @@ def median_ms(
     """Median milliseconds of `fn` (synchronised clock), `after` run untimed after each call."""
     seconds = []
     for n in range(warmup + repeats):
-        start = _clock(device)
+        start = sync_clock(device)
         fn()
         if n >= warmup:
-            seconds.append(_clock(device) - start)
+            seconds.append(sync_clock(device) - start)
         after()
     return 1e3 * sorted(seconds)[len(seconds) // 2]
 
@@ -93,7 +93,7 @@ def rollback(draft: DraftState, length: int) -> None:
 
 def rollback_target(cache: TargetCache, length: int, base: list) -> None:
     """Crop the target's cache to `length` and restore the recurrent states saved there."""
-    _crop(cache.cache, length)
+    crop_cache(cache.cache, length)
     for states, saved in zip(cache._recurrent(), base, strict=True):
         for key, value in saved.items():
             states[key].copy_(value)
@@ -113,7 +113,7 @@ def time_context(
     cfg, device = drafter.cfg, drafter.fc.weight.device
     gen = torch.Generator().manual_seed(context)
     prompt = torch.randint(0, cfg.mask_token_id, (context,), generator=gen)
-    ids_1P, cache = _begin(target, prompt, 1)
+    ids_1P, cache = begin_decoding(target, prompt, 1)
     target(ids_1P, **cache.kwargs, logits_to_keep=1)  # prefill
     base = cache.snapshot()
     embed_VH = target.get_input_embeddings().weight

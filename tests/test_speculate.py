@@ -9,9 +9,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from train.decode import context_features, greedy, speculate
 from train.export import export_drafter, load_export
 from train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
-from train.speculate import context_features, greedy, main, speculate
+from train.speculate import main
 from train.step import Batch, forward_loss
 
 LAYERS = (1, 4, 6)  # of the tiny target's 8
