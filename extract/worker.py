@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,9 @@ from shared.manifest import MAX_LISTED_REJECTS, PartRecord, RejectedRow, update_
 from shared.progress import RankCounters, SummedBar
 
 log = logging.getLogger(__name__)
+# Batches in flight between the device and the writer threads: the GPU runs ahead by this many
+# while their samples are compressed in parallel (pinned memory: buffers x batch size).
+STAGING_BUFFERS = 3
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,7 @@ class PartPipeline:
         counters: RankCounters,
     ):
         self.job, self.device, self.capture, self.counters = job, device, capture, counters
-        self.staging = Staging(threads + 1, pinned=device.type == "cuda")
+        self.staging = Staging(STAGING_BUFFERS, pinned=device.type == "cuda")
         self.writers = WriterPool(threads)
         self.committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
         self.commits: list[Future] = []
@@ -104,7 +108,13 @@ class PartPipeline:
         for batch in make_batches(lengths, batch_tokens=job.batch_tokens):
             packed = self.capture.run([kept[i].input_ids for i in batch], device=self.device)
             host, release = self.staging.stage(_device_payload(packed, job.store))
-            futures.append(self.writers.submit(_write_batch, writer, kept, batch, host, release))
+            countdown, start = _Countdown(len(batch), release), 0
+            for n in batch:  # one task per sample: a batch's samples compress in parallel
+                rows_n = slice(start, start + lengths[n])
+                futures.append(
+                    self.writers.submit(_write_sample, writer, n, kept[n], host, rows_n, countdown)
+                )
+                start = rows_n.stop
             self.counters.add(
                 tokens=packed.shape[0], raw_bytes=packed.shape[0] * packed[0].numel() * 2
             )
@@ -179,27 +189,33 @@ def _hidden(capture: LayerCapture) -> int:
     return int(getattr(cfg, "hidden_size", None) or cfg.text_config.hidden_size)
 
 
-def _write_batch(writer, kept: Sequence[Tokenized], batch: range, host: dict, release) -> None:
+class _Countdown:
+    """Calls `release` when the last of `count` sample writes of one staged batch is done."""
+
+    def __init__(self, count: int, release: Callable[[], None]):
+        self.left, self.release, self.lock = count, release, threading.Lock()
+
+    def done(self) -> None:
+        with self.lock:
+            self.left -= 1
+            last = self.left == 0
+        if last:
+            self.release()
+
+
+def _write_sample(writer, n: int, row: Tokenized, host: dict, rows: slice, countdown) -> None:
     try:
         if host["_event"] is not None:
-            host["_event"].synchronize()
-        start = 0
-        for n in batch:
-            row, length = kept[n], len(kept[n].input_ids)
-            if "q" in host:
-                hidden = (host["q"][start : start + length], host["scale"][start : start + length])
-            else:
-                hidden = host["hidden"][start : start + length]
-            writer.write(
-                n,
-                sample_index=row.row,
-                input_ids=row.input_ids,
-                loss_mask=row.loss_mask,
-                hidden=hidden,
-            )
-            start += length
+            host["_event"].synchronize()  # the async copy into the pinned buffer has landed
+        if "q" in host:
+            hidden = (host["q"][rows], host["scale"][rows])
+        else:
+            hidden = host["hidden"][rows]
+        writer.write(
+            n, sample_index=row.row, input_ids=row.input_ids, loss_mask=row.loss_mask, hidden=hidden
+        )
     finally:
-        release()
+        countdown.done()
 
 
 def _commit(unit, job, writer, futures, kept, rejected, rows, counters) -> None:
