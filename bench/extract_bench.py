@@ -62,8 +62,13 @@ def synthetic_rows(tokens: int, vocab: int, seed: int) -> list[Tokenized]:
     return rows
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def pure_forward(body, rows, batches, device) -> float:
-    torch.cuda.synchronize()
+    sync(device)
     start = time.perf_counter()
     with torch.inference_mode():
         for batch in batches:
@@ -73,7 +78,7 @@ def pure_forward(body, rows, batches, device) -> float:
             for b, r in enumerate(ids):
                 t[b, : len(r)] = torch.from_numpy(r.astype(np.int64))
             body(input_ids=t.to(device, non_blocking=True), use_cache=False)
-    torch.cuda.synchronize()
+    sync(device)
     return time.perf_counter() - start
 
 
@@ -108,6 +113,7 @@ def extract_once(capture, rows, args, layer_ids, hidden, out: Path, device) -> f
         out=out,
         target="random",
         files=(),
+        index=None,
         layer_ids=tuple(layer_ids),
         max_length=3072,
         format=args.format,
@@ -122,7 +128,7 @@ def extract_once(capture, rows, args, layer_ids, hidden, out: Path, device) -> f
     )
     counters = RankCounters(job.progress_dir, 0)
     pipe = PartPipeline(job, device, capture, threads=args.writer_threads, counters=counters)
-    torch.cuda.synchronize()
+    sync(device)
     start = time.perf_counter()
     for u in range(units):
         pipe.submit(u, rows[u * per_part : (u + 1) * per_part], [], job.unit_rows(u))
@@ -142,10 +148,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("/tmp/bench-cache"))
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    device = torch.device("cuda")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n_layers = SHAPES[args.shape]["num_hidden_layers"]
     layer_ids = build_target_layer_ids(n_layers, 5)
-    model = random_model(args.shape, last_layer=max(layer_ids))
+    model = random_model(args.shape, device=str(device), last_layer=max(layer_ids))
     hidden = model.config.hidden_size
     rows = synthetic_rows(args.tokens, model.config.vocab_size, seed=0)
     tokens = sum(len(r.input_ids) for r in rows)
@@ -164,12 +170,14 @@ def main() -> None:
     pure_forward(body, ordered, batches[:3], device)  # warm-up
     t_a1 = pure_forward(body, ordered, batches, device)
     capture = LayerCapture(model, layer_ids)
-    torch.cuda.reset_peak_memory_stats()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     t_b = extract_once(capture, rows, args, layer_ids, hidden, args.out, device)
     capture.close()
     t_a2 = pure_forward(body, ordered, batches, device)
     nbytes = read_manifest(args.out).totals()["nbytes"]
     res = {
+        "bench": "extract",
         "shape": args.shape,
         "tokens": tokens,
         "rows": len(rows),
@@ -185,9 +193,9 @@ def main() -> None:
         "raw_bytes_per_token": len(layer_ids) * hidden * 2,
         "disk_MB_s": nbytes / t_b / 1e6,
         "peak_host_rss_GB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
-        "peak_gpu_GB": torch.cuda.max_memory_allocated() / 1e9,
+        "peak_gpu_GB": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else 0,
         "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
     }
     shutil.rmtree(args.out, ignore_errors=True)
     print(json.dumps(res))

@@ -2,6 +2,7 @@
 # Every benchmark figure of stage two and of speculative decoding in one command on one H200,
 # most important first, inside ~9 minutes. Device run, from the project root:
 #   carry [".device-wheels"] (see ../shared/device/README.md), command: bash bench/run_all.sh
+# `bash bench/run_all.sh extract` runs stage one's benchmarks instead (a second device call).
 # Writes $OUT/<name>.json per run, $OUT/logs/<name>.log, $OUT/status.txt; prints a table last.
 # Each run gets the smaller of its own cap and what is left of BENCH_BUDGET_S (default 520 s);
 # a run that would start with less than 30 s left is skipped and listed as such.
@@ -27,11 +28,11 @@ export PYTHONUNBUFFERED=1
 BUDGET=${BENCH_BUDGET_S:-520}
 
 if [ "${BENCH_TINY:-0}" = 1 ]; then
-  S8=tiny; S27=tiny-hybrid; FLEX=sdpa; MODEL=none; CFLEX=none
+  S8=tiny; S27=tiny-hybrid; FLEX=sdpa; MODEL=none; CFLEX=none; TOK8=20000; TOK27=10000
   STEPS=(--steps 2 --warmup 1); SPEC=(--context 64,128 --repeats 3 --warmup 1)
   BUDGET=${BENCH_BUDGET_S:-1200}
 else
-  S8=qwen3-8b; S27=qwen3.6-27b; FLEX=flex; MODEL=model; CFLEX=flex
+  S8=qwen3-8b; S27=qwen3.6-27b; FLEX=flex; MODEL=model; CFLEX=flex; TOK8=400000; TOK27=150000
   STEPS=(--steps 15 --warmup 4); SPEC=(--context 1024,4096 --repeats 15 --warmup 3)
 fi
 
@@ -56,19 +57,25 @@ bench() {
   return 0
 }
 
-# The product default (flex + compiled drafter) first: the MFU goal and "the default is best".
-bench train-8b-$FLEX-$MODEL 200 train_bench.py --shape $S8 --attention $FLEX --compile $MODEL "${STEPS[@]}"
-bench train-8b-$FLEX-$CFLEX 100 train_bench.py --shape $S8 --attention $FLEX --compile $CFLEX "${STEPS[@]}"
-bench train-8b-sdpa-none 60 train_bench.py --shape $S8 --attention sdpa --compile none "${STEPS[@]}"
-# Streaming from disk vs in memory, default setting (its compile hits Inductor's on-disk cache).
-bench datapath-8b 150 datapath_bench.py --shape $S8 --attention $FLEX --compile $MODEL "${STEPS[@]}"
-bench speculate-8b 60 speculate_bench.py --shape $S8 "${SPEC[@]}"
-bench train-27b-$FLEX-$MODEL 200 train_bench.py --shape $S27 --attention $FLEX --compile $MODEL "${STEPS[@]}"
-# The offline ratio reuses the 27B drafter step just measured on this GPU (no second compile).
-bench offline-27b 150 offline_bench.py --shape $S27 --attention $FLEX --compile $MODEL \
-  --drafter-json "$OUT/train-27b-$FLEX-$MODEL.json" "${STEPS[@]}"
-bench speculate-27b 90 speculate_bench.py --shape $S27 "${SPEC[@]}"
-bench train-27b-$FLEX-$CFLEX 100 train_bench.py --shape $S27 --attention $FLEX --compile $CFLEX "${STEPS[@]}"
+if [ "${1:-train}" = extract ]; then
+  # Extraction vs the pure forward of the same batches, parts written to local disk.
+  bench extract-8b 200 extract_bench.py --shape $S8 --tokens $TOK8 --out /tmp/dflash-bench/x8
+  bench extract-27b 300 extract_bench.py --shape $S27 --tokens $TOK27 --out /tmp/dflash-bench/x27
+else
+  # The product default (flex + compiled drafter) first: the MFU goal and "the default is best".
+  bench train-8b-$FLEX-$MODEL 200 train_bench.py --shape $S8 --attention $FLEX --compile $MODEL "${STEPS[@]}"
+  bench train-8b-$FLEX-$CFLEX 100 train_bench.py --shape $S8 --attention $FLEX --compile $CFLEX "${STEPS[@]}"
+  bench train-8b-sdpa-none 60 train_bench.py --shape $S8 --attention sdpa --compile none "${STEPS[@]}"
+  # Streaming from disk vs in memory, default setting (its compile hits Inductor's on-disk cache).
+  bench datapath-8b 150 datapath_bench.py --shape $S8 --attention $FLEX --compile $MODEL "${STEPS[@]}"
+  bench speculate-8b 60 speculate_bench.py --shape $S8 "${SPEC[@]}"
+  bench train-27b-$FLEX-$MODEL 200 train_bench.py --shape $S27 --attention $FLEX --compile $MODEL "${STEPS[@]}"
+  # The offline ratio reuses the 27B drafter step just measured on this GPU (no second compile).
+  bench offline-27b 150 offline_bench.py --shape $S27 --attention $FLEX --compile $MODEL \
+    --drafter-json "$OUT/train-27b-$FLEX-$MODEL.json" "${STEPS[@]}"
+  bench speculate-27b 90 speculate_bench.py --shape $S27 "${SPEC[@]}"
+  bench train-27b-$FLEX-$CFLEX 100 train_bench.py --shape $S27 --attention $FLEX --compile $CFLEX "${STEPS[@]}"
+fi
 rm -rf "${BENCH_WORKDIR:-/tmp/dflash-bench}"
 
 python3 - "$OUT" <<'EOF'
@@ -79,13 +86,19 @@ out = Path(sys.argv[1])
 paths = sorted(out.glob("*.json"), key=lambda p: p.stat().st_mtime)  # the order they ran in
 runs = [json.loads(p.read_text()) | {"name": p.stem} for p in paths]
 f = lambda v, n=1: "-" if v is None else f"{v:.{n}f}"
-print(f"\n{'train':<22} {'first s':>7} {'step ms':>8} {'ctx tok/s':>9} {'TFLOP/s':>7} "
-      f"{'MFU':>5} {'MFU need':>8} {'peak GB':>7}")
+if any(r["bench"] == "train" for r in runs):
+    print(f"\n{'train':<22} {'first s':>7} {'step ms':>8} {'ctx tok/s':>9} {'TFLOP/s':>7} "
+          f"{'MFU':>5} {'MFU need':>8} {'peak GB':>7}")
 for r in (r for r in runs if r["bench"] == "train"):
     print(f"{r['name']:<22} {f(r['first_step_s']):>7} {f(r['step_ms']):>8} "
           f"{f(r['context_tok_s'], 0):>9} {f(r['tflops'], 0):>7} {f(100 * r['mfu']):>4}% "
           f"{f(100 * r['mfu_needed']):>7}% {f(r['peak_gpu_GB']):>7}"
           + ("  (default)" if r["is_default"] else ""))
+for r in (r for r in runs if r["bench"] == "extract"):
+    print(f"extract {r['shape']}: extraction / forward {r['ratio']:.3f} (goal >= 0.95), "
+          f"{r['extract_tok_s']:,.0f} vs {r['forward_tok_s']:,.0f} tok/s, "
+          f"{r['disk_bytes_per_token'] / 1e3:.1f} KB/token on disk (random weights), "
+          f"{r['disk_MB_s']:,.0f} MB/s, host RSS {r['peak_host_rss_GB']:.1f} GB")
 for r in (r for r in runs if r["bench"] == "datapath"):
     print(f"\ndatapath {r['shape']}: streaming / in-memory {r['ratio']:.3f} (goal >= 0.97), "
           f"data wait {100 * r['data_wait_fraction']:.1f}%, {r['stream_step_ms']:.0f} vs "
