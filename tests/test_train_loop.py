@@ -161,3 +161,20 @@ def test_cli_errors_are_usage_errors(cache, tmp_path):
     assert r.exit_code == 1 and "no backward on CPU" in r.output
     r = runner.invoke(main, ["--data", str(cache), "--out", out, "--gpus", "9"])
     assert r.exit_code == 1 and "does not exist" in r.output
+
+
+def test_drafter_shape_overrides_reach_the_export(cache, tmp_path):
+    shape = dict(drafter_heads=2, drafter_kv_heads=1, drafter_head_dim=8, drafter_intermediate=48)
+    export = run(tiny(cache, tmp_path / "run", steps=1, **shape))
+    hf = json.loads((export / "config.json").read_text())
+    assert (hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]) == (2, 1, 8)
+    assert hf["intermediate_size"] == 48
+    tensors = load_file(str(export / "model.safetensors"))
+    assert tensors["layers.0.self_attn.q_proj.weight"].shape == (2 * 8, 64)
+    assert tensors["layers.0.mlp.up_proj.weight"].shape == (48, 64)
+    result = CliRunner().invoke(
+        main,
+        ["--data", str(cache), "--out", str(tmp_path / "bad"), "--gpus", "cpu"]
+        + ["--drafter-heads", "3", "--drafter-kv-heads", "2"],
+    )
+    assert result.exit_code == 1 and "num_key_value_heads (2) must divide" in result.output

@@ -90,6 +90,18 @@ class TrainConfig:
         "full, sliding; one value applies to all); default all full",
     )
     sliding_window: int | None = option(None, help="window of sliding-attention layers")
+    drafter_heads: int | None = option(
+        None, help="attention heads of the drafter; default the target's"
+    )
+    drafter_kv_heads: int | None = option(
+        None, help="key/value heads of the drafter; default the target's"
+    )
+    drafter_head_dim: int | None = option(
+        None, help="head dimension of the drafter; default the target's"
+    )
+    drafter_intermediate: int | None = option(
+        None, help="MLP intermediate size of the drafter; default the target's"
+    )
     block_size: int = option(16, help="tokens per draft block")
     num_anchors: int = option(512, help="blocks (anchors) drawn per sequence per step")
     gamma: float | None = option(
@@ -170,7 +182,16 @@ class TrainConfig:
         _check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         _check(self.grad_clip >= 0, "grad_clip", "must be >= 0")
         _check(0 <= self.eval_fraction < 1, "eval_fraction", "must be in [0, 1)")
-        for name in ("steps", "stop_after_steps", "max_length", "sliding_window"):
+        for name in (
+            "steps",
+            "stop_after_steps",
+            "max_length",
+            "sliding_window",
+            "drafter_heads",
+            "drafter_kv_heads",
+            "drafter_head_dim",
+            "drafter_intermediate",
+        ):
             value = getattr(self, name)
             _check(value is None or value >= 1, name, "must be >= 1")
         _check(self.eval_parts is None or self.eval_parts >= 0, "eval_parts", "must be >= 0")

@@ -7,6 +7,7 @@ written: a cache that cannot serve the requested drafter (every problem listed i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -139,6 +140,13 @@ def _drafter_config(
             sliding_window=cfg.sliding_window,
             tokenizer_vocab_size=manifest.target.tokenizer_vocab_size,
         )
+        shape = {
+            "num_attention_heads": cfg.drafter_heads,
+            "num_key_value_heads": cfg.drafter_kv_heads,
+            "head_dim": cfg.drafter_head_dim,
+            "intermediate_size": cfg.drafter_intermediate,
+        }
+        drafter = dataclasses.replace(drafter, **{k: v for k, v in shape.items() if v is not None})
     except (ValueError, KeyError) as e:
         problems.append(f"drafter config: {e}")
         return None, hidden
