@@ -165,6 +165,9 @@ class Trainer:
         self.sums = StatSums(cfg.block_size, self.device)
         self.writer = MetricsWriter(cfg.out, enabled=info.is_main)
         self.evaluator = self._make_evaluator()
+        self.net: torch.nn.Module | None = None  # prepare() sets the next three
+        self.batches: Iterator[dict[str, Any]] | None = None
+        self.window = (time.perf_counter(), 0.0)  # (start, seconds waiting for data)
 
     def _make_evaluator(self) -> Evaluator | None:
         if not self.prep.eval_parts:
@@ -230,7 +233,8 @@ class Trainer:
             net = torch.compile(net)
         return net
 
-    def _loader(self) -> Iterator[dict[str, Any]]:
+    def loader(self) -> Iterator[dict[str, Any]]:
+        """The micro-batches of this rank from the loader state on: PlanDataset, DataLoader."""
         dataset = PlanDataset(
             [self.prep.parts[p] for p in self.prep.train_parts],
             self.spec,
@@ -249,16 +253,26 @@ class Trainer:
         )
         return iter(loader)
 
+    def prepare(self, batches: Iterator[dict[str, Any]] | None = None) -> None:
+        """Wrap the model (once); read micro-batches (the loader's item dicts) from `batches`,
+        or from `loader()` when None. Starts a new logging window."""
+        if self.net is None:
+            self.net = self._wrap()
+        self.close_loader()
+        self.batches = self.loader() if batches is None else batches
+        self.window = (time.perf_counter(), 0.0)
+
+    def close_loader(self) -> None:
+        """Drop the micro-batch source, which stops the DataLoader workers."""
+        self.batches = None
+
     def fit(self) -> None:
         self.restore()
-        self.net = self._wrap()
-        self.batches = self._loader()
+        self.prepare()
         bar = tqdm(total=self.total, initial=self.step, desc="train", disable=not self.info.is_main)
-        self.window = (time.perf_counter(), 0.0)  # (start, seconds waiting for data)
         try:
             while self.step < self.total:
-                self._optimizer_step()
-                self.step += 1
+                self.train_step()
                 bar.update(1)
                 if self._after_step(bar):
                     return
@@ -270,7 +284,7 @@ class Trainer:
             ) from e
         finally:
             bar.close()
-            self.batches = None  # stops the DataLoader workers
+            self.close_loader()
         self._finish()
 
     def _after_step(self, bar: tqdm) -> bool:
@@ -304,19 +318,23 @@ class Trainer:
                     )
                 return item
 
-    def _optimizer_step(self) -> None:
-        accum = self.cfg.grad_accum
-        ddp = hasattr(self.net, "no_sync")  # DDP, possibly under torch.compile
+    def train_step(self) -> float:
+        """One optimizer step over `grad_accum` micro-batches, as `fit` runs it; advances
+        `step`. Returns the seconds it waited for the micro-batch source (no GPU sync)."""
+        if self.net is None or self.batches is None:
+            raise RuntimeError("no model to step or no micro-batches: call prepare() first")
+        net, accum, waited = self.net, self.cfg.grad_accum, self.window[1]
+        ddp = hasattr(net, "no_sync")  # DDP, possibly under torch.compile
         weight_local = torch.zeros((), dtype=torch.float32, device=self.device)
         for i in range(accum):
             item = self._next_item()
             batch = device_batch(item, self.device)
             gen = torch.Generator().manual_seed(item["anchor_seed"])
-            sync = self.net.no_sync() if ddp and i < accum - 1 else contextlib.nullcontext()
+            sync = net.no_sync() if ddp and i < accum - 1 else contextlib.nullcontext()
             with sync:
                 with self.autocast():
                     out = forward_loss(
-                        self.net,
+                        net,
                         self.embed_VH,
                         self.lm_head_VH,
                         batch,
@@ -340,6 +358,8 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.sums.add_step(grad_norm)
+        self.step += 1
+        return self.window[1] - waited
 
     def _log(self) -> dict[str, Any]:
         summary = self.sums.reduce()  # the one synchronisation of a logging window
