@@ -7,42 +7,17 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from tests.drafters import tiny_drafter, tiny_drafter_config
 from train.export import EXPORT_KEYS, export_drafter, load_export
 from train.mask import build_masks
-from train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
-
-TINY_TARGET = {
-    "model_type": "qwen3",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_hidden_layers": 8,
-    "vocab_size": 300,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 512,
-}
+from train.model import init_drafter_weights
 
 
 def _drafter(layer_types=("full_attention", "full_attention"), sliding_window=None):
-    cfg = DrafterConfig.from_target_config(
-        TINY_TARGET,
-        num_layers=len(layer_types),
-        target_layer_ids=(1, 4, 6),
-        block_size=4,
-        mask_token_id=299,
-        layer_types=layer_types,
-        sliding_window=sliding_window,
+    cfg = tiny_drafter_config(
+        num_layers=len(layer_types), layer_types=layer_types, sliding_window=sliding_window
     )
-    drafter = DFlashDrafter(cfg)
-    init_drafter_weights(drafter, 0)
-    with torch.no_grad():  # non-trivial norms so a misplaced norm shows in the parity tests
-        for name, p in drafter.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
-    return drafter.eval(), cfg
+    return tiny_drafter(cfg), cfg
 
 
 def test_parameter_names_are_the_export_keys():

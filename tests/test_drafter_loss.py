@@ -4,22 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.drafters import tiny_drafter_config
 from train.loss import acceptance_stats, chunked_ce
-from train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
+from train.model import DFlashDrafter, init_drafter_weights
 from train.step import Batch, forward_loss
-
-TINY_TARGET = {
-    "model_type": "qwen3",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_hidden_layers": 8,
-    "vocab_size": 300,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 512,
-}
 
 
 @pytest.mark.parametrize(("chunk_rows", "checkpoint"), [(7, True), (7, False), (100, True)])
@@ -58,14 +46,8 @@ def test_acceptance_stats_on_literal_tensors():
 
 
 def _setup(layer_types=("full_attention", "full_attention"), sliding_window=None):
-    cfg = DrafterConfig.from_target_config(
-        TINY_TARGET,
-        num_layers=2,
-        target_layer_ids=(2, 5),
-        block_size=4,
-        mask_token_id=299,
-        layer_types=layer_types,
-        sliding_window=sliding_window,
+    cfg = tiny_drafter_config(
+        target_layer_ids=(2, 5), layer_types=layer_types, sliding_window=sliding_window
     )
     drafter = DFlashDrafter(cfg)
     init_drafter_weights(drafter, 0)

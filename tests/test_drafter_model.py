@@ -3,30 +3,10 @@
 import pytest
 import torch
 
+from tests.drafters import TINY_TARGET, tiny_drafter, tiny_drafter_config
 from train.anchors import block_positions
 from train.mask import build_masks
 from train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
-
-TINY_TARGET = {
-    "model_type": "qwen3",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_hidden_layers": 8,
-    "vocab_size": 300,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 512,
-}
-
-
-def tiny_cfg(**kwargs) -> DrafterConfig:
-    kwargs.setdefault("num_layers", 2)
-    return DrafterConfig.from_target_config(
-        TINY_TARGET, target_layer_ids=(1, 4, 6), block_size=4, mask_token_id=299, **kwargs
-    )
 
 
 def test_from_qwen3_config():
@@ -93,23 +73,12 @@ def test_mask_token_fallback_and_no_spare_row():
 )
 def test_config_validation_names_the_field(change, field):
     with pytest.raises(ValueError, match=field):
-        DrafterConfig(**{**tiny_cfg().to_dict(), **change})
+        DrafterConfig(**{**tiny_drafter_config().to_dict(), **change})
 
 
 def test_config_dict_round_trip():
-    cfg = tiny_cfg(layer_types=("sliding_attention", "full_attention"), sliding_window=5)
+    cfg = tiny_drafter_config(layer_types=("sliding_attention", "full_attention"), sliding_window=5)
     assert DrafterConfig.from_dict(cfg.to_dict()) == cfg
-
-
-def _model(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
-    model = DFlashDrafter(cfg)
-    init_drafter_weights(model, seed)
-    # Non-trivial norm weights, so a swapped or skipped norm would show.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
-    return model.eval()
 
 
 def _inputs(cfg: DrafterConfig, anchors, keep, seq: int = 12):
@@ -153,8 +122,8 @@ def _reference_block(model, cfg, context_SC, emb_BH, anchor):
     "layer_types", [("full_attention", "full_attention"), ("sliding_attention", "full_attention")]
 )
 def test_batched_forward_equals_each_block_alone(layer_types):
-    cfg = tiny_cfg(layer_types=layer_types, sliding_window=3)
-    model = _model(cfg)
+    cfg = tiny_drafter_config(layer_types=layer_types, sliding_window=3)
+    model = tiny_drafter(cfg)
     anchors = torch.tensor([[0, 2, 7, 0], [1, 5, 6, 10]])
     keep = torch.tensor([[True, True, True, False], [True, True, True, True]])
     context, block_emb, ctx_pos, block_pos = _inputs(cfg, anchors, keep)
@@ -176,8 +145,8 @@ def test_batched_forward_equals_each_block_alone(layer_types):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_flex_forward_equals_sdpa_forward():
     pytest.importorskip("torch.nn.attention.flex_attention")
-    cfg = tiny_cfg(layer_types=("sliding_attention", "full_attention"), sliding_window=3)
-    model = _model(cfg)
+    cfg = tiny_drafter_config(layer_types=("sliding_attention", "full_attention"), sliding_window=3)
+    model = tiny_drafter(cfg)
     anchors = torch.tensor([[0, 2, 7, 0], [1, 5, 6, 10]])
     keep = torch.tensor([[True, True, True, False], [True, True, True, True]])
     args = _inputs(cfg, anchors, keep)
@@ -188,8 +157,8 @@ def test_flex_forward_equals_sdpa_forward():
 
 
 def test_layer_checkpointing_gives_the_same_gradients():
-    cfg = tiny_cfg(layer_types=("sliding_attention", "full_attention"), sliding_window=3)
-    model = _model(cfg).train()
+    cfg = tiny_drafter_config(layer_types=("sliding_attention", "full_attention"), sliding_window=3)
+    model = tiny_drafter(cfg).train()
     anchors, keep = torch.tensor([[2, 7]]), torch.tensor([[True, False]])
     args = _inputs(cfg, anchors, keep)
     masks = _masks(cfg, anchors, keep, 12)
@@ -203,7 +172,7 @@ def test_layer_checkpointing_gives_the_same_gradients():
 
 
 def test_init_is_deterministic():
-    cfg = tiny_cfg()
+    cfg = tiny_drafter_config()
     a, b, c = DFlashDrafter(cfg), DFlashDrafter(cfg), DFlashDrafter(cfg)
     init_drafter_weights(a, 1)
     init_drafter_weights(b, 1)
