@@ -1,4 +1,5 @@
-"""Session-wide fixtures: tiny targets built once per test run (random weights: fast)."""
+"""Shared fixtures: tiny targets built once per test run (random weights: fast), the tiny
+demo tokenizer once per module."""
 
 from __future__ import annotations
 
@@ -27,3 +28,11 @@ def tiny_qwen3(tmp_path_factory) -> Path:
 def tiny_qwen35(tmp_path_factory) -> Path:
     """A tiny hybrid Qwen3.5 target folder (Gated DeltaNet + attention, random weights)."""
     return _tiny(tmp_path_factory.getbasetemp() / "targets", "qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The tiny demo tokenizer with its ChatML template (built per module, in code: fast)."""
+    from tests.chats import demo_tokenizer
+
+    return demo_tokenizer()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from extract.chat import ChatTemplateError, assistant_spans, render_chat, tokenize_chat
-from extract.tiny import _demo_texts, build_tokenizer
+from tests.chats import STRICT_TEMPLATE, demo_tokenizer
 
 # A Qwen3-style template: reasoning (`<think>...</think>`) is dropped from assistant turns before
 # the last user message, and the final assistant turn always gets a think block (empty if none).
@@ -40,25 +40,6 @@ LLAMA3_LIKE_TEMPLATE = (
     "{%- if add_generation_prompt %}"
     "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
-STRICT_TEMPLATE = (
-    "{%- for m in messages %}"
-    "{%- if m.role == 'system' and not loop.first %}"
-    "{{- raise_exception('system message must come first') }}{%- endif %}"
-    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer(_demo_texts())
-
-
-def with_template(tokenizer, template: str):
-    tok = build_tokenizer(_demo_texts())
-    tok.chat_template = template
-    return tok
 
 
 def supervised_segments(tokenizer, ids_T: np.ndarray, mask_T: np.ndarray) -> list[str]:
@@ -133,8 +114,8 @@ def test_system_prompt_and_trailing_user_turn_are_unsupervised(tokenizer):
     assert supervised_segments(tokenizer, ids_T, mask_T) == ["A COW SAYS 'MOO'.<|im_end|>"]
 
 
-def test_marker_fallback_on_a_template_that_drops_earlier_reasoning(tokenizer):
-    tok = with_template(tokenizer, QWEN3_LIKE_TEMPLATE)
+def test_marker_fallback_on_a_template_that_drops_earlier_reasoning():
+    tok = demo_tokenizer(QWEN3_LIKE_TEMPLATE)
     messages = [
         {"role": "user", "content": "What is 7 plus 8?"},
         {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n7 plus 8 is 15."},
@@ -151,8 +132,8 @@ def test_marker_fallback_on_a_template_that_drops_earlier_reasoning(tokenizer):
     ]
 
 
-def test_reasoning_of_the_final_turn_is_supervised(tokenizer):
-    tok = with_template(tokenizer, QWEN3_LIKE_TEMPLATE)
+def test_reasoning_of_the_final_turn_is_supervised():
+    tok = demo_tokenizer(QWEN3_LIKE_TEMPLATE)
     messages = [
         {"role": "user", "content": "Is 9 even or odd?"},
         {"role": "assistant", "content": "<think>\n9 = 2*4 + 1\n</think>\n\n9 is odd."},
@@ -183,8 +164,8 @@ def test_both_span_methods_agree_on_a_prefix_consistent_template(tokenizer):
     ]
 
 
-def test_other_template_markers_and_template_written_bos(tokenizer):
-    tok = with_template(tokenizer, LLAMA3_LIKE_TEMPLATE)
+def test_other_template_markers_and_template_written_bos():
+    tok = demo_tokenizer(LLAMA3_LIKE_TEMPLATE)
     messages = [
         {"role": "user", "content": "What color is snow?"},
         {"role": "assistant", "content": "Snow is white. "},
@@ -198,8 +179,8 @@ def test_other_template_markers_and_template_written_bos(tokenizer):
     assert supervised_segments(tok, ids_T, mask_T) == ["Snow is white.<|eot_id|>"]
 
 
-def test_template_failures_raise_chat_template_error(tokenizer):
-    tok = with_template(tokenizer, STRICT_TEMPLATE)
+def test_template_failures_raise_chat_template_error():
+    tok = demo_tokenizer(STRICT_TEMPLATE)
     messages = [
         {"role": "user", "content": "Hi"},
         {"role": "system", "content": "Late system prompt."},
@@ -209,8 +190,8 @@ def test_template_failures_raise_chat_template_error(tokenizer):
         tokenize_chat(tok, messages)
 
 
-def test_marker_fallback_refuses_an_ambiguous_header(tokenizer):
-    tok = with_template(tokenizer, QWEN3_LIKE_TEMPLATE)
+def test_marker_fallback_refuses_an_ambiguous_header():
+    tok = demo_tokenizer(QWEN3_LIKE_TEMPLATE)
     messages = [
         {"role": "user", "content": "Say <|im_start|>assistant\n please."},
         {"role": "assistant", "content": "<think>\nhm\n</think>\n\nNo."},

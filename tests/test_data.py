@@ -22,26 +22,13 @@ from extract.data import (
     source_fingerprint,
     template_fingerprint,
 )
-from extract.tiny import _demo_texts, build_tokenizer
+from tests.chats import STRICT_TEMPLATE, demo_tokenizer
 from tests.make_demo_data import demo_text
 
 CHAT = [
     {"role": "user", "content": "What is the opposite of 'hot'?"},
     {"role": "assistant", "content": "The opposite of 'hot' is 'cold'."},
 ]
-STRICT_TEMPLATE = (
-    "{%- for m in messages %}"
-    "{%- if m.role == 'system' and not loop.first %}"
-    "{{- raise_exception('system message must come first') }}{%- endif %}"
-    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer(_demo_texts())
 
 
 def write_lines(path: Path, lines: list[str]) -> Path:
@@ -127,8 +114,7 @@ def test_each_reject_reason_with_its_line_number(tokenizer, tmp_path):
     text = "\n".join([lines["ok"], "", "   "] + list(lines.values())[1:]) + "\n"
     path = tmp_path / "rows.jsonl"
     path.write_text(text, encoding="utf-8")
-    tokenizer = build_tokenizer(_demo_texts())
-    tokenizer.chat_template = STRICT_TEMPLATE
+    tokenizer = demo_tokenizer(STRICT_TEMPLATE)
     out = list(iter_rows([path], tokenizer, max_length=512))
     assert isinstance(out[0], Tokenized) and (out[0].row, out[0].line) == (0, 1)
     rejected = out[1:]
