@@ -1,5 +1,5 @@
 """Shared fixtures: tiny targets built once per test run (random weights: fast), the tiny
-demo tokenizer once per module."""
+demo tokenizer once per module, and one intra-op thread for modules that ask for it."""
 
 from __future__ import annotations
 
@@ -36,3 +36,15 @@ def tokenizer():
     from tests.chats import demo_tokenizer
 
     return demo_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module: tiny matmuls on shared cores run several times faster
+    without intra-op threads. Opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

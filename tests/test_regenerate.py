@@ -23,6 +23,8 @@ MAX_NEW = 10
 MAX_LENGTH = 160  # row 8's long user turn exceeds it
 ROWS_PER_CHUNK = 4
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _user(text: str) -> dict:
     return {"role": "user", "content": text}
@@ -73,15 +75,6 @@ def _rows() -> list[str]:
 
 def _line(row: int) -> int:
     return row + 1 if row < 5 else row + 2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: the tiny model gains nothing from more, on shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

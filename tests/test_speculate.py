@@ -18,14 +18,7 @@ from train.step import Batch, forward_loss
 LAYERS = (1, 4, 6)  # of the tiny target's 8
 EOS = 2  # the tiny tokenizer's <|im_end|>
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls on a shared 2-core machine run ~10x faster without intra-op threads.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
