@@ -1,9 +1,12 @@
-"""A tiny Qwen3-shaped target config and the drafters the drafter tests build from it."""
+"""A tiny Qwen3-shaped target config, and the drafters and masks the drafter tests build from it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from train.mask import build_masks
 from train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
 
 TINY_TARGET = {
@@ -38,3 +41,22 @@ def tiny_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
     return drafter.eval()
+
+
+def drafter_masks(
+    cfg: DrafterConfig,
+    anchors_BN: torch.Tensor,
+    keep_BN: torch.Tensor,
+    context_len: int,
+    attention: str = "sdpa",
+) -> dict[str, Any]:
+    """The per-layer-type masks `build_masks` gives for `cfg`'s block size and layer types."""
+    return build_masks(
+        anchors_BN,
+        keep_BN,
+        context_len=context_len,
+        block_size=cfg.block_size,
+        layer_types=cfg.layer_types,
+        sliding_window=cfg.sliding_window,
+        attention=attention,
+    )

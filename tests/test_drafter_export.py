@@ -7,9 +7,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from tests.drafters import tiny_drafter, tiny_drafter_config
+from tests.drafters import drafter_masks, tiny_drafter, tiny_drafter_config
 from train.export import EXPORT_KEYS, export_drafter, load_export
-from train.mask import build_masks
 from train.model import init_drafter_weights
 
 
@@ -76,15 +75,7 @@ def test_export_rejects_unknown_and_missing_keys(tmp_path):
 def _ours_single_block(drafter, cfg, target_hidden, noise):
     ctx = target_hidden.shape[1]
     anchors, keep = torch.tensor([[ctx]]), torch.tensor([[True]])
-    masks = build_masks(
-        anchors,
-        keep,
-        context_len=ctx,
-        block_size=cfg.block_size,
-        layer_types=cfg.layer_types,
-        sliding_window=cfg.sliding_window,
-        attention="sdpa",
-    )
+    masks = drafter_masks(cfg, anchors, keep, ctx)
     pos = torch.arange(ctx + cfg.block_size)[None]
     return drafter(target_hidden, noise, pos[:, :ctx], pos[:, ctx:], masks)
 

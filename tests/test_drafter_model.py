@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from tests.drafters import TINY_TARGET, tiny_drafter, tiny_drafter_config
+from tests.drafters import TINY_TARGET, drafter_masks, tiny_drafter, tiny_drafter_config
 from train.anchors import block_positions
-from train.mask import build_masks
 from train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
 
 
@@ -91,18 +90,6 @@ def _inputs(cfg: DrafterConfig, anchors, keep, seq: int = 12):
     return context, block_emb, ctx_pos, block_positions(anchors, block_size=cfg.block_size)
 
 
-def _masks(cfg, anchors, keep, seq, attention="sdpa"):
-    return build_masks(
-        anchors,
-        keep,
-        context_len=seq,
-        block_size=cfg.block_size,
-        layer_types=cfg.layer_types,
-        sliding_window=cfg.sliding_window,
-        attention=attention,
-    )
-
-
 def _reference_block(model, cfg, context_SC, emb_BH, anchor):
     """One block alone: context truncated to positions < anchor, its own tokens only."""
     bs = cfg.block_size
@@ -128,7 +115,7 @@ def test_batched_forward_equals_each_block_alone(layer_types):
     keep = torch.tensor([[True, True, True, False], [True, True, True, True]])
     context, block_emb, ctx_pos, block_pos = _inputs(cfg, anchors, keep)
     with torch.no_grad():
-        out = model(context, block_emb, ctx_pos, block_pos, _masks(cfg, anchors, keep, 12))
+        out = model(context, block_emb, ctx_pos, block_pos, drafter_masks(cfg, anchors, keep, 12))
         assert out.shape == block_emb.shape and torch.isfinite(out).all()
         bs = cfg.block_size
         for b in range(2):
@@ -151,8 +138,8 @@ def test_flex_forward_equals_sdpa_forward():
     keep = torch.tensor([[True, True, True, False], [True, True, True, True]])
     args = _inputs(cfg, anchors, keep)
     with torch.no_grad():
-        sdpa = model(*args, _masks(cfg, anchors, keep, 12), attention="sdpa")
-        flex = model(*args, _masks(cfg, anchors, keep, 12, "flex"), attention="flex")
+        sdpa = model(*args, drafter_masks(cfg, anchors, keep, 12), attention="sdpa")
+        flex = model(*args, drafter_masks(cfg, anchors, keep, 12, "flex"), attention="flex")
     torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=1e-5)
 
 
@@ -161,7 +148,7 @@ def test_layer_checkpointing_gives_the_same_gradients():
     model = tiny_drafter(cfg).train()
     anchors, keep = torch.tensor([[2, 7]]), torch.tensor([[True, False]])
     args = _inputs(cfg, anchors, keep)
-    masks = _masks(cfg, anchors, keep, 12)
+    masks = drafter_masks(cfg, anchors, keep, 12)
     grads = []
     for ckpt in (False, True):
         model.zero_grad()
