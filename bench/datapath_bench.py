@@ -9,7 +9,7 @@ tokens, one per micro-batch, enough for the warm-up and timed steps. The parts a
 from the page cache (posix_fadvise DONTNEED after fsync), so streaming reads the disk as a fresh
 run would. Then, in one process and with one product `Trainer` (as train_bench.py builds it):
 
-  A. warm-up + timed optimizer steps fed by the product's loader (`Trainer._loader`: PlanDataset
+  A. warm-up + timed optimizer steps fed by the product's loader (`Trainer.loader`: PlanDataset
      over the parts `load_catalog` finds, DataLoader with --workers forkserver processes and
      pinned memory, `device_batch` non-blocking copies), keeping every micro-batch it hands over;
   B. the same micro-batches, moved to the GPU beforehand, replayed through the same steps.
@@ -36,7 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import train_bench as tb  # noqa: E402  (also puts the project root on sys.path)
+import drafter_setup as ds  # noqa: E402  (also puts the project root on sys.path)
+import train_bench as tb  # noqa: E402
 
 from shared.cache import open_part_writer, part_name  # noqa: E402
 from shared.codec import codec_description  # noqa: E402
@@ -78,7 +79,7 @@ def write_part(
                 n,
                 sample_index=part * samples + n,
                 input_ids=ids,
-                loss_mask=tb.prompt_mask(1, seq_len)[0],
+                loss_mask=ds.prompt_mask(1, seq_len)[0],
                 hidden=hidden.cpu(),
             )
         stats = writer.commit()
@@ -103,8 +104,8 @@ def write_cache(
     cache: Path, shape: str, *, samples: int, per_part: int, seq_len: int, device: torch.device
 ) -> Manifest:
     """A complete cache of at least `samples` samples: parts, manifest, target files."""
-    cfg = tb.drafter_config(shape)
-    tb.write_target_files(cache, shape, device)
+    cfg = ds.drafter_config(shape)
+    ds.write_target_files(cache, shape, device)
     num_parts = -(-samples // per_part)
     with ThreadPoolExecutor(max_workers=min(num_parts, os.cpu_count() or 1)) as pool:
         records = list(
@@ -115,7 +116,7 @@ def write_cache(
                 range(num_parts),
             )
         )
-    target = tb.SHAPES[shape]
+    target = ds.SHAPES[shape]
     manifest = Manifest(
         format="zarr",
         store="bf16",
@@ -127,7 +128,7 @@ def write_cache(
             num_layers=target["num_hidden_layers"],
             hidden_size=cfg.hidden_size,
             vocab_size=cfg.vocab_size,
-            tokenizer_vocab_size=cfg.vocab_size - tb.SPARE_ROWS,
+            tokenizer_vocab_size=cfg.vocab_size - ds.SPARE_ROWS,
         ),
         tokenizer_sha256="-",
         chat_template_sha256="-",
@@ -195,7 +196,7 @@ def bench_datapath(args: argparse.Namespace, device: torch.device) -> dict[str, 
     parts, problems = load_catalog(cache, read_manifest(cache))
     if problems:
         raise RuntimeError(f"the written cache does not load: {problems}")
-    trainer = tb.make_trainer(
+    trainer = ds.make_trainer(
         args.shape,
         cache,
         parts,
@@ -209,11 +210,11 @@ def bench_datapath(args: argparse.Namespace, device: torch.device) -> dict[str, 
         workers=args.workers,
     )
     kept: list[dict[str, Any]] = []
-    trainer.batches = recording(trainer._loader(), kept)
+    trainer.prepare(recording(trainer.loader(), kept))
     streamed = tb.time_training(trainer, warmup=args.warmup, steps=args.steps)
-    trainer.batches = None  # stops the DataLoader workers, as Trainer.fit does
+    trainer.close_loader()
     replay = [on_device(item, device) for item in kept]
-    trainer.batches = tb.feed(trainer, replay)
+    trainer.prepare(ds.feed(trainer, replay))
     in_memory = tb.time_training(trainer, warmup=args.warmup, steps=args.steps)
     return {
         "bench": "datapath",
@@ -258,12 +259,12 @@ def figures(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    tb.add_drafter_args(p)
+    ds.add_drafter_args(p)
     defaults = TrainConfig(data=Path(), out=Path())
     p.add_argument("--workers", type=int, default=defaults.workers, help="loader processes")
     p.add_argument("--per-part", type=int, default=4, help="samples per written part")
     p.add_argument("--keep", action="store_true", help="keep the written cache")
-    args = tb.finish_args(p.parse_args())
+    args = ds.finish_args(p.parse_args())
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":

@@ -35,7 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import train_bench as tb  # noqa: E402  (also puts the project root on sys.path)
+import drafter_setup as ds  # noqa: E402  (also puts the project root on sys.path)
+import train_bench as tb  # noqa: E402
 from shapes import random_model  # noqa: E402
 
 from extract.capture import LayerCapture  # noqa: E402
@@ -48,7 +49,7 @@ def time_capture(
     shape: str, *, device: torch.device, rows: int, seq_len: int, repeats: int
 ) -> tuple[dict[str, Any], LayerCapture]:
     """Seconds of one capture forward of `rows` x `seq_len` tokens (mean over `repeats`)."""
-    n_layers = tb.SHAPES[shape]["num_hidden_layers"]
+    n_layers = ds.SHAPES[shape]["num_hidden_layers"]
     layer_ids = build_target_layer_ids(n_layers, 5)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     build_start = time.perf_counter()
@@ -142,7 +143,7 @@ def bench_offline(args: argparse.Namespace, device: torch.device) -> dict[str, A
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    tb.add_drafter_args(p)
+    ds.add_drafter_args(p)
     p.set_defaults(shape="qwen3.6-27b", steps=10, warmup=3)
     p.add_argument("--target-batch", type=int, default=2, help="rows per capture forward")
     p.add_argument("--repeats", type=int, default=3, help="timed capture forwards")
@@ -153,7 +154,7 @@ def main() -> None:
         help="train_bench.py result of the same setting on this GPU: reuse its drafter step "
         "instead of timing (and compiling) it again",
     )
-    args = tb.finish_args(p.parse_args())
+    args = ds.finish_args(p.parse_args())
     args.batch, args.pool = 1, 4
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -38,7 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import train_bench as tb  # noqa: E402  (also puts the project root on sys.path)
+import drafter_setup as ds  # noqa: E402  (also puts the project root on sys.path)
+import train_bench as tb  # noqa: E402
 from shapes import random_model  # noqa: E402
 
 from train.decode import (  # noqa: E402
@@ -60,7 +61,7 @@ def build(shape: str, device: torch.device) -> tuple[torch.nn.Module, DFlashDraf
     """The random target (all layers, lm_head) and drafter, in the decoding dtype."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = random_model(shape, device=str(device), dtype=dtype)
-    drafter = DFlashDrafter(tb.drafter_config(shape))
+    drafter = DFlashDrafter(ds.drafter_config(shape))
     init_drafter_weights(drafter, seed=0)
     return target, drafter.to(device, dtype).eval()
 
@@ -156,7 +157,7 @@ def time_context(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", choices=sorted(tb.SHAPES), default="qwen3-8b")
+    p.add_argument("--shape", choices=sorted(ds.SHAPES), default="qwen3-8b")
     p.add_argument("--context", default="1024,4096", help="comma-separated context lengths")
     p.add_argument(
         "--kept",

@@ -5,12 +5,12 @@
 Builds the product's `Trainer` (train/loop.py) for a 5-layer drafter of the shape (hidden,
 intermediate, heads and vocabulary from the target config, default capture layers), with
 random weights and random target heads (written once under --workdir, where the trainer loads
-them from), and runs its optimizer step (`Trainer._optimizer_step`: bf16 autocast, forward_loss
+them from), and runs its optimizer step (`Trainer.train_step`: bf16 autocast, forward_loss
 with the chunked lm_head + CE under checkpointing, backward, loss normalisation, gradient
 clipping, fused AdamW on fp32 weights) on a few random micro-batches already on the device:
 --batch sequences of --seq-len tokens, --anchors blocks of 16. --attention and --compile left
 out take the product's defaults for the device (flex and model on CUDA), set up exactly as
-`train_rank` does (`configure_compile`, then the trainer's torch.compile wrap).
+`train_rank` does (`configure_compile`, then `Trainer.prepare`'s torch.compile wrap).
 
 Prints one JSON line (and writes --json): the first step's wall time (compilation included)
 apart from the steady state (the mean over --steps after --warmup steps, timed with CUDA events
@@ -33,165 +33,26 @@ import argparse
 import itertools
 import json
 import logging
-import os
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from shapes import SHAPES  # noqa: E402
+import drafter_setup as ds  # noqa: E402  (also puts the project root on sys.path)
 
-from extract.target import build_target_layer_ids  # noqa: E402
-from shared.dist import RankInfo  # noqa: E402
-from shared.fsio import atomic_write_json  # noqa: E402
-from shared.target_files import EMBED_FILE, EMBED_KEY, LM_HEAD_KEY, target_dir  # noqa: E402
-from train.anchors import default_gamma  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
 from train.data import PartInfo  # noqa: E402
-from train.loop import Prepared, Trainer, configure_compile  # noqa: E402
+from train.loop import Trainer  # noqa: E402
 from train.model import DrafterConfig, num_parameters  # noqa: E402
 from train.run import resolve_devices  # noqa: E402
 
 log = logging.getLogger("train_bench")
 
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16, datasheet
-DRAFTER_LAYERS = 5
-# The shapes have no tokenizer: the last rows of the embedding count as unused, so a shape
-# without a family mask token (tiny) takes the first of them.
-SPARE_ROWS = 64
-# --seq-len / --anchors defaults: the DESIGN figures' setting, and a CPU-sized one for the tiny
-# shapes (sdpa's dense mask and scores at 3072 x 8192 would take minutes on two cores).
-SEQ_DEFAULTS = {"tiny": (256, 32), "tiny-hybrid": (256, 32)}
-REAL_SEQ_DEFAULT = (3072, 512)
-DEFAULT_WORKDIR = Path(os.environ.get("BENCH_WORKDIR", "/tmp/dflash-bench"))
-
-
-def seq_defaults(shape: str) -> tuple[int, int]:
-    """(sequence length, anchors) used when the options are left out."""
-    return SEQ_DEFAULTS.get(shape, REAL_SEQ_DEFAULT)
-
-
-def drafter_config(shape: str, *, num_layers: int = DRAFTER_LAYERS) -> DrafterConfig:
-    """The drafter the product would build for a target of `shape` (default capture layers)."""
-    target = SHAPES[shape]
-    return DrafterConfig.from_target_config(
-        target,
-        num_layers=num_layers,
-        target_layer_ids=build_target_layer_ids(target["num_hidden_layers"], 5),
-        tokenizer_vocab_size=target["vocab_size"] - SPARE_ROWS,
-    )
-
-
-def write_target_files(cache: Path, shape: str, device: torch.device) -> None:
-    """`cache/target/`: the shape's config.json and random bf16 embedding and lm_head, which is
-    what the trainer loads from a cache. Written once per shape and reused."""
-    folder = target_dir(cache)
-    config = folder / "config.json"
-    if (folder / EMBED_FILE).is_file() and config.is_file():
-        if json.loads(config.read_text()) == SHAPES[shape]:
-            return
-    folder.mkdir(parents=True, exist_ok=True)
-    target = SHAPES[shape]
-    shape_VH = (target["vocab_size"], target["hidden_size"])
-    heads = {
-        key: (0.02 * torch.randn(shape_VH, device=device, dtype=torch.bfloat16)).cpu()
-        for key in (EMBED_KEY, LM_HEAD_KEY)
-    }
-    tmp = folder / (EMBED_FILE + ".tmp")
-    save_file(heads, str(tmp))
-    os.replace(tmp, folder / EMBED_FILE)
-    atomic_write_json(config, target)
-
-
-def make_trainer(
-    shape: str,
-    cache: Path,
-    parts: Sequence[PartInfo],
-    *,
-    device: torch.device,
-    attention: str | None,
-    compile: str | None,
-    steps: int,
-    seq_len: int,
-    anchors: int,
-    batch_tokens: int,
-    workers: int = 0,
-) -> Trainer:
-    """The product's trainer for one process and device, after `configure_compile`."""
-    drafter = drafter_config(shape)
-    cfg = TrainConfig(
-        data=cache,
-        out=cache / "run",
-        attention=attention,
-        compile=compile,
-        steps=steps,
-        workers=workers,
-        batch_tokens=batch_tokens,
-        max_length=seq_len,
-        num_anchors=anchors,
-        block_size=drafter.block_size,
-        eval_every=0,
-        log_every=steps,
-        checkpoint_every=steps,
-        resume="none",
-    )
-    cfg = resolve_devices(cfg, device.type)
-    configure_compile(cfg)
-    prep = Prepared(
-        drafter=drafter,
-        parts=tuple(parts),
-        train_parts=tuple(range(len(parts))),
-        eval_parts=(),
-        layers=tuple(range(drafter.num_context_layers)),
-        gamma=default_gamma(drafter.block_size),
-    )
-    info = RankInfo(rank=0, world_size=1, local_rank=0, device=device)
-    trainer = Trainer(info, cfg, prep)
-    trainer.net = trainer._wrap()  # as Trainer.fit does: DDP (not here) then torch.compile
-    return trainer
-
-
-def prompt_mask(batch: int, seq_len: int) -> torch.Tensor:
-    """loss_mask [B, S]: an unsupervised prompt (the first eighth), then supervised tokens."""
-    mask_BS = torch.ones(batch, seq_len, dtype=torch.uint8)
-    mask_BS[:, : seq_len // 8] = 0
-    return mask_BS
-
-
-def random_items(
-    cfg: DrafterConfig, *, count: int, batch: int, seq_len: int, device: torch.device
-) -> list[dict[str, Any]]:
-    """`count` collated micro-batches (the loader's item dicts) with random ids and hidden
-    states, already on `device`."""
-    gen = torch.Generator().manual_seed(0)
-    shape_BSKH = (batch, seq_len, cfg.num_context_layers, cfg.hidden_size)
-    items = []
-    for n in range(count):
-        ids_BS = torch.randint(0, cfg.mask_token_id, (batch, seq_len), generator=gen)
-        items.append(
-            {
-                "real": True,
-                "anchor_seed": n,
-                "ids": ids_BS.to(device),
-                "loss_mask": prompt_mask(batch, seq_len).to(device),
-                "lengths": torch.full((batch,), seq_len, dtype=torch.int64, device=device),
-                "hidden": torch.randn(shape_BSKH, dtype=torch.bfloat16, device=device),
-            }
-        )
-    return items
-
-
-def feed(trainer: Trainer, items: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """Items as the trainer's loader would hand them: stamped with the epoch it expects."""
-    for item in items:
-        yield {**item, "epoch": trainer.loader_state.epoch}
 
 
 def synchronize(device: torch.device) -> None:
@@ -224,19 +85,17 @@ class StepClock:
 
 
 def run_steps(trainer: Trainer, n: int) -> tuple[list[float], float, float]:
-    """`n` optimizer steps of the trainer: (seconds per step, wall seconds, seconds waited for
-    data as the trainer itself counts them)."""
+    """`n` optimizer steps of the trainer (after `Trainer.prepare`): (seconds per step, wall
+    seconds, seconds waited for data as the trainer itself counts them)."""
     clock = StepClock(trainer.device)
     synchronize(trainer.device)
-    start = time.perf_counter()
-    trainer.window = (start, 0.0)  # (window start, seconds in the loader): see Trainer._log
+    start, waited = time.perf_counter(), 0.0
     clock.mark()
     for _ in range(n):
-        trainer._optimizer_step()
-        trainer.step += 1
+        waited += trainer.train_step()
         clock.mark()
     per_step = clock.intervals()
-    return per_step, time.perf_counter() - start, trainer.window[1]
+    return per_step, time.perf_counter() - start, waited
 
 
 def time_training(trainer: Trainer, *, warmup: int, steps: int) -> dict[str, Any]:
@@ -313,11 +172,11 @@ def device_facts(device: torch.device) -> dict[str, Any]:
 def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """The whole measurement of one (shape, attention, compile) setting."""
     cache = args.workdir / args.shape
-    write_target_files(cache, args.shape, device)
+    ds.write_target_files(cache, args.shape, device)
     total = 1 + max(args.warmup - 1, 0) + args.steps
     # Metadata of a cache the in-memory items stand for (the plan needs it; nothing is read).
     parts = [PartInfo(path="in-memory", lengths=(args.seq_len,) * (args.batch * total))]
-    trainer = make_trainer(
+    trainer = ds.make_trainer(
         args.shape,
         cache,
         parts,
@@ -330,13 +189,13 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         batch_tokens=args.batch * args.seq_len,
     )
     cfg = trainer.prep.drafter
-    items = random_items(
+    items = ds.random_items(
         cfg, count=args.pool, batch=args.batch, seq_len=args.seq_len, device=device
     )
-    trainer.batches = feed(trainer, itertools.cycle(items))
+    trainer.prepare(ds.feed(trainer, itertools.cycle(items)))
     timing = time_training(trainer, warmup=args.warmup, steps=args.steps)
     keys = mean_context_keys(
-        prompt_mask(1, args.seq_len)[0], anchors=args.anchors, block_size=cfg.block_size
+        ds.prompt_mask(1, args.seq_len)[0], anchors=args.anchors, block_size=cfg.block_size
     )
     flops = step_flops(
         cfg, batch=args.batch, seq_len=args.seq_len, anchors=args.anchors, keys_per_query=keys
@@ -364,27 +223,6 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
     }
 
 
-def add_drafter_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by the benchmarks that time drafter training steps."""
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
-    p.add_argument("--attention", choices=("sdpa", "flex"), default=None, help="default: product")
-    p.add_argument("--compile", choices=("none", "flex", "model"), default=None)
-    p.add_argument("--steps", type=int, default=20, help="timed steps")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (>= 1)")
-    p.add_argument("--seq-len", type=int, default=None, help="default 3072 (tiny: 256)")
-    p.add_argument("--anchors", type=int, default=None, help="default 512 (tiny: 32)")
-    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
-    p.add_argument("--json", type=Path, default=None)
-
-
-def finish_args(args: argparse.Namespace) -> argparse.Namespace:
-    seq, anchors = seq_defaults(args.shape)
-    args.seq_len = args.seq_len or seq
-    args.anchors = args.anchors or anchors
-    args.warmup = max(args.warmup, 1)
-    return args
-
-
 def emit(result: dict[str, Any], path: Path | None) -> None:
     """One JSON line on stdout; the same, indented, to `path`."""
     print(json.dumps(result), flush=True)
@@ -395,10 +233,10 @@ def emit(result: dict[str, Any], path: Path | None) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_drafter_args(p)
+    ds.add_drafter_args(p)
     p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--pool", type=int, default=4, help="distinct random batches, cycled")
-    args = finish_args(p.parse_args())
+    args = ds.finish_args(p.parse_args())
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
