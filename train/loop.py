@@ -27,6 +27,7 @@ from shared.dist import RankInfo, all_gather_objects, all_reduce_sum, barrier
 from shared.logs import setup_logging
 from shared.target_files import load_heads
 from train.checkpoint import load_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
+from train.compiling import RecompileLimitError, configure_compile
 from train.config import TrainConfig
 from train.data import (
     LoaderState,
@@ -46,10 +47,6 @@ from train.step import forward_loss
 log = logging.getLogger(__name__)
 
 EXPORT_DIR = "export"
-
-
-class RecompileLimitError(RuntimeError):
-    """torch.compile would recompile once more than allowed (never a silent fallback)."""
 
 
 @dataclass(frozen=True)
@@ -74,31 +71,6 @@ def lr_factor(step: int, *, total: int, warmup: int) -> float:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def configure_compile(cfg: TrainConfig) -> None:
-    """Bound recompiles and make hitting the bound an error rather than a fall back to eager."""
-    if cfg.compile == "none" and cfg.attention == "sdpa":
-        return  # nothing is compiled; importing dynamo alone takes seconds
-    import torch._dynamo
-
-    dynamo = torch._dynamo.config
-    if hasattr(dynamo, "recompile_limit"):
-        dynamo.recompile_limit = cfg.recompile_limit
-    else:  # torch < 2.6 spelled it cache_size_limit
-        dynamo.cache_size_limit = cfg.recompile_limit
-    if hasattr(dynamo, "fail_on_recompile_limit_hit"):
-        dynamo.fail_on_recompile_limit_hit = True
-    elif cfg.compile != "none":
-        log.warning("this torch cannot fail on the recompile limit; recompiles are not bounded")
-    if cfg.compile == "model":
-        import torch._inductor.config as inductor
-
-        # Padded lengths and batch sizes vary, so the drafter recompiles once with dynamic
-        # shapes; Inductor's coalescing analysis (torch 2.11, "does not yet apply to dynamic
-        # shapes") then fails an assertion in tiling_utils.get_pw_red_splits. Skip it.
-        if hasattr(inductor.triton, "coalesce_tiling_analysis"):
-            inductor.triton.coalesce_tiling_analysis = False
 
 
 def train_rank(info: RankInfo, cfg: TrainConfig, prep: Prepared) -> None:

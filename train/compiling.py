@@ -1,0 +1,39 @@
+"""torch.compile settings of a training process: bounded recompiles, and an error (never a
+silent fallback to eager) when the bound is hit."""
+
+from __future__ import annotations
+
+import logging
+
+from train.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+class RecompileLimitError(RuntimeError):
+    """torch.compile would recompile once more than allowed (never a silent fallback)."""
+
+
+def configure_compile(cfg: TrainConfig) -> None:
+    """Bound recompiles and make hitting the bound an error rather than a fall back to eager."""
+    if cfg.compile == "none" and cfg.attention == "sdpa":
+        return  # nothing is compiled; importing dynamo alone takes seconds
+    import torch._dynamo
+
+    dynamo = torch._dynamo.config
+    if hasattr(dynamo, "recompile_limit"):
+        dynamo.recompile_limit = cfg.recompile_limit
+    else:  # torch < 2.6 spelled it cache_size_limit
+        dynamo.cache_size_limit = cfg.recompile_limit
+    if hasattr(dynamo, "fail_on_recompile_limit_hit"):
+        dynamo.fail_on_recompile_limit_hit = True
+    elif cfg.compile != "none":
+        log.warning("this torch cannot fail on the recompile limit; recompiles are not bounded")
+    if cfg.compile == "model":
+        import torch._inductor.config as inductor
+
+        # Padded lengths and batch sizes vary, so the drafter recompiles once with dynamic
+        # shapes; Inductor's coalescing analysis (torch 2.11, "does not yet apply to dynamic
+        # shapes") then fails an assertion in tiling_utils.get_pw_red_splits. Skip it.
+        if hasattr(inductor.triton, "coalesce_tiling_analysis"):
+            inductor.triton.coalesce_tiling_analysis = False
