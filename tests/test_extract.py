@@ -245,3 +245,39 @@ def test_verify_passes_then_names_a_corrupt_part(tmp_path, qwen3, data_file):
         text=True,
     )
     assert bad.returncode == 1 and "part-000001" in bad.stderr
+
+
+def test_multimodal_qwen35_checkpoint_extracts_its_language_model(tmp_path, data_file, qwen3):
+    """Qwen3.5/3.6 ship as vision-language checkpoints (`model.language_model.*` weights)."""
+    from transformers import AutoTokenizer, Qwen3_5Config
+    from transformers.models.qwen3_5 import Qwen3_5ForConditionalGeneration
+
+    text = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+    )
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    target = tmp_path / "vl"
+    Qwen3_5ForConditionalGeneration(
+        Qwen3_5Config(text_config=text, vision_config=vision)
+    ).save_pretrained(target)
+    AutoTokenizer.from_pretrained(str(qwen3)).save_pretrained(target)
+    # Not the last layer: HF returns that one after the final norm, the hooks before it.
+    m = extract(tmp_path / "cache", target, data_file, layers="0,2", max_rows=6)
+    assert m.complete and m.target.num_layers == 4 and m.target.hidden_size == 64
+    sample = next(iter(samples_by_row(tmp_path / "cache").values()))
+    ref = reference_states(target, sample.input_ids, m.layer_ids)
+    torch.testing.assert_close(sample.hidden_tensor().float(), ref, rtol=1e-2, atol=1e-2)
+    embed, _ = load_heads(tmp_path / "cache")
+    assert embed.shape == (512, 64)
