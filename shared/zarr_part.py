@@ -18,7 +18,7 @@ threads gave 0.45/0.45/0.37/0.43 GB/s of raw bf16 (about 2.2 cores busy) while p
 the same data from the same threads gave 0.21/0.46/0.93/1.34 GB/s. On 2 cores here (zarr
 3.1.6) that path gave 103 MB/s from 1 thread and 142 from 2. Reading our shards, per-layer
 oindex reads, crc32c detection and nchunks_initialized behave the same on zarr 3.1.6 and 3.4.2
-(numcodecs 0.17.1, Python 3.12).
+(numcodecs 0.17.1, Python 3.12). Rerun: `python bench/write_bench.py`.
 """
 
 from __future__ import annotations

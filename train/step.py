@@ -110,7 +110,8 @@ def forward_loss(
     `compile_masks` builds flex BlockMasks with the compiled create_block_mask. Measured on an
     H200 (Qwen3-8B shape, S 3072, 512 blocks of 16, flex): steady step 221 ms compiled vs 224 ms
     eager, but the first step 210 s vs 13 s (compiling the mask for the second layer type alone
-    took 215 s), so it is off by default.
+    took 215 s), so it is off by default (`--compile flex` turns it on; compare with
+    `python bench/train_bench.py --shape qwen3-8b --attention flex --compile flex|none`).
     """
     if grad_ckpt not in GRAD_CKPT_MODES:
         raise ValueError(f"grad_ckpt must be one of {GRAD_CKPT_MODES}, got {grad_ckpt!r}")
