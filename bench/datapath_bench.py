@@ -83,20 +83,11 @@ def write_part(
                 hidden=hidden.cpu(),
             )
         stats = writer.commit()
-    return PartRecord(
+    return PartRecord.committed(
+        stats,
         name=part_name(part, "zarr"),
         unit=part,
-        first_row=part * samples,
-        end_row=(part + 1) * samples,
-        rows_kept=samples,
-        rows_truncated=0,
-        rejected={},
-        rejected_rows=(),
-        tokens=stats.tokens,
-        supervised_tokens=stats.supervised_tokens,
-        stored_rows=stats.stored_rows,
-        nbytes=stats.nbytes,
-        checksum=stats.checksum,
+        rows=range(part * samples, (part + 1) * samples),
     )
 
 

@@ -226,23 +226,17 @@ def _commit(unit, job, writer, futures, kept, rejected, rows, counters) -> None:
     reasons: dict[str, int] = {}
     for r in rejected:
         reasons[r.reason] = reasons.get(r.reason, 0) + 1
-    record = PartRecord(
+    record = PartRecord.committed(
+        stats,
         name=part_name(unit, job.format),
         unit=unit,
-        first_row=rows.start,
-        end_row=rows.stop,
-        rows_kept=len(kept),
+        rows=rows,
         rows_truncated=sum(k.truncated for k in kept),
-        rejected=dict(sorted(reasons.items())),
+        rejected=reasons,
         rejected_rows=tuple(
             RejectedRow(row=r.row, source=r.source, line=r.line, reason=r.reason)
             for r in rejected[:MAX_LISTED_REJECTS]
         ),
-        tokens=stats.tokens,
-        supervised_tokens=stats.supervised_tokens,
-        stored_rows=stats.stored_rows,
-        nbytes=stats.nbytes,
-        checksum=stats.checksum,
     )
     update_manifest(job.out, lambda m: m.with_part(record))
     log.info(

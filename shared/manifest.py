@@ -80,6 +80,35 @@ class PartRecord:
     def rows_read(self) -> int:
         return self.end_row - self.first_row
 
+    @classmethod
+    def committed(
+        cls,
+        stats: Any,
+        *,
+        name: str,
+        unit: int,
+        rows: range,
+        rows_truncated: int = 0,
+        rejected: dict[str, int] | None = None,
+        rejected_rows: tuple[RejectedRow, ...] = (),
+    ) -> PartRecord:
+        """The record of a part whose writer's commit returned `stats` (shared.part.PartStats)."""
+        return cls(
+            name=name,
+            unit=unit,
+            first_row=rows.start,
+            end_row=rows.stop,
+            rows_kept=stats.rows,
+            rows_truncated=rows_truncated,
+            rejected=dict(sorted((rejected or {}).items())),
+            rejected_rows=rejected_rows,
+            tokens=stats.tokens,
+            supervised_tokens=stats.supervised_tokens,
+            stored_rows=stats.stored_rows,
+            nbytes=stats.nbytes,
+            checksum=stats.checksum,
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class Manifest:

@@ -102,20 +102,8 @@ def _write_part(
         ids, mask, hidden = _sample(rng, length, codes)
         writer.write(n, sample_index=first + n, input_ids=ids, loss_mask=mask, hidden=hidden)
     stats = writer.commit()
-    return PartRecord(
-        name=part_name(part, fmt),
-        unit=part,
-        first_row=first,
-        end_row=first + len(lens),
-        rows_kept=len(lens),
-        rows_truncated=0,
-        rejected={},
-        rejected_rows=(),
-        tokens=stats.tokens,
-        supervised_tokens=stats.supervised_tokens,
-        stored_rows=stats.stored_rows,
-        nbytes=stats.nbytes,
-        checksum=stats.checksum,
+    return PartRecord.committed(
+        stats, name=part_name(part, fmt), unit=part, rows=range(first, first + len(lens))
     )
 
 
