@@ -6,7 +6,7 @@ import torch
 from shared.dist import RankInfo
 from shared.manifest import read_manifest
 from tests.cachegen import write_cache
-from train.config import TrainConfig
+from tests.test_train_loop import tiny
 from train.loop import Trainer
 from train.run import prepare as prepare_run
 
@@ -19,23 +19,7 @@ def cache(tmp_path_factory):
 
 
 def make_trainer(cache, out) -> Trainer:
-    cfg = TrainConfig(
-        data=cache,
-        out=out,
-        gpus="cpu",
-        drafter_layers=1,
-        block_size=4,
-        num_anchors=8,
-        batch_tokens=512,
-        grad_accum=2,
-        workers=0,
-        shuffle_buffer=4,
-        lr=3e-3,
-        epochs=1,
-        log_every=1,
-        checkpoint_every=1000,
-        eval_fraction=0.0,
-    )
+    cfg = tiny(cache, out, grad_accum=2, epochs=1)
     cfg, prep = prepare_run(cfg, read_manifest(cache), device_kind="cpu")
     return Trainer(CPU, cfg, prep)
 
