@@ -41,6 +41,7 @@ import train_bench as tb  # noqa: E402
 
 from shared.cache import open_part_writer, part_name  # noqa: E402
 from shared.codec import codec_description  # noqa: E402
+from shared.dist import usable_cpus  # noqa: E402
 from shared.manifest import (  # noqa: E402
     Manifest,
     PartRecord,
@@ -98,7 +99,7 @@ def write_cache(
     cfg = ds.drafter_config(shape)
     ds.write_target_files(cache, shape, device)
     num_parts = -(-samples // per_part)
-    with ThreadPoolExecutor(max_workers=min(num_parts, os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=min(num_parts, usable_cpus())) as pool:
         records = list(
             pool.map(
                 lambda p: write_part(
@@ -219,7 +220,7 @@ def bench_datapath(args: argparse.Namespace, device: torch.device) -> dict[str, 
         "samples": len(kept),
         "page_cache_dropped_GB": dropped / 1e9,
         **figures(streamed, in_memory, manifest, trainer.prep.drafter, args.seq_len),
-        "cpu_count": os.cpu_count(),
+        "cpu_count": usable_cpus(),
         **tb.device_facts(device),
     }
 

@@ -26,6 +26,7 @@ if compgen -G ".device-wheels/*.whl" >/dev/null; then
 fi
 export PYTHONUNBUFFERED=1
 BUDGET=${BENCH_BUDGET_S:-520}
+WORK=${BENCH_WORKDIR:-/tmp/dflash-bench}
 
 if [ "${BENCH_TINY:-0}" = 1 ]; then
   S8=tiny; S27=tiny-hybrid; FLEX=sdpa; MODEL=none; CFLEX=none; TOK8=20000; TOK27=10000
@@ -59,8 +60,8 @@ bench() {
 
 if [ "${1:-train}" = extract ]; then
   # Extraction vs the pure forward of the same batches, parts written to local disk.
-  bench extract-8b 200 extract_bench.py --shape $S8 --tokens $TOK8 --out /tmp/dflash-bench/x8
-  bench extract-27b 300 extract_bench.py --shape $S27 --tokens $TOK27 --out /tmp/dflash-bench/x27
+  bench extract-8b 200 extract_bench.py --shape $S8 --tokens $TOK8 --out "$WORK/x8"
+  bench extract-27b 300 extract_bench.py --shape $S27 --tokens $TOK27 --out "$WORK/x27"
 else
   # The product default (flex + compiled drafter) first: the MFU goal and "the default is best".
   bench train-8b-$FLEX-$MODEL 200 train_bench.py --shape $S8 --attention $FLEX --compile $MODEL "${STEPS[@]}"
@@ -76,7 +77,7 @@ else
   bench speculate-27b 90 speculate_bench.py --shape $S27 "${SPEC[@]}"
   bench train-27b-$FLEX-$CFLEX 100 train_bench.py --shape $S27 --attention $FLEX --compile $CFLEX "${STEPS[@]}"
 fi
-rm -rf "${BENCH_WORKDIR:-/tmp/dflash-bench}"
+rm -rf "$WORK"
 
 python3 - "$OUT" <<'EOF'
 import json, sys

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -19,7 +18,7 @@ from extract.sink import Staging, WriterPool
 from extract.target import load_target
 from shared.cache import open_part_writer, part_name
 from shared.codec import quantize_fp8
-from shared.dist import RankInfo
+from shared.dist import RankInfo, usable_cpus
 from shared.logs import setup_logging
 from shared.manifest import MAX_LISTED_REJECTS, PartRecord, RejectedRow, update_manifest
 from shared.progress import RankCounters, SummedBar
@@ -63,7 +62,7 @@ class Job:
 def _threads(job: Job, info: RankInfo) -> int:
     if job.writer_threads:
         return job.writer_threads
-    return max(1, min(16, (os.cpu_count() or 2) // info.world_size))
+    return max(1, min(16, usable_cpus() // info.world_size))
 
 
 class PartPipeline:

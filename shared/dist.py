@@ -86,6 +86,14 @@ def parse_gpus(spec: str | None, *, visible: int | None = None) -> DeviceSpec:
     return DeviceSpec("cuda", tuple(devices))
 
 
+def usable_cpus() -> int:
+    """The cores this process may run on (a cpuset, taskset or Slurm allocation), not the host's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # platforms without affinity masks
+        return os.cpu_count() or 1
+
+
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 

@@ -2,6 +2,7 @@
 
 import ast
 import dataclasses
+import os
 from pathlib import Path
 
 import click
@@ -9,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from shared.cli import build, click_options, option
-from shared.dist import parse_gpus
+from shared.dist import parse_gpus, usable_cpus
 from shared.manifest import (
     CacheMismatch,
     Manifest,
@@ -165,6 +166,18 @@ def _cli():
         click.echo(repr(build(DemoConfig, kw)))
 
     return main
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_usable_cpus_follows_the_affinity_mask():
+    # Thread pools are sized from this: under taskset or a cpuset it must not see the whole host.
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(before)})
+        assert usable_cpus() == 1
+    finally:
+        os.sched_setaffinity(0, before)
+    assert usable_cpus() == len(before)
 
 
 def test_cli_from_dataclass():

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from shared.cli import to_json
-from shared.dist import RankInfo, all_gather_objects, all_reduce_sum, barrier
+from shared.dist import RankInfo, all_gather_objects, all_reduce_sum, barrier, usable_cpus
 from shared.logs import setup_logging
 from shared.target_files import load_heads
 from train.checkpoint import load_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
@@ -79,7 +78,7 @@ def train_rank(info: RankInfo, cfg: TrainConfig, prep: Prepared) -> None:
     configure_compile(cfg)
     if info.device.type == "cpu" and info.world_size > 1:
         # CPU ranks share the host: without this each would start one thread per core.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))
+        torch.set_num_threads(max(1, usable_cpus() // info.world_size))
     Trainer(info, cfg, prep).fit()
 
 
