@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -20,6 +21,7 @@ class Staging:
 
     def __init__(self, count: int, *, pinned: bool):
         self.pinned = pinned
+        self.waited_s = 0.0  # time stage() spent blocked for a free buffer (writers behind)
         self._free: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
         for _ in range(count):
             self._free.put({})
@@ -29,7 +31,9 @@ class Staging:
 
         Returns host views and a `release()` to call once they have been written.
         """
+        start = time.perf_counter()
         slot = self._free.get()
+        self.waited_s += time.perf_counter() - start
         views = {}
         for name, t in tensors.items():
             buf = slot.get(name)
@@ -41,7 +45,8 @@ class Staging:
             views[name] = view
         event = None
         if self.pinned:
-            event = torch.cuda.Event()
+            # Blocking: writer threads waiting for the copy sleep instead of spinning a core.
+            event = torch.cuda.Event(blocking=True)
             event.record()
         views["_event"] = event  # type: ignore[assignment]
         return views, lambda: self._free.put(slot)

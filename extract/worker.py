@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -87,6 +88,8 @@ class PartPipeline:
         self.writers = WriterPool(threads)
         self.committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
         self.commits: list[Future] = []
+        self.threads = threads
+        self.started = time.perf_counter()
 
     def submit(
         self, unit: int, kept: list[Tokenized], rejected: list[Rejected], rows: range
@@ -134,6 +137,19 @@ class PartPipeline:
         finally:
             self.writers.close()
             self.committer.shutdown(wait=True)
+        self._report_backpressure(time.perf_counter() - self.started)
+
+    def _report_backpressure(self, wall_s: float) -> None:
+        waited = self.staging.waited_s
+        log.info("the device waited %.1f s of %.1f s for a free staging buffer", waited, wall_s)
+        if wall_s > 0 and waited > 0.1 * wall_s:
+            log.warning(
+                "compression and writing limited this rank: the device waited %.0f%% of the time "
+                "for the %d writer threads. More cores per GPU (--writer-threads), or "
+                "--store fp8 (half the bytes), would let it run at its own speed.",
+                100 * waited / wall_s,
+                self.threads,
+            )
 
 
 def rank_main(info: RankInfo, job: Job) -> None:

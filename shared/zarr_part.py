@@ -55,18 +55,45 @@ def zarr_compressors(typesize: int) -> list:
     return [BloscCodec(**blosc_settings(typesize)), Crc32cCodec()]
 
 
-def encode_shard(block: np.ndarray, codec: Blosc) -> bytes:
-    """The file of one ``hidden`` shard ([CHUNK_ROWS, K, H] rows) as its zarr metadata declares:
-    per layer an inner chunk bytes -> Blosc -> crc32c, then the shard index (uint64 offset and
-    size per inner chunk, little-endian) and its crc32c (zarr v3 ``sharding_indexed``, index at
-    the end). Runs in the calling thread; Blosc and crc32c release the GIL."""
-    chunks, index = [], np.zeros((block.shape[1], 2), dtype="<u8")
+def shard_buffers(block: np.ndarray, codec: Blosc) -> list[bytes]:
+    """The file of one ``hidden`` shard ([CHUNK_ROWS, K, H] rows) as its zarr metadata declares,
+    as consecutive buffers: per layer an inner chunk bytes -> Blosc -> crc32c, then the shard
+    index (uint64 offset and size per inner chunk, little-endian) and its crc32c (zarr v3
+    ``sharding_indexed``, index at the end). Runs in the calling thread; Blosc and crc32c
+    release the GIL, and the buffers are never joined (a copy under the GIL): write them with
+    ``write_buffers``."""
+    out, index = [], np.zeros((block.shape[1], 2), dtype="<u8")
+    offset = 0
     for k in range(block.shape[1]):
         data = codec.encode(np.ascontiguousarray(block[:, k], dtype=block.dtype.newbyteorder("<")))
-        chunks.append(data + crc32c.crc32c(data).to_bytes(4, "little"))
-        index[k] = (index[k - 1].sum() if k else 0, len(chunks[-1]))
+        out += [data, crc32c.crc32c(data).to_bytes(4, "little")]
+        index[k] = (offset, len(data) + 4)
+        offset += len(data) + 4
     index_bytes = index.tobytes()
-    return b"".join(chunks) + index_bytes + crc32c.crc32c(index_bytes).to_bytes(4, "little")
+    return out + [index_bytes, crc32c.crc32c(index_bytes).to_bytes(4, "little")]
+
+
+def encode_shard(block: np.ndarray, codec: Blosc) -> bytes:
+    """``shard_buffers`` as one bytes object."""
+    return b"".join(shard_buffers(block, codec))
+
+
+def write_buffers(path: Path, buffers: list[bytes]) -> None:
+    """Write `buffers` one after another as the file `path` (os.writev: no joined copy, and the
+    GIL is released for the whole write)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = sum(len(b) for b in buffers)
+        while left:
+            done = os.writev(fd, buffers)
+            left -= done
+            if left:  # a short write: drop what was written and go on
+                while done >= len(buffers[0]):
+                    done -= len(buffers[0])
+                    buffers = buffers[1:]
+                buffers = [memoryview(buffers[0])[done:], *buffers[1:]]
+    finally:
+        os.close(fd)
 
 
 class ZarrPartWriter(PartWriter):
@@ -104,7 +131,7 @@ class ZarrPartWriter(PartWriter):
                 block = np.concatenate([block, pad])
             path = self.tmp / "hidden" / "c" / str((start + row) // CHUNK_ROWS) / "0" / "0"
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(encode_shard(block, codec))
+            write_buffers(path, shard_buffers(block, codec))
         self._ids[start : start + length] = ids
         self._mask[start : start + length] = mask
         if scale is not None:

@@ -105,3 +105,20 @@ def test_layout_problems():
     assert any(
         "non-positive" in p for p in layout_problems(np.array([0, 64, 128]), lengths * 0, 128)
     )
+
+
+def test_write_buffers_survives_short_writes(tmp_path, monkeypatch):
+    # os.writev may write less than asked (signals, pipes, some file systems): the rest follows.
+    import os
+
+    from shared.zarr_part import write_buffers
+
+    buffers = [bytes(range(7)), b"", bytes(range(100, 140)), b"xyz"]
+    real = os.writev
+
+    def at_most_five_bytes(fd, bufs):
+        return real(fd, [bytes(bufs[0])[:5]])
+
+    monkeypatch.setattr(os, "writev", at_most_five_bytes)
+    write_buffers(tmp_path / "f", buffers)
+    assert (tmp_path / "f").read_bytes() == b"".join(buffers)

@@ -138,7 +138,7 @@ class TrainConfig:
         6144, help="micro-batch budget: padded length x sequences (a longer sample goes alone)"
     )
     max_length: int | None = option(None, help="truncate samples to this; default the cache's")
-    workers: int = option(2, help="DataLoader worker processes per rank (0: read in-process)")
+    workers: int = option(4, help="DataLoader worker processes per rank (0: read in-process)")
     shuffle_buffer: int = option(1024, help="samples held by the shuffle buffer of each worker")
     prefetch: int = option(2, help="micro-batches each worker prepares ahead")
     # recipe
