@@ -50,7 +50,6 @@ from shared.manifest import (  # noqa: E402
     read_manifest,
     write_manifest,
 )
-from train.config import TrainConfig  # noqa: E402
 from train.data import load_catalog  # noqa: E402
 from train.model import DrafterConfig  # noqa: E402
 
@@ -254,8 +253,7 @@ def figures(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ds.add_drafter_args(p)
-    defaults = TrainConfig(data=Path(), out=Path())
-    p.add_argument("--workers", type=int, default=defaults.workers, help="loader processes")
+    p.add_argument("--workers", type=int, default=None, help="loader processes (product default)")
     p.add_argument("--per-part", type=int, default=4, help="samples per written part")
     p.add_argument("--keep", action="store_true", help="keep the written cache")
     p.add_argument("--warm", action="store_true", help="leave the parts in the page cache")

@@ -98,7 +98,7 @@ def make_trainer(
     seq_len: int,
     anchors: int,
     batch_tokens: int,
-    workers: int = 0,
+    workers: int | None = 0,
     grad_ckpt: str | None = None,
 ) -> Trainer:
     """The product's trainer for one process and device, after `configure_compile`; the

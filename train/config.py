@@ -138,7 +138,11 @@ class TrainConfig:
         6144, help="micro-batch budget: padded length x sequences (a longer sample goes alone)"
     )
     max_length: int | None = option(None, help="truncate samples to this; default the cache's")
-    workers: int = option(4, help="DataLoader worker processes per rank (0: read in-process)")
+    workers: int | None = option(
+        None,
+        help="DataLoader worker processes per rank (0: read in-process; default 4 on GPUs, "
+        "2 on CPU ranks)",
+    )
     shuffle_buffer: int = option(1024, help="samples held by the shuffle buffer of each worker")
     prefetch: int = option(2, help="micro-batches each worker prepares ahead")
     # recipe
@@ -170,8 +174,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("drafter_layers", "block_size", "num_anchors", "batch_tokens", "grad_accum"):
             _check(getattr(self, name) >= 1, name, "must be >= 1")
-        for name in ("epochs", "shuffle_buffer", "workers", "eval_every", "eval_batches"):
+        for name in ("epochs", "shuffle_buffer", "eval_every", "eval_batches"):
             _check(getattr(self, name) >= 0, name, "must be >= 0")
+        _check(self.workers is None or self.workers >= 0, "workers", "must be >= 0")
         for name in ("log_every", "checkpoint_every", "keep_checkpoints", "prefetch"):
             _check(getattr(self, name) >= 1, name, "must be >= 1")
         _check(self.recompile_limit >= 1, "recompile_limit", "must be >= 1")

@@ -59,7 +59,9 @@ def run(cfg: TrainConfig) -> Path:
 
 
 def resolve_devices(cfg: TrainConfig, device_kind: str) -> TrainConfig:
-    """Attention and compile defaults for the device kind; flex cannot train on CPU."""
+    """Attention, compile and loader defaults for the device kind; flex cannot train on CPU.
+    Four loader workers keep an H200 fed from a cold cache (two left it waiting 14% of the
+    time, bench/datapath_bench.py); CPU ranks compute on the same few cores, so two."""
     cuda = device_kind == "cuda"
     attention = cfg.attention or ("flex" if cuda else "sdpa")
     if attention == "flex" and not cuda:
@@ -67,7 +69,11 @@ def resolve_devices(cfg: TrainConfig, device_kind: str) -> TrainConfig:
             "attention: flex_attention has no backward on CPU (torch 2.11-2.13); "
             "use --attention sdpa"
         )
-    return cfg.replace(attention=attention, compile=cfg.compile or ("model" if cuda else "none"))
+    return cfg.replace(
+        attention=attention,
+        compile=cfg.compile or ("model" if cuda else "none"),
+        workers=cfg.workers if cfg.workers is not None else (4 if cuda else 2),
+    )
 
 
 def prepare(
