@@ -41,6 +41,7 @@ from shared.codec import (
     numcodecs_blosc,
     payload_dtype,
 )
+from shared.fsio import sync_tree
 from shared.part import PartReader, PartWriter, Sample, aligned_offsets, layout_problems
 
 log = logging.getLogger(__name__)
@@ -78,9 +79,9 @@ def encode_shard(block: np.ndarray, codec: Blosc) -> bytes:
     return b"".join(shard_buffers(block, codec))
 
 
-def write_buffers(path: Path, buffers: list[bytes], *, sync: bool = False) -> None:
+def write_buffers(path: Path, buffers: list[bytes]) -> None:
     """Write `buffers` one after another as the file `path` (os.writev: no joined copy, and the
-    GIL is released for the whole write); `sync` fsyncs it before closing."""
+    GIL is released for the whole write). Made durable with the whole part, at its commit."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         left = sum(len(b) for b in buffers)
@@ -92,8 +93,6 @@ def write_buffers(path: Path, buffers: list[bytes], *, sync: bool = False) -> No
                     done -= len(buffers[0])
                     buffers = buffers[1:]
                 buffers = [memoryview(buffers[0])[done:], *buffers[1:]]
-        if sync:
-            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -133,9 +132,7 @@ class ZarrPartWriter(PartWriter):
                 block = np.concatenate([block, pad])
             path = self.tmp / "hidden" / "c" / str((start + row) // CHUNK_ROWS) / "0" / "0"
             path.parent.mkdir(parents=True, exist_ok=True)
-            # Synced here, on the writer threads, so that the commit does not flush the whole
-            # part to disk on its own thread at the end.
-            write_buffers(path, shard_buffers(block, codec), sync=True)
+            write_buffers(path, shard_buffers(block, codec))
         self._ids[start : start + length] = ids
         self._mask[start : start + length] = mask
         if scale is not None:
@@ -170,11 +167,7 @@ class ZarrPartWriter(PartWriter):
             hidden_size=self.hidden_size,
             chunk_rows=CHUNK_ROWS,
         )
-        shards = self.tmp / "hidden" / "c"  # synced as they were written
-        for path in self.tmp.rglob("*"):
-            if path.is_file() and shards not in path.parents:
-                with open(path, "rb") as f:
-                    os.fsync(f.fileno())
+        sync_tree(self.tmp)
 
     def _stored_rows(self) -> int:
         return int(self.offsets[-1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,3 +261,19 @@ def test_part_names_and_aligned_offsets():
     gaps = np.diff(offsets)
     assert (gaps >= LENGTHS).all() and (gaps - LENGTHS < CHUNK_ROWS).all()
     assert aligned_offsets([]).tolist() == [0]
+
+
+@pytest.mark.parametrize("syncfs", [True, False], ids=["syncfs", "fsync-per-file"])
+def test_both_durability_paths_commit_the_same_part(tmp_path, monkeypatch, syncfs):
+    # Platforms without syncfs(2) fsync every file and folder instead: same part, same checksum.
+    import shared.fsio as fsio
+
+    records = make_records(lengths=[4, 80, 70])
+    reference = write_part(tmp_path / "ref", 2, records, fmt="zarr", store="bf16")
+    if syncfs:
+        assert fsio._syncfs(tmp_path) == sys.platform.startswith("linux")
+    else:
+        monkeypatch.setattr(fsio, "_syncfs", lambda path: False)
+    stats = write_part(tmp_path / "p", 2, records, fmt="zarr", store="bf16")
+    assert stats == reference
+    assert verify_part(tmp_path / "p" / part_name(2, "zarr"), stats.checksum) == []
