@@ -4,8 +4,10 @@
 
 Random bf16 states [rows, K=5, H=4096] per sample (random data: real speed, not a real
 compression ratio). Prints raw GB/s (uncompressed bytes per second), the cores kept busy and
-the ratio, for plain Blosc with the cache's settings and for the zarr and wds part writers
-(`shared.cache.open_part_writer`) with one sample written per thread, commit included.
+the ratio, for plain Blosc with the cache's settings on the zarr writer's pieces (64 rows of one
+layer, so every thread count has work for all threads) and for the zarr and wds part writers
+(`shared.cache.open_part_writer`) with one sample per task (at most --samples threads busy),
+commit included.
 """
 
 from __future__ import annotations
@@ -58,13 +60,22 @@ def main() -> None:
     ]
     ids, mask = np.zeros(args.rows, np.int32), np.ones(args.rows, np.uint8)
     gb = args.samples * args.rows * K * H * 2 / 1e9
-    flat = [h.view(torch.uint16).numpy().reshape(-1) for h in hs]
+    # Plain Blosc on the zarr writer's own pieces (64 rows of one layer), so that every thread
+    # count has work for all its threads; the part writers take one sample per task.
+    pieces = [
+        np.ascontiguousarray(h.view(torch.uint16).numpy()[r : r + 64, k])
+        for h in hs
+        for r in range(0, args.rows, 64)
+        for k in range(K)
+    ]
     codec = numcodecs_blosc(2)
     threads = [int(t) for t in args.threads.split(",")]
+    if max(threads) > args.samples:
+        print(f"note: part writers keep at most --samples {args.samples} threads busy")
     for nt in threads:
         t, c = time.perf_counter(), cpu_seconds()
         with ThreadPoolExecutor(nt) as pool:
-            sizes = list(pool.map(lambda a: len(codec.encode(a)), flat))
+            sizes = list(pool.map(lambda a: len(codec.encode(a)), pieces))
         dt = time.perf_counter() - t
         print(
             f"raw blosc threads={nt:2d}: {gb / dt:6.2f} GB/s, cores busy "

@@ -2,23 +2,19 @@
 
 zarr layout of ``hidden``: shards [64, K, H] holding inner chunks [64, 1, H], so a reader of one
 layer decodes only that layer's inner chunks (via the shard index), and a part has one file per
-64 rows rather than K. Measured through zarr's Array API on a 210 MB array (5 samples of 1024
-rows, K=5, H=4096, random bf16), best of 3 on 2 shared cores with zarr 3.1.6: plain chunks
-[64, 1, H] wrote 102 MB/s from 1 thread and 113 MB/s from 2; shards 138 and 123 MB/s (the
-spread between runs is ~30%).
+64 rows rather than K.
 
-Where compression runs: in the writing thread. ``encode_shard`` encodes each hidden shard
-exactly as the array's zarr metadata declares and writes it as a plain file under its chunk key;
-zarr creates the metadata, writes the small arrays at commit and does all reading. Blosc (one
-internal thread, ``shared/codec.py``) and crc32c release the GIL, so N writer threads compress
-on N cores. Writing through zarr's Array API instead funnels every chunk through zarr's single
-event-loop thread (the codecs run on its worker pool via ``asyncio.to_thread``, but scheduling,
-crc32c and shard assembly do not): on the 16-core H200 host with zarr 3.4.2, 1/2/4/8 writer
-threads gave 0.45/0.45/0.37/0.43 GB/s of raw bf16 (about 2.2 cores busy) while plain Blosc on
-the same data from the same threads gave 0.21/0.46/0.93/1.34 GB/s. On 2 cores here (zarr
-3.1.6) that path gave 103 MB/s from 1 thread and 142 from 2. Reading our shards, per-layer
-oindex reads, crc32c detection and nchunks_initialized behave the same on zarr 3.1.6 and 3.4.2
-(numcodecs 0.17.1, Python 3.12). Rerun: `python bench/write_bench.py`.
+Where compression runs: in the writing thread. ``shard_buffers`` encodes each hidden shard
+exactly as the array's zarr metadata declares and ``write_buffers`` writes it as a plain file
+under its chunk key (os.writev, no joined copy); zarr creates the metadata, writes the small
+arrays at commit and does all reading. Blosc (one internal thread, ``shared/codec.py``) and
+crc32c release the GIL, so N writer threads compress on N cores. Writing through zarr's Array API
+instead funnels every chunk through zarr's single event-loop thread (the codecs run on its worker
+pool via ``asyncio.to_thread``, but scheduling, crc32c and shard assembly do not), which kept
+about two cores busy whatever the number of writer threads. The part is made durable at its
+commit with one syncfs (``shared.fsio.sync_tree``). Reading our shards, per-layer oindex reads,
+crc32c detection and nchunks_initialized behave the same on zarr 3.1.6 and 3.4.2. Writer
+throughput against plain Blosc: ``python bench/write_bench.py``.
 """
 
 from __future__ import annotations
