@@ -52,7 +52,8 @@ class ExtractConfig:
     rows_per_part: int = option(512, help="Source rows per part (the unit of work and resume).")
     max_rows: int | None = option(None, help="Only the first N source rows (quick runs).")
     writer_threads: int = option(
-        0, help="Compression/write threads per process (0: the host's cores / processes)."
+        0,
+        help="Compression/write threads per process (0: the usable cores / processes, at most 16).",
     )
     overwrite: bool = option(
         False, help="Delete an existing cache in --out that was made with other settings."

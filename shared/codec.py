@@ -14,6 +14,7 @@ is imported; we set it here too so the webdataset path does not depend on import
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import crc32c
@@ -197,16 +198,69 @@ def crc32c_file(path: Path | str) -> str:
     return f"{CHECKSUM_PREFIX}{_crc_file_into(Path(path), 0):08x}"
 
 
-def part_checksum(path: Path) -> str:
+# CRC-32C (Castagnoli), reflected, for combining checksums of consecutive byte ranges.
+_CRC32C_POLY = 0x82F63B78
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the CRC-32C polynomial (reflected bit order, as zlib's crc32 combine)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC32C_POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    table = [1 << 30]  # x^1
+    for _ in range(31):
+        table.append(_multmodp(table[-1], table[-1]))
+    return table
+
+
+_X2N = _x2n_table()
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The crc32c of A + B from crc32c(A), crc32c(B) and len(B), without reading either.
+
+    >>> a, b = b"hidden ", b"states"
+    >>> crc32c_combine(crc32c.crc32c(a), crc32c.crc32c(b), len(b)) == crc32c.crc32c(a + b)
+    True
+    """
+    p, k = 1 << 31, 3  # x^0; x^(8 * len2) = x^(2^3 * len2)
+    while len2:
+        if len2 & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        len2 >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2
+
+
+def part_checksum(path: Path, known: Mapping[str, tuple[int, int]] | None = None) -> str:
     """Checksum of a part: a .tar's bytes, or for a zarr folder every file in sorted relative
     path order with its path, its size and its bytes all hashed (so a renamed, moved, truncated
-    or missing file changes the result)."""
+    or missing file changes the result).
+
+    `known` maps relative paths to (size, crc32c of the bytes) that the writer computed while
+    writing them: those files are combined in without being read again (a file whose size
+    differs is read). Verification never passes `known`: it reads everything.
+    """
     path = Path(path)
     if path.is_file():
         return crc32c_file(path)
     files = {p.relative_to(path).as_posix(): p for p in path.rglob("*") if p.is_file()}
+    known = known or {}
     value = 0
     for rel in sorted(files):
-        header = rel.encode() + b"\0" + os.path.getsize(files[rel]).to_bytes(8, "little")
-        value = _crc_file_into(files[rel], crc32c.crc32c(header, value))
+        size = os.path.getsize(files[rel])
+        value = crc32c.crc32c(rel.encode() + b"\0" + size.to_bytes(8, "little"), value)
+        size_crc = known.get(rel)
+        if size_crc is not None and size_crc[0] == size:
+            value = crc32c_combine(value, size_crc[1], size)
+        else:
+            value = _crc_file_into(files[rel], value)
     return f"{CHECKSUM_PREFIX}{value:08x}"

@@ -167,7 +167,7 @@ class PartWriter:
                 raise RuntimeError(f"cannot commit {self.final.name}: missing {missing[:10]}")
             self._closed = True
         self._finish()
-        checksum = part_checksum(self.tmp)
+        checksum = part_checksum(self.tmp, self._known_files())
         stats = PartStats(
             rows=len(self.lengths),
             tokens=int(self.lengths.sum()),
@@ -205,6 +205,10 @@ class PartWriter:
     def _store(self, n: int, sample_index: int, ids: np.ndarray, mask: np.ndarray,
                payload: np.ndarray, scale: np.ndarray | None) -> None:  # fmt: skip
         raise NotImplementedError
+
+    def _known_files(self) -> dict[str, tuple[int, int]]:
+        """(size, crc32c) of files whose bytes the writer hashed as it wrote them."""
+        return {}
 
     def _finish(self) -> None:
         """Write what is left and make the tmp durable."""

@@ -75,12 +75,16 @@ def encode_shard(block: np.ndarray, codec: Blosc) -> bytes:
     return b"".join(shard_buffers(block, codec))
 
 
-def write_buffers(path: Path, buffers: list[bytes]) -> None:
+def write_buffers(path: Path, buffers: list[bytes]) -> tuple[int, int]:
     """Write `buffers` one after another as the file `path` (os.writev: no joined copy, and the
-    GIL is released for the whole write). Made durable with the whole part, at its commit."""
+    GIL is released for the whole write); returns (size, crc32c) of the file's bytes, taken from
+    the buffers in memory. Made durable with the whole part, at its commit."""
+    size, crc = 0, 0
+    for b in buffers:
+        size, crc = size + len(b), crc32c.crc32c(b, crc)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        left = sum(len(b) for b in buffers)
+        left = size
         while left:
             done = os.writev(fd, buffers)
             left -= done
@@ -91,6 +95,7 @@ def write_buffers(path: Path, buffers: list[bytes]) -> None:
                 buffers = [memoryview(buffers[0])[done:], *buffers[1:]]
     finally:
         os.close(fd)
+    return size, crc
 
 
 class ZarrPartWriter(PartWriter):
@@ -117,6 +122,8 @@ class ZarrPartWriter(PartWriter):
         self._mask = np.zeros(rows, np.uint8)
         self._scale = np.zeros((rows, K), np.float32) if self.store == "fp8" else None
         self._sample_index = np.zeros(len(self.lengths), np.int64)
+        # (size, crc32c) of each shard file as written: the commit's checksum need not reread it.
+        self._written_files: dict[str, tuple[int, int]] = {}
 
     def _store(self, n, sample_index, ids, mask, payload, scale) -> None:  # noqa: ANN001
         start, stop, length = int(self.offsets[n]), int(self.offsets[n + 1]), len(ids)
@@ -128,7 +135,9 @@ class ZarrPartWriter(PartWriter):
                 block = np.concatenate([block, pad])
             path = self.tmp / "hidden" / "c" / str((start + row) // CHUNK_ROWS) / "0" / "0"
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_buffers(path, shard_buffers(block, codec))
+            size_crc = write_buffers(path, shard_buffers(block, codec))
+            with self._lock:
+                self._written_files[path.relative_to(self.tmp).as_posix()] = size_crc
         self._ids[start : start + length] = ids
         self._mask[start : start + length] = mask
         if scale is not None:
@@ -167,6 +176,9 @@ class ZarrPartWriter(PartWriter):
 
     def _stored_rows(self) -> int:
         return int(self.offsets[-1])
+
+    def _known_files(self) -> dict[str, tuple[int, int]]:
+        return self._written_files
 
 
 class ZarrPartReader(PartReader):

@@ -7,7 +7,7 @@ import pytest
 import zarr
 
 from shared.cache import layout_problems, open_part, verify_part
-from shared.codec import CHUNK_ROWS
+from shared.codec import CHUNK_ROWS, part_checksum
 from tests.test_cache import LENGTHS, H, K, assert_matches, make_records, write_part
 
 
@@ -122,3 +122,14 @@ def test_write_buffers_survives_short_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "writev", at_most_five_bytes)
     write_buffers(tmp_path / "f", buffers)
     assert (tmp_path / "f").read_bytes() == b"".join(buffers)
+
+
+def test_commit_checksum_from_written_files_equals_a_full_read(part):
+    # The writer hashes each shard file as it writes it; commit combines those hashes instead of
+    # reading the part back. It must equal a full read, and a size that no longer matches the
+    # file on disk must make it read that file.
+    path, _, stats = part
+    assert part_checksum(path) == stats.checksum
+    rel = shard_file(path, 0).relative_to(path).as_posix()
+    stale = {rel: (shard_file(path, 0).stat().st_size + 1, 0)}
+    assert part_checksum(path, stale) == stats.checksum
