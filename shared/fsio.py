@@ -50,8 +50,9 @@ def sync_tree(root: Path) -> None:
     """Make every file and folder under `root` durable before it is renamed into place.
 
     On Linux one syncfs(2) of its file system: a single journal commit, where an fsync per file
-    commits the journal once per file (thousands per zarr part) and serialises on it. Elsewhere
-    every file and folder is fsynced.
+    commits the journal once per file (thousands per zarr part) and serialises on it. It also
+    waits for other writers' dirty data on that file system; extraction calls it on its commit
+    thread, so only the part's commit waits. Elsewhere every file and folder is fsynced.
     """
     root = Path(root)
     if _syncfs(root):
