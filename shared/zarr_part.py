@@ -10,11 +10,10 @@ under its chunk key (os.writev, no joined copy); zarr creates the metadata, writ
 arrays at commit and does all reading. Blosc (one internal thread, ``shared/codec.py``) and
 crc32c release the GIL, so N writer threads compress on N cores. Writing through zarr's Array API
 instead funnels every chunk through zarr's single event-loop thread (the codecs run on its worker
-pool via ``asyncio.to_thread``, but scheduling, crc32c and shard assembly do not), which kept
-about two cores busy whatever the number of writer threads. The part is made durable at its
-commit with one syncfs (``shared.fsio.sync_tree``). Reading our shards, per-layer oindex reads,
-crc32c detection and nchunks_initialized behave the same on zarr 3.1.6 and 3.4.2. Writer
-throughput against plain Blosc: ``python bench/write_bench.py``.
+pool via ``asyncio.to_thread``, but scheduling, crc32c and shard assembly do not). The part is
+made durable at its commit with one syncfs (``shared.fsio.sync_tree``). Reading our shards,
+per-layer oindex reads, crc32c detection and nchunks_initialized behave the same on zarr 3.1.6
+and 3.4.2. Writer throughput against plain Blosc: ``python bench/write_bench.py``.
 """
 
 from __future__ import annotations
@@ -70,11 +69,6 @@ def shard_buffers(block: np.ndarray, codec: Blosc) -> list[bytes]:
     return out + [index_bytes, crc32c.crc32c(index_bytes).to_bytes(4, "little")]
 
 
-def encode_shard(block: np.ndarray, codec: Blosc) -> bytes:
-    """``shard_buffers`` as one bytes object."""
-    return b"".join(shard_buffers(block, codec))
-
-
 def write_buffers(path: Path, buffers: list[bytes]) -> tuple[int, int]:
     """Write `buffers` one after another as the file `path` (os.writev: no joined copy, and the
     GIL is released for the whole write); returns (size, crc32c) of the file's bytes, taken from
@@ -115,7 +109,7 @@ class ZarrPartWriter(PartWriter):
             shards=(CHUNK_ROWS, K, H),
             compressors=zarr_compressors(ptype.itemsize),
             fill_value=0,
-            # Pinned, since encode_shard writes the files under these keys itself.
+            # Pinned, since shard_buffers + write_buffers write the files under these keys.
             chunk_key_encoding={"name": "default", "separator": "/"},
         )
         self._ids = np.zeros(rows, np.int32)
