@@ -184,6 +184,7 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         attention=args.attention,
         compile=args.compile,
         grad_ckpt=args.grad_ckpt,
+        ce=args.ce,
         steps=total,
         seq_len=args.seq_len,
         anchors=args.anchors,
@@ -208,8 +209,11 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         "attention": trainer.cfg.attention,
         "compile": trainer.cfg.compile,
         "grad_ckpt": trainer.cfg.grad_ckpt,
-        "is_default": (trainer.cfg.attention, trainer.cfg.compile, trainer.cfg.grad_ckpt)
-        == (defaults.attention, defaults.compile, defaults.grad_ckpt),
+        "ce": trainer.cfg.ce,
+        "is_default": all(
+            getattr(trainer.cfg, k) == getattr(defaults, k)
+            for k in ("attention", "compile", "grad_ckpt", "ce")
+        ),
         "batch": args.batch,
         "seq_len": args.seq_len,
         "anchors": args.anchors,

@@ -54,7 +54,7 @@ def _batch(seq: int, seed: int) -> Batch:
     ).to("cuda")
 
 
-def _step(cfg, drafter, embed, lm_head, batch, attention):
+def _step(cfg, drafter, embed, lm_head, batch, attention, **kwargs):
     drafter.zero_grad()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = forward_loss(
@@ -68,6 +68,7 @@ def _step(cfg, drafter, embed, lm_head, batch, attention):
             mask_token_id=511,
             attention=attention,
             generator=torch.Generator().manual_seed(1),
+            **kwargs,
         )
     loss = out.weighted_sum / out.weight_total
     loss.backward()
@@ -92,3 +93,16 @@ def test_padded_lengths_do_not_hit_the_recompile_limit():
     for i, seq in enumerate(range(128, 128 * 12, 128)):
         loss, _ = _step(cfg, drafter, embed, lm_head, _batch(seq, i), "flex")
         assert torch.isfinite(loss)
+
+
+def test_compiled_fused_ce_matches_autograd_ce_under_autocast():
+    cfg, drafter, embed, lm_head = _setup()
+    batch = _batch(384, 3)  # 2 x 32 blocks of 16 = 1024 rows: a short last chunk of 3 blocks
+    ref_loss, ref_grads = _step(cfg, drafter, embed, lm_head, batch, "sdpa", ce="autograd",
+                                ce_chunk_blocks=61)  # fmt: skip
+    loss, grads = _step(cfg, drafter, embed, lm_head, batch, "sdpa", ce="fused", compile_ce=True,
+                        ce_chunk_blocks=61)  # fmt: skip
+    torch.testing.assert_close(loss, ref_loss, atol=1e-3, rtol=1e-3)
+    for a, b in zip(grads, ref_grads, strict=True):
+        cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
+        assert cos > 0.999

@@ -115,6 +115,22 @@ def test_checkpoint_modes_give_the_same_loss_and_gradients(mode):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("grad_ckpt", ["loss", "none", "layers"])
+def test_fused_ce_gives_the_loss_and_gradients_of_autograd_ce(grad_ckpt):
+    cfg, drafter, embed, lm_head, batch = _setup(("sliding_attention", "full_attention"), 3)
+    results = []
+    for ce in ("autograd", "fused"):
+        drafter.zero_grad()
+        out = _loss(cfg, drafter, embed, lm_head, batch, grad_ckpt=grad_ckpt, ce=ce)
+        (out.weighted_sum / 3.0).backward()
+        grads = [p.grad.clone() for p in drafter.parameters()]
+        results.append((out.weighted_sum.detach(), out.stats["tau"], grads))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    torch.testing.assert_close(results[0][1], results[1][1])
+    for a, b in zip(results[0][2], results[1][2], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_forward_loss_counts_only_valid_targets():
     cfg, drafter, embed, lm_head, batch = _setup()
     with torch.no_grad():
@@ -132,6 +148,8 @@ def test_batch_and_argument_validation():
         Batch(ids_BS=batch.ids_BS, loss_mask_BS=batch.loss_mask_BS, lengths_B=batch.lengths_B)
     with pytest.raises(ValueError, match="grad_ckpt"):
         _loss(cfg, drafter, embed, lm_head, batch, grad_ckpt="all")
+    with pytest.raises(ValueError, match="ce must be"):
+        _loss(cfg, drafter, embed, lm_head, batch, ce="triton")
     flat = Batch(
         ids_BS=batch.ids_BS,
         loss_mask_BS=batch.loss_mask_BS,

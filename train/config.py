@@ -17,6 +17,7 @@ from shared.cli import option
 ATTENTIONS = ("flex", "sdpa")
 COMPILE_MODES = ("none", "flex", "model")
 GRAD_CKPT_MODES = ("none", "loss", "layers")
+CE_MODES = ("fused", "autograd")
 LAYER_TYPE_ALIASES = {
     "full": "full_attention",
     "full_attention": "full_attention",
@@ -37,6 +38,7 @@ HARMLESS_CHANGES = frozenset(
         "compile",
         "recompile_limit",
         "grad_ckpt",
+        "ce",
         "prefetch",
         "checkpoint_every",
         "keep_checkpoints",
@@ -130,7 +132,14 @@ class TrainConfig:
     grad_ckpt: str = option(
         "loss",
         choices=GRAD_CKPT_MODES,
-        help="activation checkpointing: none, loss (lm_head + CE chunks) or layers (also layers)",
+        help="activation checkpointing: none, loss (the lm_head + CE chunks, with --ce autograd) "
+        "or layers (the drafter layers too)",
+    )
+    ce: str = option(
+        "fused",
+        choices=CE_MODES,
+        help="lm_head + CE: fused (each chunk's gradient formed in the forward: no logits kept or "
+        "recomputed; compiled with --compile model) or autograd (checkpointed per --grad-ckpt)",
     )
     ce_chunk_blocks: int = option(128, help="blocks per lm_head + CE chunk")
     # data
@@ -207,6 +216,7 @@ class TrainConfig:
             ("attention", ATTENTIONS),
             ("compile", COMPILE_MODES),
             ("grad_ckpt", GRAD_CKPT_MODES),
+            ("ce", CE_MODES),
         ):
             value = getattr(self, name)
             _check(value is None or value in allowed, name, f"must be one of {allowed}")

@@ -132,6 +132,8 @@ class Trainer:
             attention=cfg.attention,
             ce_chunk_blocks=cfg.ce_chunk_blocks,
             compile_masks=cfg.compile == "flex" and self.device.type == "cuda",
+            ce=cfg.ce,
+            compile_ce=cfg.compile == "model",
         )
         self.sums = StatSums(cfg.block_size, self.device)
         self.writer = MetricsWriter(cfg.out, enabled=info.is_main)

@@ -15,11 +15,12 @@ from train.anchors import (
     loss_weights,
     sample_anchors,
 )
-from train.loss import acceptance_stats, chunked_ce
+from train.loss import acceptance_stats, chunked_ce, fused_chunked_ce
 from train.mask import build_masks
 from train.model import DFlashDrafter
 
 GRAD_CKPT_MODES = ("loss", "none", "layers")
+CE_MODES = ("fused", "autograd")
 
 
 @dataclass
@@ -101,12 +102,17 @@ def forward_loss(
     ce_chunk_blocks: int = 128,
     grad_ckpt: str = "loss",
     compile_masks: bool = False,
+    ce: str = "fused",
+    compile_ce: bool = False,
 ) -> StepOut:
     """The whole training forward for one micro-batch.
 
     `drafter` may be wrapped (DDP, torch.compile). The embedding and lm_head weights are the
     target's, frozen: plain tensors, never drafter parameters. `grad_ckpt`: "loss" checkpoints
-    the chunked lm_head + CE, "layers" also each drafter layer, "none" neither.
+    the chunked lm_head + CE (with `ce="autograd"`), "layers" also each drafter layer, "none"
+    neither. `ce="fused"` forms each CE chunk's hidden-gradient in the forward
+    (`train.loss.fused_chunked_ce`): no logits are kept or recomputed, whatever `grad_ckpt`;
+    `compile_ce` runs its chunk body through torch.compile.
     `compile_masks` builds flex BlockMasks with the compiled create_block_mask. Measured on an
     H200 (Qwen3-8B shape, S 3072, 512 blocks of 16, flex): steady step 221 ms compiled vs 224 ms
     eager, but the first step 210 s vs 13 s (compiling the mask for the second layer type alone
@@ -115,6 +121,8 @@ def forward_loss(
     """
     if grad_ckpt not in GRAD_CKPT_MODES:
         raise ValueError(f"grad_ckpt must be one of {GRAD_CKPT_MODES}, got {grad_ckpt!r}")
+    if ce not in CE_MODES:
+        raise ValueError(f"ce must be one of {CE_MODES}, got {ce!r}")
     cfg = _unwrap(drafter).cfg
     if block_size != cfg.block_size:
         raise ValueError(f"block_size {block_size} differs from the drafter's {cfg.block_size}")
@@ -157,13 +165,15 @@ def forward_loss(
     w_BQ = loss_weights(
         loss_mask_BS, lengths_B, anchors_BN, keep_BN, block_size=block_size, gamma=gamma
     )
-    weighted_sum, weight_total, correct_N = chunked_ce(
-        hidden_BQH.flatten(0, 1),
-        lm_head_weight_VH,
-        targets_BQ.flatten(),
-        w_BQ.flatten(),
-        chunk_rows=ce_chunk_blocks * block_size,
-        checkpoint=grad_ckpt != "none",
-    )
+    ce_args = (hidden_BQH.flatten(0, 1), lm_head_weight_VH, targets_BQ.flatten(), w_BQ.flatten())
+    chunk_rows = ce_chunk_blocks * block_size
+    if ce == "fused":
+        weighted_sum, weight_total, correct_N = fused_chunked_ce(
+            *ce_args, chunk_rows=chunk_rows, compiled=compile_ce
+        )
+    else:
+        weighted_sum, weight_total, correct_N = chunked_ce(
+            *ce_args, chunk_rows=chunk_rows, checkpoint=grad_ckpt != "none"
+        )
     stats = acceptance_stats(correct_N.view_as(targets_BQ), w_BQ, keep_BN, block_size=block_size)
     return StepOut(weighted_sum=weighted_sum, weight_total=weight_total, stats=stats)
