@@ -136,7 +136,7 @@ def rank_main(info: RankInfo, job: Job) -> None:
             commit_chunk(job.parts, chunk, rows, result)
             counters.flush()
     finally:
-        counters.flush()
+        counters.close()
         if bar is not None:
             bar.close()
 

@@ -84,7 +84,7 @@ class PartPipeline:
         counters: RankCounters,
     ):
         self.job, self.device, self.capture, self.counters = job, device, capture, counters
-        self.staging = Staging(STAGING_BUFFERS, pinned=device.type == "cuda")
+        self.staging = Staging(STAGING_BUFFERS, pinned=device.type == "cuda", rows=job.batch_tokens)
         self.writers = WriterPool(threads)
         self.committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
         self.commits: list[Future] = []
@@ -187,7 +187,7 @@ def rank_main(info: RankInfo, job: Job) -> None:
     finally:
         pipeline.close()
         capture.close()
-        counters.flush()
+        counters.close()
         if bar is not None:
             bar.close()
 

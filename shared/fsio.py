@@ -46,6 +46,32 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing `fd`'s dirty pages to disk now, without waiting
+    (Linux sync_file_range(2) with SYNC_FILE_RANGE_WRITE; a no-op elsewhere).
+
+    Without it a part's data stays dirty until its commit, whose sync then writes gigabytes at
+    once; on ext4 that stalled every writer thread for seconds per part (measured on an H200
+    host: the writers' CPU use fell from ~7 cores to ~1 during each commit). Started per file,
+    the disk writes steadily and the commit's sync finds little left to do. This only starts
+    the writes: durability still comes from `sync_tree` at the commit."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # advisory: a failure leaves it to the commit
+
+
+@functools.cache
+def _sync_file_range():  # noqa: ANN202
+    fn = getattr(_libc(), "sync_file_range", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+    return fn
+
+
 def sync_tree(root: Path) -> None:
     """Make every file and folder under `root` durable before it is renamed into place.
 
@@ -76,6 +102,17 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def replace_file_bytes(path: Path, data: bytes) -> None:
+    """Atomic but not durable: readers see the old file or the new one, and nothing waits for
+    the disk. For files that are rewritten every second and worthless after a crash (progress
+    counters): an fsync there can stall its caller for seconds while the file system commits
+    other writers' data."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}.{threading.get_ident()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

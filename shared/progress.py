@@ -1,13 +1,15 @@
 """One progress bar fed by every rank, through small per-rank counter files.
 
-Each rank writes its running counters to `<folder>/rank-N.json` (atomically, at most twice a
-second); whoever draws the bar (the launching parent, or rank 0 under torchrun) sums the files.
+Each rank writes its running counters to `<folder>/rank-N.json` (atomically, from a
+background thread, twice a second); whoever draws the bar (the launching parent, or rank 0
+under torchrun) sums the files.
 Files work across processes and nodes alike, with no extra collective in the hot loop.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import Counter
@@ -15,31 +17,62 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from shared.fsio import atomic_write_json
+from shared.fsio import replace_file_bytes
+
+log = logging.getLogger(__name__)
 
 
 class RankCounters:
-    """Counters of one rank, flushed to its file now and then."""
+    """Counters of one rank, written to its file by a background thread every `every` seconds.
+
+    `add` only updates memory, so the caller (the loop that feeds the device) never waits for
+    the file system; the file is replaced atomically but not fsynced (see
+    `shared.fsio.replace_file_bytes`). `close` stops the thread and writes the final counts.
+    """
 
     def __init__(self, folder: Path, rank: int, *, every: float = 0.5):
         self.path = Path(folder) / f"rank-{rank}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.counts: Counter[str] = Counter()
         self.every = every
-        self._last = 0.0
         self._lock = threading.Lock()  # the commit thread adds too
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._written: dict[str, float] | None = None
 
     def add(self, **increments: float) -> None:
         with self._lock:
             self.counts.update(increments)
-            due = time.monotonic() - self._last >= self.every
-        if due:
-            self.flush()
+            if self._thread is None and not self._stop.is_set():
+                self._thread = threading.Thread(
+                    target=self._run, name=f"counters-{self.path.stem}", daemon=True
+                )
+                self._thread.start()
 
     def flush(self) -> None:
+        """Write the counts now (from any thread); skipped when unchanged since the last write."""
         with self._lock:
-            counts, self._last = dict(self.counts), time.monotonic()
-            atomic_write_json(self.path, counts)
+            counts = dict(self.counts)
+            if counts == self._written:
+                return
+            self._written = counts
+            data = (json.dumps(counts) + "\n").encode()
+            # Under the lock, so two flushes never write the same tmp name at once.
+            replace_file_bytes(self.path, data)
+
+    def close(self) -> None:
+        """Stop the background writer and write the final counts."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                self.flush()
+            except OSError as e:  # progress is advisory: a full disk shows up in the writers
+                log.debug("progress counters not written: %s", e)
 
 
 def read_counters(folder: Path) -> Counter[str]:
