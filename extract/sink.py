@@ -17,39 +17,59 @@ import torch
 
 
 class Staging:
-    """A fixed pool of reusable host buffers (pinned on CUDA), one per batch in flight."""
+    """A fixed pool of reusable host buffers (pinned on CUDA), one per batch in flight.
 
-    def __init__(self, count: int, *, pinned: bool):
-        self.pinned = pinned
+    Buffers are sized for `rows` leading rows (the batch token budget) when first used, so the
+    slow pinned allocations happen once per buffer rather than whenever a batch is longer than
+    the ones before. On CUDA the copies run on a side stream: the next forward starts at once.
+    """
+
+    def __init__(self, count: int, *, pinned: bool, rows: int = 0):
+        self.pinned, self.rows = pinned, rows
         self.waited_s = 0.0  # time stage() spent blocked for a free buffer (writers behind)
         self._free: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
+        self._stream: torch.cuda.Stream | None = None
         for _ in range(count):
             self._free.put({})
 
     def stage(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Callable]:
         """Copy device tensors into a free buffer (blocking while none is free).
 
-        Returns host views and a `release()` to call once they have been written.
+        Returns host views and a `release()` to call once they have been written; the views'
+        `_event` (None off CUDA) is set once the copy has landed.
         """
         start = time.perf_counter()
         slot = self._free.get()
         self.waited_s += time.perf_counter() - start
-        views = {}
-        for name, t in tensors.items():
-            buf = slot.get(name)
-            if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
-                buf = torch.empty(t.numel(), dtype=t.dtype, pin_memory=self.pinned)
-                slot[name] = buf
-            view = buf[: t.numel()].view(t.shape)
-            view.copy_(t, non_blocking=self.pinned)
-            views[name] = view
+        views = {name: self._view(slot, name, t) for name, t in tensors.items()}
         event = None
         if self.pinned:
-            # Blocking: writer threads waiting for the copy sleep instead of spinning a core.
-            event = torch.cuda.Event(blocking=True)
-            event.record()
+            device = next(iter(tensors.values())).device
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self._stream):
+                for name, t in tensors.items():
+                    views[name].copy_(t, non_blocking=True)
+                    t.record_stream(self._stream)  # not reused before the copy is done
+                # Blocking: writer threads waiting for the copy sleep instead of spinning a core.
+                event = torch.cuda.Event(blocking=True)
+                event.record(self._stream)
+        else:
+            for name, t in tensors.items():
+                views[name].copy_(t)
         views["_event"] = event  # type: ignore[assignment]
         return views, lambda: self._free.put(slot)
+
+    def _view(self, slot: dict[str, torch.Tensor], name: str, t: torch.Tensor) -> torch.Tensor:
+        """A view of shape t.shape into the slot's buffer `name`, grown when too small."""
+        buf = slot.get(name)
+        if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
+            per_row = t[0].numel() if t.dim() and t.shape[0] else 1
+            numel = max(t.numel(), self.rows * per_row)
+            buf = torch.empty(numel, dtype=t.dtype, pin_memory=self.pinned)
+            slot[name] = buf
+        return buf[: t.numel()].view(t.shape)
 
 
 class WriterPool:
