@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from shapes import SHAPES, random_model  # noqa: E402
 
+import shared.zarr_part  # noqa: E402
 from extract.batching import length_order, make_batches  # noqa: E402
 from extract.capture import LayerCapture  # noqa: E402
 from extract.data import Tokenized  # noqa: E402
@@ -138,6 +139,7 @@ def extract_once(
     sync(device)
     forwards_done = time.perf_counter() - start
     pipe.close()  # the last writes and the last part's commit
+    counters.close()
     return time.perf_counter() - start, forwards_done, pipe.staging.waited_s
 
 
@@ -152,7 +154,15 @@ def main() -> None:
     p.add_argument("--store", default="bf16")
     p.add_argument("--out", type=Path, default=Path("/tmp/bench-cache"))
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--writeback",
+        choices=("early", "commit"),
+        default="early",
+        help="early (the product): each shard file's writeback starts once it is written; "
+        "commit: the data stays dirty until the part's commit syncs it",
+    )
     args = p.parse_args()
+    shared.zarr_part.EARLY_WRITEBACK = args.writeback == "early"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n_layers = SHAPES[args.shape]["num_hidden_layers"]
     layer_ids = build_target_layer_ids(n_layers, 5)
@@ -191,6 +201,7 @@ def main() -> None:
         "writer_threads": args.writer_threads,
         "format": args.format,
         "store": args.store,
+        "writeback": args.writeback,
         "forward_tok_s": tokens / min(t_a1, t_a2),
         "forward_s_before_after": [t_a1, t_a2],
         "extract_s": t_b,

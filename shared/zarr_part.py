@@ -36,7 +36,7 @@ from shared.codec import (
     numcodecs_blosc,
     payload_dtype,
 )
-from shared.fsio import sync_tree
+from shared.fsio import start_writeback, sync_tree
 from shared.part import PartReader, PartWriter, Sample, aligned_offsets, layout_problems
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 # Rows per chunk of the small per-token arrays written at commit (input_ids, loss_mask, scale):
 # large enough for few files, small enough that a random read decodes little.
 SMALL_CHUNK_ROWS = 1 << 14
+# Start each shard file's writeback as soon as it is written (`shared.fsio.start_writeback`);
+# off only to measure what it changes (`bench/extract_bench.py --writeback commit`).
+EARLY_WRITEBACK = True
 
 
 def zarr_compressors(typesize: int) -> list:
@@ -72,7 +75,8 @@ def shard_buffers(block: np.ndarray, codec: Blosc) -> list[bytes]:
 def write_buffers(path: Path, buffers: list[bytes]) -> tuple[int, int]:
     """Write `buffers` one after another as the file `path` (os.writev: no joined copy, and the
     GIL is released for the whole write); returns (size, crc32c) of the file's bytes, taken from
-    the buffers in memory. Made durable with the whole part, at its commit."""
+    the buffers in memory. Its writeback starts at once; it is made durable with the whole part,
+    at its commit."""
     size, crc = 0, 0
     for b in buffers:
         size, crc = size + len(b), crc32c.crc32c(b, crc)
@@ -87,6 +91,8 @@ def write_buffers(path: Path, buffers: list[bytes]) -> tuple[int, int]:
                     done -= len(buffers[0])
                     buffers = buffers[1:]
                 buffers = [memoryview(buffers[0])[done:], *buffers[1:]]
+        if EARLY_WRITEBACK:
+            start_writeback(fd)
     finally:
         os.close(fd)
     return size, crc
