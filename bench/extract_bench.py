@@ -161,7 +161,15 @@ def main() -> None:
         help="early (the product): each shard file's writeback starts once it is written; "
         "commit: the data stays dirty until the part's commit syncs it",
     )
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval for the run (seconds; Python's default is 0.005)",
+    )
     args = p.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     shared.zarr_part.EARLY_WRITEBACK = args.writeback == "early"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n_layers = SHAPES[args.shape]["num_hidden_layers"]
@@ -202,6 +210,7 @@ def main() -> None:
         "format": args.format,
         "store": args.store,
         "writeback": args.writeback,
+        "switch_interval_s": sys.getswitchinterval(),
         "forward_tok_s": tokens / min(t_a1, t_a2),
         "forward_s_before_after": [t_a1, t_a2],
         "extract_s": t_b,

@@ -72,7 +72,7 @@ def shard_buffers(block: np.ndarray, codec: Blosc) -> list[bytes]:
     return out + [index_bytes, crc32c.crc32c(index_bytes).to_bytes(4, "little")]
 
 
-def write_buffers(path: Path, buffers: list[bytes]) -> tuple[int, int]:
+def write_buffers(path: Path | str, buffers: list[bytes]) -> tuple[int, int]:
     """Write `buffers` one after another as the file `path` (os.writev: no joined copy, and the
     GIL is released for the whole write); returns (size, crc32c) of the file's bytes, taken from
     the buffers in memory. Its writeback starts at once; it is made durable with the whole part,
@@ -118,6 +118,9 @@ class ZarrPartWriter(PartWriter):
             # Pinned, since shard_buffers + write_buffers write the files under these keys.
             chunk_key_encoding={"name": "default", "separator": "/"},
         )
+        self._root = str(self.tmp)
+        # Each shard has its own folder hidden/c/<i>/0 (created by the thread that writes it).
+        (self.tmp / "hidden" / "c").mkdir(parents=True, exist_ok=True)
         self._ids = np.zeros(rows, np.int32)
         self._mask = np.zeros(rows, np.uint8)
         self._scale = np.zeros((rows, K), np.float32) if self.store == "fp8" else None
@@ -133,11 +136,18 @@ class ZarrPartWriter(PartWriter):
             if len(block) < CHUNK_ROWS:  # the sample's last shard: zero rows up to the boundary
                 pad = np.zeros((CHUNK_ROWS - len(block), *block.shape[1:]), block.dtype)
                 block = np.concatenate([block, pad])
-            path = self.tmp / "hidden" / "c" / str((start + row) // CHUNK_ROWS) / "0" / "0"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            size_crc = write_buffers(path, shard_buffers(block, codec))
+            # Plain os calls on strings: pathlib's mkdir(parents=True) costs the writer threads
+            # time under the GIL that the thread feeding the device then waits for.
+            key = f"hidden/c/{(start + row) // CHUNK_ROWS}/0"
+            folder = f"{self._root}/{key}"
+            for d in (folder[: -len("/0")], folder):
+                try:
+                    os.mkdir(d)
+                except FileExistsError:  # a retried write of the same sample
+                    pass
+            size_crc = write_buffers(f"{folder}/0", shard_buffers(block, codec))
             with self._lock:
-                self._written_files[path.relative_to(self.tmp).as_posix()] = size_crc
+                self._written_files[f"{key}/0"] = size_crc
         self._ids[start : start + length] = ids
         self._mask[start : start + length] = mask
         if scale is not None:
