@@ -35,7 +35,7 @@ from extract.batching import length_order, make_batches  # noqa: E402
 from extract.capture import LayerCapture  # noqa: E402
 from extract.data import Tokenized  # noqa: E402
 from extract.target import build_target_layer_ids  # noqa: E402
-from extract.worker import Job, PartPipeline  # noqa: E402
+from extract.worker import Job, PartPipeline, default_writer_threads  # noqa: E402
 from shared.codec import codec_description  # noqa: E402
 from shared.manifest import Manifest, SourceFile, TargetInfo, read_manifest, write_manifest  # noqa: E402
 from shared.progress import RankCounters  # noqa: E402
@@ -149,7 +149,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=400_000)
     p.add_argument("--batch-tokens", type=int, default=16384)
     p.add_argument("--rows-per-part", type=int, default=128)
-    p.add_argument("--writer-threads", type=int, default=12)
+    p.add_argument("--writer-threads", type=int, default=0, help="0: the product's default")
     p.add_argument("--format", default="zarr")
     p.add_argument("--store", default="bf16")
     p.add_argument("--out", type=Path, default=Path("/tmp/bench-cache"))
@@ -168,6 +168,7 @@ def main() -> None:
         help="sys.setswitchinterval for the run (seconds; Python's default is 0.005)",
     )
     args = p.parse_args()
+    args.writer_threads = args.writer_threads or default_writer_threads(1)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     shared.zarr_part.EARLY_WRITEBACK = args.writeback == "early"

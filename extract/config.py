@@ -53,7 +53,8 @@ class ExtractConfig:
     max_rows: int | None = option(None, help="Only the first N source rows (quick runs).")
     writer_threads: int = option(
         0,
-        help="Compression/write threads per process (0: the usable cores / processes, at most 16).",
+        help="Compression/write threads per process (0: the usable cores / processes, at most 8; "
+        "more threads slow the forward loop down through the GIL).",
     )
     overwrite: bool = option(
         False, help="Delete an existing cache in --out that was made with other settings."

@@ -19,7 +19,7 @@ from extract.sink import Staging, WriterPool
 from extract.target import load_target
 from shared.cache import open_part_writer, part_name
 from shared.codec import quantize_fp8
-from shared.dist import RankInfo, usable_cpus
+from shared.dist import RankInfo, processes_on_this_host, usable_cpus
 from shared.logs import setup_logging
 from shared.manifest import MAX_LISTED_REJECTS, PartRecord, RejectedRow, update_manifest
 from shared.progress import RankCounters, SummedBar
@@ -60,10 +60,22 @@ class Job:
         return sum(len(self.unit_rows(u)) for u in self.units)
 
 
+# Default writer threads per process. More is slower, not faster: each writer thread takes the
+# GIL between its Blosc, crc32c and write calls, and the thread that launches the forward pass
+# waits for it. Qwen3-8B shape on one H200 with 16 cores, 400K tokens (bench/extract_bench.py
+# --writer-threads N): 6 and 8 threads kept up with the device and gave 0.91-0.92 of the pure
+# forward until its last batch, 12 and 16 threads 0.85-0.87.
+MAX_DEFAULT_WRITER_THREADS = 8
+
+
+def default_writer_threads(processes: int) -> int:
+    """Writer threads per process when --writer-threads is 0: the usable cores shared among the
+    host's `processes`, at most MAX_DEFAULT_WRITER_THREADS."""
+    return max(1, min(MAX_DEFAULT_WRITER_THREADS, usable_cpus() // max(1, processes)))
+
+
 def _threads(job: Job, info: RankInfo) -> int:
-    if job.writer_threads:
-        return job.writer_threads
-    return max(1, min(16, usable_cpus() // info.world_size))
+    return job.writer_threads or default_writer_threads(processes_on_this_host(info.world_size))
 
 
 class PartPipeline:

@@ -94,6 +94,13 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def processes_on_this_host(world_size: int) -> int:
+    """How many ranks share this host's cores: torchrun's LOCAL_WORLD_SIZE (several nodes), else
+    the world size (our own launcher starts every rank on this host)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return max(1, int(local)) if local.isdigit() else max(1, world_size)
+
+
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from shared.cli import build, click_options, option
-from shared.dist import parse_gpus, usable_cpus
+from shared.dist import parse_gpus, processes_on_this_host, usable_cpus
 from shared.manifest import (
     CacheMismatch,
     Manifest,
@@ -178,6 +178,13 @@ def test_usable_cpus_follows_the_affinity_mask():
     finally:
         os.sched_setaffinity(0, before)
     assert usable_cpus() == len(before)
+
+
+def test_processes_on_this_host_prefers_torchruns_local_world_size(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert processes_on_this_host(16) == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # two nodes of eight
+    assert processes_on_this_host(16) == 8
 
 
 def test_cli_from_dataclass():

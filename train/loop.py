@@ -22,7 +22,14 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from shared.cli import to_json
-from shared.dist import RankInfo, all_gather_objects, all_reduce_sum, barrier, usable_cpus
+from shared.dist import (
+    RankInfo,
+    all_gather_objects,
+    all_reduce_sum,
+    barrier,
+    processes_on_this_host,
+    usable_cpus,
+)
 from shared.logs import setup_logging
 from shared.target_files import load_heads
 from train.checkpoint import load_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
@@ -78,7 +85,7 @@ def train_rank(info: RankInfo, cfg: TrainConfig, prep: Prepared) -> None:
     configure_compile(cfg)
     if info.device.type == "cpu" and info.world_size > 1:
         # CPU ranks share the host: without this each would start one thread per core.
-        torch.set_num_threads(max(1, usable_cpus() // info.world_size))
+        torch.set_num_threads(max(1, usable_cpus() // processes_on_this_host(info.world_size)))
     Trainer(info, cfg, prep).fit()
 
 
