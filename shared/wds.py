@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from shared.codec import FORMAT_VERSION, crc32c_hex, numcodecs_blosc, payload_dtype
+from shared.fsio import start_writeback
 from shared.part import PartReader, PartWriter, Sample
 
 PART_MEMBER = "__part__"
@@ -125,6 +126,9 @@ class WdsPartWriter(PartWriter):
             try:
                 for name, data in members:
                     self._add(name, data)
+                # The tar's writeback starts now, not all at once at the commit's fsync.
+                self._file.flush()
+                start_writeback(self._file.fileno())
             except BaseException:
                 self._broken = True  # a half-appended sample: the tar cannot be committed
                 raise
