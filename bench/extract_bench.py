@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from host_monitor import HostMonitor  # noqa: E402
 from shapes import SHAPES, random_model  # noqa: E402
 
 import shared.zarr_part  # noqa: E402
@@ -196,7 +197,10 @@ def main() -> None:
     capture = LayerCapture(model, layer_ids)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    t_b, t_forwards, waited = extract_once(capture, rows, args, layer_ids, hidden, args.out, device)
+    with HostMonitor() as host:
+        t_b, t_forwards, waited = extract_once(
+            capture, rows, args, layer_ids, hidden, args.out, device
+        )
     capture.close()
     t_a2 = pure_forward(body, ordered, batches, device)
     nbytes = read_manifest(args.out).totals()["nbytes"]
@@ -225,6 +229,7 @@ def main() -> None:
         "disk_MB_s": nbytes / t_b / 1e6,
         "peak_host_rss_GB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         "peak_gpu_GB": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else 0,
+        "host_during_extraction": host.summary(),
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
     }

@@ -33,7 +33,7 @@ if [ "${BENCH_TINY:-0}" = 1 ]; then
   STEPS=(--steps 2 --warmup 1); SPEC=(--context 64,128 --repeats 3 --warmup 1)
   BUDGET=${BENCH_BUDGET_S:-1200}
 else
-  S8=qwen3-8b; S27=qwen3.6-27b; FLEX=flex; MODEL=model; CFLEX=flex; TOK8=1200000; TOK27=400000
+  S8=qwen3-8b; S27=qwen3.6-27b; FLEX=flex; MODEL=model; CFLEX=flex; TOK8=1200000; TOK27=250000
   STEPS=(--steps 15 --warmup 4); SPEC=(--context 1024,4096 --repeats 15 --warmup 3)
 fi
 
@@ -113,7 +113,13 @@ for r in (r for r in runs if r["bench"] == "extract"):
           f"{r['device_waited_for_writers_s']:.1f} s for writers), "
           f"{r['extract_tok_s']:,.0f} vs {r['forward_tok_s']:,.0f} tok/s, "
           f"{r['disk_bytes_per_token'] / 1e3:.1f} KB/token on disk (random weights), "
-          f"{r['disk_MB_s']:,.0f} MB/s, host RSS {r['peak_host_rss_GB']:.1f} GB")
+          f"{r['disk_MB_s']:,.0f} MB/s, host RSS {r['peak_host_rss_GB']:.1f} GB, "
+          f"{r['writer_threads']} writer threads")
+    h = r.get("host_during_extraction") or {}
+    if h:
+        print(f"  host while extracting: {h['busy_cores_mean']} cores busy on average "
+              f"(10th percentile {h['busy_cores_p10']}), disk {h['write_GB_s_mean']} GB/s "
+              f"(max {h['write_GB_s_max']}), dirty cache up to {h['dirty_GB_max']} GB")
 for r in (r for r in runs if r["bench"] == "datapath"):
     print(f"\ndatapath {r['shape']}: streaming / in-memory {r['ratio']:.3f} (goal >= 0.97), "
           f"data wait {100 * r['data_wait_fraction']:.1f}%, {r['stream_step_ms']:.0f} vs "
