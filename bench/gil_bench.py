@@ -1,0 +1,120 @@
+"""How much the part writers slow a thread that launches many small torch ops.
+
+    python bench/gil_bench.py --threads 1,2 --seconds 4
+
+The extraction loop's thread launches the target's forward op by op; every torch op releases
+the GIL and takes it back, and each writer thread takes the GIL between its Blosc, crc32c and
+file calls. On an H200 host, extraction with writer threads ran the forward loop ~10% slower
+than the plain forward, with fewer threads faring better (README, Results). This benchmark
+reproduces that contention on any machine, no GPU needed: a "launcher" thread runs tiny CPU
+torch ops (dispatch cost only) for --seconds, alone and then while N writer threads write zarr
+parts of random bf16 states [rows, K=5, H=4096] (`shared.cache.open_part_writer`, the
+extraction writer) as fast as they can. Prints ops/s alone and with writers (their ratio: 1.0
+means the writers cost the launcher nothing) and the raw GB/s the writers delivered meanwhile.
+On a machine with few cores the launcher also competes for cores: compare code versions or
+settings on the same machine, not figures across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shared.cache import open_part_writer  # noqa: E402
+
+K, H = 5, 4096
+
+
+def launch_ops(seconds: float) -> float:
+    """Tiny torch ops on one thread for `seconds`; returns ops per second."""
+    a, b = torch.ones(8), torch.ones(8)
+    done, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        for _ in range(200):
+            a.add_(b)
+            a.mul_(0.5)
+        done += 400
+    return done / elapsed
+
+
+def writer_loop(root: Path, payloads: list[torch.Tensor], stop: threading.Event, me: int,
+                written: list[int]) -> None:  # fmt: skip
+    """Write parts of one sample each until `stop`; counts raw bytes into written[me]."""
+    n = 0
+    while not stop.is_set():
+        payload = payloads[n % len(payloads)]
+        rows = payload.shape[0]
+        final = root / f"w{me}-{n}"
+        with open_part_writer(final.parent, n + 1000 * me, fmt="zarr", store="bf16",
+                              num_layers=K, hidden_size=H, lengths=[rows]) as writer:  # fmt: skip
+            writer.write(0, sample_index=n, input_ids=np.zeros(rows, np.int32),
+                         loss_mask=np.ones(rows, np.uint8), hidden=payload)  # fmt: skip
+            writer.commit()
+        shutil.rmtree(writer.final, ignore_errors=True)
+        written[me] += payload.numel() * payload.element_size()
+        n += 1
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--threads", default="1,2", help="writer thread counts to measure")
+    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--rows", type=int, default=1024, help="tokens per written sample")
+    p.add_argument("--switch-interval", type=float, default=None)
+    p.add_argument("--out", type=Path, default=None, help="folder on the disk under test")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    torch.set_num_threads(1)
+    payloads = [
+        torch.randn(args.rows, K, H, generator=torch.Generator().manual_seed(i)).bfloat16()
+        for i in range(2)
+    ]
+    launch_ops(0.5)  # warm-up
+    alone = launch_ops(args.seconds)
+    results = []
+    for threads in [int(t) for t in args.threads.split(",")]:
+        root = Path(tempfile.mkdtemp(prefix="gil-bench-", dir=args.out))
+        stop, written = threading.Event(), [0] * threads
+        workers = [
+            threading.Thread(target=writer_loop, args=(root, payloads, stop, i, written))
+            for i in range(threads)
+        ]
+        for w in workers:
+            w.start()
+        time.sleep(0.5)  # writers in their steady state before the launcher is timed
+        before = sum(written)
+        start = time.perf_counter()
+        busy = launch_ops(args.seconds)
+        raw_gb_s = (sum(written) - before) / (time.perf_counter() - start) / 1e9
+        stop.set()
+        for w in workers:
+            w.join()
+        shutil.rmtree(root, ignore_errors=True)
+        results.append(
+            {"writer_threads": threads, "ops_s": busy, "ratio": busy / alone, "raw_GB_s": raw_gb_s}
+        )
+        print(
+            f"writers={threads:2d}: launcher {busy:,.0f} ops/s = {busy / alone:.3f} of alone "
+            f"({alone:,.0f}); writers {raw_gb_s:.2f} GB/s raw"
+        )
+    res = {"bench": "gil", "switch_interval_s": sys.getswitchinterval(), "alone_ops_s": alone,
+           "rows": args.rows, "runs": results}  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
