@@ -19,7 +19,12 @@ from extract.target import decoder_layers
 
 
 class LayerCapture:
-    """Hooks on `layer_ids` that write real-token states into one packed [N, K, H] tensor."""
+    """Hooks on `layer_ids` that write real-token states into one packed tensor.
+
+    The memory is layer-major, [K, N, H], and `run` returns its [N, K, H] view: one layer's
+    rows are contiguous, so the writers compress them without a copy on the host (a numpy
+    strided copy holds the GIL, and the thread that launches the forward pass waits for it).
+    """
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], *, pad_id: int = 0):
         self.model, self.layer_ids, self.pad_id = model, list(layer_ids), pad_id
@@ -37,9 +42,9 @@ class LayerCapture:
             hidden = output[0] if isinstance(output, tuple) else output
             flat = hidden.reshape(-1, hidden.shape[-1])
             if self._packed is None:
-                shape = (self._index.numel(), len(self.layer_ids), flat.shape[-1])
+                shape = (len(self.layer_ids), self._index.numel(), flat.shape[-1])
                 self._packed = torch.empty(shape, dtype=flat.dtype, device=flat.device)
-            self._packed[:, slot] = flat.index_select(0, self._index)
+            torch.index_select(flat, 0, self._index, out=self._packed[slot])
 
         return hook
 
@@ -49,8 +54,9 @@ class LayerCapture:
 
     @torch.inference_mode()
     def run(self, rows: Sequence[np.ndarray], *, device: torch.device) -> torch.Tensor:
-        """States of `rows` (token id arrays) as one tensor [sum(len), K, H] on `device`,
-        rows one after another, in the model's dtype."""
+        """States of `rows` (token id arrays) as [sum(len), K, H] on `device`, rows one after
+        another, in the model's dtype: a view of layer-major memory (`.transpose(0, 1)` gives
+        the contiguous [K, sum(len), H])."""
         lengths = [len(r) for r in rows]
         width = max(lengths)
         ids_BL = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
@@ -60,6 +66,6 @@ class LayerCapture:
         self._index = index.to(device, non_blocking=True)
         try:
             self.body(input_ids=ids_BL.to(device, non_blocking=True), use_cache=False)
-            return self._packed
+            return self._packed.transpose(0, 1)
         finally:
             self._packed, self._index = None, None

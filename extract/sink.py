@@ -19,9 +19,9 @@ import torch
 class Staging:
     """A fixed pool of reusable host buffers (pinned on CUDA), one per batch in flight.
 
-    Buffers are sized for `rows` leading rows (the batch token budget) when first used, so the
-    slow pinned allocations happen once per buffer rather than whenever a batch is longer than
-    the ones before. On CUDA the copies run on a side stream: the next forward starts at once.
+    Buffers are sized for `rows` tokens (the batch token budget) when first used, so the slow
+    pinned allocations happen once per buffer rather than whenever a batch is longer than the
+    ones before. On CUDA the copies run on a side stream: the next forward starts at once.
     """
 
     def __init__(self, count: int, *, pinned: bool, rows: int = 0):
@@ -32,8 +32,11 @@ class Staging:
         for _ in range(count):
             self._free.put({})
 
-    def stage(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Callable]:
-        """Copy device tensors into a free buffer (blocking while none is free).
+    def stage(
+        self, tensors: dict[str, torch.Tensor], *, tokens: int
+    ) -> tuple[dict[str, torch.Tensor], Callable]:
+        """Copy device tensors holding `tokens` tokens into a free buffer (blocking while none
+        is free).
 
         Returns host views and a `release()` to call once they have been written; the views'
         `_event` (None off CUDA) is set once the copy has landed.
@@ -41,7 +44,7 @@ class Staging:
         start = time.perf_counter()
         slot = self._free.get()
         self.waited_s += time.perf_counter() - start
-        views = {name: self._view(slot, name, t) for name, t in tensors.items()}
+        views = {name: self._view(slot, name, t, tokens) for name, t in tensors.items()}
         event = None
         if self.pinned:
             device = next(iter(tensors.values())).device
@@ -61,12 +64,13 @@ class Staging:
         views["_event"] = event  # type: ignore[assignment]
         return views, lambda: self._free.put(slot)
 
-    def _view(self, slot: dict[str, torch.Tensor], name: str, t: torch.Tensor) -> torch.Tensor:
+    def _view(
+        self, slot: dict[str, torch.Tensor], name: str, t: torch.Tensor, tokens: int
+    ) -> torch.Tensor:
         """A view of shape t.shape into the slot's buffer `name`, grown when too small."""
         buf = slot.get(name)
         if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
-            per_row = t[0].numel() if t.dim() and t.shape[0] else 1
-            numel = max(t.numel(), self.rows * per_row)
+            numel = max(t.numel(), self.rows * (t.numel() // max(1, tokens)))
             buf = torch.empty(numel, dtype=t.dtype, pin_memory=self.pinned)
             slot[name] = buf
         return buf[: t.numel()].view(t.shape)

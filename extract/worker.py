@@ -121,7 +121,9 @@ class PartPipeline:
         futures = []
         for batch in make_batches(lengths, batch_tokens=job.batch_tokens):
             packed = self.capture.run([kept[i].input_ids for i in batch], device=self.device)
-            host, release = self.staging.stage(_device_payload(packed, job.store))
+            host, release = self.staging.stage(
+                _device_payload(packed, job.store), tokens=packed.shape[0]
+            )
             countdown, start = _Countdown(len(batch), release), 0
             for n in batch:  # one task per sample: a batch's samples compress in parallel
                 rows_n = slice(start, start + lengths[n])
@@ -205,10 +207,12 @@ def rank_main(info: RankInfo, job: Job) -> None:
 
 
 def _device_payload(packed: torch.Tensor, store: str) -> dict[str, torch.Tensor]:
+    """What is staged to the host: layer-major payload [K, N, H] (one layer's rows contiguous,
+    see LayerCapture) and, for fp8, the scales [N, K]."""
     if store == "fp8":
         q, scale = quantize_fp8(packed)
-        return {"q": q, "scale": scale}
-    return {"hidden": packed.to(torch.bfloat16)}
+        return {"q": q.transpose(0, 1).contiguous(), "scale": scale.contiguous()}
+    return {"hidden": packed.transpose(0, 1).to(torch.bfloat16).contiguous()}
 
 
 def _hidden(capture: LayerCapture) -> int:
@@ -234,10 +238,11 @@ def _write_sample(writer, n: int, row: Tokenized, host: dict, rows: slice, count
     try:
         if host["_event"] is not None:
             host["_event"].synchronize()  # the async copy into the pinned buffer has landed
+        # [L, K, H] views of the layer-major buffers: the writers take them without a copy.
         if "q" in host:
-            hidden = (host["q"][rows], host["scale"][rows])
+            hidden = (host["q"][:, rows].transpose(0, 1), host["scale"][rows])
         else:
-            hidden = host["hidden"][rows]
+            hidden = host["hidden"][:, rows].transpose(0, 1)
         writer.write(
             n, sample_index=row.row, input_ids=row.input_ids, loss_mask=row.loss_mask, hidden=hidden
         )

@@ -144,6 +144,9 @@ def encode_hidden(
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """The stored payload of one sample: (uint16 or uint8 [L, K, H], float32 scale [L, K] or None).
 
+    The payload keeps the input's strides (a layer-major [L, K, H] view stays one, see
+    `extract.capture.LayerCapture`); writers that need C order call `c_contiguous`.
+
     bf16 takes a bf16 tensor; fp8 takes a bf16/float tensor (quantised here, on its device) or
     an already quantised ``(q uint8 [L, K, H], scale float32 [L, K])``.
     """
@@ -154,7 +157,7 @@ def encode_hidden(
     elif store == "fp8":
         q, scale = (x.cpu().numpy() for x in quantize_fp8(hidden))
     elif isinstance(hidden, torch.Tensor):
-        q, scale = bf16_to_u16(hidden), None
+        q, scale = _bf16_bits(hidden), None
     else:
         raise TypeError(f"store 'bf16' takes a bfloat16 tensor, got {type(hidden).__name__}")
     if q.shape != shape or q.dtype != payload_dtype(store):
@@ -163,7 +166,32 @@ def encode_hidden(
         scale = np.ascontiguousarray(scale, dtype=np.float32)
         if scale.shape != shape[:2]:
             raise ValueError(f"scale must be float32 {shape[:2]}, got {scale.shape}")
-    return np.ascontiguousarray(q), scale
+    return q, scale
+
+
+def _bf16_bits(t: torch.Tensor) -> np.ndarray:
+    """The uint16 bit patterns of a bf16 tensor as a numpy view with the tensor's strides (no
+    copy on the CPU; `bf16_to_u16` makes it contiguous)."""
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"expected a bfloat16 tensor, got {t.dtype}")
+    return t.detach().cpu().view(torch.uint16).numpy()
+
+
+# Same-size dtypes torch copies natively, for c_contiguous.
+_COPY_AS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def c_contiguous(a: np.ndarray) -> np.ndarray:
+    """`a` as a C-contiguous array: itself when it is one, else a copy made by torch. numpy's
+    strided copy holds the GIL for its whole length (a layer-major sample of an 8B target is
+    tens of MB), which stalls the thread that launches the forward pass; torch's does not."""
+    if a.flags.c_contiguous:
+        return a
+    size = a.dtype.itemsize
+    if size not in _COPY_AS:
+        return np.ascontiguousarray(a)
+    copy = torch.from_numpy(a.view(_COPY_AS[size])).contiguous().numpy()
+    return copy.view(a.dtype)
 
 
 def host_array(x: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -182,7 +210,7 @@ def token_array(x: torch.Tensor | np.ndarray, dtype: type, length: int, name: st
 def crc32c_hex(data: bytes | bytearray | memoryview | np.ndarray, value: int = 0) -> str:
     """Prefixed crc32c of a buffer (a numpy array is hashed as its raw bytes)."""
     if isinstance(data, np.ndarray):
-        data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        data = c_contiguous(data).view(np.uint8).reshape(-1)
     return f"{CHECKSUM_PREFIX}{crc32c.crc32c(data, value):08x}"
 
 

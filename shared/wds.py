@@ -27,7 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.codec import FORMAT_VERSION, crc32c_hex, numcodecs_blosc, payload_dtype
+from shared.codec import (
+    FORMAT_VERSION,
+    c_contiguous,
+    crc32c_hex,
+    numcodecs_blosc,
+    payload_dtype,
+)
 from shared.fsio import start_writeback
 from shared.part import PartReader, PartWriter, Sample
 
@@ -50,7 +56,7 @@ def required_exts(store: str) -> frozenset[str]:
 def compress_payload(payload: np.ndarray) -> list[bytes]:
     """Blosc frames (cache settings, typesize = itemsize) of a C-contiguous array's bytes."""
     codec = numcodecs_blosc(payload.itemsize)
-    flat = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
+    flat = c_contiguous(payload).reshape(-1).view(np.uint8)
     return [codec.encode(flat[i : i + FRAME_BYTES]) for i in range(0, flat.size, FRAME_BYTES)]
 
 
@@ -107,6 +113,7 @@ class WdsPartWriter(PartWriter):
 
     def _store(self, n, sample_index, ids, mask, payload, scale) -> None:  # noqa: ANN001
         key = sample_key(sample_index)
+        payload = c_contiguous(payload)  # the tar stores [L, K, H] in C order
         frames = compress_payload(payload)  # outside the lock: this is the expensive part
         meta = dict(
             sample_index=sample_index,

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import crc32c
 import numpy as np
+import torch
 import zarr
 from numcodecs import Blosc
 from zarr.codecs import BloscCodec, Crc32cCodec
@@ -33,6 +34,7 @@ from shared.codec import (
     CHUNK_ROWS,
     FORMAT_VERSION,
     blosc_settings,
+    c_contiguous,
     numcodecs_blosc,
     payload_dtype,
 )
@@ -64,7 +66,8 @@ def shard_buffers(block: np.ndarray, codec: Blosc) -> list[bytes]:
     out, index = [], np.zeros((block.shape[1], 2), dtype="<u8")
     offset = 0
     for k in range(block.shape[1]):
-        data = codec.encode(np.ascontiguousarray(block[:, k], dtype=block.dtype.newbyteorder("<")))
+        layer = block[:, k].astype(block.dtype.newbyteorder("<"), copy=False)
+        data = codec.encode(c_contiguous(layer))  # no copy for a layer-major block
         out += [data, crc32c.crc32c(data).to_bytes(4, "little")]
         index[k] = (offset, len(data) + 4)
         offset += len(data) + 4
@@ -96,6 +99,18 @@ def write_buffers(path: Path | str, buffers: list[bytes]) -> tuple[int, int]:
     finally:
         os.close(fd)
     return size, crc
+
+
+def _zero_padded(block: np.ndarray) -> np.ndarray:
+    """[n, K, H] -> [CHUNK_ROWS, K, H], zero rows after the n given: a view of layer-major
+    memory (each layer's rows contiguous, as `shard_buffers` wants), copied by torch, which
+    releases the GIL (numpy's strided copy holds it)."""
+    n, layers, hidden = block.shape
+    out = np.zeros((layers, CHUNK_ROWS, hidden), block.dtype)
+    as_int = np.dtype(f"i{block.dtype.itemsize}") if block.dtype.itemsize > 1 else np.uint8
+    dst = torch.from_numpy(out.view(as_int))
+    dst[:, :n].copy_(torch.from_numpy(block.view(as_int)).transpose(0, 1))
+    return out.transpose(1, 0, 2)
 
 
 class ZarrPartWriter(PartWriter):
@@ -134,8 +149,7 @@ class ZarrPartWriter(PartWriter):
         for row in range(0, stop - start, CHUNK_ROWS):
             block = payload[row : row + CHUNK_ROWS]
             if len(block) < CHUNK_ROWS:  # the sample's last shard: zero rows up to the boundary
-                pad = np.zeros((CHUNK_ROWS - len(block), *block.shape[1:]), block.dtype)
-                block = np.concatenate([block, pad])
+                block = _zero_padded(block)
             # Plain os calls on strings: pathlib's mkdir(parents=True) costs the writer threads
             # time under the GIL that the thread feeding the device then waits for.
             key = f"hidden/c/{(start + row) // CHUNK_ROWS}/0"

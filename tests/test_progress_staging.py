@@ -35,17 +35,17 @@ def test_flush_writes_the_current_counts(tmp_path):
 def test_staging_copies_and_reuses_buffers_sized_for_the_budget():
     staging = Staging(1, pinned=False, rows=10)
     small = torch.arange(12, dtype=torch.float32).view(3, 4)
-    views, release = staging.stage({"hidden": small})
+    views, release = staging.stage({"hidden": small}, tokens=3)
     assert views["_event"] is None
     assert torch.equal(views["hidden"], small)
     ptr = views["hidden"].data_ptr()
     release()
     large = torch.arange(40, dtype=torch.float32).view(10, 4)  # within the 10-row budget
-    views, release = staging.stage({"hidden": large})
+    views, release = staging.stage({"hidden": large}, tokens=10)
     assert torch.equal(views["hidden"], large)
     assert views["hidden"].data_ptr() == ptr  # no new allocation
     release()
     over = torch.ones(11, 4)  # a single row longer than the budget still fits (grown)
-    views, release = staging.stage({"hidden": over})
+    views, release = staging.stage({"hidden": over}, tokens=11)
     assert torch.equal(views["hidden"], over)
     release()
