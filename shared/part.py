@@ -30,6 +30,7 @@ from shared.codec import (
     encode_hidden,
     part_checksum,
     token_array,
+    tree_file_sizes,
     u16_to_bf16,
 )
 from shared.fsio import fsync_dir, replace_dir
@@ -94,7 +95,7 @@ def remove_path(path: Path) -> None:
 def _disk_bytes(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return sum(tree_file_sizes(path).values())
 
 
 class PartWriter:
@@ -167,13 +168,15 @@ class PartWriter:
                 raise RuntimeError(f"cannot commit {self.final.name}: missing {missing[:10]}")
             self._closed = True
         self._finish()
-        checksum = part_checksum(self.tmp, self._known_files())
+        # One walk of the folder serves the checksum and the size (thousands of shard files).
+        sizes = tree_file_sizes(self.tmp) if self.tmp.is_dir() else None
+        checksum = part_checksum(self.tmp, self._known_files(), sizes)
         stats = PartStats(
             rows=len(self.lengths),
             tokens=int(self.lengths.sum()),
             supervised_tokens=self._supervised,
             stored_rows=self._stored_rows(),
-            nbytes=_disk_bytes(self.tmp),
+            nbytes=sum(sizes.values()) if sizes is not None else _disk_bytes(self.tmp),
             checksum=checksum,
         )
         if self.final.exists():

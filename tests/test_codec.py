@@ -132,3 +132,26 @@ def test_codec_description_and_blosc_settings():
     out = np.empty_like(a)
     numcodecs_blosc(2).decode(blob, out=out)
     assert np.array_equal(out, a)
+
+
+def test_crc32c_combine_equals_the_crc_of_the_concatenation():
+    import random
+
+    import crc32c
+
+    from shared.codec import crc32c_combine
+
+    rnd = random.Random(0)
+    for len_b in [0, 1, 7, 255, 256, 4097, 1 << 16, *(rnd.randint(0, 300_000) for _ in range(20))]:
+        a, b = rnd.randbytes(rnd.randint(0, 40)), rnd.randbytes(len_b)
+        assert crc32c_combine(crc32c.crc32c(a), crc32c.crc32c(b), len(b)) == crc32c.crc32c(a + b)
+
+
+def test_tree_file_sizes_lists_every_file_with_its_size(tmp_path):
+    from shared.codec import tree_file_sizes
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "x").write_bytes(b"12345")
+    (tmp_path / "y").write_bytes(b"")
+    (tmp_path / "empty").mkdir()
+    assert tree_file_sizes(tmp_path) == {"a/b/x": 5, "y": 0}
