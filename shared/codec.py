@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import crc32c
@@ -81,6 +81,20 @@ def numcodecs_blosc(typesize: int) -> Blosc:
         blocksize=s["blocksize"],
         typesize=s["typesize"],
     )
+
+
+def blosc_compressor(typesize: int) -> Callable[[np.ndarray], bytes]:
+    """A function compressing a C-contiguous array exactly as `numcodecs_blosc(typesize).encode`
+    does (same bytes), calling numcodecs' compress directly: the writer threads run it per
+    64-row layer chunk, and `encode`'s argument checks are Python time under the GIL."""
+    s = blosc_settings(typesize)
+    cname, clevel, shuffle = s["cname"].encode(), s["clevel"], _SHUFFLE_IDS[s["shuffle"]]
+    blocksize, size = s["blocksize"], s["typesize"]
+
+    def compress(a: np.ndarray) -> bytes:
+        return numcodecs.blosc.compress(a, cname, clevel, shuffle, blocksize, size)
+
+    return compress
 
 
 def codec_description(store: str) -> dict:

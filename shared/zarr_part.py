@@ -20,22 +20,22 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+import struct
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import crc32c
 import numpy as np
 import torch
 import zarr
-from numcodecs import Blosc
 from zarr.codecs import BloscCodec, Crc32cCodec
 
 from shared.codec import (
     CHUNK_ROWS,
     FORMAT_VERSION,
+    blosc_compressor,
     blosc_settings,
     c_contiguous,
-    numcodecs_blosc,
     payload_dtype,
 )
 from shared.fsio import start_writeback, sync_tree
@@ -56,22 +56,22 @@ def zarr_compressors(typesize: int) -> list:
     return [BloscCodec(**blosc_settings(typesize)), Crc32cCodec()]
 
 
-def shard_buffers(block: np.ndarray, codec: Blosc) -> list[bytes]:
-    """The file of one ``hidden`` shard ([CHUNK_ROWS, K, H] rows) as its zarr metadata declares,
-    as consecutive buffers: per layer an inner chunk bytes -> Blosc -> crc32c, then the shard
-    index (uint64 offset and size per inner chunk, little-endian) and its crc32c (zarr v3
-    ``sharding_indexed``, index at the end). Runs in the calling thread; Blosc and crc32c
-    release the GIL, and the buffers are never joined (a copy under the GIL): write them with
+def shard_buffers(block: np.ndarray, compress: Callable[[np.ndarray], bytes]) -> list[bytes]:
+    """The file of one ``hidden`` shard ([CHUNK_ROWS, K, H] rows, little-endian) as its zarr
+    metadata declares, as consecutive buffers: per layer an inner chunk bytes -> Blosc
+    (`compress`, from `shared.codec.blosc_compressor`) -> crc32c, then the shard index (uint64
+    offset and size per inner chunk, little-endian) and its crc32c (zarr v3 ``sharding_indexed``,
+    index at the end). Runs in the calling thread; Blosc and crc32c release the GIL, the Python
+    around them is kept short (it holds the GIL, which the thread launching the forward pass
+    waits for), and the buffers are never joined (a copy under the GIL): write them with
     ``write_buffers``."""
-    out, index = [], np.zeros((block.shape[1], 2), dtype="<u8")
-    offset = 0
+    out, index, offset = [], [], 0
     for k in range(block.shape[1]):
-        layer = block[:, k].astype(block.dtype.newbyteorder("<"), copy=False)
-        data = codec.encode(c_contiguous(layer))  # no copy for a layer-major block
+        data = compress(c_contiguous(block[:, k]))  # no copy for a layer-major block
         out += [data, crc32c.crc32c(data).to_bytes(4, "little")]
-        index[k] = (offset, len(data) + 4)
+        index += [offset, len(data) + 4]
         offset += len(data) + 4
-    index_bytes = index.tobytes()
+    index_bytes = struct.pack(f"<{len(index)}Q", *index)
     return out + [index_bytes, crc32c.crc32c(index_bytes).to_bytes(4, "little")]
 
 
@@ -145,7 +145,8 @@ class ZarrPartWriter(PartWriter):
 
     def _store(self, n, sample_index, ids, mask, payload, scale) -> None:  # noqa: ANN001
         start, stop, length = int(self.offsets[n]), int(self.offsets[n + 1]), len(ids)
-        codec = numcodecs_blosc(payload.itemsize)
+        compress = blosc_compressor(payload.itemsize)
+        payload = payload.astype(payload.dtype.newbyteorder("<"), copy=False)  # as stored
         for row in range(0, stop - start, CHUNK_ROWS):
             block = payload[row : row + CHUNK_ROWS]
             if len(block) < CHUNK_ROWS:  # the sample's last shard: zero rows up to the boundary
@@ -159,7 +160,7 @@ class ZarrPartWriter(PartWriter):
                     os.mkdir(d)
                 except FileExistsError:  # a retried write of the same sample
                     pass
-            size_crc = write_buffers(f"{folder}/0", shard_buffers(block, codec))
+            size_crc = write_buffers(f"{folder}/0", shard_buffers(block, compress))
             with self._lock:
                 self._written_files[f"{key}/0"] = size_crc
         self._ids[start : start + length] = ids

@@ -155,3 +155,12 @@ def test_tree_file_sizes_lists_every_file_with_its_size(tmp_path):
     (tmp_path / "y").write_bytes(b"")
     (tmp_path / "empty").mkdir()
     assert tree_file_sizes(tmp_path) == {"a/b/x": 5, "y": 0}
+
+
+@pytest.mark.parametrize("typesize", [1, 2])
+def test_blosc_compressor_gives_the_bytes_of_the_numcodecs_codec(typesize):
+    from shared.codec import blosc_compressor
+
+    rng = np.random.default_rng(typesize)
+    a = rng.integers(0, 1 << (8 * typesize), (64, 300)).astype(f"u{typesize}")
+    assert blosc_compressor(typesize)(a) == numcodecs_blosc(typesize).encode(a)
