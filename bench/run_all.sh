@@ -27,6 +27,7 @@ fi
 export PYTHONUNBUFFERED=1
 BUDGET=${BENCH_BUDGET_S:-520}
 WORK=${BENCH_WORKDIR:-/tmp/dflash-bench}
+mkdir -p "$WORK"
 
 if [ "${BENCH_TINY:-0}" = 1 ]; then
   S8=tiny; S27=tiny-hybrid; FLEX=sdpa; MODEL=none; CFLEX=none; TOK8=20000; TOK27=10000
@@ -64,6 +65,8 @@ extract)
   # (about 40 s of 8B forward) that the last part's drain after the last forward weighs little.
   bench extract-8b 240 extract_bench.py --shape $S8 --tokens $TOK8 --out "$WORK/x8"
   bench extract-27b 270 extract_bench.py --shape $S27 --tokens $TOK27 --out "$WORK/x27"
+  # The writers' cost to a thread launching torch ops (GIL contention), CPU only.
+  bench gil 90 gil_bench.py --threads 4,8,12 --repeats 3 --seconds 2 --out "$WORK"
   ;;
 flex)
   # --compile flex also compiles the BlockMask builder: over three minutes before the first step.
@@ -120,6 +123,10 @@ for r in (r for r in runs if r["bench"] == "extract"):
         print(f"  host while extracting: {h['busy_cores_mean']} cores busy on average "
               f"(10th percentile {h['busy_cores_p10']}), disk {h['write_GB_s_mean']} GB/s "
               f"(max {h['write_GB_s_max']}), dirty cache up to {h['dirty_GB_max']} GB")
+for r in (r for r in runs if r["bench"] == "gil"):
+    for g in r["runs"]:
+        print(f"gil: with {g['writer_threads']} writer threads a torch-op loop runs at "
+              f"{g['ratio']:.3f} of its speed alone (writers {g['raw_GB_s']:.2f} GB/s raw)")
 for r in (r for r in runs if r["bench"] == "datapath"):
     print(f"\ndatapath {r['shape']}: streaming / in-memory {r['ratio']:.3f} (goal >= 0.97), "
           f"data wait {100 * r['data_wait_fraction']:.1f}%, {r['stream_step_ms']:.0f} vs "

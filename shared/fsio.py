@@ -56,8 +56,8 @@ def start_writeback(fd: int) -> None:
     Without it a part's data stays dirty until its commit, whose sync then writes gigabytes at
     once; on ext4 that stalled every writer thread while it ran (on an H200 host, extraction
     went from 0.74 to 0.885 of the plain forward with early writeback: README, Results).
-    Started per file, the disk writes steadily and the commit's sync finds little left to do. This only starts
-    the writes: durability still comes from `sync_tree` at the commit."""
+    Started per file, the disk writes steadily and the commit's sync finds little left to do.
+    This only starts the writes: durability still comes from `sync_tree` at the commit."""
     fn = _sync_file_range()
     if fn is not None:
         fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # advisory: a failure leaves it to the commit
