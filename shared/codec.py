@@ -113,10 +113,8 @@ def codec_description(store: str) -> dict:
 
 
 def bf16_to_u16(t: torch.Tensor) -> np.ndarray:
-    """The uint16 bit patterns of a bf16 tensor, as a numpy view of its CPU copy."""
-    if t.dtype != torch.bfloat16:
-        raise TypeError(f"expected a bfloat16 tensor, got {t.dtype}")
-    return t.detach().cpu().contiguous().view(torch.uint16).numpy()
+    """The uint16 bit patterns of a bf16 tensor, as a C-contiguous numpy view of its CPU copy."""
+    return _bf16_bits(t.contiguous())
 
 
 def u16_to_bf16(a: np.ndarray) -> torch.Tensor:
@@ -186,14 +184,21 @@ def encode_hidden(
 
 def _bf16_bits(t: torch.Tensor) -> np.ndarray:
     """The uint16 bit patterns of a bf16 tensor as a numpy view with the tensor's strides (no
-    copy on the CPU; `bf16_to_u16` makes it contiguous)."""
+    copy on the CPU)."""
     if t.dtype != torch.bfloat16:
         raise TypeError(f"expected a bfloat16 tensor, got {t.dtype}")
     return t.detach().cpu().view(torch.uint16).numpy()
 
 
-# Same-size dtypes torch copies natively, for c_contiguous.
+# Same-size dtypes torch copies natively (it has no uint16 copy on every version we support).
 _COPY_AS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def torch_bits(a: np.ndarray) -> torch.Tensor | None:
+    """A torch view (same memory, same strides) of `a`'s bits as a same-size integer dtype, for
+    copies that release the GIL (numpy's strided copy holds it); None for other item sizes."""
+    as_int = _COPY_AS.get(a.dtype.itemsize)
+    return None if as_int is None else torch.from_numpy(a.view(as_int))
 
 
 def c_contiguous(a: np.ndarray) -> np.ndarray:
@@ -202,11 +207,10 @@ def c_contiguous(a: np.ndarray) -> np.ndarray:
     tens of MB), which stalls the thread that launches the forward pass; torch's does not."""
     if a.flags.c_contiguous:
         return a
-    size = a.dtype.itemsize
-    if size not in _COPY_AS:
+    bits = torch_bits(a)
+    if bits is None:
         return np.ascontiguousarray(a)
-    copy = torch.from_numpy(a.view(_COPY_AS[size])).contiguous().numpy()
-    return copy.view(a.dtype)
+    return bits.contiguous().numpy().view(a.dtype)
 
 
 def host_array(x: torch.Tensor | np.ndarray) -> np.ndarray:

@@ -92,12 +92,6 @@ def remove_path(path: Path) -> None:
         path.unlink()
 
 
-def _disk_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(tree_file_sizes(path).values())
-
-
 class PartWriter:
     """Writes one part into ``<final>.tmp`` and renames it on commit(); see open_part_writer.
 
@@ -176,7 +170,7 @@ class PartWriter:
             tokens=int(self.lengths.sum()),
             supervised_tokens=self._supervised,
             stored_rows=self._stored_rows(),
-            nbytes=sum(sizes.values()) if sizes is not None else _disk_bytes(self.tmp),
+            nbytes=sum(sizes.values()) if sizes is not None else self.tmp.stat().st_size,
             checksum=checksum,
         )
         if self.final.exists():

@@ -35,7 +35,8 @@ class RankCounters:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.counts: Counter[str] = Counter()
         self.every = every
-        self._lock = threading.Lock()  # the commit thread adds too
+        self._lock = threading.Lock()  # guards counts: the commit thread adds too
+        self._write_lock = threading.Lock()  # one file write at a time, newest counts last
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._written: dict[str, float] | None = None
@@ -50,15 +51,16 @@ class RankCounters:
                 self._thread.start()
 
     def flush(self) -> None:
-        """Write the counts now (from any thread); skipped when unchanged since the last write."""
-        with self._lock:
-            counts = dict(self.counts)
+        """Write the counts now (from any thread); skipped when unchanged since the last write.
+        The counts are copied under their lock and written outside it, so `add` never waits for
+        the file system."""
+        with self._write_lock:
+            with self._lock:
+                counts = dict(self.counts)
             if counts == self._written:
                 return
+            replace_file_bytes(self.path, (json.dumps(counts) + "\n").encode())
             self._written = counts
-            data = (json.dumps(counts) + "\n").encode()
-            # Under the lock, so two flushes never write the same tmp name at once.
-            replace_file_bytes(self.path, data)
 
     def close(self) -> None:
         """Stop the background writer and write the final counts."""

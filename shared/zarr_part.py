@@ -26,7 +26,6 @@ from pathlib import Path
 
 import crc32c
 import numpy as np
-import torch
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec
 
@@ -37,6 +36,7 @@ from shared.codec import (
     blosc_settings,
     c_contiguous,
     payload_dtype,
+    torch_bits,
 )
 from shared.fsio import start_writeback, sync_tree
 from shared.part import PartReader, PartWriter, Sample, aligned_offsets, layout_problems
@@ -107,9 +107,7 @@ def _zero_padded(block: np.ndarray) -> np.ndarray:
     releases the GIL (numpy's strided copy holds it)."""
     n, layers, hidden = block.shape
     out = np.zeros((layers, CHUNK_ROWS, hidden), block.dtype)
-    as_int = np.dtype(f"i{block.dtype.itemsize}") if block.dtype.itemsize > 1 else np.uint8
-    dst = torch.from_numpy(out.view(as_int))
-    dst[:, :n].copy_(torch.from_numpy(block.view(as_int)).transpose(0, 1))
+    torch_bits(out)[:, :n].copy_(torch_bits(block).transpose(0, 1))
     return out.transpose(1, 0, 2)
 
 

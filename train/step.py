@@ -15,12 +15,10 @@ from train.anchors import (
     loss_weights,
     sample_anchors,
 )
+from train.config import CE_MODES, GRAD_CKPT_MODES
 from train.loss import acceptance_stats, chunked_ce, fused_chunked_ce
 from train.mask import build_masks
 from train.model import DFlashDrafter
-
-GRAD_CKPT_MODES = ("loss", "none", "layers")
-CE_MODES = ("fused", "autograd")
 
 
 @dataclass
