@@ -101,6 +101,7 @@ def make_trainer(
     workers: int | None = 0,
     grad_ckpt: str | None = None,
     ce: str | None = None,
+    ce_chunk_blocks: int | None = None,
 ) -> Trainer:
     """The product's trainer for one process and device, after `configure_compile`; the
     caller hands it micro-batches with `Trainer.prepare`, which also wraps the model."""
@@ -114,6 +115,7 @@ def make_trainer(
         workers=workers,
         **({"grad_ckpt": grad_ckpt} if grad_ckpt else {}),
         **({"ce": ce} if ce else {}),
+        **({"ce_chunk_blocks": ce_chunk_blocks} if ce_chunk_blocks else {}),
         batch_tokens=batch_tokens,
         max_length=seq_len,
         num_anchors=anchors,
@@ -181,6 +183,7 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", choices=("none", "flex", "model"), default=None)
     p.add_argument("--grad-ckpt", choices=("none", "loss", "layers"), default=None)
     p.add_argument("--ce", choices=("fused", "autograd"), default=None, help="default: product")
+    p.add_argument("--ce-chunk-blocks", type=int, default=None, help="default: product")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (>= 1)")
     p.add_argument("--seq-len", type=int, default=None, help="default 3072 (tiny: 256)")

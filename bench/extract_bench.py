@@ -9,7 +9,9 @@ pipeline on the same batches (hooks, async host copy, Blosc compression on write
 zarr parts written to --out on local disk and committed to a manifest), then (A) again.
 Prints tokens/s of each, the ratio B / the faster A (the first pass can include one-time kernel
 tuning), how long the device waited for the writer threads, bytes per token on disk (random
-weights do not compress like real activations), peak host memory and peak GPU memory. Writes --json.
+weights do not compress like real activations), peak host memory and peak GPU memory, and the
+host seconds spent inside the forward calls of each pass (queueing kernels: if extraction's
+approaches its wall time, the launching thread, not the GPU, sets the pace). Writes --json.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from host_monitor import HostMonitor  # noqa: E402
 from shapes import SHAPES, random_model  # noqa: E402
 
+import extract.capture  # noqa: E402
 import shared.zarr_part  # noqa: E402
 from extract.batching import length_order, make_batches  # noqa: E402
-from extract.capture import LayerCapture  # noqa: E402
+from extract.capture import DeviceInputs, LayerCapture  # noqa: E402
 from extract.data import Tokenized  # noqa: E402
 from extract.target import build_target_layer_ids  # noqa: E402
 from extract.worker import Job, PartPipeline, default_writer_threads  # noqa: E402
@@ -70,7 +73,36 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class CallClock:
+    """Host seconds spent inside `module`'s forward calls: the time the launching thread takes
+    to queue a batch's kernels (it grows when other threads hold the GIL it needs)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.seconds, self._start = 0.0, 0.0
+        self._handles = [
+            module.register_forward_pre_hook(lambda *_: self._begin()),
+            module.register_forward_hook(lambda *_: self._end()),
+        ]
+
+    def _begin(self) -> None:
+        self._start = time.perf_counter()
+
+    def _end(self) -> None:
+        self.seconds += time.perf_counter() - self._start
+
+    def take(self) -> float:
+        """Seconds counted since the last take."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
 def pure_forward(body, rows, batches, device) -> float:
+    """The plain forward of `batches`, inputs sent as extraction sends them."""
+    inputs = DeviceInputs(device)
     sync(device)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -80,7 +112,8 @@ def pure_forward(body, rows, batches, device) -> float:
             t = torch.zeros((len(ids), width), dtype=torch.long)
             for b, r in enumerate(ids):
                 t[b, : len(r)] = torch.from_numpy(r.astype(np.int64))
-            body(input_ids=t.to(device, non_blocking=True), use_cache=False)
+            (ids_BL,) = inputs.send(t)
+            body(input_ids=ids_BL, use_cache=False)
     sync(device)
     return time.perf_counter() - start
 
@@ -163,6 +196,13 @@ def main() -> None:
         "commit: the data stays dirty until the part's commit syncs it",
     )
     p.add_argument(
+        "--inputs",
+        choices=("pinned", "pageable"),
+        default="pinned",
+        help="pinned (the product): token ids reach the device by asynchronous copies from "
+        "pinned buffers; pageable: plain copies, which wait for the previous batch (both passes)",
+    )
+    p.add_argument(
         "--switch-interval",
         type=float,
         default=None,
@@ -173,6 +213,7 @@ def main() -> None:
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     shared.zarr_part.EARLY_WRITEBACK = args.writeback == "early"
+    extract.capture.PINNED_INPUTS = args.inputs == "pinned"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n_layers = SHAPES[args.shape]["num_hidden_layers"]
     layer_ids = build_target_layer_ids(n_layers, 5)
@@ -193,7 +234,9 @@ def main() -> None:
         ]
     body = model.get_decoder()
     pure_forward(body, ordered, batches[:3], device)  # warm-up
+    clock = CallClock(body)
     t_a1 = pure_forward(body, ordered, batches, device)
+    launch_a1 = clock.take()
     capture = LayerCapture(model, layer_ids)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -201,8 +244,11 @@ def main() -> None:
         t_b, t_forwards, waited = extract_once(
             capture, rows, args, layer_ids, hidden, args.out, device
         )
+    launch_b = clock.take()
     capture.close()
     t_a2 = pure_forward(body, ordered, batches, device)
+    launch_a2 = clock.take()
+    clock.close()
     nbytes = read_manifest(args.out).totals()["nbytes"]
     res = {
         "bench": "extract",
@@ -216,6 +262,8 @@ def main() -> None:
         "store": args.store,
         "writeback": args.writeback,
         "switch_interval_s": sys.getswitchinterval(),
+        "inputs": args.inputs,
+        "launch_s_forward_extract_forward": [launch_a1, launch_b, launch_a2],
         "forward_tok_s": tokens / min(t_a1, t_a2),
         "forward_s_before_after": [t_a1, t_a2],
         "extract_s": t_b,

@@ -173,7 +173,7 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
     """The whole measurement of one (shape, attention, compile) setting."""
     cache = args.workdir / args.shape
     ds.write_target_files(cache, args.shape, device)
-    total = 1 + max(args.warmup - 1, 0) + args.steps
+    total = 1 + max(args.warmup - 1, 0) + args.steps + args.profile_steps
     # Metadata of a cache the in-memory items stand for (the plan needs it; nothing is read).
     parts = [PartInfo(path="in-memory", lengths=(args.seq_len,) * (args.batch * total))]
     trainer = ds.make_trainer(
@@ -185,6 +185,7 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         compile=args.compile,
         grad_ckpt=args.grad_ckpt,
         ce=args.ce,
+        ce_chunk_blocks=args.ce_chunk_blocks,
         steps=total,
         seq_len=args.seq_len,
         anchors=args.anchors,
@@ -196,6 +197,7 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
     )
     trainer.prepare(ds.feed(trainer, itertools.cycle(items)))
     timing = time_training(trainer, warmup=args.warmup, steps=args.steps)
+    kernels = profile_kernels(trainer, args.profile_steps) if args.profile_steps else None
     keys = mean_context_keys(
         ds.prompt_mask(1, args.seq_len)[0], anchors=args.anchors, block_size=cfg.block_size
     )
@@ -210,9 +212,10 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         "compile": trainer.cfg.compile,
         "grad_ckpt": trainer.cfg.grad_ckpt,
         "ce": trainer.cfg.ce,
+        "ce_chunk_blocks": trainer.cfg.ce_chunk_blocks,
         "is_default": all(
             getattr(trainer.cfg, k) == getattr(defaults, k)
-            for k in ("attention", "compile", "grad_ckpt", "ce")
+            for k in ("attention", "compile", "grad_ckpt", "ce", "ce_chunk_blocks")
         ),
         "batch": args.batch,
         "seq_len": args.seq_len,
@@ -226,6 +229,37 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         **timing,
         **flops_summary(flops, timing["step_ms"] / 1e3, tokens=args.batch * args.seq_len),
         **device_facts(device),
+        **({"kernels": kernels} if kernels else {}),
+    }
+
+
+def profile_kernels(trainer: Trainer, steps: int, *, top: int = 30) -> dict[str, Any]:
+    """Device time per step by kernel over `steps` profiled steps (after the timed ones): the
+    `top` kernels by total time, and the step's summed kernel time (gaps between kernels are
+    the difference to the measured step time). On the CPU: operators by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = trainer.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        run_steps(trainer, steps)
+
+    def self_us(e: Any) -> float:
+        return e.self_device_time_total if cuda else e.self_cpu_time_total
+
+    rows = [e for e in prof.key_averages() if self_us(e) > 0]
+    rows.sort(key=self_us, reverse=True)
+    total_us = sum(self_us(e) for e in rows)
+    return {
+        "kernel_ms_per_step": total_us / 1e3 / steps,
+        "top": [
+            {
+                "name": e.key[:120],
+                "ms_per_step": round(self_us(e) / 1e3 / steps, 3),
+                "calls_per_step": e.count / steps,
+                "share": round(self_us(e) / total_us, 4),
+            }
+            for e in rows[:top]
+        ],
     }
 
 
@@ -242,6 +276,12 @@ def main() -> None:
     ds.add_drafter_args(p)
     p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--pool", type=int, default=4, help="distinct random batches, cycled")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after the timed steps, profile this many and list the kernels by device time",
+    )
     args = ds.finish_args(p.parse_args())
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -17,6 +17,54 @@ from torch import nn
 
 from extract.target import decoder_layers
 
+# Pinned input buffers in rotation: a buffer is refilled only after the copy issued from it
+# `INPUT_SLOTS` batches earlier has landed (an event wait that, in steady state, never blocks).
+INPUT_SLOTS = 4
+# Off only to measure what the pinned copies change (`bench/extract_bench.py --inputs pageable`).
+PINNED_INPUTS = True
+
+
+class DeviceInputs:
+    """Host int64 tensors to the device without stopping the host thread.
+
+    A copy from pageable memory makes the CUDA driver wait until the stream has run everything
+    queued before it (above 64 KiB), so the thread launching the forward passes would wait for
+    the previous batch at the start of each one and could never run ahead of the GPU: any pause
+    of that thread (the writer threads take the GIL from it) would then leave the GPU idle.
+    Copies from a rotation of pinned buffers are asynchronous. Off CUDA: plain copies.
+    """
+
+    def __init__(self, device: torch.device, *, slots: int = INPUT_SLOTS):
+        self.device, self.pinned = device, device.type == "cuda" and PINNED_INPUTS
+        self._slots: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._count, self._next = slots, 0
+
+    def send(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """The int64 `tensors` on the device (one copy for all), safe to use on its stream."""
+        if not self.pinned:
+            return [t.to(self.device, non_blocking=True) for t in tensors]
+        sizes = [t.numel() for t in tensors]
+        i, buf = self._slot(sum(sizes))
+        host = torch.cat([t.reshape(-1) for t in tensors], out=buf[: sum(sizes)])
+        on_device = host.to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._slots[i] = (buf, event)
+        return [part.view(t.shape) for part, t in zip(on_device.split(sizes), tensors, strict=True)]
+
+    def _slot(self, numel: int) -> tuple[int, torch.Tensor]:
+        """The next buffer in rotation with room for `numel`, once its last copy has landed."""
+        i = self._next
+        self._next = (i + 1) % self._count
+        if i == len(self._slots):
+            self._slots.append((torch.empty(0, dtype=torch.long), None))
+        buf, event = self._slots[i]
+        if event is not None:
+            event.synchronize()
+        if buf.numel() < numel:  # a pinned allocation only when a batch outgrows the slot
+            buf = torch.empty(max(numel, 2 * buf.numel()), dtype=torch.long, pin_memory=True)
+        return i, buf
+
 
 class LayerCapture:
     """Hooks on `layer_ids` that write real-token states into one packed tensor.
@@ -32,6 +80,7 @@ class LayerCapture:
         layers = decoder_layers(model)
         self._packed: torch.Tensor | None = None
         self._index: torch.Tensor | None = None
+        self._inputs: DeviceInputs | None = None
         self._handles = [
             layers[layer_id].register_forward_hook(self._hook(slot))
             for slot, layer_id in enumerate(self.layer_ids)
@@ -63,9 +112,11 @@ class LayerCapture:
         for b, r in enumerate(rows):
             ids_BL[b, : len(r)] = torch.from_numpy(np.asarray(r, dtype=np.int64))
         index = torch.cat([torch.arange(n) + b * width for b, n in enumerate(lengths)])
-        self._index = index.to(device, non_blocking=True)
+        if self._inputs is None or self._inputs.device != device:
+            self._inputs = DeviceInputs(device)
+        ids_BL, self._index = self._inputs.send(ids_BL, index)
         try:
-            self.body(input_ids=ids_BL.to(device, non_blocking=True), use_cache=False)
+            self.body(input_ids=ids_BL, use_cache=False)
             return self._packed.transpose(0, 1)
         finally:
             self._packed, self._index = None, None
