@@ -47,6 +47,7 @@ import drafter_setup as ds  # noqa: E402  (also puts the project root on sys.pat
 from train.config import TrainConfig  # noqa: E402
 from train.data import PartInfo  # noqa: E402
 from train.loop import Trainer  # noqa: E402
+from train.mask import flex_bwd_options  # noqa: E402
 from train.model import DrafterConfig, num_parameters  # noqa: E402
 from train.run import resolve_devices  # noqa: E402
 
@@ -192,6 +193,10 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         batch_tokens=args.batch * args.seq_len,
     )
     cfg = trainer.prep.drafter
+    if args.flex_bwd:
+        trainer.model.use_flex_options(
+            flex_bwd_options(tuple(int(x) for x in args.flex_bwd.split(",")))
+        )
     items = ds.random_items(
         cfg, count=args.pool, batch=args.batch, seq_len=args.seq_len, device=device
     )
@@ -213,10 +218,12 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         "grad_ckpt": trainer.cfg.grad_ckpt,
         "ce": trainer.cfg.ce,
         "ce_chunk_blocks": trainer.cfg.ce_chunk_blocks,
+        "flex_options": trainer.model.layers[0].self_attn.flex_options,
         "is_default": all(
             getattr(trainer.cfg, k) == getattr(defaults, k)
             for k in ("attention", "compile", "grad_ckpt", "ce", "ce_chunk_blocks")
-        ),
+        )
+        and not args.flex_bwd,
         "batch": args.batch,
         "seq_len": args.seq_len,
         "anchors": args.anchors,
@@ -276,6 +283,11 @@ def main() -> None:
     ds.add_drafter_args(p)
     p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--pool", type=int, default=4, help="distinct random batches, cycled")
+    p.add_argument(
+        "--flex-bwd",
+        default=None,
+        help="M1,N1,M2,N2,warps,stages: flex_attention backward blocks instead of the product's",
+    )
     p.add_argument(
         "--profile-steps",
         type=int,

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from train.mask import SM90_FLEX_BWD, flex_bwd_options
 from train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
 from train.step import Batch, forward_loss
 
@@ -25,9 +26,9 @@ TARGET = {
 }
 
 
-def _setup():
+def _setup(head_dim: int = 64):
     cfg = DrafterConfig.from_target_config(
-        TARGET,
+        TARGET | {"head_dim": head_dim},
         num_layers=2,
         target_layer_ids=(2, 5),
         block_size=16,
@@ -81,6 +82,26 @@ def test_compiled_flex_matches_sdpa_forward_and_backward():
     sdpa_loss, sdpa_grads = _step(cfg, drafter, embed, lm_head, batch, "sdpa")
     flex_loss, flex_grads = _step(cfg, drafter, embed, lm_head, batch, "flex")
     assert torch.isfinite(flex_loss)
+    torch.testing.assert_close(flex_loss, sdpa_loss, atol=2e-2, rtol=2e-2)
+    for a, b in zip(flex_grads, sdpa_grads, strict=True):
+        cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
+        assert cos > 0.99
+
+
+# The product's tuned backward blocks (train.mask.SM90_FLEX_BWD), and one fixed set so the
+# kernel_options path is covered whatever the table holds.
+TUNED = sorted(SM90_FLEX_BWD.items()) + [(256, (32, 64, 64, 32, 4, 2))]
+
+
+@pytest.mark.parametrize(("head_dim", "blocks"), TUNED)
+def test_flex_with_backward_block_options_matches_sdpa(head_dim, blocks):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the block options are tuned for sm90 (their shared memory may not fit)")
+    cfg, drafter, embed, lm_head = _setup(head_dim)
+    batch = _batch(256, 0)
+    sdpa_loss, sdpa_grads = _step(cfg, drafter, embed, lm_head, batch, "sdpa")
+    drafter.use_flex_options(flex_bwd_options(blocks))
+    flex_loss, flex_grads = _step(cfg, drafter, embed, lm_head, batch, "flex")
     torch.testing.assert_close(flex_loss, sdpa_loss, atol=2e-2, rtol=2e-2)
     for a, b in zip(flex_grads, sdpa_grads, strict=True):
         cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)

@@ -5,6 +5,7 @@ import torch
 
 from tests.drafters import TINY_TARGET, drafter_masks, tiny_drafter, tiny_drafter_config
 from train.anchors import block_positions
+from train.mask import flex_bwd_options, flex_kernel_options
 from train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
 
 
@@ -140,7 +141,14 @@ def test_flex_forward_equals_sdpa_forward():
     with torch.no_grad():
         sdpa = model(*args, drafter_masks(cfg, anchors, keep, 12), attention="sdpa")
         flex = model(*args, drafter_masks(cfg, anchors, keep, 12, "flex"), attention="flex")
+        # Backward block sizes (the trainer sets them per device) reach flex_attention and leave
+        # the forward as it was.
+        model.use_flex_options(flex_bwd_options((32, 64, 64, 32, 4, 2)))
+        assert all(layer.self_attn.flex_options for layer in model.layers)
+        tuned = model(*args, drafter_masks(cfg, anchors, keep, 12, "flex"), attention="flex")
     torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tuned, flex)
+    assert flex_kernel_options(cfg.head_dim, torch.device("cpu")) is None
 
 
 def test_layer_checkpointing_gives_the_same_gradients():

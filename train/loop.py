@@ -45,6 +45,7 @@ from train.data import (
 )
 from train.evaluate import Evaluator
 from train.export import export_drafter
+from train.mask import flex_kernel_options
 from train.metrics import MetricsWriter, StatSums
 from train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
 from train.plan import PlanSpec
@@ -100,6 +101,7 @@ class Trainer:
         self.model = DFlashDrafter(prep.drafter)
         init_drafter_weights(self.model, cfg.seed)
         self.model.to(self.device)
+        self.model.use_flex_options(flex_kernel_options(prep.drafter.head_dim, self.device))
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=cuda
         )

@@ -181,6 +181,34 @@ def _get_compiled_create_block_mask() -> Callable[..., BlockMask]:
     return _compiled_create_block_mask
 
 
+# flex_attention backward block sizes by head_dim on sm90 (H100/H200), where Inductor's default
+# is slow: `python bench/flex_bench.py --shape SHAPE` times the candidates side by side.
+# (M1, N1, M2, N2, warps, stages); head dims not listed keep Inductor's choice.
+SM90_FLEX_BWD: dict[int, tuple[int, int, int, int, int, int]] = {}
+
+
+def flex_kernel_options(head_dim: int, device: torch.device) -> dict[str, int] | None:
+    """kernel_options for flex_attention on `device`: the measured backward block sizes where
+    SM90_FLEX_BWD has them, else None (Inductor's own choice)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return None
+    blocks = SM90_FLEX_BWD.get(head_dim)
+    return None if blocks is None else flex_bwd_options(blocks)
+
+
+def flex_bwd_options(blocks: tuple[int, int, int, int, int, int]) -> dict[str, int]:
+    """kernel_options fixing the backward kernel's (M1, N1, M2, N2, warps, stages)."""
+    m1, n1, m2, n2, warps, stages = blocks
+    return {
+        "bwd_BLOCK_M1": m1,
+        "bwd_BLOCK_N1": n1,
+        "bwd_BLOCK_M2": m2,
+        "bwd_BLOCK_N2": n2,
+        "bwd_num_warps": warps,
+        "bwd_num_stages": stages,
+    }
+
+
 def get_flex_attention(*, compiled: bool) -> Callable[..., Any]:
     """flex_attention, compiled once per process when `compiled` (eager is a slow reference)."""
     global _compiled_flex_attention

@@ -258,6 +258,9 @@ class DrafterAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        # flex_attention kernel_options (`train.mask.flex_kernel_options`), set per device by
+        # `DFlashDrafter.use_flex_options`: a plain attribute, constant to torch.compile.
+        self.flex_options: dict[str, int] | None = None
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
@@ -279,15 +282,23 @@ class DrafterAttention(nn.Module):
         q_BnQD = apply_rope(q.transpose(1, 2), cos_BTD[:, -q_len:], sin_BTD[:, -q_len:])
         k_BnTD = apply_rope(k.transpose(1, 2), cos_BTD, sin_BTD)
         v_BnTD = v.view(b, t_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        out_BnQD = _attend(q_BnQD, k_BnTD, v_BnTD, mask, attention)
+        out_BnQD = _attend(q_BnQD, k_BnTD, v_BnTD, mask, attention, self.flex_options)
         return self.o_proj(out_BnQD.transpose(1, 2).reshape(b, q_len, -1))
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, attention: str):
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Any,
+    attention: str,
+    flex_options: dict[str, int] | None = None,
+):
     scale = q.shape[-1] ** -0.5
     if attention == "flex":
+        extra = {"kernel_options": flex_options} if flex_options else {}
         return get_flex_attention(compiled=q.is_cuda)(
-            q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+            q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1], **extra
         )
     if attention != "sdpa":
         raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}")
@@ -337,6 +348,12 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(cfg, t) for t in cfg.layer_types)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def use_flex_options(self, options: dict[str, int] | None) -> None:
+        """flex_attention kernel_options for every layer (None: Inductor's own choice)."""
+        for module in self.modules():
+            if isinstance(module, DrafterAttention):
+                module.flex_options = options
 
     def forward(
         self,
