@@ -74,26 +74,44 @@ def sync(device: torch.device) -> None:
 
 
 class CallClock:
-    """Host seconds spent inside `module`'s forward calls: the time the launching thread takes
-    to queue a batch's kernels (it grows when other threads hold the GIL it needs)."""
+    """Host seconds spent inside `module`'s forward calls (queueing a batch's kernels: it grows
+    when other threads hold the GIL the launching thread needs) and, on CUDA, device seconds
+    from the start of each forward's first kernel to the end of its last (events on the
+    launching stream): their sum apart from the pass's wall time tells idle gaps between
+    forwards from slower forwards."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.seconds, self._start = 0.0, 0.0
+        self.cuda = next(module.parameters()).is_cuda
+        self._events: list[tuple] = []
         self._handles = [
             module.register_forward_pre_hook(lambda *_: self._begin()),
             module.register_forward_hook(lambda *_: self._end()),
         ]
 
+    def _event(self):  # noqa: ANN202
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def _begin(self) -> None:
         self._start = time.perf_counter()
+        if self.cuda:
+            self._events.append((self._event(),))
 
     def _end(self) -> None:
         self.seconds += time.perf_counter() - self._start
+        if self.cuda:
+            self._events[-1] += (self._event(),)
 
-    def take(self) -> float:
-        """Seconds counted since the last take."""
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
+    def take(self) -> tuple[float, float]:
+        """(host seconds in forward calls, device seconds spanned by forwards) since the last
+        take (synchronises the device)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        span = sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+        seconds, self.seconds, self._events = self.seconds, 0.0, []
+        return seconds, span
 
     def close(self) -> None:
         for h in self._handles:
@@ -263,7 +281,8 @@ def main() -> None:
         "writeback": args.writeback,
         "switch_interval_s": sys.getswitchinterval(),
         "inputs": args.inputs,
-        "launch_s_forward_extract_forward": [launch_a1, launch_b, launch_a2],
+        "host_s_in_forward_calls": [launch_a1[0], launch_b[0], launch_a2[0]],
+        "device_s_spanned_by_forwards": [launch_a1[1], launch_b[1], launch_a2[1]],
         "forward_tok_s": tokens / min(t_a1, t_a2),
         "forward_s_before_after": [t_a1, t_a2],
         "extract_s": t_b,

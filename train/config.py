@@ -149,7 +149,7 @@ class TrainConfig:
     max_length: int | None = option(None, help="truncate samples to this; default the cache's")
     workers: int | None = option(
         None,
-        help="DataLoader worker processes per rank (0: read in-process; default 4 on GPUs, "
+        help="DataLoader worker processes per rank (0: read in-process; default 8 on GPUs, "
         "2 on CPU ranks)",
     )
     shuffle_buffer: int = option(1024, help="samples held by the shuffle buffer of each worker")

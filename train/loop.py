@@ -39,17 +39,17 @@ from train.data import (
     LoaderState,
     PartInfo,
     PlanDataset,
-    device_batch,
     epoch_limits,
     make_loader,
 )
 from train.evaluate import Evaluator
 from train.export import export_drafter
+from train.feed import DeviceFeed
 from train.mask import flex_kernel_options
 from train.metrics import MetricsWriter, StatSums
 from train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
 from train.plan import PlanSpec
-from train.step import forward_loss
+from train.step import Batch, forward_loss
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +148,9 @@ class Trainer:
         self.writer = MetricsWriter(cfg.out, enabled=info.is_main)
         self.evaluator = self._make_evaluator()
         self.net: torch.nn.Module | None = None  # prepare() sets the next three
-        self.batches: Iterator[dict[str, Any]] | None = None
-        self.window = (time.perf_counter(), 0.0)  # (start, seconds waiting for data)
+        self.feed: DeviceFeed | None = None
+        # (start, feed.waited at the start): the logging window and its data wait.
+        self.window = (time.perf_counter(), 0.0)
 
     def _make_evaluator(self) -> Evaluator | None:
         if not self.prep.eval_parts:
@@ -241,12 +242,12 @@ class Trainer:
         if self.net is None:
             self.net = self._wrap()
         self.close_loader()
-        self.batches = self.loader() if batches is None else batches
+        self.feed = DeviceFeed(self.loader() if batches is None else batches, self.device)
         self.window = (time.perf_counter(), 0.0)
 
     def close_loader(self) -> None:
         """Drop the micro-batch source, which stops the DataLoader workers."""
-        self.batches = None
+        self.feed = None
 
     def fit(self) -> None:
         self.restore()
@@ -285,32 +286,24 @@ class Trainer:
             return True
         return False
 
-    def _next_item(self) -> dict[str, Any]:
-        while True:
-            start = time.perf_counter()
-            item = next(self.batches, None)
-            self.window = (self.window[0], self.window[1] + time.perf_counter() - start)
-            if item is None:
-                raise RuntimeError("the loader ran out of batches before the planned last step")
-            if item["real"]:
-                if item["epoch"] != self.loader_state.epoch:
-                    raise RuntimeError(
-                        f"loader out of step: got epoch {item['epoch']}, expected "
-                        f"{self.loader_state.epoch}"
-                    )
-                return item
+    def _take(self) -> tuple[dict[str, Any], Batch]:
+        item, batch = self.feed.take()
+        if item["epoch"] != self.loader_state.epoch:
+            raise RuntimeError(
+                f"loader out of step: got epoch {item['epoch']}, expected {self.loader_state.epoch}"
+            )
+        return item, batch
 
     def train_step(self) -> float:
         """One optimizer step over `grad_accum` micro-batches, as `fit` runs it; advances
         `step`. Returns the seconds it waited for the micro-batch source (no GPU sync)."""
-        if self.net is None or self.batches is None:
+        if self.net is None or self.feed is None:
             raise RuntimeError("no model to step or no micro-batches: call prepare() first")
-        net, accum, waited = self.net, self.cfg.grad_accum, self.window[1]
+        net, accum, waited = self.net, self.cfg.grad_accum, self.feed.waited
         ddp = hasattr(net, "no_sync")  # DDP, possibly under torch.compile
         weight_local = torch.zeros((), dtype=torch.float32, device=self.device)
         for i in range(accum):
-            item = self._next_item()
-            batch = device_batch(item, self.device)
+            item, batch = self._take()
             gen = torch.Generator().manual_seed(item["anchor_seed"])
             sync = net.no_sync() if ddp and i < accum - 1 else contextlib.nullcontext()
             with sync:
@@ -325,6 +318,8 @@ class Trainer:
                         **self.step_kwargs,
                     )
                 out.weighted_sum.backward()
+            if i < accum - 1:
+                self.feed.ahead()  # its copy overlaps this micro-batch's backward
             weight_local += out.weight_total.detach().float()
             self.sums.add(out.weighted_sum, out.weight_total, out.stats, batch.lengths_B.sum())
             self.loader_state = self.loader_state.advance(self.limits)
@@ -341,11 +336,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.sums.add_step(grad_norm)
         self.step += 1
-        return self.window[1] - waited
+        self.feed.ahead()  # the next micro-batch's copy overlaps this step's queued work
+        return self.feed.waited - waited
 
     def _log(self) -> dict[str, Any]:
         summary = self.sums.reduce()  # the one synchronisation of a logging window
-        start, waited = self.window
+        start, waited = self.window[0], self.feed.waited - self.window[1]
         elapsed = max(time.perf_counter() - start, 1e-9)
         record = {
             "kind": "train",
@@ -361,7 +357,7 @@ class Trainer:
         }
         self.writer.write(record)
         log.debug("step %d: %s", self.step, record)
-        self.window = (time.perf_counter(), 0.0)
+        self.window = (time.perf_counter(), self.feed.waited)
         return record
 
     def evaluate(self) -> dict[str, Any] | None:

@@ -182,9 +182,12 @@ def _get_compiled_create_block_mask() -> Callable[..., BlockMask]:
 
 
 # flex_attention backward block sizes by head_dim on sm90 (H100/H200), where Inductor's default
-# is slow: `python bench/flex_bench.py --shape SHAPE` times the candidates side by side.
-# (M1, N1, M2, N2, warps, stages); head dims not listed keep Inductor's choice.
-SM90_FLEX_BWD: dict[int, tuple[int, int, int, int, int, int]] = {}
+# is slow: (M1, N1, M2, N2, warps, stages). head_dim 256 (Qwen3.6-27B shape, one drafter layer:
+# 24 heads, 4 kv heads, 512 blocks of 16 over a 3072-token context): Inductor's (64, 64, 64, 64,
+# 4 warps, 2 stages) took 10.5 ms for the backward, 8 warps 7.3 ms (0.70x), same gradients; the
+# 27B drafter step went from 291.5 to 279.8 ms (H200, random weights; `python
+# bench/flex_bench.py --shape qwen3.6-27b`, `bench/train_bench.py`). Others: Inductor's choice.
+SM90_FLEX_BWD: dict[int, tuple[int, int, int, int, int, int]] = {256: (64, 64, 64, 64, 8, 2)}
 
 
 def flex_kernel_options(head_dim: int, device: torch.device) -> dict[str, int] | None:
