@@ -66,6 +66,25 @@ class DeviceInputs:
         return i, buf
 
 
+def padded_inputs(rows: Sequence[np.ndarray], *, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [B, L] right-padded with `pad_id`, flat positions of the real tokens in it).
+
+    Built with numpy, which keeps the GIL: each torch call would release it and wait to get it
+    back from the writer threads, on the thread that feeds the GPU.
+
+    >>> ids, index = padded_inputs([np.array([5, 6, 7]), np.array([8])], pad_id=0)
+    >>> ids.tolist(), index.tolist()
+    ([[5, 6, 7], [8, 0, 0]], [0, 1, 2, 3])
+    """
+    lengths = [len(r) for r in rows]
+    width = max(lengths)
+    ids_BL = np.full((len(rows), width), pad_id, dtype=np.int64)
+    for b, r in enumerate(rows):
+        ids_BL[b, : len(r)] = r
+    index = np.concatenate([np.arange(n) + b * width for b, n in enumerate(lengths)])
+    return ids_BL, index
+
+
 class LayerCapture:
     """Hooks on `layer_ids` that write real-token states into one packed tensor.
 
@@ -106,15 +125,10 @@ class LayerCapture:
         """States of `rows` (token id arrays) as [sum(len), K, H] on `device`, rows one after
         another, in the model's dtype: a view of layer-major memory (`.transpose(0, 1)` gives
         the contiguous [K, sum(len), H])."""
-        lengths = [len(r) for r in rows]
-        width = max(lengths)
-        ids_BL = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        for b, r in enumerate(rows):
-            ids_BL[b, : len(r)] = torch.from_numpy(np.asarray(r, dtype=np.int64))
-        index = torch.cat([torch.arange(n) + b * width for b, n in enumerate(lengths)])
+        ids_BL, index = padded_inputs(rows, pad_id=self.pad_id)
         if self._inputs is None or self._inputs.device != device:
             self._inputs = DeviceInputs(device)
-        ids_BL, self._index = self._inputs.send(ids_BL, index)
+        ids_BL, self._index = self._inputs.send(torch.from_numpy(ids_BL), torch.from_numpy(index))
         try:
             self.body(input_ids=ids_BL, use_cache=False)
             return self._packed.transpose(0, 1)
