@@ -192,7 +192,7 @@ def extract_once(
     forwards_done = time.perf_counter() - start
     pipe.close()  # the last writes and the last part's commit
     counters.close()
-    return time.perf_counter() - start, forwards_done, pipe.waited_s
+    return time.perf_counter() - start, forwards_done, pipe.staging.waited_s
 
 
 def main() -> None:

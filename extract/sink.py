@@ -33,16 +33,10 @@ class Staging:
             self._free.put({})
 
     def stage(
-        self,
-        tensors: dict[str, torch.Tensor],
-        *,
-        tokens: int,
-        ready: torch.cuda.Event | None = None,
+        self, tensors: dict[str, torch.Tensor], *, tokens: int
     ) -> tuple[dict[str, torch.Tensor], Callable]:
         """Copy device tensors holding `tokens` tokens into a free buffer (blocking while none
-        is free). On CUDA the copy waits for `ready` (recorded once the tensors were computed;
-        given when this runs on another thread than the one queueing their work), else for
-        everything queued so far on the current stream.
+        is free).
 
         Returns host views and a `release()` to call once they have been written; the views'
         `_event` (None off CUDA) is set once the copy has landed.
@@ -56,10 +50,7 @@ class Staging:
             device = next(iter(tensors.values())).device
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device=device)
-            if ready is None:
-                self._stream.wait_stream(torch.cuda.current_stream(device))
-            else:
-                self._stream.wait_event(ready)
+            self._stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(self._stream):
                 for name, t in tensors.items():
                     views[name].copy_(t, non_blocking=True)

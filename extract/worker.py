@@ -28,9 +28,6 @@ log = logging.getLogger(__name__)
 # Batches in flight between the device and the writer threads: the GPU runs ahead by this many
 # while their samples are compressed in parallel (pinned memory: buffers x batch size).
 STAGING_BUFFERS = 3
-# Batches whose host copy the stager thread has not started yet (each keeps its captured
-# states on the device meanwhile): the forward thread runs at most this far ahead of it.
-STAGED_AHEAD = 2
 
 
 @dataclass(frozen=True)
@@ -84,14 +81,9 @@ def _threads(job: Job, info: RankInfo) -> int:
 class PartPipeline:
     """Forward -> capture -> async host copy -> compress/write threads -> atomic part commit.
 
-    `submit(unit, kept, rejected, rows)` runs the forwards of one part on this process's device.
-    The thread that calls it does nothing else: staging each batch's states (the host copy, one
-    write task per sample) and queueing the part's commit run in order on a stager thread. That
-    work takes the GIL many times, and the writer threads hold it in between; on the forward
-    thread it took 30 ms a batch on an H200 host with 8 writers, longer than the kernels still
-    queued when a forward call returns, so the GPU sat idle between forwards (9% of the time for
-    the Qwen3-8B shape, bench/extract_bench.py). On the stager it runs while the forward thread
-    is blocked queueing kernels. The commit (rename + manifest record) runs on a commit thread.
+    `submit(unit, kept, rejected, rows)` runs the forwards of one part on this process's device
+    and queues its writes; the commit (rename + manifest record) happens on a commit thread once
+    the writes are done, so the device moves on to the next part at once.
     """
 
     def __init__(
@@ -106,14 +98,9 @@ class PartPipeline:
         self.job, self.device, self.capture, self.counters = job, device, capture, counters
         self.staging = Staging(STAGING_BUFFERS, pinned=device.type == "cuda", rows=job.batch_tokens)
         self.writers = WriterPool(threads)
-        self.stager = ThreadPoolExecutor(1, thread_name_prefix="stage")
-        # Batches computed but not yet staged: their device tensors stay alive until then.
-        self._in_flight = threading.BoundedSemaphore(STAGED_AHEAD)
-        self.staged: list[Future] = []
         self.committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
         self.commits: list[Future] = []
         self.threads = threads
-        self.waited_s = 0.0  # time the forward thread was held back by the writers
         self.started = time.perf_counter()
 
     def submit(
@@ -131,67 +118,34 @@ class PartPipeline:
             hidden_size=_hidden(self.capture),
             lengths=lengths,
         )
-        futures: list[Future] = []  # the part's sample writes, appended by the stager
+        futures = []
         for batch in make_batches(lengths, batch_tokens=job.batch_tokens):
             packed = self.capture.run([kept[i].input_ids for i in batch], device=self.device)
-            payload = _device_payload(packed, job.store)
-            ready = _computed(self.device)
+            host, release = self.staging.stage(
+                _device_payload(packed, job.store), tokens=packed.shape[0]
+            )
+            countdown, start = _Countdown(len(batch), release), 0
+            for n in batch:  # one task per sample: a batch's samples compress in parallel
+                rows_n = slice(start, start + lengths[n])
+                futures.append(
+                    self.writers.submit(_write_sample, writer, n, kept[n], host, rows_n, countdown)
+                )
+                start = rows_n.stop
             self.counters.add(
                 tokens=packed.shape[0], raw_bytes=packed.shape[0] * packed[0].numel() * 2
             )
-            del packed
-            tokens = sum(lengths[i] for i in batch)
-            self._later(self._stage, writer, kept, batch, payload, tokens, ready, futures)
-        self._later(self._commit_when_written, unit, writer, futures, kept, rejected, rows)
-
-    def _later(self, fn: Callable, *args) -> None:
-        """Run `fn(*args)` on the stager thread, in submission order; blocks while
-        STAGED_AHEAD tasks are pending (the writers are behind)."""
-        start = time.perf_counter()
-        self._in_flight.acquire()
-        self.waited_s += time.perf_counter() - start
-        self._raise_failures()
-
-        def task() -> None:
-            try:
-                fn(*args)
-            finally:
-                self._in_flight.release()
-
-        self.staged.append(self.stager.submit(task))
-
-    def _raise_failures(self) -> None:
-        done = [f for f in self.staged if f.done()]
-        self.staged = [f for f in self.staged if not f.done()]
-        for f in done + [f for f in list(self.commits) if f.done()]:
-            f.result()
-
-    def _stage(self, writer, kept, batch, payload, tokens, ready, futures) -> None:  # noqa: ANN001
-        """Stager thread: copy one batch to the host, queue one write task per sample."""
-        host, release = self.staging.stage(payload, tokens=tokens, ready=ready)
-        countdown, start = _Countdown(len(batch), release), 0
-        for n in batch:  # one task per sample: a batch's samples compress in parallel
-            rows_n = slice(start, start + len(kept[n].input_ids))
-            futures.append(
-                self.writers.submit(_write_sample, writer, n, kept[n], host, rows_n, countdown)
-            )
-            start = rows_n.stop
-        self.writers.check()
-
-    def _commit_when_written(self, unit, writer, futures, kept, rejected, rows) -> None:  # noqa: ANN001
-        """Stager thread: the part's writes are all queued; its commit follows them."""
+            self.writers.check()
         self.commits.append(
             self.committer.submit(
-                _commit, unit, self.job, writer, futures, kept, rejected, rows, self.counters
+                _commit, unit, job, writer, futures, kept, rejected, rows, self.counters
             )
         )
+        for f in [f for f in self.commits if f.done()]:
+            f.result()
 
     def close(self) -> None:
-        """Wait for every queued stage, write and commit; re-raise the first failure."""
+        """Wait for every queued write and commit; re-raise the first failure."""
         try:
-            self.stager.shutdown(wait=True)
-            for f in self.staged:
-                f.result()
             for f in self.commits:
                 f.result()
         finally:
@@ -200,8 +154,8 @@ class PartPipeline:
         self._report_backpressure(time.perf_counter() - self.started)
 
     def _report_backpressure(self, wall_s: float) -> None:
-        waited = self.waited_s
-        log.info("the device waited %.1f s of %.1f s for the writers", waited, wall_s)
+        waited = self.staging.waited_s
+        log.info("the device waited %.1f s of %.1f s for a free staging buffer", waited, wall_s)
         if wall_s > 0 and waited > 0.1 * wall_s:
             log.warning(
                 "compression and writing limited this rank: the device waited %.0f%% of the time "
@@ -210,16 +164,6 @@ class PartPipeline:
                 100 * waited / wall_s,
                 self.threads,
             )
-
-
-def _computed(device: torch.device) -> torch.cuda.Event | None:
-    """An event marking the work queued so far on the current stream (None off CUDA): the
-    stager's host copy waits for it, not for forwards queued after it."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
 
 
 def rank_main(info: RankInfo, job: Job) -> None:

@@ -1,5 +1,6 @@
-"""GPU only: the extraction pipeline on CUDA (pinned input copies, capture, the stager thread,
-side-stream host copies) stores the states of a plain forward, in both stores."""
+"""GPU only: the extraction pipeline on CUDA (pinned input copies, capture, side-stream host
+copies into pinned staging buffers, writer threads) stores the states of a plain forward, in
+both stores."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def reference_on_gpu(target, ids, layer_ids) -> torch.Tensor:
 
 @pytest.mark.parametrize("store", ["bf16", "fp8"])
 def test_cuda_extraction_stores_the_forward_states(tmp_path, tiny_qwen3, data_file, store):  # noqa: F811
-    # Small batches and parts: several batches in flight between the forward and stager threads.
+    # Small batches and parts: several batches in flight between the device and the writers.
     m = extract(tmp_path / "cache", tiny_qwen3, data_file, gpus="0", batch_tokens=256, store=store)
     assert m.complete
     samples = samples_by_row(tmp_path / "cache")
