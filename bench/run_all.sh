@@ -2,7 +2,8 @@
 # Every benchmark figure of stage two and of speculative decoding in one command on one H200,
 # most important first, inside ~9 minutes, from the project root: bash bench/run_all.sh
 # `bash bench/run_all.sh extract` runs stage one's benchmarks instead, `flex` the two
-# `--compile flex` settings (each set under ten minutes).
+# `--compile flex` settings, `kernels` the flex_attention backward configurations (each set
+# under ten minutes).
 # Writes $OUT/<name>.json per run, $OUT/logs/<name>.log, $OUT/status.txt; prints a table last.
 # Each run gets the smaller of its own cap and what is left of BENCH_BUDGET_S (default 520 s);
 # a run that would start with less than 30 s left is skipped and listed as such.
@@ -68,6 +69,15 @@ extract)
   # The writers' cost to a thread launching torch ops (GIL contention), CPU only.
   bench gil 90 gil_bench.py --threads 4,8,12 --repeats 3 --seconds 2 --out "$WORK"
   ;;
+kernels)
+  # flex_attention backward block configurations of one drafter layer (GPU only).
+  if [ "${BENCH_TINY:-0}" = 1 ]; then
+    echo "kernels: skipped, flex_bench.py needs a GPU" | tee -a "$OUT/status.txt"
+  else
+    bench flex-27b 200 flex_bench.py --shape $S27
+    bench flex-8b 200 flex_bench.py --shape $S8
+  fi
+  ;;
 flex)
   # --compile flex also compiles the BlockMask builder: over three minutes before the first step.
   bench train-8b-$FLEX-$CFLEX 260 train_bench.py --shape $S8 --attention $FLEX --compile $CFLEX "${STEPS[@]}"
@@ -88,7 +98,7 @@ train)
   bench train-27b-sdpa-none 70 train_bench.py --shape $S27 --attention sdpa --compile none "${STEPS[@]}"
   ;;
 *)
-  echo "usage: bash bench/run_all.sh [train|flex|extract]" >&2
+  echo "usage: bash bench/run_all.sh [train|flex|kernels|extract]" >&2
   exit 2
   ;;
 esac
@@ -127,6 +137,14 @@ for r in (r for r in runs if r["bench"] == "gil"):
     for g in r["runs"]:
         print(f"gil: with {g['writer_threads']} writer threads a torch-op loop runs at "
               f"{g['ratio']:.3f} of its speed alone (writers {g['raw_GB_s']:.2f} GB/s raw)")
+for r in (r for r in runs if r["bench"] == "flex"):
+    print(f"\nflex_attention, one {r['shape']} drafter layer, q {r['q_shape']}, kv {r['kv_shape']}:")
+    for row in r["rows"]:
+        if "error" in row:
+            print(f"  {row['config']:<26} failed: {row['error'][:80]}")
+        else:
+            print(f"  {row['config']:<26} forward {row['fwd_ms']:.2f} ms, forward + backward "
+                  f"{row['fwd_bwd_ms']:.2f} ms, backward vs default {row['bwd_vs_default']:.3f}")
 for r in (r for r in runs if r["bench"] == "datapath"):
     print(f"\ndatapath {r['shape']}: streaming / in-memory {r['ratio']:.3f} (goal >= 0.97), "
           f"data wait {100 * r['data_wait_fraction']:.1f}%, {r['stream_step_ms']:.0f} vs "
