@@ -50,7 +50,7 @@ class DeviceInputs:
         host = torch.cat([t.reshape(-1) for t in tensors], out=buf[: sum(sizes)])
         on_device = host.to(self.device, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         self._slots[i] = (buf, event)
         return [part.view(t.shape) for part, t in zip(on_device.split(sizes), tensors, strict=True)]
 
