@@ -174,7 +174,7 @@ def on_device(item: dict[str, Any], device: torch.device) -> dict[str, Any]:
 def bench_datapath(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Write the cache, then time the same steps streamed (A) and replayed from the GPU (B)."""
     cache = args.workdir / args.shape  # shares the target files with train_bench
-    total = args.warmup + args.steps
+    total = args.warmup + args.steps + args.profile_steps
     manifest = write_cache(
         cache,
         args.shape,
@@ -206,10 +206,15 @@ def bench_datapath(args: argparse.Namespace, device: torch.device) -> dict[str, 
     kept: list[dict[str, Any]] = []
     trainer.prepare(recording(trainer.loader(), kept))
     streamed = tb.time_training(trainer, warmup=args.warmup, steps=args.steps)
+    kernels = {}
+    if args.profile_steps:
+        kernels["stream"] = tb.profile_kernels(trainer, args.profile_steps, top=12)
     trainer.close_loader()
     replay = [on_device(item, device) for item in kept]
     trainer.prepare(ds.feed(trainer, replay))
     in_memory = tb.time_training(trainer, warmup=args.warmup, steps=args.steps)
+    if args.profile_steps:
+        kernels["memory"] = tb.profile_kernels(trainer, args.profile_steps, top=12)
     return {
         "bench": "datapath",
         "shape": args.shape,
@@ -223,6 +228,7 @@ def bench_datapath(args: argparse.Namespace, device: torch.device) -> dict[str, 
         "page_cache_dropped_GB": dropped / 1e9,
         **figures(streamed, in_memory, manifest, trainer.prep.drafter, args.seq_len),
         "cpu_count": usable_cpus(),
+        **({"kernels": kernels} if kernels else {}),
         **tb.device_facts(device),
     }
 
@@ -258,6 +264,13 @@ def main() -> None:
     p.add_argument("--per-part", type=int, default=4, help="samples per written part")
     p.add_argument("--keep", action="store_true", help="keep the written cache")
     p.add_argument("--warm", action="store_true", help="leave the parts in the page cache")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after each pass's timed steps, profile this many: device kernel time per step "
+        "(the step time minus it is the device idle), the kernels by time",
+    )
     args = ds.finish_args(p.parse_args())
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
