@@ -39,7 +39,7 @@ from extract.batching import length_order, make_batches  # noqa: E402
 from extract.capture import DeviceInputs, LayerCapture  # noqa: E402
 from extract.data import Tokenized  # noqa: E402
 from extract.target import build_target_layer_ids  # noqa: E402
-from extract.worker import Job, PartPipeline, default_writer_threads  # noqa: E402
+from extract.worker import Job, PartPipeline, default_writer_threads, run_units  # noqa: E402
 from shared.codec import codec_description  # noqa: E402
 from shared.manifest import Manifest, SourceFile, TargetInfo, read_manifest, write_manifest  # noqa: E402
 from shared.progress import RankCounters  # noqa: E402
@@ -186,8 +186,8 @@ def extract_once(
     pipe = PartPipeline(job, device, capture, threads=args.writer_threads, counters=counters)
     sync(device)
     start = time.perf_counter()
-    for u in range(units):
-        pipe.submit(u, rows[u * per_part : (u + 1) * per_part], [], job.unit_rows(u))
+    # As `python -m extract` runs its units: each part read and opened on a reader thread.
+    run_units(pipe, range(units), read=lambda u: (rows[u * per_part : (u + 1) * per_part], []))
     sync(device)
     forwards_done = time.perf_counter() - start
     pipe.close()  # the last writes and the last part's commit

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,12 +78,25 @@ def _threads(job: Job, info: RankInfo) -> int:
     return job.writer_threads or default_writer_threads(processes_on_this_host(info.world_size))
 
 
+@dataclass(frozen=True)
+class OpenPart:
+    """A unit ready for the device: its kept samples longest first, its rejected rows, its source
+    rows and its part writer."""
+
+    unit: int
+    kept: list[Tokenized]
+    rejected: list[Rejected]
+    rows: range
+    writer: object
+
+
 class PartPipeline:
     """Forward -> capture -> async host copy -> compress/write threads -> atomic part commit.
 
-    `submit(unit, kept, rejected, rows)` runs the forwards of one part on this process's device
-    and queues its writes; the commit (rename + manifest record) happens on a commit thread once
-    the writes are done, so the device moves on to the next part at once.
+    `open(unit, kept, rejected)` prepares a part (on the reader thread, see `run_units`);
+    `submit(part)` runs its forwards on this process's device and queues its writes; the commit
+    (rename + manifest record) happens on a commit thread once the writes are done, so the device
+    moves on to the next part at once.
     """
 
     def __init__(
@@ -103,12 +116,11 @@ class PartPipeline:
         self.threads = threads
         self.started = time.perf_counter()
 
-    def submit(
-        self, unit: int, kept: list[Tokenized], rejected: list[Rejected], rows: range
-    ) -> None:
+    def open(self, unit: int, kept: list[Tokenized], rejected: list[Rejected]) -> OpenPart:
+        """The unit's samples longest first and its part writer (a folder and zarr metadata on
+        disk): safe on another thread than `submit`'s, so it runs on the reader thread."""
         job = self.job
         kept = [kept[i] for i in length_order([len(k.input_ids) for k in kept])]
-        lengths = [len(k.input_ids) for k in kept]
         writer = open_part_writer(
             job.out,
             unit,
@@ -116,8 +128,14 @@ class PartPipeline:
             store=job.store,
             num_layers=len(job.layer_ids),
             hidden_size=_hidden(self.capture),
-            lengths=lengths,
+            lengths=[len(k.input_ids) for k in kept],
         )
+        return OpenPart(unit, kept, rejected, job.unit_rows(unit), writer)
+
+    def submit(self, part: OpenPart) -> None:
+        """Run the part's forwards and queue its writes and commit."""
+        job, kept, writer = self.job, part.kept, part.writer
+        lengths = [len(k.input_ids) for k in kept]
         futures = []
         for batch in make_batches(lengths, batch_tokens=job.batch_tokens):
             packed = self.capture.run([kept[i].input_ids for i in batch], device=self.device)
@@ -135,11 +153,7 @@ class PartPipeline:
                 tokens=packed.shape[0], raw_bytes=packed.shape[0] * packed[0].numel() * 2
             )
             self.writers.check()
-        self.commits.append(
-            self.committer.submit(
-                _commit, unit, job, writer, futures, kept, rejected, rows, self.counters
-            )
-        )
+        self.commits.append(self.committer.submit(_commit, part, job, futures, self.counters))
         for f in [f for f in self.commits if f.done()]:
             f.result()
 
@@ -187,25 +201,47 @@ def rank_main(info: RankInfo, job: Job) -> None:
     log.info(
         "rank %d: %d units on %s, %d writer threads", info.rank, len(mine), info.device, threads
     )
-    # The next unit's rows are read and tokenized on a thread while the device runs this one:
-    # on the forward thread, the GPU would sit idle for the whole of it at every part boundary.
-    reader = ThreadPoolExecutor(1, thread_name_prefix="read")
     try:
-        ahead = reader.submit(_read_unit, job, tokenizer, mine[0]) if mine else None
-        for k, unit in enumerate(mine):
-            kept, rejected = ahead.result()
-            if k + 1 < len(mine):
-                ahead = reader.submit(_read_unit, job, tokenizer, mine[k + 1])
-            pipeline.submit(unit, kept, rejected, job.unit_rows(unit))
-            if bar is not None:
-                bar.refresh()
+        run_units(
+            pipeline,
+            mine,
+            read=lambda unit: _read_unit(job, tokenizer, unit),
+            after_part=bar.refresh if bar is not None else None,
+        )
     finally:
-        reader.shutdown(wait=True, cancel_futures=True)
         pipeline.close()
         capture.close()
         counters.close()
         if bar is not None:
             bar.close()
+
+
+def run_units(
+    pipeline: PartPipeline,
+    units: Sequence[int],
+    *,
+    read: Callable[[int], tuple[list[Tokenized], list[Rejected]]],
+    after_part: Callable[[], None] | None = None,
+) -> None:
+    """`units` through `pipeline`, in order. Reading and tokenizing a unit's rows (`read`) and
+    opening its part run on a reader thread, one unit ahead: on the thread that feeds the
+    device they would leave the GPU idle at every part boundary."""
+
+    def prepare(unit: int) -> OpenPart:
+        return pipeline.open(unit, *read(unit))
+
+    reader = ThreadPoolExecutor(1, thread_name_prefix="read")
+    try:
+        ahead = reader.submit(prepare, units[0]) if units else None
+        for k in range(len(units)):
+            part = ahead.result()
+            if k + 1 < len(units):
+                ahead = reader.submit(prepare, units[k + 1])
+            pipeline.submit(part)
+            if after_part is not None:
+                after_part()
+    finally:
+        reader.shutdown(wait=True, cancel_futures=True)
 
 
 def _read_unit(job: Job, tokenizer, unit: int) -> tuple[list[Tokenized], list[Rejected]]:  # noqa: ANN001
@@ -264,7 +300,8 @@ def _write_sample(writer, n: int, row: Tokenized, host: dict, rows: slice, count
         countdown.done()
 
 
-def _commit(unit, job, writer, futures, kept, rejected, rows, counters) -> None:
+def _commit(part: OpenPart, job: Job, futures: list[Future], counters: RankCounters) -> None:
+    unit, writer, kept, rejected, rows = part.unit, part.writer, part.kept, part.rejected, part.rows
     wait(futures)
     for f in futures:
         f.result()  # re-raise a failed write: the part is not committed
