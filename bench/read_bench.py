@@ -8,7 +8,9 @@ reading + tokenizing (the embedded tiny target's tokenizer and chat template) th
 the last unit of `--rows-per-part` rows: with the index (the reader seeks near the unit) and
 without it (every line before the unit is read first). This is the work extraction's reader
 thread does for each part while the device runs the previous one. The demo rows are short and
-the tiny tokenizer is small: real chats and a 150K-token BPE cost more per row. CPU only.
+the tiny tokenizer is small: real chats and a 150K-token BPE cost more per row. Also times
+opening the unit's zarr part (its folder and metadata; the reader thread does that too). CPU
+only, one thread: on a GPU host the writer threads compete for the GIL.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from extract.data import index_rows, iter_rows  # noqa: E402
+from extract.data import Tokenized, index_rows, iter_rows  # noqa: E402
 from extract.tiny import tiny_target  # noqa: E402
+from shared.cache import open_part_writer  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[1] / "extract" / "data" / "demo.jsonl"
 
@@ -39,6 +42,24 @@ def time_unit(files, tokenizer, rows: range, index, repeats: int) -> float:
         items = list(iter_rows(files, tokenizer, max_length=3072, rows=rows, index=index))
         times.append(time.perf_counter() - start)
         assert len(items) == len(rows)
+    return sorted(times)[len(times) // 2]
+
+
+def time_open(out: Path, kept: list[Tokenized], repeats: int) -> float:
+    """Median seconds to open a zarr part for `kept` (Qwen3-8B shape: 5 layers of 4096)."""
+    times = []
+    for unit in range(repeats):
+        start = time.perf_counter()
+        open_part_writer(
+            out,
+            unit,
+            fmt="zarr",
+            store="bf16",
+            num_layers=5,
+            hidden_size=4096,
+            lengths=[len(k.input_ids) for k in kept],
+        )
+        times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
 
@@ -76,6 +97,8 @@ def main() -> None:
         for name, rows in units.items():
             for how, idx in (("index", index), ("scan", None)):
                 res[f"{name}_unit_{how}_s"] = time_unit([data], tokenizer, rows, idx, args.repeats)
+        kept = list(iter_rows([data], tokenizer, max_length=3072, rows=units["first"]))
+        res["open_part_s"] = time_open(work / "cache", kept, max(args.repeats, 5))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(res))
@@ -83,7 +106,7 @@ def main() -> None:
         f"{total:,} rows ({res['file_MB']:.0f} MB), index built in {index_s:.2f} s; one unit of "
         f"{args.rows_per_part} rows read and tokenized: first {res['first_unit_index_s']:.3f} s; "
         f"last {res['last_unit_index_s']:.3f} s with the index, {res['last_unit_scan_s']:.3f} s "
-        "reading every line before it"
+        f"reading every line before it; opening its zarr part {res['open_part_s']:.3f} s"
     )
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))
