@@ -51,7 +51,7 @@ from shared.manifest import (  # noqa: E402
     write_manifest,
 )
 from train.data import load_catalog  # noqa: E402
-from train.model import DrafterConfig  # noqa: E402
+from train.drafter_config import DrafterConfig  # noqa: E402
 
 log = logging.getLogger("datapath_bench")
 

@@ -34,8 +34,8 @@ from train.anchors import default_gamma  # noqa: E402
 from train.compiling import configure_compile  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
 from train.data import PartInfo  # noqa: E402
+from train.drafter_config import DrafterConfig  # noqa: E402
 from train.loop import Prepared, Trainer  # noqa: E402
-from train.model import DrafterConfig  # noqa: E402
 from train.run import resolve_devices  # noqa: E402
 
 DRAFTER_LAYERS = 5

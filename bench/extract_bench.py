@@ -36,7 +36,7 @@ from shapes import SHAPES, random_model  # noqa: E402
 import extract.capture  # noqa: E402
 import shared.zarr_part  # noqa: E402
 from extract.batching import length_order, make_batches  # noqa: E402
-from extract.capture import DeviceInputs, LayerCapture  # noqa: E402
+from extract.capture import DeviceInputs, LayerCapture, padded_inputs  # noqa: E402
 from extract.data import Tokenized  # noqa: E402
 from extract.target import build_target_layer_ids  # noqa: E402
 from extract.worker import Job, PartPipeline, default_writer_threads, run_units  # noqa: E402
@@ -125,12 +125,8 @@ def pure_forward(body, rows, batches, device) -> float:
     start = time.perf_counter()
     with torch.inference_mode():
         for batch in batches:
-            ids = [rows[i].input_ids for i in batch]
-            width = max(len(r) for r in ids)
-            t = torch.zeros((len(ids), width), dtype=torch.long)
-            for b, r in enumerate(ids):
-                t[b, : len(r)] = torch.from_numpy(r.astype(np.int64))
-            (ids_BL,) = inputs.send(t)
+            ids_BL, _ = padded_inputs([rows[i].input_ids for i in batch], pad_id=0)
+            (ids_BL,) = inputs.send(torch.from_numpy(ids_BL))
             body(input_ids=ids_BL, use_cache=False)
     sync(device)
     return time.perf_counter() - start

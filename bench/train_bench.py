@@ -46,9 +46,10 @@ import drafter_setup as ds  # noqa: E402  (also puts the project root on sys.pat
 
 from train.config import TrainConfig  # noqa: E402
 from train.data import PartInfo  # noqa: E402
+from train.drafter_config import DrafterConfig  # noqa: E402
 from train.loop import Trainer  # noqa: E402
 from train.mask import flex_bwd_options  # noqa: E402
-from train.model import DrafterConfig, num_parameters  # noqa: E402
+from train.model import num_parameters  # noqa: E402
 from train.run import resolve_devices  # noqa: E402
 
 log = logging.getLogger("train_bench")

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from train.drafter_config import DrafterConfig
 from train.mask import SM90_FLEX_BWD, flex_bwd_options
-from train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
+from train.model import DFlashDrafter, init_drafter_weights
 from train.step import Batch, forward_loss
 
 pytestmark = [

@@ -5,8 +5,9 @@ import torch
 
 from tests.drafters import TINY_TARGET, drafter_masks, tiny_drafter, tiny_drafter_config
 from train.anchors import block_positions
+from train.drafter_config import DrafterConfig
 from train.mask import flex_bwd_options, flex_kernel_options
-from train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
+from train.model import DFlashDrafter, init_drafter_weights
 
 
 def test_from_qwen3_config():

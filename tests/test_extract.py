@@ -68,13 +68,17 @@ def samples_by_row(cache: Path) -> dict[int, object]:
     return out
 
 
-def reference_states(target: Path, ids: np.ndarray, layer_ids) -> torch.Tensor:
+def reference_states(
+    target: Path, ids: np.ndarray, layer_ids, *, device: str = "cpu", dtype=torch.float32
+) -> torch.Tensor:
+    """[T, K, H] float32 on the CPU: `hidden_states[i + 1]` of a plain forward of one row."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype).to(device).eval()
     with torch.no_grad():
-        hs = model(torch.from_numpy(ids.astype(np.int64))[None], output_hidden_states=True)
-    return torch.stack([hs.hidden_states[i + 1][0] for i in layer_ids], dim=1)
+        ids_1T = torch.from_numpy(ids.astype(np.int64))[None].to(device)
+        hs = model(ids_1T, output_hidden_states=True).hidden_states
+    return torch.stack([hs[i + 1][0] for i in layer_ids], dim=1).float().cpu()
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])

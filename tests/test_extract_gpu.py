@@ -7,22 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_extract import data_file, extract, samples_by_row  # noqa: F401  (fixture)
+from tests.test_extract import (  # noqa: F401  (data_file: a fixture)
+    data_file,
+    extract,
+    reference_states,
+    samples_by_row,
+)
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-
-
-def reference_on_gpu(target, ids, layer_ids) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.bfloat16).cuda().eval()
-    with torch.no_grad():
-        ids_1L = torch.from_numpy(ids.astype("int64"))[None].cuda()
-        hs = model(ids_1L, output_hidden_states=True).hidden_states
-    return torch.stack([hs[i + 1][0] for i in layer_ids], dim=1).float().cpu()
 
 
 @pytest.mark.parametrize("store", ["bf16", "fp8"])
@@ -34,7 +29,9 @@ def test_cuda_extraction_stores_the_forward_states(tmp_path, tiny_qwen3, data_fi
     assert len(samples) == m.totals()["rows_kept"] > 10
     for row in list(samples)[:6]:
         s = samples[row]
-        ref = reference_on_gpu(tiny_qwen3, s.input_ids, m.layer_ids)
+        ref = reference_states(
+            tiny_qwen3, s.input_ids, m.layer_ids, device="cuda", dtype=torch.bfloat16
+        )
         got = s.hidden_tensor(torch.device("cpu")).float()
         assert got.shape == ref.shape
         if store == "bf16":  # rounding may differ between batch shapes

@@ -10,8 +10,9 @@ import torch
 from click.testing import CliRunner
 
 from train.decode import context_features, greedy, speculate
+from train.drafter_config import DrafterConfig
 from train.export import export_drafter, load_export
-from train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
+from train.model import DFlashDrafter, init_drafter_weights
 from train.speculate import main
 from train.step import Batch, forward_loss
 

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from shared.fsio import atomic_write_json, fsync_dir, replace_dir
-from train.model import DFlashDrafter, DrafterConfig
+from train.drafter_config import DrafterConfig
+from train.model import DFlashDrafter
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shared.fsio import replace_dir
-from train.model import DFlashDrafter, DrafterConfig, rope_fields_from_hf
+from train.drafter_config import DrafterConfig, rope_fields_from_hf
+from train.model import DFlashDrafter
 
 log = logging.getLogger(__name__)
 

@@ -42,12 +42,13 @@ from train.data import (
     epoch_limits,
     make_loader,
 )
+from train.drafter_config import DrafterConfig
 from train.evaluate import Evaluator
 from train.export import export_drafter
 from train.feed import DeviceFeed
 from train.mask import flex_kernel_options
 from train.metrics import MetricsWriter, StatSums
-from train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
+from train.model import DFlashDrafter, init_drafter_weights
 from train.plan import PlanSpec
 from train.step import Batch, forward_loss
 

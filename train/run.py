@@ -24,8 +24,8 @@ from train.anchors import default_gamma
 from train.checkpoint import list_checkpoints, read_meta, resolve_resume
 from train.config import TrainConfig, config_changes
 from train.data import layer_positions, load_catalog, split_eval
+from train.drafter_config import DrafterConfig
 from train.loop import EXPORT_DIR, Prepared, train_rank
-from train.model import DrafterConfig
 
 log = logging.getLogger(__name__)
 

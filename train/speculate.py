@@ -21,8 +21,9 @@ from torch import nn
 from shared.cli import build, click_options, option
 from shared.logs import setup_logging
 from train.decode import greedy, speculate
+from train.drafter_config import DrafterConfig
 from train.export import CONFIG_FILE, config_from_hf, load_export
-from train.model import DFlashDrafter, DrafterConfig
+from train.model import DFlashDrafter
 
 log = logging.getLogger(__name__)
 
