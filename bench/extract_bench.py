@@ -36,7 +36,7 @@ from shapes import SHAPES, random_model  # noqa: E402
 import extract.capture  # noqa: E402
 import shared.zarr_part  # noqa: E402
 from extract.batching import length_order, make_batches  # noqa: E402
-from extract.capture import DeviceInputs, LayerCapture, padded_inputs  # noqa: E402
+from extract.capture import DeviceInputs, LayerCapture, forward_inputs, padded_inputs  # noqa: E402
 from extract.data import Tokenized  # noqa: E402
 from extract.target import build_target_layer_ids  # noqa: E402
 from extract.worker import Job, PartPipeline, default_writer_threads, run_units  # noqa: E402
@@ -119,7 +119,7 @@ class CallClock:
 
 
 def pure_forward(body, rows, batches, device) -> float:
-    """The plain forward of `batches`, inputs sent as extraction sends them."""
+    """The plain forward of `batches`, inputs and masks given as extraction gives them."""
     inputs = DeviceInputs(device)
     sync(device)
     start = time.perf_counter()
@@ -127,7 +127,7 @@ def pure_forward(body, rows, batches, device) -> float:
         for batch in batches:
             ids_BL, _ = padded_inputs([rows[i].input_ids for i in batch], pad_id=0)
             (ids_BL,) = inputs.send(torch.from_numpy(ids_BL))
-            body(input_ids=ids_BL, use_cache=False)
+            body(**forward_inputs(body, ids_BL))
     sync(device)
     return time.perf_counter() - start
 
@@ -217,6 +217,13 @@ def main() -> None:
         "pinned buffers; pageable: plain copies, which wait for the previous batch (both passes)",
     )
     p.add_argument(
+        "--masks",
+        choices=("premade", "library"),
+        default="premade",
+        help="premade (the product): causal masks passed in (extract.capture.premade_masks); "
+        "library: the model builds them, reading a device tensor back per forward (both passes)",
+    )
+    p.add_argument(
         "--switch-interval",
         type=float,
         default=None,
@@ -228,6 +235,7 @@ def main() -> None:
         sys.setswitchinterval(args.switch_interval)
     shared.zarr_part.EARLY_WRITEBACK = args.writeback == "early"
     extract.capture.PINNED_INPUTS = args.inputs == "pinned"
+    extract.capture.PREMADE_MASKS = args.masks == "premade"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n_layers = SHAPES[args.shape]["num_hidden_layers"]
     layer_ids = build_target_layer_ids(n_layers, 5)
@@ -277,6 +285,7 @@ def main() -> None:
         "writeback": args.writeback,
         "switch_interval_s": sys.getswitchinterval(),
         "inputs": args.inputs,
+        "masks": args.masks,
         "host_s_in_forward_calls": [launch_a1[0], launch_b[0], launch_a2[0]],
         "device_s_spanned_by_forwards": [launch_a1[1], launch_b[1], launch_a2[1]],
         "forward_tok_s": tokens / min(t_a1, t_a2),

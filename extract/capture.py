@@ -22,6 +22,47 @@ from extract.target import decoder_layers
 INPUT_SLOTS = 4
 # Off only to measure what the pinned copies change (`bench/extract_bench.py --inputs pageable`).
 PINNED_INPUTS = True
+# Layer types whose mask, for right-padded rows run without a cache, is plain causal attention:
+# transformers' `None` (sdpa's is_causal; a linear-attention layer with no padding mask).
+CAUSAL_LAYER_TYPES = frozenset({"full_attention", "linear_attention"})
+# Off only to measure what the premade masks change (`bench/extract_bench.py --masks library`).
+PREMADE_MASKS = True
+
+
+def premade_masks(config) -> dict[str, None] | None:  # noqa: ANN001
+    """The per-layer-type mask mapping to pass as `attention_mask`, or None to let the model
+    build its masks.
+
+    transformers models take a dict {layer type: mask} as already built masks. Without one
+    they build them from the inputs, and finding out whether the rows are packed sequences
+    reads a device tensor back (`masking_utils.find_packed_sequence_indices`): the thread that
+    launches the forward passes then waits for the device to finish the previous batch, and the
+    GPU idles while it queues the next one (longer when writer threads hold the GIL it needs).
+    Our rows are right-padded and never packed, so a model whose layers are all causal full
+    attention or linear attention gets {type: None}: the masks it would have built, without the
+    read-back. Sliding-window layers (and configs without `layer_types`) keep the model's own
+    masks. `tests/test_extract.py` checks the states against a plain forward.
+
+    >>> from types import SimpleNamespace as NS
+    >>> premade_masks(NS(layer_types=["linear_attention", "full_attention"]))
+    {'full_attention': None, 'linear_attention': None}
+    >>> premade_masks(NS(layer_types=["full_attention", "sliding_attention"])) is None
+    True
+    """
+    types = getattr(config, "layer_types", None)
+    if not PREMADE_MASKS or not types or not set(types) <= CAUSAL_LAYER_TYPES:
+        return None
+    return {t: None for t in sorted(set(types))}
+
+
+def forward_inputs(body: nn.Module, ids_BL: torch.Tensor) -> dict:
+    """Keyword arguments of the decoder forward on right-padded `ids_BL`: no cache, and the
+    premade masks where `premade_masks` allows them."""
+    kwargs = {"input_ids": ids_BL, "use_cache": False}
+    masks = premade_masks(body.config)
+    if masks is not None:
+        kwargs["attention_mask"] = masks
+    return kwargs
 
 
 class DeviceInputs:
@@ -132,7 +173,7 @@ class LayerCapture:
             self._inputs = DeviceInputs(device)
         ids_BL, self._index = self._inputs.send(torch.from_numpy(ids_BL), torch.from_numpy(index))
         try:
-            self.body(input_ids=ids_BL, use_cache=False)
+            self.body(**forward_inputs(self.body, ids_BL))
             return self._packed.transpose(0, 1)
         finally:
             self._packed, self._index = None, None
