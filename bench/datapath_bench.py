@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import drafter_setup as ds  # noqa: E402  (also puts the project root on sys.path)
 import train_bench as tb  # noqa: E402
 
+import train.data  # noqa: E402
 from shared.cache import open_part_writer, part_name  # noqa: E402
 from shared.codec import codec_description  # noqa: E402
 from shared.dist import usable_cpus  # noqa: E402
@@ -174,7 +175,7 @@ def on_device(item: dict[str, Any], device: torch.device) -> dict[str, Any]:
 def bench_datapath(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Write the cache, then time the same steps streamed (A) and replayed from the GPU (B)."""
     cache = args.workdir / args.shape  # shares the target files with train_bench
-    total = args.warmup + args.steps + args.profile_steps
+    total = args.warmup + args.steps + args.profile_steps + args.sync_steps
     manifest = write_cache(
         cache,
         args.shape,
@@ -209,6 +210,7 @@ def bench_datapath(args: argparse.Namespace, device: torch.device) -> dict[str, 
     kernels = {}
     if args.profile_steps:
         kernels["stream"] = tb.profile_kernels(trainer, args.profile_steps, top=12)
+    syncs = tb.sync_sites(trainer, args.sync_steps) if args.sync_steps else None
     trainer.close_loader()
     replay = [on_device(item, device) for item in kept]
     trainer.prepare(ds.feed(trainer, replay))
@@ -222,6 +224,7 @@ def bench_datapath(args: argparse.Namespace, device: torch.device) -> dict[str, 
         "compile": trainer.cfg.compile,
         "workers": trainer.cfg.workers,
         "prefetch": trainer.cfg.prefetch,
+        "loader_nice": train.data.LOADER_NICE,
         "seq_len": args.seq_len,
         "anchors": args.anchors,
         "samples": len(kept),
@@ -229,6 +232,7 @@ def bench_datapath(args: argparse.Namespace, device: torch.device) -> dict[str, 
         **figures(streamed, in_memory, manifest, trainer.prep.drafter, args.seq_len),
         "cpu_count": usable_cpus(),
         **({"kernels": kernels} if kernels else {}),
+        **({"sync_sites": syncs} if syncs is not None else {}),
         **tb.device_facts(device),
     }
 
@@ -271,7 +275,22 @@ def main() -> None:
         help="after each pass's timed steps, profile this many: device kernel time per step "
         "(the step time minus it is the device idle), the kernels by time",
     )
+    p.add_argument(
+        "--sync-steps",
+        type=int,
+        default=0,
+        help="after the streamed steps, this many more in torch's sync debug mode: where a "
+        "step makes the host wait for the device (CUDA only)",
+    )
+    p.add_argument(
+        "--loader-nice",
+        type=int,
+        default=None,
+        help="niceness added to the loader processes (default: the product's LOADER_NICE)",
+    )
     args = ds.finish_args(p.parse_args())
+    if args.loader_nice is not None:
+        train.data.LOADER_NICE = args.loader_nice
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":

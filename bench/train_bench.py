@@ -271,6 +271,38 @@ def profile_kernels(trainer: Trainer, steps: int, *, top: int = 30) -> dict[str,
     }
 
 
+def sync_sites(trainer: Trainer, steps: int) -> dict[str, int]:
+    """Where `steps` optimizer steps make the host wait for the device (torch's sync debug
+    mode, CUDA only): {innermost project frame "path:line function": count}. A wait inside a
+    step stops the host from queueing ahead, so the device idles while it queues the rest."""
+    if trainer.device.type != "cuda":
+        return {}
+    import traceback
+    import warnings
+
+    root, sites = str(Path(__file__).resolve().parent.parent), {}
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(root)]
+        where = frames[-1] if frames else None
+        key = "?" if where is None else f"{where.filename[len(root) + 1 :]}:{where.lineno}"
+        key += f" {where.name} <- {filename.rsplit('/', 1)[-1]}:{lineno}" if where else ""
+        sites[key] = sites.get(key, 0) + 1
+
+    shown = warnings.showwarning
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            run_steps(trainer, steps)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = shown
+    return sites
+
+
 def emit(result: dict[str, Any], path: Path | None) -> None:
     """One JSON line on stdout; the same, indented, to `path`."""
     print(json.dumps(result), flush=True)
