@@ -109,6 +109,22 @@ def test_flex_with_backward_block_options_matches_sdpa(head_dim, blocks):
         assert cos > 0.99
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_a_training_step_never_waits_for_the_device(attention):
+    """A wait would stop the host from queueing the step ahead of the device (it then idles
+    while the host catches up); the trainer reads values back once per logging window only."""
+    cfg, drafter, embed, lm_head = _setup()
+    batch = _batch(256, 0)
+    _step(cfg, drafter, embed, lm_head, batch, attention)  # compilation, first allocations
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, _ = _step(cfg, drafter, embed, lm_head, batch, attention)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss)
+
+
 def test_padded_lengths_do_not_hit_the_recompile_limit():
     cfg, drafter, embed, lm_head = _setup()
     # More distinct lengths than dynamo's default recompile limit (8); mask.py makes a hit fatal.

@@ -42,7 +42,7 @@ def sample_anchors(
     cand_BS[:, :-1] = supervised_BS[:, :-1] & supervised_BS[:, 1:]
     # Random keys in [0, 1) for candidates, -1 elsewhere; the top-k keys are a uniform draw
     # without replacement among candidates.
-    keys_BS = torch.rand(batch, seq, generator=generator, device=generator.device).to(dev)
+    keys_BS = _to_device(torch.rand(batch, seq, generator=generator, device=generator.device), dev)
     keys_BS = torch.where(cand_BS, keys_BS, torch.full_like(keys_BS, -1.0))
     take = min(num_anchors, seq)
     if trim:
@@ -55,6 +55,14 @@ def sample_anchors(
     keep_BN = sorted_BN < seq
     anchors_BN = torch.where(keep_BN, sorted_BN, torch.zeros_like(sorted_BN))
     return anchors_BN, keep_BN
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`. A CPU tensor goes to a GPU through pinned memory: a copy from pageable
+    memory makes the host wait for the device, so it could not queue the step ahead of it."""
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _offsets(block_size: int, device: torch.device) -> torch.Tensor:

@@ -57,7 +57,9 @@ def make_mask_mod(
         raise ValueError(f"sliding_window must be positive for sliding layers: {sliding_window}")
     window = sliding_window or 0
     # A tensor, not a Python int: a compiled mask builder would otherwise recompile per length.
-    ctx_len = torch.tensor(context_len, dtype=torch.int64, device=anchors_BN.device)
+    # Filled on the device: torch.tensor(x, device=gpu) copies from pageable memory, which makes
+    # the host wait for the device in every step.
+    ctx_len = torch.full((), context_len, dtype=torch.int64, device=anchors_BN.device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         j, k = q_idx // block_size, q_idx % block_size
