@@ -39,7 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import drafter_setup as ds  # noqa: E402  (also puts the project root on sys.path)
 import train_bench as tb  # noqa: E402
 
-import train.data  # noqa: E402
 from shared.cache import open_part_writer, part_name  # noqa: E402
 from shared.codec import codec_description  # noqa: E402
 from shared.dist import usable_cpus  # noqa: E402
@@ -224,7 +223,6 @@ def bench_datapath(args: argparse.Namespace, device: torch.device) -> dict[str, 
         "compile": trainer.cfg.compile,
         "workers": trainer.cfg.workers,
         "prefetch": trainer.cfg.prefetch,
-        "loader_nice": train.data.LOADER_NICE,
         "seq_len": args.seq_len,
         "anchors": args.anchors,
         "samples": len(kept),
@@ -282,15 +280,7 @@ def main() -> None:
         help="after the streamed steps, this many more in torch's sync debug mode: where a "
         "step makes the host wait for the device (CUDA only)",
     )
-    p.add_argument(
-        "--loader-nice",
-        type=int,
-        default=None,
-        help="niceness added to the loader processes (default: the product's LOADER_NICE)",
-    )
     args = ds.finish_args(p.parse_args())
-    if args.loader_nice is not None:
-        train.data.LOADER_NICE = args.loader_nice
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":

@@ -9,10 +9,8 @@ the device. Resuming skips planned batches without reading them.
 
 from __future__ import annotations
 
-import functools
 import logging
 import multiprocessing as mp
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,10 +40,6 @@ from train.step import Batch
 log = logging.getLogger(__name__)
 
 LOADER_STATE_VERSION = 1
-# Niceness added to each loader worker process: the workers decode ahead with time to spare,
-# while the trainer's thread that launches the step's kernels must never wait for a core.
-# 0 keeps the workers at the trainer's priority (`bench/datapath_bench.py --loader-nice N`).
-LOADER_NICE = 0
 
 
 @dataclass(frozen=True)
@@ -261,23 +255,13 @@ def _worker_context() -> mp.context.BaseContext:
     return ctx
 
 
-def _init_worker(worker_id: int, *, nice: int) -> None:
-    """Runs first in each loader process: lowers its priority by `nice` (see LOADER_NICE)."""
-    if nice:
-        os.nice(nice)
-
-
 def make_loader(
     dataset: PlanDataset, *, workers: int, prefetch: int, pin_memory: bool
 ) -> DataLoader:
     """A DataLoader over a PlanDataset (batch_size None: the dataset yields whole batches)."""
     kwargs: dict[str, Any] = {}
     if workers > 0:
-        kwargs = dict(
-            prefetch_factor=prefetch,
-            multiprocessing_context=_worker_context(),
-            worker_init_fn=functools.partial(_init_worker, nice=LOADER_NICE),
-        )
+        kwargs = dict(prefetch_factor=prefetch, multiprocessing_context=_worker_context())
     return DataLoader(
         dataset, batch_size=None, num_workers=workers, pin_memory=pin_memory, **kwargs
     )
