@@ -25,6 +25,9 @@ PINNED_INPUTS = True
 # Layer types whose mask, for right-padded rows run without a cache, is plain causal attention:
 # transformers' `None` (sdpa's is_causal; a linear-attention layer with no padding mask).
 CAUSAL_LAYER_TYPES = frozenset({"full_attention", "linear_attention"})
+# Attention implementations that read a `None` mask as causal (eager and flex_attention read it
+# as no mask at all: every token would see the ones after it).
+CAUSAL_WHEN_NONE = frozenset({"sdpa", "flash_attention_2", "flash_attention_3"})
 # Off only to measure what the premade masks change (`bench/extract_bench.py --masks library`).
 PREMADE_MASKS = True
 
@@ -40,26 +43,33 @@ def premade_masks(config) -> dict[str, None] | None:  # noqa: ANN001
     GPU idles while it queues the next one (longer when writer threads hold the GIL it needs).
     Our rows are right-padded and never packed, so a model whose layers are all causal full
     attention or linear attention gets {type: None}: the masks it would have built, without the
-    read-back. Sliding-window layers (and configs without `layer_types`) keep the model's own
-    masks. `tests/test_extract.py` checks the states against a plain forward.
+    read-back. Sliding-window layers, configs without `layer_types`, and attention
+    implementations that do not read `None` as causal (eager, flex_attention) keep the model's
+    own masks. `tests/test_capture_masks.py` checks the states against the model's own masks.
 
     >>> from types import SimpleNamespace as NS
-    >>> premade_masks(NS(layer_types=["linear_attention", "full_attention"]))
+    >>> premade_masks(NS(layer_types=["linear_attention", "full_attention"],
+    ...                  _attn_implementation="sdpa"))
     {'full_attention': None, 'linear_attention': None}
-    >>> premade_masks(NS(layer_types=["full_attention", "sliding_attention"])) is None
+    >>> premade_masks(NS(layer_types=["full_attention", "sliding_attention"],
+    ...                  _attn_implementation="sdpa")) is None
+    True
+    >>> premade_masks(NS(layer_types=["full_attention"], _attn_implementation="eager")) is None
     True
     """
     types = getattr(config, "layer_types", None)
     if not PREMADE_MASKS or not types or not set(types) <= CAUSAL_LAYER_TYPES:
         return None
+    if getattr(config, "_attn_implementation", None) not in CAUSAL_WHEN_NONE:
+        return None
     return {t: None for t in sorted(set(types))}
 
 
-def forward_inputs(body: nn.Module, ids_BL: torch.Tensor) -> dict:
+def forward_inputs(body: nn.Module, ids_BL: torch.Tensor, *, own_masks: bool = False) -> dict:
     """Keyword arguments of the decoder forward on right-padded `ids_BL`: no cache, and the
-    premade masks where `premade_masks` allows them."""
+    premade masks where `premade_masks` allows them (never with `own_masks`)."""
     kwargs = {"input_ids": ids_BL, "use_cache": False}
-    masks = premade_masks(body.config)
+    masks = None if own_masks else premade_masks(body.config)
     if masks is not None:
         kwargs["attention_mask"] = masks
     return kwargs
@@ -136,8 +146,18 @@ class LayerCapture:
     strided copy holds the GIL, and the thread that launches the forward pass waits for it).
     """
 
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int], *, pad_id: int = 0):
+    def __init__(
+        self,
+        model: nn.Module,
+        layer_ids: Sequence[int],
+        *,
+        pad_id: int = 0,
+        own_masks: bool = False,
+    ):
+        """`own_masks`: let the model build its masks (see `premade_masks`); verification
+        does, so that it checks the premade ones rather than repeats them."""
         self.model, self.layer_ids, self.pad_id = model, list(layer_ids), pad_id
+        self.own_masks = own_masks
         self.body = model.get_decoder() if hasattr(model, "get_decoder") else model
         layers = decoder_layers(model)
         self._packed: torch.Tensor | None = None
@@ -173,7 +193,7 @@ class LayerCapture:
             self._inputs = DeviceInputs(device)
         ids_BL, self._index = self._inputs.send(torch.from_numpy(ids_BL), torch.from_numpy(index))
         try:
-            self.body(**forward_inputs(self.body, ids_BL))
+            self.body(**forward_inputs(self.body, ids_BL, own_masks=self.own_masks))
             return self._packed.transpose(0, 1)
         finally:
             self._packed, self._index = None, None

@@ -54,7 +54,8 @@ def rerun_samples(
     if not picks:
         return []
     model = load_target(manifest.target.path, device=device, last_layer=max(manifest.layer_ids))
-    capture = LayerCapture(model, manifest.layer_ids)
+    # The model's own masks: an independent check of the premade ones extraction passes.
+    capture = LayerCapture(model, manifest.layer_ids, own_masks=True)
     problems, tol = [], TOLERANCE[manifest.store]
     for rec, n in picks:
         reader = open_part(cache / rec.name)

@@ -8,7 +8,6 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import extract.capture as capture_mod
 from extract.capture import LayerCapture, premade_masks
 
 
@@ -18,24 +17,29 @@ def rows(vocab: int) -> list[np.ndarray]:
     return [rng.integers(3, vocab, size=n).astype(np.int64) for n in (37, 20, 6)]
 
 
-def capture_states(target, layer_ids, device: str = "cpu") -> torch.Tensor:  # noqa: ANN001
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
-    model = model.to(device).eval()
-    cap = LayerCapture(model, layer_ids)
+def capture_states(target, layer_ids, *, attn: str, own_masks: bool = False) -> torch.Tensor:  # noqa: ANN001
+    model = AutoModelForCausalLM.from_pretrained(
+        str(target), dtype=torch.float32, attn_implementation=attn
+    )
+    cap = LayerCapture(model.eval(), layer_ids, own_masks=own_masks)
     try:
-        return cap.run(rows(model.config.vocab_size), device=torch.device(device)).float().cpu()
+        return cap.run(rows(model.config.vocab_size), device=torch.device("cpu")).float()
     finally:
         cap.close()
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
-def test_premade_masks_give_the_states_of_the_models_own(kind, request, monkeypatch):
+@pytest.mark.parametrize(
+    ("kind", "attn"), [("qwen3", "sdpa"), ("qwen3_5", "sdpa"), ("qwen3", "eager")]
+)
+def test_premade_masks_give_the_states_of_the_models_own(kind, attn, request):
+    """sdpa gets premade masks; eager reads a `None` mask as no mask, so it keeps its own."""
     target = request.getfixturevalue("tiny_qwen3" if kind == "qwen3" else "tiny_qwen35")
     config = AutoConfig.from_pretrained(str(target))
-    assert premade_masks(getattr(config, "text_config", config)) is not None
-    premade = capture_states(target, [0, 1])
-    monkeypatch.setattr(capture_mod, "PREMADE_MASKS", False)
-    own = capture_states(target, [0, 1])
+    config = getattr(config, "text_config", config)
+    config._attn_implementation = attn
+    assert (premade_masks(config) is not None) == (attn == "sdpa")
+    premade = capture_states(target, [0, 1], attn=attn)
+    own = capture_states(target, [0, 1], attn=attn, own_masks=True)
     assert premade.shape == own.shape == (37 + 20 + 6, 2, own.shape[-1])
     torch.testing.assert_close(premade, own, rtol=1e-5, atol=1e-5)
 
