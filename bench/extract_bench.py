@@ -34,10 +34,12 @@ from host_monitor import HostMonitor  # noqa: E402
 from shapes import SHAPES, random_model  # noqa: E402
 
 import extract.capture  # noqa: E402
+import extract.masks  # noqa: E402
 import shared.zarr_part  # noqa: E402
 from extract.batching import length_order, make_batches  # noqa: E402
-from extract.capture import DeviceInputs, LayerCapture, forward_inputs, padded_inputs  # noqa: E402
+from extract.capture import DeviceInputs, LayerCapture, padded_inputs  # noqa: E402
 from extract.data import Tokenized  # noqa: E402
+from extract.masks import choose_masks, forward_kwargs  # noqa: E402
 from extract.target import build_target_layer_ids  # noqa: E402
 from extract.worker import Job, PartPipeline, default_writer_threads, run_units  # noqa: E402
 from shared.codec import codec_description  # noqa: E402
@@ -118,7 +120,7 @@ class CallClock:
             h.remove()
 
 
-def pure_forward(body, rows, batches, device) -> float:
+def pure_forward(body, rows, batches, device, masks) -> float:
     """The plain forward of `batches`, inputs and masks given as extraction gives them."""
     inputs = DeviceInputs(device)
     sync(device)
@@ -127,7 +129,7 @@ def pure_forward(body, rows, batches, device) -> float:
         for batch in batches:
             ids_BL, _ = padded_inputs([rows[i].input_ids for i in batch], pad_id=0)
             (ids_BL,) = inputs.send(torch.from_numpy(ids_BL))
-            body(**forward_inputs(body, ids_BL))
+            body(**forward_kwargs(ids_BL, masks))
     sync(device)
     return time.perf_counter() - start
 
@@ -220,7 +222,7 @@ def main() -> None:
         "--masks",
         choices=("premade", "library"),
         default="premade",
-        help="premade (the product): causal masks passed in (extract.capture.premade_masks); "
+        help="premade (the product): causal masks passed in (extract.masks); "
         "library: the model builds them, reading a device tensor back per forward (both passes)",
     )
     p.add_argument(
@@ -235,7 +237,7 @@ def main() -> None:
         sys.setswitchinterval(args.switch_interval)
     shared.zarr_part.EARLY_WRITEBACK = args.writeback == "early"
     extract.capture.PINNED_INPUTS = args.inputs == "pinned"
-    extract.capture.PREMADE_MASKS = args.masks == "premade"
+    extract.masks.PREMADE_MASKS = args.masks == "premade"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n_layers = SHAPES[args.shape]["num_hidden_layers"]
     layer_ids = build_target_layer_ids(n_layers, 5)
@@ -255,9 +257,10 @@ def main() -> None:
             for b in make_batches([len(r.input_ids) for r in part], batch_tokens=args.batch_tokens)
         ]
     body = model.get_decoder()
-    pure_forward(body, ordered, batches[:3], device)  # warm-up
+    masks = choose_masks(body)  # as LayerCapture chooses them
+    pure_forward(body, ordered, batches[:3], device, masks)  # warm-up
     clock = CallClock(body)
-    t_a1 = pure_forward(body, ordered, batches, device)
+    t_a1 = pure_forward(body, ordered, batches, device, masks)
     launch_a1 = clock.take()
     capture = LayerCapture(model, layer_ids)
     if device.type == "cuda":
@@ -268,7 +271,7 @@ def main() -> None:
         )
     launch_b = clock.take()
     capture.close()
-    t_a2 = pure_forward(body, ordered, batches, device)
+    t_a2 = pure_forward(body, ordered, batches, device, masks)
     launch_a2 = clock.take()
     clock.close()
     nbytes = read_manifest(args.out).totals()["nbytes"]
@@ -286,6 +289,7 @@ def main() -> None:
         "switch_interval_s": sys.getswitchinterval(),
         "inputs": args.inputs,
         "masks": args.masks,
+        "masks_used": sorted(masks) if masks else None,
         "host_s_in_forward_calls": [launch_a1[0], launch_b[0], launch_a2[0]],
         "device_s_spanned_by_forwards": [launch_a1[1], launch_b[1], launch_a2[1]],
         "forward_tok_s": tokens / min(t_a1, t_a2),

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from extract.masks import choose_masks, forward_kwargs
 from extract.target import decoder_layers
 
 # Pinned input buffers in rotation: a buffer is refilled only after the copy issued from it
@@ -22,57 +23,6 @@ from extract.target import decoder_layers
 INPUT_SLOTS = 4
 # Off only to measure what the pinned copies change (`bench/extract_bench.py --inputs pageable`).
 PINNED_INPUTS = True
-# Layer types whose mask, for right-padded rows run without a cache, is plain causal attention:
-# transformers' `None` (sdpa's is_causal; a linear-attention layer with no padding mask).
-CAUSAL_LAYER_TYPES = frozenset({"full_attention", "linear_attention"})
-# Attention implementations that read a `None` mask as causal (eager and flex_attention read it
-# as no mask at all: every token would see the ones after it).
-CAUSAL_WHEN_NONE = frozenset({"sdpa", "flash_attention_2", "flash_attention_3"})
-# Off only to measure what the premade masks change (`bench/extract_bench.py --masks library`).
-PREMADE_MASKS = True
-
-
-def premade_masks(config) -> dict[str, None] | None:  # noqa: ANN001
-    """The per-layer-type mask mapping to pass as `attention_mask`, or None to let the model
-    build its masks.
-
-    transformers models take a dict {layer type: mask} as already built masks. Without one
-    they build them from the inputs, and finding out whether the rows are packed sequences
-    reads a device tensor back (`masking_utils.find_packed_sequence_indices`): the thread that
-    launches the forward passes then waits for the device to finish the previous batch, and the
-    GPU idles while it queues the next one (longer when writer threads hold the GIL it needs).
-    Our rows are right-padded and never packed, so a model whose layers are all causal full
-    attention or linear attention gets {type: None}: the masks it would have built, without the
-    read-back. Sliding-window layers, configs without `layer_types`, and attention
-    implementations that do not read `None` as causal (eager, flex_attention) keep the model's
-    own masks. `tests/test_capture_masks.py` checks the states against the model's own masks.
-
-    >>> from types import SimpleNamespace as NS
-    >>> premade_masks(NS(layer_types=["linear_attention", "full_attention"],
-    ...                  _attn_implementation="sdpa"))
-    {'full_attention': None, 'linear_attention': None}
-    >>> premade_masks(NS(layer_types=["full_attention", "sliding_attention"],
-    ...                  _attn_implementation="sdpa")) is None
-    True
-    >>> premade_masks(NS(layer_types=["full_attention"], _attn_implementation="eager")) is None
-    True
-    """
-    types = getattr(config, "layer_types", None)
-    if not PREMADE_MASKS or not types or not set(types) <= CAUSAL_LAYER_TYPES:
-        return None
-    if getattr(config, "_attn_implementation", None) not in CAUSAL_WHEN_NONE:
-        return None
-    return {t: None for t in sorted(set(types))}
-
-
-def forward_inputs(body: nn.Module, ids_BL: torch.Tensor, *, own_masks: bool = False) -> dict:
-    """Keyword arguments of the decoder forward on right-padded `ids_BL`: no cache, and the
-    premade masks where `premade_masks` allows them (never with `own_masks`)."""
-    kwargs = {"input_ids": ids_BL, "use_cache": False}
-    masks = None if own_masks else premade_masks(body.config)
-    if masks is not None:
-        kwargs["attention_mask"] = masks
-    return kwargs
 
 
 class DeviceInputs:
@@ -154,11 +104,12 @@ class LayerCapture:
         pad_id: int = 0,
         own_masks: bool = False,
     ):
-        """`own_masks`: let the model build its masks (see `premade_masks`); verification
+        """`own_masks`: let the model build its masks (see `extract.masks`); verification
         does, so that it checks the premade ones rather than repeats them."""
         self.model, self.layer_ids, self.pad_id = model, list(layer_ids), pad_id
-        self.own_masks = own_masks
         self.body = model.get_decoder() if hasattr(model, "get_decoder") else model
+        # Chosen before the hooks exist: the choice runs a probe forward.
+        self.masks = None if own_masks else choose_masks(self.body, pad_id=pad_id)
         layers = decoder_layers(model)
         self._packed: torch.Tensor | None = None
         self._index: torch.Tensor | None = None
@@ -193,7 +144,7 @@ class LayerCapture:
             self._inputs = DeviceInputs(device)
         ids_BL, self._index = self._inputs.send(torch.from_numpy(ids_BL), torch.from_numpy(index))
         try:
-            self.body(**forward_inputs(self.body, ids_BL, own_masks=self.own_masks))
+            self.body(**forward_kwargs(ids_BL, self.masks))
             return self._packed.transpose(0, 1)
         finally:
             self._packed, self._index = None, None
