@@ -284,22 +284,21 @@ def sync_sites(trainer: Trainer, steps: int) -> dict[str, int]:
 
     def record(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
         frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(root)]
-        where = frames[-1] if frames else None
-        key = "?" if where is None else f"{where.filename[len(root) + 1 :]}:{where.lineno}"
-        key += f" {where.name} <- {filename.rsplit('/', 1)[-1]}:{lineno}" if where else ""
+        key = "?"
+        if frames:
+            f = frames[-1]
+            key = f"{f.filename[len(root) + 1 :]}:{f.lineno} {f.name} <- "
+            key += f"{filename.rsplit('/', 1)[-1]}:{lineno}"
         sites[key] = sites.get(key, 0) + 1
 
-    shown = warnings.showwarning
-    warnings.showwarning = record
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # restores the filters and showwarning on exit
             warnings.simplefilter("always")
             warnings.showwarning = record
             run_steps(trainer, steps)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = shown
     return sites
 
 

@@ -187,8 +187,9 @@ def _get_compiled_create_block_mask() -> Callable[..., BlockMask]:
 # is slow: (M1, N1, M2, N2, warps, stages). head_dim 256 (Qwen3.6-27B shape, one drafter layer:
 # 24 heads, 4 kv heads, 512 blocks of 16 over a 3072-token context): Inductor's (64, 64, 64, 64,
 # 4 warps, 2 stages) took 10.5 ms for the backward, 8 warps 7.3 ms (0.70x), same gradients; the
-# 27B drafter step went from 291.5 to 279.8 ms (H200, random weights; `python
-# bench/flex_bench.py --shape qwen3.6-27b`, `bench/train_bench.py`). Others: Inductor's choice.
+# 27B drafter step went from 291.5 to 277.9 ms (one H200 of a two-GPU host, random weights;
+# `python bench/flex_bench.py --shape qwen3.6-27b`, `bench/train_bench.py --shape qwen3.6-27b`,
+# README Results). Others, head_dim 128 included (measured): Inductor's choice.
 SM90_FLEX_BWD: dict[int, tuple[int, int, int, int, int, int]] = {256: (64, 64, 64, 64, 8, 2)}
 
 
