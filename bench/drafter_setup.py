@@ -130,8 +130,8 @@ def make_trainer(
     prep = Prepared(
         drafter=drafter,
         parts=tuple(parts),
-        train_parts=tuple(range(len(parts))),
-        eval_parts=(),
+        train_lengths=tuple(p.lengths for p in parts),
+        eval_lengths=tuple((0,) * len(p.lengths) for p in parts),
         layers=tuple(range(drafter.num_context_layers)),
         gamma=default_gamma(drafter.block_size),
     )
@@ -162,7 +162,12 @@ def random_items(
                 "anchor_seed": n,
                 "ids": ids_BS.to(device),
                 "loss_mask": prompt_mask(batch, seq_len).to(device),
-                "lengths": torch.full((batch,), seq_len, dtype=torch.int64, device=device),
+                # each row one sample of seq_len tokens: a packed row with no padding
+                "doc_ids": torch.zeros(batch, seq_len, dtype=torch.int32, device=device),
+                "positions": torch.arange(seq_len, dtype=torch.int32, device=device).expand(
+                    batch, seq_len
+                ),
+                "tokens": torch.tensor(batch * seq_len, device=device),
                 "hidden": torch.randn(shape_BSKH, dtype=torch.bfloat16, device=device),
             }
         )

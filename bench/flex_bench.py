@@ -52,8 +52,8 @@ def layer_inputs(args: argparse.Namespace, device: torch.device) -> dict[str, An
     seq, anchors = args.seq_len, args.anchors
     gen = torch.Generator().manual_seed(0)  # on the CPU, as the trainer's
     mask_BS = ds.prompt_mask(1, seq).to(device)
-    lengths_B = torch.full((1,), seq, device=device)
-    anchors_BN, keep_BN = sample_anchors(mask_BS, lengths_B, num_anchors=anchors, generator=gen)
+    doc_ids_BS = torch.zeros(1, seq, dtype=torch.int32, device=device)  # one sample per row
+    anchors_BN, keep_BN = sample_anchors(mask_BS, doc_ids_BS, num_anchors=anchors, generator=gen)
     masks = build_masks(
         anchors_BN,
         keep_BN,

@@ -101,6 +101,11 @@ def processes_on_this_host(world_size: int) -> int:
     return max(1, int(local)) if local.isdigit() else max(1, world_size)
 
 
+def torchrun_world_size() -> int:
+    """WORLD_SIZE as torchrun set it (1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 

@@ -48,10 +48,10 @@ def _setup(head_dim: int = 64):
 def _batch(seq: int, seed: int) -> Batch:
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.tensor([seq, seq - 37])
-    return Batch(
+    return Batch.one_per_row(
+        lengths,
         ids_BS=torch.randint(0, 511, (2, seq), generator=gen),
         loss_mask_BS=(torch.rand(2, seq, generator=gen) < 0.9).to(torch.uint8),
-        lengths_B=lengths,
         hidden_BSKH=torch.randn(2, seq, 2, 256, generator=gen).bfloat16(),
     ).to("cuda")
 

@@ -57,10 +57,10 @@ def _setup(layer_types=("full_attention", "full_attention"), sliding_window=None
     ids = torch.randint(0, 299, (2, 24), generator=gen)
     loss_mask = torch.ones(2, 24, dtype=torch.uint8)
     loss_mask[:, :4] = 0
-    batch = Batch(
+    batch = Batch.one_per_row(
+        torch.tensor([24, 17]),
         ids_BS=ids,
         loss_mask_BS=loss_mask,
-        lengths_B=torch.tensor([24, 17]),
         hidden_BSKH=torch.randn(2, 24, 2, 64, generator=gen).bfloat16(),
     )
     return cfg, drafter, embed, lm_head, batch
@@ -145,7 +145,12 @@ def test_forward_loss_counts_only_valid_targets():
 def test_batch_and_argument_validation():
     cfg, drafter, embed, lm_head, batch = _setup()
     with pytest.raises(ValueError, match="exactly one"):
-        Batch(ids_BS=batch.ids_BS, loss_mask_BS=batch.loss_mask_BS, lengths_B=batch.lengths_B)
+        Batch(
+            ids_BS=batch.ids_BS,
+            loss_mask_BS=batch.loss_mask_BS,
+            doc_ids_BS=batch.doc_ids_BS,
+            positions_BS=batch.positions_BS,
+        )
     with pytest.raises(ValueError, match="grad_ckpt"):
         _loss(cfg, drafter, embed, lm_head, batch, grad_ckpt="all")
     with pytest.raises(ValueError, match="ce must be"):
@@ -153,7 +158,8 @@ def test_batch_and_argument_validation():
     flat = Batch(
         ids_BS=batch.ids_BS,
         loss_mask_BS=batch.loss_mask_BS,
-        lengths_B=batch.lengths_B,
+        doc_ids_BS=batch.doc_ids_BS,
+        positions_BS=batch.positions_BS,
         context_BSC=batch.hidden_BSKH.flatten(2),
     )
     with torch.no_grad():

@@ -89,7 +89,7 @@ def _inputs(cfg: DrafterConfig, anchors, keep, seq: int = 12):
     context = torch.randn(batch, seq, cfg.num_context_layers * cfg.hidden_size, generator=gen)
     block_emb = torch.randn(batch, q_len, cfg.hidden_size, generator=gen)
     ctx_pos = torch.arange(seq).expand(batch, seq)
-    return context, block_emb, ctx_pos, block_positions(anchors, block_size=cfg.block_size)
+    return context, block_emb, ctx_pos, block_positions(anchors, ctx_pos, block_size=cfg.block_size)
 
 
 def _reference_block(model, cfg, context_SC, emb_BH, anchor):

@@ -204,10 +204,10 @@ def train_on_greedy_outputs(target, cfg: DrafterConfig, ids_BS: torch.Tensor, st
         hidden = target(ids_BS, output_hidden_states=True).hidden_states
         context_BSC = context_features(hidden, cfg.target_layer_ids)
     loss_mask = torch.ones_like(ids_BS)
-    batch = Batch(
+    batch = Batch.one_per_row(
+        torch.full((ids_BS.shape[0],), ids_BS.shape[1]),
         ids_BS=ids_BS,
         loss_mask_BS=loss_mask,
-        lengths_B=torch.full((ids_BS.shape[0],), ids_BS.shape[1]),
         context_BSC=context_BSC,
     )
     drafter = DFlashDrafter(cfg)

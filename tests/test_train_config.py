@@ -14,7 +14,8 @@ def cfg(**kw) -> TrainConfig:
 
 def test_defaults_follow_the_recipe():
     c = cfg()
-    assert (c.drafter_layers, c.block_size, c.num_anchors) == (5, 16, 512)
+    assert (c.drafter_layers, c.block_size, c.anchors_per_row) == (5, 16, 512)
+    assert c.batch_tokens == 3072 and c.replace(batch_tokens=6144).anchors_per_row == 1024
     assert (c.lr, c.warmup, c.weight_decay, c.grad_clip, c.epochs) == (6e-4, 0.04, 0.0, 1.0, 6)
     assert c.grad_ckpt == "loss" and c.resume == "auto"
     assert c.layer_type_names == ("full_attention",) * 5 and c.target_layer_ids is None

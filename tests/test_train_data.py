@@ -1,4 +1,7 @@
-"""The streaming loader on a tiny synthetic cache: contents, layer order, resume, workers."""
+"""The streaming loader on a tiny synthetic cache: packed rows, contents, layer order, resume,
+workers, damaged parts."""
+
+import shutil
 
 import pytest
 import torch
@@ -8,17 +11,19 @@ from shared.codec import FORMATS
 from shared.manifest import read_manifest
 from tests.cachegen import write_cache
 from train.data import (
+    CacheReadError,
     LoaderState,
     PlanDataset,
-    collate,
+    checked,
+    collate_row,
     device_batch,
-    epoch_limits,
     layer_positions,
     load_catalog,
     make_loader,
-    split_eval,
 )
-from train.plan import PlanSpec, SampleRef, epoch_limit, plan_epoch
+from train.plan import PlanSpec, SampleRef, plan_rows, worker_rows
+
+ROW = 640
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +31,8 @@ def cache(tmp_path_factory):
     return write_cache(tmp_path_factory.mktemp("cache"), num_parts=4, samples_per_part=5)
 
 
-def _spec(parts, streams=1, **kw):
-    base = dict(
-        lengths=tuple(p.lengths for p in parts),
-        seed=5,
-        num_streams=streams,
-        batch_tokens=640,
-        shuffle_buffer=3,
-    )
+def _spec(parts, **kw):
+    base = dict(lengths=tuple(p.lengths for p in parts), seed=5, row_tokens=ROW, shuffle_buffer=3)
     return PlanSpec(**{**base, **kw})
 
 
@@ -47,12 +46,14 @@ def _real(items):
     return [it for it in items if it["real"]]
 
 
-def test_split_eval_and_layer_positions():
-    assert split_eval(10, 0) == (list(range(10)), [])
-    train, held = split_eval(5, 1)
-    assert held == [2] and train == [0, 1, 3, 4]
-    with pytest.raises(ValueError):
-        split_eval(3, 3)
+def _dataset(parts, spec, *, world=1, rank=0, workers=1, epochs=1, **kw):
+    limits = {e: len(plan_rows(spec, epoch=e)) // world for e in range(epochs)}
+    return PlanDataset(
+        parts, spec, rank=rank, world_size=world, workers=workers, limits=limits, **kw
+    )
+
+
+def test_layer_positions():
     assert layer_positions([1, 9, 17], [17, 1]) == (2, 0)
 
 
@@ -65,111 +66,131 @@ def test_loader_state_rolls_over_and_checks_the_world():
     assert LoaderState.from_dict(d, world_size=2, workers=1) == LoaderState(1, 1)
     with pytest.raises(ValueError, match="2 ranks x 1 workers"):
         LoaderState.from_dict(d, world_size=1, workers=1)
+    with pytest.raises(ValueError, match="older version"):
+        LoaderState.from_dict({**d, "version": 1}, world_size=2, workers=1)
 
 
-def test_collate_pads_to_128_and_keeps_values(cache):
+def test_collate_row_packs_samples_back_to_back(cache):
     reader = open_part(cache / "part-000000")
     samples = [reader.read(0), reader.read(1)]
-    refs = [SampleRef(0, 0, int(reader.lengths[0])), SampleRef(0, 1, 20)]
-    out = collate(samples, refs)
-    seq = out["ids"].shape[1]
-    assert seq % 128 == 0 and seq >= refs[0].length
-    assert out["lengths"].tolist() == [refs[0].length, 20]
-    assert out["ids"][0, : refs[0].length].tolist() == samples[0].input_ids.tolist()
-    assert out["ids"][1, 20:].abs().sum() == 0  # clipped to its planned length
-    assert torch.equal(out["hidden"][0, : refs[0].length], samples[0].hidden_tensor())
+    n0 = int(reader.lengths[0])
+    refs = [SampleRef(0, 0, n0), SampleRef(0, 1, 20)]  # the second clipped to 20 tokens
+    out = collate_row(samples, refs, row_tokens=n0 + 30)
+    assert out["ids"].shape == (1, n0 + 30) and int(out["tokens"]) == n0 + 20
+    assert out["ids"][0, :n0].tolist() == samples[0].input_ids.tolist()
+    assert out["ids"][0, n0 : n0 + 20].tolist() == samples[1].input_ids[:20].tolist()
+    assert out["doc_ids"][0].tolist() == [0] * n0 + [1] * 20 + [-1] * 10
+    assert out["positions"][0].tolist() == list(range(n0)) + list(range(20)) + [0] * 10
+    assert torch.equal(out["hidden"][0, :n0], samples[0].hidden_tensor())
+    assert (
+        out["hidden"][0, n0 + 20 :].abs().sum() == 0 and out["loss_mask"][0, n0 + 20 :].sum() == 0
+    )
     assert out["hidden"].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="exceeds"):
+        collate_row(samples, refs, row_tokens=n0)
 
 
 def test_one_epoch_yields_every_sample_once_with_its_content(cache):
     parts = _catalog(cache)
     spec = _spec(parts)
-    limit = sum(len(s) for s in plan_epoch(spec, epoch=0))
-    ds = PlanDataset(parts, spec, layers=(2, 0), rank=0, workers=0, limits={0: limit})
-    items = _real(list(ds))
-    assert len(items) == limit
+    rows = plan_rows(spec, epoch=0)
+    items = _real(list(_dataset(parts, spec, layers=(2, 0))))
+    assert len(items) == len(rows)
     seen = set()
     readers = {p.path: open_part(p.path) for p in parts}
-    plan = plan_epoch(spec, epoch=0)[0]
-    for item, refs in zip(items, plan, strict=True):
-        assert item["ids"].shape[1] % 128 == 0
-        for b, r in enumerate(refs):
+    for item, refs in zip(items, rows, strict=True):
+        assert item["ids"].shape == (1, ROW)  # one shape for every row
+        start = 0
+        for d, r in enumerate(refs):
             full = readers[parts[r.part].path].read(r.index)
-            assert item["ids"][b, : r.length].tolist() == full.input_ids.tolist()
+            span = slice(start, start + r.length)
+            assert item["ids"][0, span].tolist() == full.input_ids.tolist()
+            assert (item["doc_ids"][0, span] == d).all()
             # layers (2, 0) of the stored axis, in that order
-            want = full.hidden_tensor()[:, [2, 0]]
-            assert torch.equal(item["hidden"][b, : r.length], want)
+            assert torch.equal(item["hidden"][0, span], full.hidden_tensor()[:, [2, 0]])
             seen.add((r.part, r.index))
+            start += r.length
     assert len(seen) == sum(len(p.lengths) for p in parts)
 
 
-def test_resume_skips_consumed_batches_exactly(cache):
+def test_resume_skips_consumed_rows_exactly(cache):
     parts = _catalog(cache)
     spec = _spec(parts)
-    limit = sum(len(s) for s in plan_epoch(spec, epoch=0))
-    limits = {0: limit, 1: limit}
-    full = _real(list(PlanDataset(parts, spec, layers=(0,), rank=0, workers=0, limits=limits)))
-    for consumed in (1, limit - 1):
-        ds = PlanDataset(
-            parts, spec, layers=(0,), rank=0, workers=0, limits=limits, consumed=consumed
-        )
-        tail = _real(list(ds))
-        assert len(tail) == 2 * limit - consumed
+    full = _real(list(_dataset(parts, spec, layers=(0,), epochs=2)))
+    per_epoch = len(plan_rows(spec, epoch=0))
+    for consumed in (1, per_epoch - 1):
+        tail = _real(list(_dataset(parts, spec, layers=(0,), epochs=2, consumed=consumed)))
+        assert len(tail) == len(full) - consumed
         for a, b in zip(tail, full[consumed:], strict=True):
-            assert (a["epoch"], a["stream"], a["round"]) == (b["epoch"], b["stream"], b["round"])
+            assert (a["epoch"], a["round"]) == (b["epoch"], b["round"])
             assert torch.equal(a["ids"], b["ids"]) and a["anchor_seed"] == b["anchor_seed"]
 
 
-def test_ranks_run_the_same_number_of_batches(cache):
-    parts = _catalog(cache)
-    spec = _spec(parts, streams=2)
-    limit = epoch_limit([len(s) for s in plan_epoch(spec, epoch=0)], workers=1, grad_accum=1)
+def test_ranks_run_the_same_number_of_rows_on_a_cache_with_few_parts(tmp_path):
+    """Samples, not parts, are split: one part trains on three ranks with two workers each."""
+    small = write_cache(tmp_path / "one", num_parts=1, samples_per_part=12, lengths=(40, 120))
+    parts = _catalog(small)
+    spec = _spec(parts, row_tokens=256)
+    rows = plan_rows(spec, epoch=0)
+    assert len(rows) >= 3
     got = []
-    for rank in (0, 1):
-        ds = PlanDataset(parts, spec, layers=(0,), rank=rank, workers=1, limits={0: limit})
-        items = _real(list(ds))
-        assert {it["stream"] for it in items} == {rank}
-        got.append(len(items))
-    assert got == [limit, limit]
-
-
-def test_epoch_limits_for_steps_and_epochs(cache):
-    spec = _spec(_catalog(cache))
-    by_epochs = epoch_limits(spec, workers=1, grad_accum=2, epochs=3, steps=None)
-    assert len(by_epochs) == 3 and all(n % 2 == 0 for n in by_epochs)
-    by_steps = epoch_limits(spec, workers=1, grad_accum=2, epochs=None, steps=by_epochs[0] // 2 + 1)
-    assert len(by_steps) == 2
-    with pytest.raises(ValueError, match="too little data"):
-        epoch_limits(spec, workers=1, grad_accum=10_000, epochs=1, steps=None)
+    for rank in range(3):
+        ds = _dataset(parts, spec, world=3, rank=rank, workers=2, layers=(0,))
+        loader = make_loader(ds, workers=2, prefetch=1, pin_memory=False)
+        got.append(len(_real(list(loader))))
+    assert got == [len(rows) // 3] * 3
 
 
 def test_dataloader_workers_follow_the_plan_and_resume(cache):
     """Two spawned workers give the plan's round-robin order, also when resuming mid-epoch."""
     parts = _catalog(cache)
-    spec = _spec(parts, streams=2)
-    counts = [len(s) for s in plan_epoch(spec, epoch=0)]
-    limit = epoch_limit(counts, workers=2, grad_accum=1)
-    limits = {
-        0: limit,
-        1: epoch_limit([len(s) for s in plan_epoch(spec, epoch=1)], workers=2, grad_accum=1),
-    }
-    ref = PlanDataset(parts, spec, layers=(1,), rank=0, workers=2, limits=limits)
+    spec = _spec(parts)
+    ref = _dataset(parts, spec, workers=2, epochs=2, layers=(1,))
     loader = make_loader(ref, workers=2, prefetch=2, pin_memory=False)
-    got = [(i["epoch"], i["stream"], i["round"]) for i in _real(list(loader))]
-    assert len(got) == limits[0] + limits[1]
+    got = [(i["epoch"], i["row"], i["ids"]) for i in _real(list(loader))]
     for e in (0, 1):
-        streams = [
-            [(e, s, t) for t in range(n)]
-            for s, n in enumerate([len(p) for p in plan_epoch(spec, epoch=e)])
-        ]
+        rows = plan_rows(spec, epoch=e)
+        slices = worker_rows(len(rows), rank=0, world_size=1, workers=2)
         merged = [
-            x for t in range(max(map(len, streams))) for x in (s[t] for s in streams if t < len(s))
+            rows[n]
+            for t in range(max(map(len, slices)))
+            for n in (s[t] for s in slices if t < len(s))
         ]
-        assert [g for g in got if g[0] == e] == merged[: limits[e]]
-    resumed = PlanDataset(parts, spec, layers=(1,), rank=0, workers=2, limits=limits, consumed=3)
+        mine = [g for g in got if g[0] == e]
+        assert len(mine) == len(merged)
+        assert [g[1] for g in mine] == [
+            n for t in range(max(map(len, slices))) for n in (s[t] for s in slices if t < len(s))
+        ]
+        for (_, _, ids), refs in zip(mine, merged, strict=True):
+            assert int((ids != 0).sum()) > 0 and ids.shape == (1, ROW)
+            assert sum(r.length for r in refs) <= ROW
+    resumed = _dataset(parts, spec, workers=2, epochs=2, layers=(1,), consumed=3)
     loader = make_loader(resumed, workers=2, prefetch=2, pin_memory=False)
-    tail = [(i["epoch"], i["stream"], i["round"]) for i in _real(list(loader))]
-    assert tail == got[3:]
+    tail = [(i["epoch"], i["row"], i["ids"]) for i in _real(list(loader))]
+    assert len(tail) == len(got) - 3
+    for a, b in zip(tail, got[3:], strict=True):
+        assert a[:2] == b[:2] and torch.equal(a[2], b[2])
+
+
+def test_a_damaged_part_stops_with_one_message_naming_it(tmp_path):
+    cache = write_cache(tmp_path / "c", num_parts=2, samples_per_part=4)
+    parts = _catalog(cache)
+    shards = sorted(f for f in (cache / "part-000001" / "hidden" / "c").rglob("*") if f.is_file())
+    assert shards
+    for f in shards:  # flip bytes in every chunk of one part
+        data = bytearray(f.read_bytes())
+        for i in range(0, len(data), 50):  # every chunk of every layer, and the shard index
+            data[i] ^= 0xFF
+        f.write_bytes(bytes(data))
+    spec = _spec(parts)
+    loader = make_loader(
+        _dataset(parts, spec, layers=(0,), workers=1), workers=1, prefetch=1, pin_memory=False
+    )
+    with pytest.raises(CacheReadError, match="part-000001.*extract.verify"):
+        list(checked(iter(loader)))
+    shutil.rmtree(cache / "part-000000")
+    with pytest.raises(CacheReadError, match="part-000000"):
+        list(checked(iter(_dataset(parts, spec, layers=(0,)))))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -184,9 +205,7 @@ def test_formats_and_stores_give_the_same_batches(tmp_path, fmt, store):
     got = []
     for cache in (base, other):
         parts = _catalog(cache)
-        spec = _spec(parts)
-        limit = sum(len(s) for s in plan_epoch(spec, epoch=0))
-        ds = PlanDataset(parts, spec, layers=(1, 2), rank=0, workers=0, limits={0: limit})
+        ds = _dataset(parts, _spec(parts), layers=(1, 2))
         got.append([device_batch(i, torch.device("cpu")) for i in _real(list(ds))])
     for a, b in zip(*got, strict=True):
         assert torch.equal(a.ids_BS, b.ids_BS) and torch.equal(a.loss_mask_BS, b.loss_mask_BS)

@@ -15,7 +15,9 @@ def item(n: int, *, real: bool = True) -> dict:
         "n": n,
         "ids": ids,
         "loss_mask": torch.ones_like(ids, dtype=torch.uint8),
-        "lengths": torch.tensor([4]),
+        "doc_ids": torch.zeros_like(ids, dtype=torch.int32),
+        "positions": torch.arange(4, dtype=torch.int32)[None],
+        "tokens": torch.tensor(4),
         "hidden": torch.full((1, 4, 2, 3), float(n), dtype=torch.bfloat16),
     }
 

@@ -34,6 +34,28 @@ def test_flex_compiled_run_trains_and_exports(tmp_path, store):
     assert (export / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("grad_ckpt", ["loss", "layers"])
+def test_default_compiled_training_on_varied_lengths_compiles_once(tmp_path, grad_ckpt):
+    """Lengths from 1 to max_length through the default setting (flex, --compile model, fused
+    CE): every step one packed row of the same shape, so nothing compiles after step 1."""
+    cache = write_cache(
+        tmp_path / "cache", num_parts=3, samples_per_part=40, lengths=(1, 512), max_length=512
+    )
+    out = tmp_path / "run"
+    cfg = tiny(cache, out, gpus="0", steps=32, workers=2, batch_tokens=512, grad_ckpt=grad_ckpt)
+    run(cfg.replace(num_anchors=None, block_size=16, drafter_layers=2))
+    saved = json.loads((out / "config.json").read_text())["train"]
+    assert (saved["attention"], saved["compile"], saved["ce"]) == ("flex", "model", "fused")
+    train = records(out)
+    assert [r["step"] for r in train][-1] == 32
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in train)
+    first, last = train[0], train[-1]
+    assert first["step"] == 1 and first["compiled_graphs"] > 0
+    assert last["compiled_graphs"] == first["compiled_graphs"], [
+        r["compiled_graphs"] for r in train
+    ]
+
+
 def test_flex_and_sdpa_runs_agree(tmp_path):
     """Same data, anchors and init: the first steps' losses match across backends (bf16)."""
     cache = write_cache(tmp_path / "cache", num_parts=2, samples_per_part=6)

@@ -19,7 +19,7 @@ def cache(tmp_path_factory):
 
 
 def make_trainer(cache, out) -> Trainer:
-    cfg = tiny(cache, out, grad_accum=2, epochs=1)
+    cfg = tiny(cache, out, grad_accum=2, epochs=3)
     cfg, prep = prepare_run(cfg, read_manifest(cache), device_kind="cpu")
     return Trainer(CPU, cfg, prep)
 

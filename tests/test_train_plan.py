@@ -8,145 +8,167 @@ from train.plan import (
     PlanSpec,
     SampleRef,
     WorkerItem,
-    epoch_limit,
+    contiguous_slices,
+    epoch_lengths,
+    epoch_samples,
+    evenly_spaced,
+    holdout_lengths,
     merge_round_robin,
     mix_seed,
     order_parts,
-    pack,
-    padded_length,
-    plan_epoch,
+    pack_rows,
+    plan_rows,
+    rank_rows,
     rank_schedule,
     shuffle_buffer,
-    split_by_tokens,
-    stream_samples,
+    worker_rows,
 )
-
-
-def test_padded_length():
-    assert [padded_length(n) for n in (1, 127, 128, 129, 300)] == [128, 128, 128, 256, 384]
-    assert padded_length(0) == 128
-    assert padded_length(5, 4) == 8
 
 
 def test_mix_seed_is_deterministic_and_sensitive():
     assert mix_seed(1, 2, 3) == mix_seed(1, 2, 3)
-    assert len({mix_seed(0, e, s) for e in range(5) for s in range(5)}) == 25
-    assert 0 <= mix_seed(7) < 2**63
+    assert len({mix_seed(1, 2, 3), mix_seed(1, 3, 2), mix_seed(2, 2, 3)}) == 3
 
 
 def test_order_parts_is_a_seeded_permutation():
-    a = order_parts(20, seed=1, epoch=0)
-    assert sorted(a) == list(range(20))
-    assert a == order_parts(20, seed=1, epoch=0)
-    assert a != order_parts(20, seed=1, epoch=1)
-    assert a != order_parts(20, seed=2, epoch=0)
-    assert order_parts(5, seed=1, epoch=3, shuffle=False) == [0, 1, 2, 3, 4]
+    a = order_parts(10, seed=1, epoch=0)
+    assert sorted(a) == list(range(10)) and a == order_parts(10, seed=1, epoch=0)
+    assert a != order_parts(10, seed=1, epoch=1)
+    assert order_parts(4, seed=1, epoch=0, shuffle=False) == [0, 1, 2, 3]
 
 
-def test_split_by_tokens_balances_and_keeps_order():
-    parts = [3, 0, 4, 1, 2]
-    tokens = [10, 10, 10, 10, 40]
-    bins = split_by_tokens(parts, tokens, n=2)
-    assert sorted(p for b in bins for p in b) == [0, 1, 2, 3, 4]
-    assert sorted(sum(tokens[p] for p in b) for b in bins) == [40, 40]
-    for b in bins:  # each bin keeps the input order
-        assert b == [p for p in parts if p in b]
-
-
-def test_split_by_tokens_more_bins_than_parts():
-    bins = split_by_tokens([1, 0], [5, 5], n=4)
-    assert bins == [[1], [0], [], []]
-    with pytest.raises(ValueError, match="n must be"):
-        split_by_tokens([0], [1], n=0)
-
-
-def test_stream_samples_order_and_clipping():
-    lengths = [[5, 300], [7], [9, 1]]
-    got = list(stream_samples([2, 0], lengths, max_length=100))
-    assert got == [SampleRef(2, 0, 9), SampleRef(2, 1, 1), SampleRef(0, 0, 5), SampleRef(0, 1, 100)]
-    assert list(stream_samples([1], lengths)) == [SampleRef(1, 0, 7)]
+def test_epoch_samples_order_clipping_and_holdout_zeros():
+    got = list(epoch_samples([1, 0], [[5, 0, 7], [9, 2]], clip=6))
+    assert got == [SampleRef(1, 0, 6), SampleRef(1, 1, 2), SampleRef(0, 0, 5), SampleRef(0, 2, 6)]
 
 
 def test_shuffle_buffer_is_a_permutation_and_bounded():
     items = list(range(100))
-    out = list(shuffle_buffer(items, size=10, rng=random.Random(0)))
+    out = list(shuffle_buffer(iter(items), size=8, rng=random.Random(0)))
     assert sorted(out) == items and out != items
-    assert out == list(shuffle_buffer(items, size=10, rng=random.Random(0)))
-
-    read = []
-
-    def source():
-        for i in items:
-            read.append(i)
-            yield i
-
-    emitted = []
-    for item in shuffle_buffer(source(), size=10, rng=random.Random(1)):
-        emitted.append(item)
-        assert len(read) - len(emitted) <= 10  # never more than `size` items held
-    assert sorted(emitted) == items
+    # an item is emitted at most `size` arrivals after it came in... and never before
+    for pos, item in enumerate(out):
+        assert item <= pos + 8
 
 
 def test_shuffle_buffer_small_sizes_pass_through():
-    assert list(shuffle_buffer([3, 1, 2], size=1, rng=random.Random(0))) == [3, 1, 2]
-    assert list(shuffle_buffer([], size=8, rng=random.Random(0))) == []
+    assert list(shuffle_buffer(range(5), size=1, rng=random.Random(0))) == list(range(5))
+    assert list(shuffle_buffer(range(5), size=0, rng=random.Random(0))) == list(range(5))
 
 
-def test_pack_budget_and_long_samples():
-    samples = [SampleRef(0, i, n) for i, n in enumerate([100, 200, 120, 1000, 50, 60, 70])]
-    batches = list(pack(samples, batch_tokens=512))
-    assert [s for b in batches for s in b] == samples  # arrival order, nothing lost
-    for b in batches:
-        longest = max(padded_length(s.length) for s in b)
-        assert longest * len(b) <= 512 or len(b) == 1
-    assert [[s.index for s in b] for b in batches] == [[0, 1], [2], [3], [4, 5, 6]]
+def _refs(lengths):
+    return [SampleRef(0, i, n) for i, n in enumerate(lengths)]
 
 
-def test_pack_empty():
-    assert list(pack([], batch_tokens=128)) == []
+def test_pack_rows_places_every_sample_once_within_the_row():
+    rng = random.Random(7)
+    # long-tailed like chat data: many short samples, some at the limit
+    lengths = [min(512, max(1, int(rng.lognormvariate(4.5, 1.0)))) for _ in range(600)]
+    assert lengths.count(512) > 10
+    rows = list(pack_rows(_refs(lengths), row_tokens=512))
+    placed = sorted(r.index for row in rows for r in row)
+    assert placed == list(range(len(lengths)))
+    assert all(0 < sum(r.length for r in row) <= 512 for row in rows)
+    # best fit from the pool wastes little; arrival order alone (pool 1) wastes far more
+    assert sum(lengths) / (len(rows) * 512) > 0.98
+    naive = list(pack_rows(_refs(lengths), row_tokens=512, pool=1))
+    assert len(naive) > 1.1 * len(rows)
 
 
-def _spec(num_parts=6, streams=2, **kw):
+def test_pack_rows_fills_the_tail_with_the_longest_that_fits():
+    rows = list(pack_rows(_refs([5, 3, 4, 2, 1]), row_tokens=7))
+    assert [[r.length for r in row] for row in rows] == [[5, 2], [4, 3], [1]]
+    assert list(pack_rows([], row_tokens=8)) == []
+    with pytest.raises(ValueError, match="not in"):
+        list(pack_rows(_refs([9]), row_tokens=8))
+
+
+def test_pack_rows_with_a_pool_of_one_keeps_arrival_order():
+    rows = list(pack_rows(_refs([3, 3, 5, 1]), row_tokens=6, pool=1))
+    assert [[r.index for r in row] for row in rows] == [[0, 1], [2, 3]]
+
+
+def test_contiguous_and_rank_slices():
+    assert contiguous_slices(5, 2) == [range(0, 3), range(3, 5)]
+    assert contiguous_slices(1, 3) == [range(0, 1), range(1, 1), range(1, 1)]
+    assert [rank_rows(7, rank=r, world_size=3) for r in range(3)] == [
+        range(0, 2),
+        range(2, 4),
+        range(4, 6),
+    ]
+
+
+def _spec(num_parts=6, **kw):
     rng = random.Random(42)
     lengths = tuple(
         tuple(rng.randint(20, 400) for _ in range(rng.randint(3, 9))) for _ in range(num_parts)
     )
-    base = dict(lengths=lengths, seed=3, num_streams=streams, batch_tokens=768, shuffle_buffer=4)
+    base = dict(lengths=lengths, seed=3, row_tokens=768, shuffle_buffer=4)
     return PlanSpec(**{**base, **kw})
 
 
-def test_plan_epoch_covers_every_sample_once_and_is_deterministic():
+def test_plan_rows_cover_every_sample_once_and_are_deterministic():
     spec = _spec()
-    plan = plan_epoch(spec, epoch=0)
-    assert plan == plan_epoch(spec, epoch=0)
-    assert plan != plan_epoch(spec, epoch=1)
-    refs = [(s.part, s.index) for stream in plan for b in stream for s in b]
-    expect = [(p, n) for p, ls in enumerate(spec.lengths) for n in range(len(ls))]
-    assert sorted(refs) == expect
-    # a part belongs to exactly one stream
-    owners = {s.part: i for i, stream in enumerate(plan) for b in stream for s in b}
-    assert all(owners[s.part] == i for i, stream in enumerate(plan) for b in stream for s in b)
+    rows = plan_rows(spec, epoch=0)
+    assert rows == plan_rows(spec, epoch=0)
+    assert rows != plan_rows(spec, epoch=1)
+    refs = sorted((s.part, s.index) for row in rows for s in row)
+    assert refs == [(p, n) for p, ls in enumerate(spec.lengths) for n in range(len(ls))]
+    assert all(sum(s.length for s in row) <= spec.row_tokens for row in rows)
 
 
-def test_epoch_limit_equal_steps_per_rank():
-    assert epoch_limit([3, 4, 5, 1], workers=2, grad_accum=1) == 6
-    assert epoch_limit([3, 4, 5, 1], workers=1, grad_accum=1) == 1
-    assert epoch_limit([7], workers=1, grad_accum=3) == 6
-    assert epoch_limit([], workers=1, grad_accum=1) == 0
+def test_long_samples_are_clipped_to_the_row_and_max_length():
+    spec = _spec(row_tokens=128, max_length=100)
+    assert spec.clip == 100
+    assert max(s.length for row in plan_rows(spec, epoch=0) for s in row) == 100
+    assert _spec(row_tokens=128).clip == 128
 
 
-def test_every_rank_gets_the_same_number_of_steps():
+def test_ranks_get_equal_rows_and_workers_split_them_contiguously():
+    rows = len(plan_rows(_spec(num_parts=9), epoch=0))
     for world in (1, 2, 3):
-        for workers in (1, 2):
-            spec = _spec(num_parts=7, streams=world * workers)
-            plan = plan_epoch(spec, epoch=0)
-            counts = [len(s) for s in plan]
-            limit = epoch_limit(counts, workers=workers, grad_accum=2)
-            assert limit % 2 == 0 and limit > 0
-            for r in range(world):
-                mine = counts[r * workers : (r + 1) * workers]
-                _, items = rank_schedule(mine, limit=limit)
-                assert sum(i.real for stream in items for i in stream) == limit
+        for workers in (1, 2, 4):
+            shares = [
+                worker_rows(rows, rank=r, world_size=world, workers=workers) for r in range(world)
+            ]
+            assert [sum(map(len, s)) for s in shares] == [rows // world] * world
+            flat = [n for s in shares for w in s for n in w]
+            assert flat == list(range(len(flat)))  # contiguous, in order
+            assert rows - len(flat) < world  # at most one row per rank dropped
+    # uneven shares for evaluation keep every row
+    shares = [worker_rows(rows, rank=r, world_size=4, workers=1, even=False) for r in range(4)]
+    assert [n for s in shares for w in s for n in w] == list(range(rows))
+
+
+def test_two_ranks_and_one_rank_with_two_workers_see_the_same_rows():
+    for rows in (10, 11):
+        two = [worker_rows(rows, rank=r, world_size=2, workers=1)[0] for r in range(2)]
+        one = worker_rows(rows - rows % 2, rank=0, world_size=1, workers=2)
+        assert two == one
+
+
+def test_epoch_lengths_for_epochs_and_steps_and_too_small_caches():
+    spec = _spec()
+    per_epoch = [len(plan_rows(spec, epoch=e)) // 2 for e in range(3)]
+    assert epoch_lengths(spec, world_size=2, epochs=3, steps=None, grad_accum=1) == per_epoch
+    # steps may span epochs: just enough epochs for steps x grad_accum rows per rank
+    need = per_epoch[0] + 1
+    got = epoch_lengths(spec, world_size=2, epochs=None, steps=need, grad_accum=1)
+    assert got == per_epoch[:2]
+    with pytest.raises(ValueError, match="one optimizer step needs"):
+        epoch_lengths(_spec(num_parts=1), world_size=64, epochs=1, steps=None, grad_accum=1)
+
+
+def test_holdout_by_samples_and_by_parts():
+    lengths = [[5, 6, 7], [8, 9]]
+    train, evals = holdout_lengths(lengths, num_samples=2)
+    assert train == ((5, 0, 7), (0, 9)) and evals == ((0, 6, 0), (8, 0))  # samples 1 and 3
+    train, evals = holdout_lengths(lengths, num_parts=1)
+    assert train == ((5, 6, 7), (0, 0)) and evals == ((0, 0, 0), (8, 9))
+    assert holdout_lengths(lengths)[0] == ((5, 6, 7), (8, 9))
+    assert evenly_spaced(10, 2) == [2, 7]
+    with pytest.raises(ValueError):
+        evenly_spaced(3, 3)
 
 
 def _consumed_order(counts, limit, consumed):

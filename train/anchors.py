@@ -1,9 +1,12 @@
 """Anchor sampling and the per-block inputs, positions, targets and loss weights.
 
-A block j starts at anchor a = anchors[b, j]. Its query at offset k (0..block_size-1) sits at
-absolute position a + k and predicts token x[a + k] (same position, no shift); offset 0 holds the
-known token x[a] and is never a target. Block tensors are laid out [B, Q] with
-Q = N * block_size, block j occupying columns j*block_size .. (j+1)*block_size - 1.
+A row of S context tokens holds whole samples back to back (`doc_ids` numbers them, -1 on
+padding; `positions` restart at 0 at each sample). A block j starts at anchor a = anchors[b, j]
+(a row index). Its query at offset k (0..block_size-1) sits at row a + k, RoPE position
+positions[a] + k, and predicts token x[a + k] (same position, no shift) when a + k is still in
+a's sample; offset 0 holds the known token x[a] and is never a target. Block tensors are laid out
+[B, Q] with Q = N * block_size, block j occupying columns j*block_size .. (j+1)*block_size - 1.
+Every function here treats a packed row exactly as its samples one by one.
 """
 
 from __future__ import annotations
@@ -13,33 +16,45 @@ import math
 import torch
 
 
+def anchor_candidates(loss_mask_BS: torch.Tensor, doc_ids_BS: torch.Tensor) -> torch.Tensor:
+    """Bool [B, S]: p may anchor a block iff p and p + 1 lie in the same sample and are both
+    supervised (so p <= S - 2 and the first target x[p + 1] is supervised). Padding has doc -1.
+
+    >>> anchor_candidates(torch.tensor([[1, 1, 1, 1, 1, 0]]), torch.tensor([[0, 0, 1, 1, -1, -1]]))
+    tensor([[ True, False,  True, False, False, False]])
+    """
+    supervised_BS = loss_mask_BS.bool() & (doc_ids_BS >= 0)
+    cand_BS = torch.zeros_like(supervised_BS)
+    same_doc = doc_ids_BS[:, :-1] == doc_ids_BS[:, 1:]
+    cand_BS[:, :-1] = supervised_BS[:, :-1] & supervised_BS[:, 1:] & same_doc
+    return cand_BS
+
+
 def sample_anchors(
     loss_mask_BS: torch.Tensor,
-    lengths_B: torch.Tensor,
+    doc_ids_BS: torch.Tensor,
     *,
     num_anchors: int,
     generator: torch.Generator,
     trim: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw up to `num_anchors` anchors per sequence without replacement, sorted ascending.
+    """Draw up to `num_anchors` anchors per row without replacement, sorted ascending.
 
-    Candidates are positions p with p + 1 < length and loss_mask[p] = loss_mask[p + 1] = 1
-    (so p <= S - 2 and the first target x[p + 1] is supervised). Sequences with fewer
-    candidates are padded with dropped blocks: keep False, anchor 0. N = min(num_anchors, S):
-    a sequence never has more than S candidates, and sizing N by the (128-padded) length keeps
-    short batches small without a device sync and with few distinct shapes. Randomness comes from
-    `generator` only (drawn on its device), so a restored generator state replays the draw.
+    Candidates are `anchor_candidates`: uniformly over every sample of a packed row, so each
+    sample gets anchors in proportion to its candidates. Rows with fewer candidates are padded
+    with dropped blocks (keep False, anchor 0). N = min(num_anchors, S) is fixed for the run
+    (compiled code sees one shape); `trim` (CPU only, where nothing is compiled) cuts N to the
+    most candidates of any row, which reads a count back. Randomness comes from `generator`
+    only (drawn on its device), so a restored generator state replays the draw.
 
     >>> g = torch.Generator().manual_seed(0)
-    >>> mask = torch.tensor([[0, 1, 1, 1, 0, 0]])
-    >>> sample_anchors(mask, torch.tensor([5]), num_anchors=3, generator=g)
+    >>> mask, docs = torch.tensor([[0, 1, 1, 1, 0, 0]]), torch.tensor([[0, 0, 0, 0, 0, -1]])
+    >>> sample_anchors(mask, docs, num_anchors=3, generator=g)
     (tensor([[1, 2, 0]]), tensor([[ True,  True, False]]))
     """
     batch, seq = loss_mask_BS.shape
     dev = loss_mask_BS.device
-    supervised_BS = loss_mask_BS.bool() & (torch.arange(seq, device=dev) < lengths_B[:, None])
-    cand_BS = torch.zeros_like(supervised_BS)
-    cand_BS[:, :-1] = supervised_BS[:, :-1] & supervised_BS[:, 1:]
+    cand_BS = anchor_candidates(loss_mask_BS, doc_ids_BS)
     # Random keys in [0, 1) for candidates, -1 elsewhere; the top-k keys are a uniform draw
     # without replacement among candidates.
     keys_BS = _to_device(torch.rand(batch, seq, generator=generator, device=generator.device), dev)
@@ -69,14 +84,38 @@ def _offsets(block_size: int, device: torch.device) -> torch.Tensor:
     return torch.arange(block_size, device=device)
 
 
-def block_positions(anchors_BN: torch.Tensor, *, block_size: int) -> torch.Tensor:
-    """Absolute positions [B, Q]: a, a+1, ..., a+block_size-1 per block.
+def block_rows(anchors_BN: torch.Tensor, *, block_size: int) -> torch.Tensor:
+    """Row indices [B, Q] in the packed row: a, a+1, ..., a+block_size-1 per block.
 
-    >>> block_positions(torch.tensor([[3, 7]]), block_size=2)
+    >>> block_rows(torch.tensor([[3, 7]]), block_size=2)
     tensor([[3, 4, 7, 8]])
     """
     pos_BNK = anchors_BN[..., None] + _offsets(block_size, anchors_BN.device)
     return pos_BNK.flatten(1)
+
+
+def block_positions(
+    anchors_BN: torch.Tensor, positions_BS: torch.Tensor, *, block_size: int
+) -> torch.Tensor:
+    """RoPE positions [B, Q]: p, p+1, ..., p+block_size-1 per block, p = the anchor's position
+    inside its sample (positions restart at every sample of a packed row).
+
+    >>> block_positions(torch.tensor([[3, 7]]), torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]),
+    ...                 block_size=2)
+    tensor([[3, 4, 3, 4]])
+    """
+    start_BN = positions_BS.gather(1, anchors_BN).long()
+    pos_BNK = start_BN[..., None] + _offsets(block_size, anchors_BN.device)
+    return pos_BNK.flatten(1)
+
+
+def context_starts(anchors_BN: torch.Tensor, positions_BS: torch.Tensor) -> torch.Tensor:
+    """[B, N]: the row index where each anchor's sample starts (its first visible context key).
+
+    >>> context_starts(torch.tensor([[3, 6]]), torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]))
+    tensor([[0, 4]])
+    """
+    return anchors_BN - positions_BS.gather(1, anchors_BN).long()
 
 
 def block_inputs(
@@ -102,35 +141,38 @@ def block_targets(
     >>> block_targets(torch.tensor([[10, 11, 12, 13]]), torch.tensor([[1, 2]]), block_size=3)
     tensor([[11, 12, 13, 12, 13, 13]])
     """
-    pos_BQ = block_positions(anchors_BN, block_size=block_size).clamp(max=ids_BS.shape[1] - 1)
+    pos_BQ = block_rows(anchors_BN, block_size=block_size).clamp(max=ids_BS.shape[1] - 1)
     return ids_BS.gather(1, pos_BQ)
 
 
 def loss_weights(
     loss_mask_BS: torch.Tensor,
-    lengths_B: torch.Tensor,
+    doc_ids_BS: torch.Tensor,
     anchors_BN: torch.Tensor,
     keep_BN: torch.Tensor,
     *,
     block_size: int,
     gamma: float,
 ) -> torch.Tensor:
-    """w[b, j*block_size + k] = keep * [a+k < len] * [k > 0] * loss_mask[a+k] * exp(-(k-1)/gamma).
+    """w[b, j*block_size + k] = keep * [a+k in a's sample] * [k > 0] * loss_mask[a+k] *
+    exp(-(k-1)/gamma). Float32 [B, Q].
 
-    Float32 [B, Q].
-
-    >>> w = loss_weights(torch.tensor([[1, 1, 1, 0]]), torch.tensor([4]), torch.tensor([[0]]),
-    ...                  torch.tensor([[True]]), block_size=4, gamma=1.0)
+    >>> w = loss_weights(torch.tensor([[1, 1, 1, 1]]), torch.tensor([[0, 0, 0, 1]]),
+    ...                  torch.tensor([[0]]), torch.tensor([[True]]), block_size=4, gamma=1.0)
     >>> [round(x, 4) for x in w[0].tolist()]
     [0.0, 1.0, 0.3679, 0.0]
     """
     seq = loss_mask_BS.shape[1]
     k_K = _offsets(block_size, anchors_BN.device)
     pos_BNK = anchors_BN[..., None] + k_K
-    in_len_BNK = pos_BNK < lengths_B[:, None, None]
-    supervised_BNK = loss_mask_BS.gather(1, pos_BNK.clamp(max=seq - 1).flatten(1)).view_as(pos_BNK)
+    idx_BQ = pos_BNK.clamp(max=seq - 1).flatten(1)
+    doc_BN = doc_ids_BS.gather(1, anchors_BN)
+    same_doc_BNK = (doc_ids_BS.gather(1, idx_BQ).view_as(pos_BNK) == doc_BN[..., None]) & (
+        pos_BNK < seq
+    )
+    supervised_BNK = loss_mask_BS.gather(1, idx_BQ).view_as(pos_BNK)
     decay_K = torch.exp(-(k_K.float() - 1.0) / gamma) * (k_K > 0)
-    w_BNK = keep_BN[..., None] * in_len_BNK * supervised_BNK.bool() * decay_K
+    w_BNK = keep_BN[..., None] * same_doc_BNK * supervised_BNK.bool() * decay_K
     return w_BNK.float().flatten(1)
 
 

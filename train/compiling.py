@@ -4,6 +4,7 @@ silent fallback to eager) when the bound is hit."""
 from __future__ import annotations
 
 import logging
+import sys
 
 from train.config import TrainConfig
 
@@ -32,8 +33,17 @@ def configure_compile(cfg: TrainConfig) -> None:
     if cfg.compile == "model":
         import torch._inductor.config as inductor
 
-        # Padded lengths and batch sizes vary, so the drafter recompiles once with dynamic
-        # shapes; Inductor's coalescing analysis (torch 2.11, "does not yet apply to dynamic
-        # shapes") then fails an assertion in tiling_utils.get_pw_red_splits. Skip it.
+        # Inductor's coalescing analysis (torch 2.11, "does not yet apply to dynamic shapes")
+        # failed an assertion in tiling_utils.get_pw_red_splits when shapes varied; shapes are
+        # now fixed, but the analysis stays off until measured without it.
         if hasattr(inductor.triton, "coalesce_tiling_analysis"):
             inductor.triton.coalesce_tiling_analysis = False
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (0 if dynamo never loaded).
+    Every micro-batch has one shape, so after the first step this must not grow."""
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")
+    if dynamo_utils is None:
+        return 0
+    return int(dynamo_utils.counters["stats"]["unique_graphs"])

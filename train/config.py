@@ -105,7 +105,11 @@ class TrainConfig:
         None, help="MLP intermediate size of the drafter; default the target's"
     )
     block_size: int = option(16, help="tokens per draft block")
-    num_anchors: int = option(512, help="blocks (anchors) drawn per sequence per step")
+    num_anchors: int | None = option(
+        None,
+        help="anchor blocks drawn per micro-batch row; default --batch-tokens / 6, the recipe's "
+        "512 per 3072 tokens (fewer candidates: the rest are dropped, weight 0)",
+    )
     gamma: float | None = option(
         None, help="loss decay over block offsets; default 7 for block 16, 4 for block 8"
     )
@@ -144,7 +148,9 @@ class TrainConfig:
     ce_chunk_blocks: int = option(128, help="blocks per lm_head + CE chunk")
     # data
     batch_tokens: int = option(
-        6144, help="micro-batch budget: padded length x sequences (a longer sample goes alone)"
+        3072,
+        help="context tokens of a micro-batch: one row of whole samples packed back to back "
+        "(fixed shape; a longer sample is truncated to it, and counted)",
     )
     max_length: int | None = option(None, help="truncate samples to this; default the cache's")
     workers: int | None = option(
@@ -165,9 +171,13 @@ class TrainConfig:
     seed: int = option(0, help="seed of init, data order and anchors")
     # evaluation
     eval_fraction: float = option(
-        0.01, help="fraction of parts held out for evaluation (rounded down)"
+        0.01,
+        help="fraction of samples held out for evaluation, evenly spaced over the cache (rounded "
+        "down, at least one)",
     )
-    eval_parts: int | None = option(None, help="number of held-out parts (overrides the fraction)")
+    eval_parts: int | None = option(
+        None, help="hold out this many whole parts instead (overrides the fraction)"
+    )
     eval_every: int = option(1000, help="evaluate every this many steps (0: only at the end)")
     eval_batches: int = option(0, help="micro-batches per rank per evaluation (0: all)")
     # bookkeeping
@@ -181,7 +191,7 @@ class TrainConfig:
     verbose: bool = option(False, help="debug logging on every rank")
 
     def __post_init__(self) -> None:
-        for name in ("drafter_layers", "block_size", "num_anchors", "batch_tokens", "grad_accum"):
+        for name in ("drafter_layers", "block_size", "batch_tokens", "grad_accum"):
             _check(getattr(self, name) >= 1, name, "must be >= 1")
         for name in ("epochs", "shuffle_buffer", "eval_every", "eval_batches"):
             _check(getattr(self, name) >= 0, name, "must be >= 0")
@@ -210,6 +220,7 @@ class TrainConfig:
             _check(value is None or value >= 1, name, "must be >= 1")
         _check(self.eval_parts is None or self.eval_parts >= 0, "eval_parts", "must be >= 0")
         _check(self.gamma is None or self.gamma > 0, "gamma", "must be > 0")
+        _check(self.num_anchors is None or self.num_anchors >= 1, "num_anchors", "must be >= 1")
         _check(self.mask_token_id is None or self.mask_token_id >= 0, "mask_token_id", ">= 0")
         _check(self.steps is not None or self.epochs >= 1, "epochs", "must be >= 1 without steps")
         for name, allowed in (
@@ -225,6 +236,11 @@ class TrainConfig:
         types = parse_layer_types(self.layer_types, self.drafter_layers)
         if "sliding_attention" in types and self.sliding_window is None:
             raise ValueError("sliding_window: required when a drafter layer slides")
+
+    @property
+    def anchors_per_row(self) -> int:
+        """num_anchors, or the recipe's density: 512 blocks per 3072 context tokens."""
+        return self.num_anchors or max(1, round(self.batch_tokens * 512 / 3072))
 
     @property
     def target_layer_ids(self) -> tuple[int, ...] | None:

@@ -1,16 +1,19 @@
-"""The streaming loader: reads the micro-batches an epoch plan (train/plan.py) assigns to a rank.
+"""The streaming loader: reads the packed rows an epoch plan (train/plan.py) assigns to a rank.
 
-Per worker and epoch: plan the rank's streams from metadata, work out what this worker yields
-(`rank_schedule`), then stream the stream's parts in plan order, keeping only samples a pending
-batch still needs (at most the shuffle buffer's worth plus one batch), and collate each batch
-into padded host tensors. fp8 payloads stay e4m3 bits until `device_batch` dequantises them on
-the device. Resuming skips planned batches without reading them.
+Per worker and epoch: plan the epoch's rows from metadata, take this worker's slice of this
+rank's rows and what it yields (`rank_schedule`), read each row's samples and collate them into
+one row of exactly `row_tokens` tokens with document ids and per-sample positions. zarr parts are
+read at random, sample by sample, in row order (one row in memory); webdataset tars are streamed
+in stored order, keeping only samples a pending row still needs. fp8 payloads stay e4m3 bits
+until `device_batch` dequantises them on the device. Resuming skips planned rows without reading
+them. A part that fails to decode ends the run with one message naming it (`CacheReadError`).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,19 +30,17 @@ from train.plan import (
     PlanSpec,
     SampleRef,
     WorkerItem,
-    epoch_limit,
     mix_seed,
-    padded_length,
-    plan_epoch,
-    plan_stream,
+    plan_rows,
     rank_schedule,
-    stream_parts,
+    worker_rows,
 )
 from train.step import Batch
 
 log = logging.getLogger(__name__)
 
-LOADER_STATE_VERSION = 1
+LOADER_STATE_VERSION = 2  # 2: packed rows (1: padded batches of several samples)
+OPEN_PARTS = 4  # zarr parts a worker keeps open (a slice of the shuffled order spans few)
 
 
 @dataclass(frozen=True)
@@ -70,16 +71,8 @@ def load_catalog(cache: Path, manifest: Manifest) -> tuple[list[PartInfo], list[
     return parts, problems
 
 
-def split_eval(num_parts: int, num_eval: int) -> tuple[list[int], list[int]]:
-    """(train, eval) part numbers: `num_eval` evenly spaced parts are held out.
-
-    >>> split_eval(10, 2)
-    ([0, 1, 3, 4, 5, 6, 8, 9], [2, 7])
-    """
-    if not 0 <= num_eval < max(num_parts, 1):
-        raise ValueError(f"cannot hold out {num_eval} of {num_parts} parts for evaluation")
-    held = sorted({int((i + 0.5) * num_parts / num_eval) for i in range(num_eval)})
-    return [p for p in range(num_parts) if p not in held], held
+class CacheReadError(RuntimeError):
+    """A part of the cache could not be read while training; the message names it."""
 
 
 def layer_positions(cached: Sequence[int], wanted: Sequence[int]) -> tuple[int, ...]:
@@ -87,45 +80,49 @@ def layer_positions(cached: Sequence[int], wanted: Sequence[int]) -> tuple[int, 
     return tuple(list(cached).index(i) for i in wanted)
 
 
-def epoch_limits(
-    spec: PlanSpec, *, workers: int, grad_accum: int, epochs: int | None, steps: int | None
-) -> list[int]:
-    """Micro-batches per rank of each epoch to run: `epochs` of them, or enough for `steps`."""
-    limits: list[int] = []
-    done = 0
-    while (steps is None and len(limits) < (epochs or 0)) or (steps is not None and done < steps):
-        counts = [len(s) for s in plan_epoch(spec, epoch=len(limits))]
-        limit = epoch_limit(counts, workers=workers, grad_accum=grad_accum)
-        if limit == 0:
-            raise ValueError(
-                f"epoch {len(limits)} has no full optimizer step on some rank: too little data "
-                "for this many ranks x workers x grad_accum (lower --batch-tokens or --workers)"
-            )
-        limits.append(limit)
-        done += limit // grad_accum
-    return limits
+def collate_row(
+    samples: Sequence[Sample], refs: Sequence[SampleRef], *, row_tokens: int
+) -> dict[str, torch.Tensor]:
+    """One packed row [1, row_tokens]: the samples back to back, then padding.
 
+    `doc_ids` numbers the samples 0, 1, ... (-1 on padding); `positions` restart at 0 at each
+    sample (RoPE positions); ids, loss mask and hidden states are zero on padding.
 
-def collate(samples: Sequence[Sample], refs: Sequence[SampleRef]) -> dict[str, torch.Tensor]:
-    """Padded host tensors of one micro-batch (sequence length a multiple of 128)."""
-    seq = max(padded_length(r.length) for r in refs)
+    >>> from shared.cache import Sample
+    >>> s = [Sample(0, np.arange(3), np.ones(3, np.uint8), np.zeros((3, 1, 2), np.uint16)),
+    ...      Sample(1, np.arange(2), np.ones(2, np.uint8), np.zeros((2, 1, 2), np.uint16))]
+    >>> out = collate_row(s, [SampleRef(0, 0, 3), SampleRef(0, 1, 2)], row_tokens=6)
+    >>> out["doc_ids"].tolist(), out["positions"].tolist()
+    ([[0, 0, 0, 1, 1, -1]], [[0, 1, 2, 0, 1, 0]])
+    """
+    total = sum(r.length for r in refs)
+    if total > row_tokens:
+        raise ValueError(f"row of {total} tokens exceeds row_tokens {row_tokens}")
     first = samples[0].hidden
-    batch, layers, hidden = len(samples), first.shape[1], first.shape[2]
-    ids = np.zeros((batch, seq), np.int64)
-    mask = np.zeros((batch, seq), np.uint8)
-    payload = np.zeros((batch, seq, layers, hidden), first.dtype)
-    scale = np.zeros((batch, seq, layers), np.float32) if samples[0].scale is not None else None
-    for b, (s, r) in enumerate(zip(samples, refs, strict=True)):
-        n = r.length  # already clipped to max_length by the plan
-        ids[b, :n] = s.input_ids[:n]
-        mask[b, :n] = s.loss_mask[:n]
-        payload[b, :n] = s.hidden[:n]
+    layers, hidden = first.shape[1], first.shape[2]
+    ids = np.zeros((1, row_tokens), np.int64)
+    mask = np.zeros((1, row_tokens), np.uint8)
+    docs = np.full((1, row_tokens), -1, np.int32)
+    pos = np.zeros((1, row_tokens), np.int32)
+    payload = np.zeros((1, row_tokens, layers, hidden), first.dtype)
+    scale = np.zeros((1, row_tokens, layers), np.float32) if samples[0].scale is not None else None
+    start = 0
+    for d, (s, r) in enumerate(zip(samples, refs, strict=True)):
+        n, rows = r.length, slice(start, start + r.length)  # length already clipped by the plan
+        ids[0, rows] = s.input_ids[:n]
+        mask[0, rows] = s.loss_mask[:n]
+        docs[0, rows] = d
+        pos[0, rows] = np.arange(n, dtype=np.int32)
+        payload[0, rows] = s.hidden[:n]
         if scale is not None:
-            scale[b, :n] = s.scale[:n]
+            scale[0, rows] = s.scale[:n]
+        start += n
     out = {
         "ids": torch.from_numpy(ids),
         "loss_mask": torch.from_numpy(mask),
-        "lengths": torch.tensor([r.length for r in refs], dtype=torch.int64),
+        "doc_ids": torch.from_numpy(docs),
+        "positions": torch.from_numpy(pos),
+        "tokens": torch.tensor(start, dtype=torch.int64),
     }
     if scale is None:
         out["hidden"] = torch.from_numpy(payload).view(torch.bfloat16)
@@ -135,7 +132,7 @@ def collate(samples: Sequence[Sample], refs: Sequence[SampleRef]) -> dict[str, t
 
 
 def device_batch(item: dict[str, Any], device: torch.device) -> Batch:
-    """A collated micro-batch on `device` (non-blocking from pinned memory), fp8 dequantised."""
+    """A collated row on `device` (non-blocking from pinned memory), fp8 dequantised."""
 
     def move(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
@@ -147,16 +144,28 @@ def device_batch(item: dict[str, Any], device: torch.device) -> Batch:
     return Batch(
         ids_BS=move(item["ids"]),
         loss_mask_BS=move(item["loss_mask"]),
-        lengths_B=move(item["lengths"]),
+        doc_ids_BS=move(item["doc_ids"]),
+        positions_BS=move(item["positions"]),
         hidden_BSKH=hidden,
+        num_tokens=move(item["tokens"]),
     )
 
 
+def checked(items: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The loader's items, raising `CacheReadError` where a worker met an unreadable part."""
+    for item in items:
+        if "error" in item:
+            raise CacheReadError(item["error"])
+        yield item
+
+
 class PlanDataset(IterableDataset):
-    """The micro-batches of one rank for a run of epochs, starting `consumed` batches in.
+    """The rows of one rank for a run of epochs, starting `consumed` rows in.
 
     Yields dicts: `real` False marks a placeholder (keeps DataLoader workers in step, see
-    train/plan.py); real items carry `epoch`, `stream`, `round`, `anchor_seed` and tensors.
+    train/plan.py); real items carry `epoch`, `round`, `anchor_seed` and tensors; an item with
+    `error` reports an unreadable part (see `checked`). `even` gives every rank the same number
+    of rows (training); otherwise ranks get nearly equal shares and nothing is dropped (eval).
     """
 
     def __init__(
@@ -166,15 +175,24 @@ class PlanDataset(IterableDataset):
         *,
         layers: Sequence[int],
         rank: int,
+        world_size: int,
         workers: int,
         limits: dict[int, int],
         start_epoch: int = 0,
         consumed: int = 0,
+        even: bool = True,
     ) -> None:
         self.paths = [p.path for p in parts]
         self.spec, self.layers = spec, tuple(layers)
-        self.rank, self.workers = rank, max(workers, 1)
+        self.rank, self.world_size, self.workers = rank, world_size, max(workers, 1)
         self.limits, self.start_epoch, self.consumed = dict(limits), start_epoch, consumed
+        self.even = even
+
+    def slices(self, epoch: int) -> tuple[list[list[SampleRef]], list[range]]:
+        """The epoch's rows, and the row numbers of each of this rank's workers."""
+        rows = plan_rows(self.spec, epoch=epoch)
+        kw = dict(rank=self.rank, world_size=self.world_size, workers=self.workers)
+        return rows, worker_rows(len(rows), **kw, even=self.even)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -184,64 +202,92 @@ class PlanDataset(IterableDataset):
         rotation = None
         for epoch in sorted(e for e in self.limits if e >= self.start_epoch):
             consumed = self.consumed if epoch == self.start_epoch else 0
-            first = self.rank * self.workers
-            parts_of = stream_parts(self.spec, epoch=epoch)[first : first + self.workers]
-            plans = [
-                plan_stream(self.spec, parts, epoch=epoch, stream=first + s)
-                for s, parts in enumerate(parts_of)
-            ]
+            rows, slices = self.slices(epoch)
             rot, items = rank_schedule(
-                [len(p) for p in plans], limit=self.limits[epoch], consumed=consumed
+                [len(s) for s in slices], limit=self.limits[epoch], consumed=consumed
             )
             rotation = rot if rotation is None else rotation
             s = (physical + rotation) % self.workers
-            yield from self._read_stream(epoch, first + s, parts_of[s], plans[s], items[s])
+            yield from self._read_rows(epoch, rows, slices[s], items[s])
 
-    def _read_stream(
+    def _read_rows(
         self,
         epoch: int,
-        stream: int,
-        parts: Sequence[int],
-        batches: Sequence[list[SampleRef]],
+        rows: Sequence[list[SampleRef]],
+        numbers: range,
         items: Sequence[WorkerItem],
     ) -> Iterator[dict[str, Any]]:
-        needed = {(r.part, r.index) for it in items if it.real for r in batches[it.round]}
-        source = self._read_needed(parts, needed)
-        loaded: dict[tuple[int, int], Sample] = {}
+        source = self._samples([rows[numbers[it.round]] for it in items if it.real])
         for it in items:
-            meta = {"epoch": epoch, "stream": stream, "round": it.round, "real": it.real}
+            meta = {"epoch": epoch, "round": it.round, "real": it.real}
             if not it.real:
                 yield meta
                 continue
-            refs = batches[it.round]
-            for r in refs:
-                while (r.part, r.index) not in loaded:
-                    key, sample = next(source)
-                    loaded[key] = sample
-            samples = [loaded.pop((r.part, r.index)) for r in refs]
-            seed = mix_seed(self.spec.seed, epoch, stream, it.round)
-            yield {**meta, "anchor_seed": seed, **collate(samples, refs)}
+            number = numbers[it.round]
+            refs = rows[number]
+            try:
+                samples = [next(source) for _ in refs]
+            except Exception as e:  # any decode failure: report it, the trainer stops cleanly
+                yield {**meta, "error": self._describe(e)}
+                return
+            # seeded by the row's number in the epoch: the same row draws the same anchors
+            # whichever rank or worker reads it
+            seed = mix_seed(self.spec.seed, epoch, number)
+            yield {
+                **meta,
+                "row": number,
+                "anchor_seed": seed,
+                **collate_row(samples, refs, row_tokens=self.spec.row_tokens),
+            }
 
-    def _read_needed(
-        self, parts: Sequence[int], needed: set[tuple[int, int]]
-    ) -> Iterator[tuple[tuple[int, int], Sample]]:
-        """Needed samples in stream order (the order the shuffle buffer took them in)."""
-        by_part: dict[int, list[int]] = {}
-        for q, n in needed:
-            by_part.setdefault(q, []).append(n)
-        for p in parts:
-            wanted = sorted(by_part.get(p, ()))
-            if not wanted:
-                continue
-            reader = open_part(Path(self.paths[p]))
-            if self.paths[p].endswith(".tar") or len(wanted) == reader.num_samples:
-                keep = set(wanted)
-                for n, sample in enumerate(reader.iter_samples(self.layers)):
-                    if n in keep:
-                        yield (p, n), sample
-            else:  # zarr random access: skipped samples are never decoded
-                for n in wanted:
-                    yield (p, n), reader.read(n, self.layers)
+    def _samples(self, rows: Sequence[list[SampleRef]]) -> Iterator[Sample]:
+        """The samples of `rows`, in row order."""
+        refs = [r for row in rows for r in row]
+        if any(self.paths[r.part].endswith(".tar") for r in refs):
+            yield from _streamed(self.paths, refs, self.layers)
+            return
+        readers: OrderedDict[int, Any] = OrderedDict()
+        for r in refs:
+            self._current = r.part
+            if r.part not in readers:
+                readers[r.part] = open_part(Path(self.paths[r.part]))
+                if len(readers) > OPEN_PARTS:
+                    readers.popitem(last=False)
+            readers.move_to_end(r.part)
+            yield readers[r.part].read(r.index, self.layers)
+
+    def _describe(self, error: Exception) -> str:
+        part = getattr(self, "_current", None)
+        where = self.paths[part] if part is not None else "a part of the cache"
+        return (
+            f"cannot read {where} ({type(error).__name__}: {error}). The cache is damaged: "
+            f"run `python -m extract.verify {Path(where).parent}` to list the damaged parts, "
+            "re-extract them, then resume this run with the same command"
+        )
+
+
+def _streamed(
+    paths: Sequence[str], refs: Sequence[SampleRef], layers: Sequence[int]
+) -> Iterator[Sample]:
+    """Samples of `refs` in their order, from tars read front to back (parts in first-use
+    order); samples read before they are due wait in memory."""
+    needed: dict[int, set[int]] = {}
+    for r in refs:
+        needed.setdefault(r.part, set()).add(r.index)
+
+    def stored_order() -> Iterator[tuple[tuple[int, int], Sample]]:
+        for p in dict.fromkeys(r.part for r in refs):
+            reader = open_part(Path(paths[p]))
+            for n, sample in enumerate(reader.iter_samples(layers)):
+                if n in needed[p]:
+                    yield (p, n), sample
+
+    source, loaded = stored_order(), {}
+    for r in refs:
+        while (r.part, r.index) not in loaded:
+            key, sample = next(source)
+            loaded[key] = sample
+        yield loaded.pop((r.part, r.index))
 
 
 def _worker_context() -> mp.context.BaseContext:
@@ -293,7 +339,10 @@ class LoaderState:
     @classmethod
     def from_dict(cls, d: dict[str, int], *, world_size: int, workers: int) -> LoaderState:
         if d.get("version") != LOADER_STATE_VERSION:
-            raise ValueError(f"loader state version {d.get('version')}, expected 1")
+            raise ValueError(
+                f"loader state version {d.get('version')}, expected {LOADER_STATE_VERSION}: the "
+                "checkpoint was written by an older version whose data plan differs"
+            )
         if (d["world_size"], d["workers"]) != (world_size, workers):
             raise ValueError(
                 f"the checkpoint was written by {d['world_size']} ranks x {d['workers']} "

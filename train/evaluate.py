@@ -1,8 +1,9 @@
 """Held-out evaluation: loss, tau and per-offset accuracy on parts the training never reads.
 
-The held-out parts are read in stored order (no shuffle), split across ranks by token count,
-and every micro-batch draws its anchors from a generator seeded by a fixed seed and the batch's
-place, so evaluations compare across steps and across runs on the same cache.
+The held-out samples (see `train.plan.holdout_lengths`) are packed in stored order (no shuffle)
+into rows of the training shape, split across ranks in contiguous shares, and every row draws its
+anchors from a generator seeded by a fixed seed and the row's place, so evaluations compare
+across steps and across runs on the same cache.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from train.data import PartInfo, PlanDataset, device_batch, make_loader
+from train.data import PartInfo, PlanDataset, checked, device_batch, make_loader
 from train.metrics import StatSums
-from train.plan import PlanSpec, plan_epoch
+from train.plan import PlanSpec
 from train.step import forward_loss
 
 EVAL_SEED = 20240917  # fixed: the anchors of an eval batch never depend on the run's seed
@@ -28,6 +29,7 @@ class Evaluator:
     def __init__(
         self,
         parts: Sequence[PartInfo],
+        lengths: Sequence[Sequence[int]],
         *,
         layers: Sequence[int],
         rank: int,
@@ -36,21 +38,18 @@ class Evaluator:
         max_length: int | None,
         max_batches: int = 0,
     ) -> None:
-        self.parts = list(parts)
         spec = PlanSpec(
-            lengths=tuple(p.lengths for p in self.parts),
+            lengths=tuple(tuple(ls) for ls in lengths),
             seed=EVAL_SEED,
-            num_streams=world_size,
-            batch_tokens=batch_tokens,
+            row_tokens=batch_tokens,
             shuffle_buffer=0,
             max_length=max_length,
             shuffle=False,
         )
-        mine = len(plan_epoch(spec, epoch=0)[rank]) if self.parts else 0
-        limit = min(mine, max_batches) if max_batches else mine
-        self.dataset = PlanDataset(
-            self.parts, spec, layers=layers, rank=rank, workers=1, limits={0: limit}
-        )
+        kw = dict(layers=layers, rank=rank, world_size=world_size, workers=1, even=False)
+        mine = len(PlanDataset(parts, spec, limits={}, **kw).slices(0)[1][0])
+        self.rows = min(mine, max_batches) if max_batches else mine
+        self.dataset = PlanDataset(parts, spec, limits={0: self.rows}, **kw)
 
     @torch.no_grad()
     def run(
@@ -68,7 +67,7 @@ class Evaluator:
         was_training = drafter.training
         drafter.eval()
         loader = make_loader(self.dataset, workers=0, prefetch=1, pin_memory=False)
-        for item in loader if self.parts else ():
+        for item in checked(iter(loader)) if self.rows else ():
             if not item["real"]:
                 continue
             batch = device_batch(item, device)
@@ -77,8 +76,8 @@ class Evaluator:
                 out = forward_loss(
                     drafter, embed_VH, lm_head_VH, batch, generator=gen, **step_kwargs
                 )
-            sums.add(out.weighted_sum, out.weight_total, out.stats, batch.lengths_B.sum())
+            sums.add(out.weighted_sum, out.weight_total, out.stats, batch.num_tokens)
         drafter.train(was_training)
         result = sums.reduce()
-        result.pop("grad_norm")
+        result.pop("grad_norm"), result.pop("steps")
         return result

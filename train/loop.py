@@ -33,15 +33,9 @@ from shared.dist import (
 from shared.logs import setup_logging
 from shared.target_files import load_heads
 from train.checkpoint import load_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
-from train.compiling import RecompileLimitError, configure_compile
+from train.compiling import RecompileLimitError, compiled_graphs, configure_compile
 from train.config import TrainConfig
-from train.data import (
-    LoaderState,
-    PartInfo,
-    PlanDataset,
-    epoch_limits,
-    make_loader,
-)
+from train.data import LoaderState, PartInfo, PlanDataset, checked, make_loader
 from train.drafter_config import DrafterConfig
 from train.evaluate import Evaluator
 from train.export import export_drafter
@@ -49,7 +43,7 @@ from train.feed import DeviceFeed
 from train.mask import flex_kernel_options
 from train.metrics import MetricsWriter, StatSums
 from train.model import DFlashDrafter, init_drafter_weights
-from train.plan import PlanSpec
+from train.plan import PlanSpec, epoch_lengths
 from train.step import Batch, forward_loss
 
 log = logging.getLogger(__name__)
@@ -63,10 +57,15 @@ class Prepared:
 
     drafter: DrafterConfig
     parts: tuple[PartInfo, ...]
-    train_parts: tuple[int, ...]
-    eval_parts: tuple[int, ...]
+    # per part, every sample's length in training / in evaluation (0: not in that set)
+    train_lengths: tuple[tuple[int, ...], ...]
+    eval_lengths: tuple[tuple[int, ...], ...]
     layers: tuple[int, ...]  # positions in the cached layer axis, in the drafter's order
     gamma: float
+
+    @property
+    def num_eval(self) -> int:
+        return sum(1 for ls in self.eval_lengths for n in ls if n > 0)
 
 
 def lr_factor(step: int, *, total: int, warmup: int) -> float:
@@ -108,22 +107,21 @@ class Trainer:
         )
         self.workers = max(cfg.workers, 1)
         self.spec = PlanSpec(
-            lengths=tuple(prep.parts[p].lengths for p in prep.train_parts),
+            lengths=prep.train_lengths,
             seed=cfg.seed,
-            num_streams=info.world_size * self.workers,
-            batch_tokens=cfg.batch_tokens,
+            row_tokens=cfg.batch_tokens,
             shuffle_buffer=cfg.shuffle_buffer,
             max_length=cfg.max_length,
         )
         by_steps = cfg.steps is not None
-        self.limits = epoch_limits(
+        self.limits = epoch_lengths(
             self.spec,
-            workers=self.workers,
+            world_size=info.world_size,
             grad_accum=cfg.grad_accum,
             epochs=None if by_steps else cfg.epochs,
             steps=cfg.steps,
         )
-        self.total = cfg.steps if by_steps else sum(n // cfg.grad_accum for n in self.limits)
+        self.total = cfg.steps if by_steps else sum(self.limits) // cfg.grad_accum
         warmup = math.ceil(cfg.warmup * self.total) if cfg.warmup > 0 else 0
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, total=self.total, warmup=warmup)
@@ -144,6 +142,8 @@ class Trainer:
             compile_masks=cfg.compile == "flex" and self.device.type == "cuda",
             ce=cfg.ce,
             compile_ce=cfg.compile == "model",
+            # Fewer blocks when a row has fewer candidates changes shapes: only uncompiled.
+            trim_anchors=self.device.type == "cpu" and cfg.compile == "none",
         )
         self.sums = StatSums(cfg.block_size, self.device)
         self.writer = MetricsWriter(cfg.out, enabled=info.is_main)
@@ -152,12 +152,14 @@ class Trainer:
         self.feed: DeviceFeed | None = None
         # (start, feed.waited at the start): the logging window and its data wait.
         self.window = (time.perf_counter(), 0.0)
+        self.first_step_s: float | None = None
 
     def _make_evaluator(self) -> Evaluator | None:
-        if not self.prep.eval_parts:
+        if not self.prep.num_eval:
             return None
         return Evaluator(
-            [self.prep.parts[p] for p in self.prep.eval_parts],
+            self.prep.parts,
+            self.prep.eval_lengths,
             layers=self.prep.layers,
             rank=self.info.rank,
             world_size=self.info.world_size,
@@ -214,16 +216,19 @@ class Trainer:
             ids = [self.device] if self.device.type == "cuda" else None
             net = DistributedDataParallel(self.model, device_ids=ids)
         if self.cfg.compile == "model":
-            net = torch.compile(net)
+            # Every micro-batch has the same shapes: a shape change is a bug, never a reason to
+            # trace a dynamic graph (torch 2.11's dynamic backward failed on varied lengths).
+            net = torch.compile(net, dynamic=False)
         return net
 
     def loader(self) -> Iterator[dict[str, Any]]:
         """The micro-batches of this rank from the loader state on: PlanDataset, DataLoader."""
         dataset = PlanDataset(
-            [self.prep.parts[p] for p in self.prep.train_parts],
+            self.prep.parts,
             self.spec,
             layers=self.prep.layers,
             rank=self.info.rank,
+            world_size=self.info.world_size,
             workers=self.workers,
             limits=dict(enumerate(self.limits)),
             start_epoch=self.loader_state.epoch,
@@ -235,7 +240,7 @@ class Trainer:
             prefetch=self.cfg.prefetch,
             pin_memory=self.device.type == "cuda",
         )
-        return iter(loader)
+        return checked(iter(loader))
 
     def prepare(self, batches: Iterator[dict[str, Any]] | None = None) -> None:
         """Wrap the model (once); read micro-batches (the loader's item dicts) from `batches`,
@@ -255,6 +260,11 @@ class Trainer:
         self.prepare()
         bar = tqdm(total=self.total, initial=self.step, desc="train", disable=not self.info.is_main)
         try:
+            if self.step < self.total:
+                self.first_step()
+                bar.update(1)
+                if self._after_step(bar, log_now=True):  # a window of the first step alone
+                    return
             while self.step < self.total:
                 self.train_step()
                 bar.update(1)
@@ -271,11 +281,20 @@ class Trainer:
             self.close_loader()
         self._finish()
 
-    def _after_step(self, bar: tqdm) -> bool:
+    def first_step(self) -> None:
+        """The run's first step, timed to its end (compilation included): a one-off sync."""
+        start = time.perf_counter()
+        self.train_step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.first_step_s = time.perf_counter() - start
+        log.info("first step: %.1f s (%d graphs compiled)", self.first_step_s, compiled_graphs())
+
+    def _after_step(self, bar: tqdm, *, log_now: bool = False) -> bool:
         """Logs, evaluations and checkpoints due after a step; True to stop as if killed."""
         cfg, step = self.cfg, self.step
         last = step == self.total
-        if step % cfg.log_every == 0 or last:
+        if step % cfg.log_every == 0 or last or log_now:
             record = self._log()
             bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}")
         if cfg.eval_every and step % cfg.eval_every == 0 and not last:
@@ -322,7 +341,7 @@ class Trainer:
             if i < accum - 1:
                 self.feed.ahead()  # its copy overlaps this micro-batch's backward
             weight_local += out.weight_total.detach().float()
-            self.sums.add(out.weighted_sum, out.weight_total, out.stats, batch.lengths_B.sum())
+            self.sums.add(out.weighted_sum, out.weight_total, out.stats, batch.num_tokens)
             self.loader_state = self.loader_state.advance(self.limits)
         # Every kept block weighs >= 1 at offset 1, so a total below 1 means no targets at all.
         weight_total = all_reduce_sum(weight_local).clamp(min=1.0)
@@ -344,6 +363,7 @@ class Trainer:
         summary = self.sums.reduce()  # the one synchronisation of a logging window
         start, waited = self.window[0], self.feed.waited - self.window[1]
         elapsed = max(time.perf_counter() - start, 1e-9)
+        steps = max(summary["steps"], 1)
         record = {
             "kind": "train",
             "step": self.step,
@@ -354,8 +374,14 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": summary["grad_norm"],
             "tokens_per_s": summary["tokens"] / elapsed,
+            "step_ms": 1e3 * elapsed / steps,
             "data_wait": waited / elapsed,
+            "compiled_graphs": compiled_graphs(),
         }
+        if self.first_step_s is not None:
+            record["first_step_s"], self.first_step_s = self.first_step_s, None
+        if self.device.type == "cuda":
+            record["peak_gpu_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
         self.writer.write(record)
         log.debug("step %d: %s", self.step, record)
         self.window = (time.perf_counter(), self.feed.waited)

@@ -2,11 +2,13 @@
 
 Query index q in [0, Q) is block j = q // block_size at offset k = q % block_size with anchor
 a = anchors[b, j]; key index kv in [0, S + Q) is context row kv when kv < S, else block token
-kv - S. Visibility:
+kv - S. In a packed row, s = starts[b, j] is the first row of the anchor's sample: context keys
+of other samples are never visible. Visibility:
 
-- full layers: context kv < a (strictly before the anchor), and every key of the same block;
-- sliding layers (window W): context a + k - (W - 1) <= kv < a, and same-block keys at offsets
-  k' <= k with k - k' < W (causal inside the block);
+- full layers: context s <= kv < a (inside the sample, strictly before the anchor), and every
+  key of the same block;
+- sliding layers (window W): context max(s, a + k - (W - 1)) <= kv < a, and same-block keys at
+  offsets k' <= k with k - k' < W (causal inside the block);
 - dropped blocks (keep False) see no real key. A softmax over an empty row is NaN in sdpa, so a
   dropped query sees exactly its own key instead; its loss weight is zero, so nothing leaks.
 
@@ -40,6 +42,7 @@ def make_mask_mod(
     block_size: int,
     layer_type: str,
     sliding_window: int | None,
+    starts_BN: torch.Tensor | None = None,
 ) -> MaskMod:
     """The mask function `mask_mod(b, h, q_idx, kv_idx) -> bool` (flex signature, broadcasts).
 
@@ -60,13 +63,15 @@ def make_mask_mod(
     # Filled on the device: torch.tensor(x, device=gpu) copies from pageable memory, which makes
     # the host wait for the device in every step.
     ctx_len = torch.full((), context_len, dtype=torch.int64, device=anchors_BN.device)
+    if starts_BN is None:
+        starts_BN = torch.zeros_like(anchors_BN)
 
     def mask_mod(b, h, q_idx, kv_idx):
         j, k = q_idx // block_size, q_idx % block_size
-        anchor, keep = anchors_BN[b, j], keep_BN[b, j]
+        anchor, keep, start = anchors_BN[b, j], keep_BN[b, j], starts_BN[b, j]
         in_ctx = kv_idx < ctx_len
         blk_idx = kv_idx - ctx_len
-        ctx_ok = in_ctx & (kv_idx < anchor)
+        ctx_ok = in_ctx & (kv_idx >= start) & (kv_idx < anchor)
         blk_ok = ~in_ctx & (blk_idx // block_size == j)
         if sliding:
             k_key = blk_idx % block_size
@@ -86,6 +91,7 @@ def dense_mask(
     block_size: int,
     layer_type: str,
     sliding_window: int | None,
+    starts_BN: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Boolean sdpa mask [B, 1, Q, S + Q] (True = may attend) from the mask function."""
     mod = make_mask_mod(
@@ -95,6 +101,7 @@ def dense_mask(
         block_size=block_size,
         layer_type=layer_type,
         sliding_window=sliding_window,
+        starts_BN=starts_BN,
     )
     batch, n_blocks = anchors_BN.shape
     q_len = n_blocks * block_size
@@ -114,14 +121,14 @@ def flex_block_mask(
     block_size: int,
     layer_type: str,
     sliding_window: int | None,
+    starts_BN: torch.Tensor | None = None,
     compiled: bool = False,
 ) -> BlockMask:
     """flex_attention BlockMask built from the same mask function as `dense_mask`.
 
-    `compiled` uses one `torch.compile(create_block_mask)` per process; lengths padded to
-    multiples of 128 keep the number of distinct shapes (and recompiles) bounded. The eager
-    builder costs a few ms per call at training sizes; see `train.step.forward_loss` for the
-    measured trade-off.
+    `compiled` uses one `torch.compile(create_block_mask)` per process; training rows have
+    one shape for the whole run, so it compiles once. The eager builder costs a few ms per call
+    at training sizes; see `train.step.forward_loss` for the measured trade-off.
     """
     mod = make_mask_mod(
         anchors_BN,
@@ -130,6 +137,7 @@ def flex_block_mask(
         block_size=block_size,
         layer_type=layer_type,
         sliding_window=sliding_window,
+        starts_BN=starts_BN,
     )
     batch, n_blocks = anchors_BN.shape
     q_len = n_blocks * block_size
@@ -146,9 +154,11 @@ def build_masks(
     layer_types: Sequence[str],
     sliding_window: int | None,
     attention: str,
+    starts_BN: torch.Tensor | None = None,
     compiled: bool = False,
 ) -> dict[str, Any]:
-    """One mask per distinct layer type, in the form `attention` ("sdpa" or "flex") needs."""
+    """One mask per distinct layer type, in the form `attention` ("sdpa" or "flex") needs;
+    `starts_BN` (see `train.anchors.context_starts`) confines each block to its sample."""
     if attention not in ("sdpa", "flex"):
         raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}")
     masks: dict[str, Any] = {}
@@ -158,6 +168,7 @@ def build_masks(
             block_size=block_size,
             layer_type=layer_type,
             sliding_window=sliding_window,
+            starts_BN=starts_BN,
         )
         if attention == "sdpa":
             masks[layer_type] = dense_mask(anchors_BN, keep_BN, **kwargs)

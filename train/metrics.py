@@ -75,6 +75,7 @@ def summarise(values: list[float], block_size: int) -> dict[str, Any]:
         "acc": [c / n if n > 0 else math.nan for c, n in zip(correct[1:], count[1:], strict=True)],
         "tokens": tokens,
         "grad_norm": gnorm / steps if steps > 0 else math.nan,
+        "steps": int(steps),
     }
 
 

@@ -1,26 +1,29 @@
-"""Epoch plans: which micro-batches every rank and DataLoader worker reads, from metadata only.
+"""Epoch plans: which packed rows every rank and DataLoader worker reads, from metadata only.
 
-A plan is a chain of small deterministic stages over plain values (part numbers, sample lengths):
+Every micro-batch is one *row* of exactly `row_tokens` context tokens holding whole samples back
+to back (the rest is padding), so compiled code sees one shape for the whole run. A plan is a
+chain of small deterministic stages over plain values (part numbers, sample lengths):
 
-    order_parts -> split_by_tokens (into ranks x workers streams) -> stream_samples
-                -> shuffle_buffer -> pack
+    order_parts -> epoch_samples -> shuffle_buffer -> pack_rows -> rank_rows -> worker_rows
 
-A *stream* is the sequence of micro-batches one DataLoader worker of one rank produces in one
-epoch; there are `world_size * workers` of them, numbered `rank * workers + worker`. Splitting
-parts straight into streams (instead of ranks first, then workers) makes the global batch depend
-only on the number of streams: 2 ranks x 1 worker and 1 rank x 2 workers with twice the gradient
-accumulation see the same micro-batches, which the tests use to check distributed training.
+The whole epoch is packed first, then cut into contiguous slices: every rank gets the same
+number of rows (at most world_size - 1 rows of an epoch are dropped, one per rank at most), and
+its workers get nearly equal contiguous slices of those (a worker may get none). Samples, not
+parts, are split, so any cache with a step's worth of rows trains on any number of ranks and
+workers; a slice is contiguous in the shuffled order, so a worker still reads few parts.
+Because the row list depends on nothing but the seed and the cache, 2 ranks x 1 worker and
+1 rank x 2 workers with twice the accumulation see the same rows (when the row count is even),
+which the tests use to check distributed training.
 
-A rank consumes its streams round robin, the same order torch's DataLoader returns items of an
+A rank consumes its workers round robin, the order torch's DataLoader returns the items of an
 IterableDataset in; `rank_schedule` turns that into what each worker yields, with placeholders so
-every worker yields the same number of items per epoch (the DataLoader's round robin then never
-drifts) and with a rotation of workers so a resumed run continues the exact order. Every rank
-runs `epoch_limit` micro-batches per epoch: the shortest rank's count, rounded down to whole
-optimizer steps, so no rank waits in a collective at an epoch's end.
+that every worker yields the same number of items per epoch and with a rotation of workers so a
+resumed run continues the exact order. Optimizer steps may span an epoch boundary.
 """
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,13 +31,14 @@ from typing import NamedTuple, TypeVar
 
 import numpy as np
 
-PAD_MULTIPLE = 128  # sequence lengths are padded to this: a bounded set of compiled shapes
-
 T = TypeVar("T")
+
+PACK_POOL = 64  # samples waiting to be placed into rows: enough short ones to fill the tails
 
 
 class SampleRef(NamedTuple):
-    """One sample of the cache: part number (index into the part list), row in it, its length."""
+    """One sample of the cache: part number (index into the part list), row in it, its length
+    (already clipped to what a row holds)."""
 
     part: int
     index: int
@@ -45,11 +49,6 @@ def mix_seed(*values: int) -> int:
     """A well-mixed 63-bit seed from several integers (seed, epoch, stream, ...)."""
     state = np.random.SeedSequence([int(v) for v in values]).generate_state(2, dtype=np.uint32)
     return (int(state[0]) << 31) ^ int(state[1])
-
-
-def padded_length(length: int, multiple: int = PAD_MULTIPLE) -> int:
-    """`length` rounded up to a multiple of `multiple` (at least one multiple)."""
-    return max(multiple, -(-length // multiple) * multiple)
 
 
 # --- stages ----------------------------------------------------------------------------------
@@ -67,35 +66,19 @@ def order_parts(num_parts: int, *, seed: int, epoch: int, shuffle: bool = True) 
     return order
 
 
-def split_by_tokens(parts: Sequence[int], tokens: Sequence[int], *, n: int) -> list[list[int]]:
-    """Split `parts` into `n` lists of about equal token count, each keeping the input order.
-
-    Largest parts first onto the lightest list (ties: the lowest list), then each list is put
-    back into the order of `parts`. `tokens[p]` is the token count of part `p`.
-
-    >>> split_by_tokens([0, 1, 2, 3], [5, 1, 1, 3], n=2)
-    [[0], [1, 2, 3]]
-    """
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    rank_in_input = {p: i for i, p in enumerate(parts)}
-    loads = [0] * n
-    bins: list[list[int]] = [[] for _ in range(n)]
-    for p in sorted(parts, key=lambda p: (-tokens[p], rank_in_input[p])):
-        lightest = min(range(n), key=lambda b: (loads[b], b))
-        bins[lightest].append(p)
-        loads[lightest] += tokens[p]
-    return [sorted(b, key=rank_in_input.__getitem__) for b in bins]
-
-
-def stream_samples(
-    parts: Iterable[int], lengths: Sequence[Sequence[int]], *, max_length: int | None = None
+def epoch_samples(
+    parts: Iterable[int], lengths: Sequence[Sequence[int]], *, clip: int
 ) -> Iterator[SampleRef]:
-    """Every sample of `parts` in part order then stored order, lengths clipped to max_length."""
+    """Every sample of `parts` in part order then stored order, lengths clipped to `clip`;
+    samples of length 0 (held out for evaluation, see `holdout_lengths`) are skipped.
+
+    >>> list(epoch_samples([1, 0], [[3, 0], [9]], clip=4))
+    [SampleRef(part=1, index=0, length=4), SampleRef(part=0, index=0, length=3)]
+    """
     for p in parts:
         for n, length in enumerate(lengths[p]):
-            length = int(length)
-            yield SampleRef(p, n, length if max_length is None else min(length, max_length))
+            if length > 0:
+                yield SampleRef(p, n, min(int(length), clip))
 
 
 def shuffle_buffer(items: Iterable[T], *, size: int, rng: random.Random) -> Iterator[T]:
@@ -119,28 +102,72 @@ def shuffle_buffer(items: Iterable[T], *, size: int, rng: random.Random) -> Iter
     yield from buf
 
 
-def pack(
-    samples: Iterable[SampleRef], *, batch_tokens: int, multiple: int = PAD_MULTIPLE
+def pack_rows(
+    samples: Iterable[SampleRef], *, row_tokens: int, pool: int = PACK_POOL
 ) -> Iterator[list[SampleRef]]:
-    """Greedy micro-batches in arrival order with padded length x batch size <= batch_tokens.
+    """Rows of whole samples, each at most `row_tokens` long (best fit from a small pool).
 
-    The padded length is the longest sample's length rounded up to `multiple`; a sample that
-    does not fit the budget even alone forms a batch by itself.
+    Up to `pool` samples wait at once. A row starts with the longest waiting sample, then
+    repeatedly takes the longest waiting sample that still fits (ties: the earliest), until
+    none fits; the pool is refilled in arrival order after every placement. Every sample is
+    placed exactly once; `length <= row_tokens` is required (clip first).
 
-    >>> [len(b) for b in pack([SampleRef(0, i, 100) for i in range(5)], batch_tokens=256)]
-    [2, 2, 1]
+    >>> rows = pack_rows([SampleRef(0, i, n) for i, n in enumerate([5, 3, 4, 2])], row_tokens=7)
+    >>> [[r.length for r in row] for row in rows]
+    [[5, 2], [4, 3]]
     """
-    batch: list[SampleRef] = []
-    longest = 0
-    for s in samples:
-        new_longest = max(longest, padded_length(s.length, multiple))
-        if batch and new_longest * (len(batch) + 1) > batch_tokens:
-            yield batch
-            batch, new_longest = [], padded_length(s.length, multiple)
-        batch.append(s)
-        longest = new_longest
-    if batch:
-        yield batch
+    source = iter(samples)
+    waiting: list[tuple[int, int, SampleRef]] = []  # (length, -arrival, ref), sorted ascending
+    arrival = 0
+
+    def refill() -> None:
+        nonlocal arrival
+        while len(waiting) < pool:
+            ref = next(source, None)
+            if ref is None:
+                return
+            if not 0 < ref.length <= row_tokens:
+                raise ValueError(f"sample length {ref.length} not in [1, {row_tokens}]")
+            bisect.insort(waiting, (ref.length, -arrival, ref))
+            arrival += 1
+
+    refill()
+    while waiting:
+        row, room = [], row_tokens
+        while waiting:
+            # the longest waiting sample of length <= room; among equals the earliest arrival
+            i = bisect.bisect_right(waiting, (room, 1, None)) - 1
+            if i < 0:
+                break
+            length, _, ref = waiting.pop(i)
+            row.append(ref)
+            room -= length
+            refill()
+        yield row
+
+
+def contiguous_slices(count: int, n: int) -> list[range]:
+    """`n` contiguous ranges covering 0..count-1, sizes differing by at most one (larger first).
+
+    >>> contiguous_slices(5, 2)
+    [range(0, 3), range(3, 5)]
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    base, extra = divmod(count, n)
+    out, start = [], 0
+    for i in range(n):
+        size = base + (1 if i < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def rank_rows(num_rows: int, *, rank: int, world_size: int) -> range:
+    """The rows of `rank`: contiguous, `num_rows // world_size` for every rank (the remainder,
+    fewer than world_size rows, is dropped)."""
+    per = num_rows // world_size
+    return range(rank * per, (rank + 1) * per)
 
 
 # --- composition -----------------------------------------------------------------------------
@@ -150,68 +177,120 @@ def pack(
 class PlanSpec:
     """Everything an epoch plan depends on besides the epoch number."""
 
-    lengths: tuple[tuple[int, ...], ...]  # per part, the length of every sample
+    lengths: tuple[tuple[int, ...], ...]  # per part, every sample's length (0: not in this plan)
     seed: int
-    num_streams: int  # world_size x workers
-    batch_tokens: int
+    row_tokens: int
     shuffle_buffer: int
     max_length: int | None = None
     shuffle: bool = True
 
     @property
-    def part_tokens(self) -> list[int]:
-        return [sum(ls) for ls in self.lengths]
+    def clip(self) -> int:
+        """What a sample is truncated to: the row, or max_length if shorter."""
+        return min(self.row_tokens, self.max_length or self.row_tokens)
 
 
-def plan_stream(spec: PlanSpec, parts: Sequence[int], *, epoch: int, stream: int) -> list:
-    """The micro-batches (lists of SampleRef) of one stream in one epoch."""
-    samples = stream_samples(parts, spec.lengths, max_length=spec.max_length)
-    if spec.shuffle:
-        rng = random.Random(mix_seed(spec.seed, epoch, stream, 0x5B0F))
-        samples = shuffle_buffer(samples, size=spec.shuffle_buffer, rng=rng)
-    return list(pack(samples, batch_tokens=spec.batch_tokens))
-
-
-def stream_parts(spec: PlanSpec, *, epoch: int) -> list[list[int]]:
-    """The parts of every stream in one epoch (the order each stream reads them in)."""
+def plan_rows(spec: PlanSpec, *, epoch: int) -> list[list[SampleRef]]:
+    """Every packed row of one epoch, in the order ranks and workers slice them."""
     order = order_parts(len(spec.lengths), seed=spec.seed, epoch=epoch, shuffle=spec.shuffle)
-    return split_by_tokens(order, spec.part_tokens, n=spec.num_streams)
+    samples = epoch_samples(order, spec.lengths, clip=spec.clip)
+    if spec.shuffle:
+        rng = random.Random(mix_seed(spec.seed, epoch, 0x5B0F))
+        samples = shuffle_buffer(samples, size=spec.shuffle_buffer, rng=rng)
+    return list(pack_rows(samples, row_tokens=spec.row_tokens))
 
 
-def plan_epoch(spec: PlanSpec, *, epoch: int) -> list[list[list[SampleRef]]]:
-    """Micro-batches of every stream in one epoch: `plan[stream][i]` is a list of SampleRef."""
+def worker_rows(
+    num_rows: int, *, rank: int, world_size: int, workers: int, even: bool = True
+) -> list[range]:
+    """The row numbers each of `rank`'s workers reads in one epoch: contiguous slices of the
+    rank's rows. `even`: every rank the same count (`rank_rows`); else nearly equal shares, none
+    dropped.
+
+    >>> worker_rows(7, rank=1, world_size=2, workers=2)
+    [range(3, 5), range(5, 6)]
+    """
+    if even:
+        mine = rank_rows(num_rows, rank=rank, world_size=world_size)
+    else:
+        mine = contiguous_slices(num_rows, world_size)[rank]
     return [
-        plan_stream(spec, parts, epoch=epoch, stream=s)
-        for s, parts in enumerate(stream_parts(spec, epoch=epoch))
+        range(mine.start + s.start, mine.start + s.stop)
+        for s in contiguous_slices(len(mine), workers)
     ]
 
 
-def epoch_limit(stream_counts: Sequence[int], *, workers: int, grad_accum: int) -> int:
-    """Micro-batches every rank runs in an epoch: the shortest rank's, in whole optimizer steps.
+def epoch_lengths(
+    spec: PlanSpec, *, world_size: int, epochs: int | None, steps: int | None, grad_accum: int
+) -> list[int]:
+    """Rows per rank of each epoch to run: `epochs` of them, or enough for `steps` steps.
 
-    `stream_counts[s]` is the number of micro-batches of stream s; rank r owns streams
-    r*workers .. r*workers + workers - 1.
-
-    >>> epoch_limit([3, 4, 5, 1], workers=2, grad_accum=2)
-    6
+    Raises ValueError when an epoch has fewer rows than one optimizer step needs on every rank
+    (world_size x grad_accum): the caller turns it into a message about the cache's size.
     """
-    per_rank = [sum(stream_counts[r : r + workers]) for r in range(0, len(stream_counts), workers)]
-    shortest = min(per_rank) if per_rank else 0
-    return shortest - shortest % grad_accum
+    limits: list[int] = []
+    need = steps * grad_accum if steps is not None else None
+    while len(limits) < (epochs or 0) if need is None else sum(limits) < need:
+        rows = len(plan_rows(spec, epoch=len(limits)))
+        if rows < world_size * grad_accum:
+            raise ValueError(
+                f"epoch {len(limits)} packs into {rows} rows; one optimizer step needs "
+                f"{world_size * grad_accum} (ranks x grad_accum)"
+            )
+        limits.append(rows // world_size)
+    return limits
 
 
-# --- the order a rank consumes its streams in ------------------------------------------------
+def evenly_spaced(total: int, count: int) -> list[int]:
+    """`count` of 0..total-1, evenly spaced (centred in equal strides).
+
+    >>> evenly_spaced(10, 2)
+    [2, 7]
+    """
+    if not 0 <= count < max(total, 1):
+        raise ValueError(f"cannot hold out {count} of {total} for evaluation")
+    return sorted({int((i + 0.5) * total / count) for i in range(count)})
+
+
+def holdout_lengths(
+    lengths: Sequence[Sequence[int]], *, num_samples: int = 0, num_parts: int = 0
+) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """(train, eval) per-part length tables: held-out samples have length 0 in the train table
+    and the others 0 in the eval table. `num_parts` > 0 holds out that many whole parts, evenly
+    spaced; otherwise `num_samples` samples evenly spaced over the cache in stored order.
+
+    >>> holdout_lengths([[5, 6], [7, 8]], num_samples=1)
+    (((5, 6), (0, 8)), ((0, 0), (7, 0)))
+    """
+    flat = [(p, n) for p, ls in enumerate(lengths) for n in range(len(ls))]
+    if num_parts > 0:
+        parts = set(evenly_spaced(len(lengths), num_parts))
+        held = {(p, n) for p, n in flat if p in parts}
+    else:
+        held = {flat[i] for i in evenly_spaced(len(flat), num_samples)}
+    train = tuple(
+        tuple(0 if (p, n) in held else int(x) for n, x in enumerate(ls))
+        for p, ls in enumerate(lengths)
+    )
+    evals = tuple(
+        tuple(int(x) if (p, n) in held else 0 for n, x in enumerate(ls))
+        for p, ls in enumerate(lengths)
+    )
+    return train, evals
+
+
+# --- the order a rank consumes its workers in ------------------------------------------------
 
 
 class WorkerItem(NamedTuple):
-    """One item a worker yields: batch `round` of its stream, or a placeholder when not real."""
+    """One item a worker yields: row `round` of its slice, or a placeholder when not real."""
 
     round: int
     real: bool
 
 
 def _real_positions(counts: Sequence[int], limit: int) -> list[int]:
-    """Round-robin positions (round * W + stream) of a rank's first `limit` real batches."""
+    """Round-robin positions (round * W + worker) of a rank's first `limit` real rows."""
     w = len(counts)
     positions = [
         t * w + s for t in range(max(counts, default=0)) for s in range(w) if t < counts[s]
@@ -222,13 +301,13 @@ def _real_positions(counts: Sequence[int], limit: int) -> list[int]:
 def rank_schedule(
     counts: Sequence[int], *, limit: int, consumed: int = 0
 ) -> tuple[int, list[list[WorkerItem]]]:
-    """What each of a rank's workers yields in one epoch, resuming after `consumed` batches.
+    """What each of a rank's workers yields in one epoch, resuming after `consumed` rows.
 
-    `counts[l]` is the number of micro-batches of the rank's stream l (l = 0..W-1). The rank
-    consumes streams round robin, skipping exhausted ones, and stops after `limit` batches.
-    Returns `(rotation, items)`: physical worker i reads stream (i + rotation) % W and yields
+    `counts[l]` is the number of rows of the rank's worker slice l (l = 0..W-1). The rank
+    consumes slices round robin, skipping exhausted ones, and stops after `limit` rows.
+    Returns `(rotation, items)`: physical worker i reads slice (i + rotation) % W and yields
     `items[(i + rotation) % W]`; merging the workers' items round robin (what DataLoader does)
-    and dropping placeholders gives exactly batches consumed+1 .. limit in order.
+    and dropping placeholders gives exactly rows consumed+1 .. limit in order.
 
     >>> rank_schedule([2, 1], limit=3)
     (0, [[WorkerItem(round=0, real=True), WorkerItem(round=1, real=True)], \

@@ -16,16 +16,17 @@ from typing import Any
 from safetensors import safe_open
 
 from shared.cli import to_json
-from shared.dist import launch, parse_gpus, under_torchrun
+from shared.dist import launch, parse_gpus, torchrun_world_size, under_torchrun
 from shared.fsio import atomic_write_json
 from shared.manifest import CacheMismatch, Manifest, check_compatible, read_manifest
 from shared.target_files import EMBED_FILE, EMBED_KEY, read_target_config, target_dir
 from train.anchors import default_gamma
 from train.checkpoint import list_checkpoints, read_meta, resolve_resume
 from train.config import TrainConfig, config_changes
-from train.data import layer_positions, load_catalog, split_eval
+from train.data import layer_positions, load_catalog
 from train.drafter_config import DrafterConfig
 from train.loop import EXPORT_DIR, Prepared, train_rank
+from train.plan import PlanSpec, holdout_lengths, plan_rows
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +46,13 @@ def run(cfg: TrainConfig) -> Path:
     manifest = read_manifest(cfg.data)
     cfg, prep = prepare(cfg, manifest, device_kind=spec.kind)
     world_size = None if under_torchrun() else spec.nprocs
+    check_size(cfg, prep, world_size or torchrun_world_size())
     prepare_run_dir(cfg, prep, manifest, world_size=world_size)
     log.info(
-        "training a %d-layer drafter on %d parts (%d held out) with %s, target layers %s",
+        "training a %d-layer drafter on %d parts (%d samples held out) with %s, target layers %s",
         prep.drafter.num_layers,
-        len(prep.train_parts),
-        len(prep.eval_parts),
+        len(prep.parts),
+        prep.num_eval,
         spec,
         list(prep.drafter.target_layer_ids),
     )
@@ -94,18 +96,17 @@ def prepare(
         problems = e.problems + problems
     parts, part_problems = load_catalog(cfg.data, manifest)
     problems += part_problems
-    num_eval = (
-        cfg.eval_parts
-        if cfg.eval_parts is not None
-        else int(cfg.eval_fraction * len(manifest.parts))
-    )
-    if parts and num_eval >= len(parts):
-        problems.append(f"cannot hold out {num_eval} of {len(parts)} parts for evaluation")
+    lengths = [p.lengths for p in parts]
+    num_samples = sum(map(len, lengths))
+    held_parts = cfg.eval_parts or 0
+    held = eval_sample_count(cfg.eval_fraction, num_samples) if cfg.eval_parts is None else 0
+    if parts and held_parts >= len(parts):
+        problems.append(f"cannot hold out {held_parts} of {len(parts)} parts for evaluation")
     if not manifest.parts:
         problems.append("the cache holds no parts")
     if problems or drafter is None:
         raise CacheMismatch(cfg.data, problems)
-    train_parts, eval_parts = split_eval(len(parts), num_eval)
+    train_lengths, eval_lengths = holdout_lengths(lengths, num_samples=held, num_parts=held_parts)
     gamma = cfg.gamma or default_gamma(cfg.block_size)
     cfg = cfg.replace(
         target_layers=",".join(map(str, wanted)),
@@ -113,16 +114,68 @@ def prepare(
         mask_token_id=drafter.mask_token_id,
         gamma=gamma,
         max_length=cfg.max_length or manifest.max_length,
+        num_anchors=cfg.anchors_per_row,
     )
     prep = Prepared(
         drafter=drafter,
         parts=tuple(parts),
-        train_parts=tuple(train_parts),
-        eval_parts=tuple(eval_parts),
+        train_lengths=train_lengths,
+        eval_lengths=eval_lengths,
         layers=layer_positions(manifest.layer_ids, wanted),
         gamma=gamma,
     )
     return cfg, prep
+
+
+def eval_sample_count(fraction: float, num_samples: int) -> int:
+    """Samples held out for evaluation: the fraction rounded down, but at least one when the
+    fraction is positive and the cache has two or more samples (a small cache still gets an
+    honest held-out figure).
+
+    >>> eval_sample_count(0.01, 480), eval_sample_count(0.01, 50), eval_sample_count(0.0, 50)
+    (4, 1, 0)
+    """
+    if fraction <= 0 or num_samples < 2:
+        return 0
+    return min(num_samples - 1, max(1, int(fraction * num_samples)))
+
+
+def check_size(cfg: TrainConfig, prep: Prepared, world_size: int) -> None:
+    """Refuse, before any work, a cache too small for one optimizer step on `world_size` ranks;
+    log how many samples are truncated to a row."""
+    spec = PlanSpec(
+        lengths=prep.train_lengths,
+        seed=cfg.seed,
+        row_tokens=cfg.batch_tokens,
+        shuffle_buffer=cfg.shuffle_buffer,
+        max_length=cfg.max_length,
+    )
+    rows = len(plan_rows(spec, epoch=0))
+    need = world_size * cfg.grad_accum
+    tokens = sum(min(n, spec.clip) for ls in prep.train_lengths for n in ls)
+    if rows < need:
+        raise RunError(
+            f"{cfg.data}: too small for one optimizer step: its {tokens:,} training tokens pack "
+            f"into {rows} rows of --batch-tokens {cfg.batch_tokens}, and one step on {world_size} "
+            f"rank(s) with --grad-accum {cfg.grad_accum} needs {need} rows (about "
+            f"{need * cfg.batch_tokens:,} tokens). Extract more data, or lower --batch-tokens, "
+            "--grad-accum or the number of devices"
+        )
+    longer = sum(1 for ls in prep.train_lengths for n in ls if n > spec.clip)
+    if longer:
+        log.warning(
+            "%d training samples are longer than a row (%d tokens): truncated to it",
+            longer,
+            spec.clip,
+        )
+    log.info(
+        "epoch 0: %d samples, %s tokens in %d rows of %d (%.1f%% padding)",
+        sum(1 for ls in prep.train_lengths for n in ls if n > 0),
+        f"{tokens:,}",
+        rows,
+        cfg.batch_tokens,
+        100 * (1 - tokens / max(rows * cfg.batch_tokens, 1)),
+    )
 
 
 def _drafter_config(

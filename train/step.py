@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,7 @@ from train.anchors import (
     block_inputs,
     block_positions,
     block_targets,
+    context_starts,
     loss_weights,
     sample_anchors,
 )
@@ -23,26 +25,42 @@ from train.model import DFlashDrafter
 
 @dataclass
 class Batch:
-    """A padded batch of cached samples; give exactly one of hidden_BSKH or context_BSC.
+    """Packed rows of cached samples; give exactly one of hidden_BSKH or context_BSC.
 
-    hidden_BSKH holds the K captured target layers per token (bf16 or float); context_BSC is
-    the same data already flattened to C = K*H (layers concatenated in target_layer_ids order).
+    Each of the B rows holds whole samples back to back: `doc_ids_BS` numbers them (-1 on
+    padding), `positions_BS` restarts at 0 at each sample. hidden_BSKH holds the K captured target
+    layers per token (bf16 or float); context_BSC is the same data already flattened to C = K*H
+    (layers concatenated in target_layer_ids order). `num_tokens` counts the real tokens.
     """
 
     ids_BS: torch.Tensor
     loss_mask_BS: torch.Tensor
-    lengths_B: torch.Tensor
+    doc_ids_BS: torch.Tensor
+    positions_BS: torch.Tensor
     hidden_BSKH: torch.Tensor | None = None
     context_BSC: torch.Tensor | None = None
+    num_tokens: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if (self.hidden_BSKH is None) == (self.context_BSC is None):
             raise ValueError("Batch: give exactly one of hidden_BSKH and context_BSC")
-        if self.ids_BS.shape != self.loss_mask_BS.shape:
-            raise ValueError(
-                f"Batch: ids_BS {tuple(self.ids_BS.shape)} and loss_mask_BS "
-                f"{tuple(self.loss_mask_BS.shape)} differ"
-            )
+        for name in ("loss_mask_BS", "doc_ids_BS", "positions_BS"):
+            if getattr(self, name).shape != self.ids_BS.shape:
+                raise ValueError(
+                    f"Batch: ids_BS {tuple(self.ids_BS.shape)} and {name} "
+                    f"{tuple(getattr(self, name).shape)} differ"
+                )
+        if self.num_tokens is None:
+            self.num_tokens = (self.doc_ids_BS >= 0).sum()
+
+    @classmethod
+    def one_per_row(cls, lengths_B: torch.Tensor, **fields: torch.Tensor) -> Batch:
+        """A batch whose row b holds one sample of length lengths_B[b], then padding."""
+        seq = fields["ids_BS"].shape[1]
+        pos_BS = torch.arange(seq, device=lengths_B.device).expand(len(lengths_B), seq)
+        inside = pos_BS < lengths_B[:, None]
+        doc_ids_BS = torch.where(inside, 0, -1).to(torch.int32)
+        return cls(doc_ids_BS=doc_ids_BS, positions_BS=(pos_BS * inside).int(), **fields)
 
     def context(self) -> torch.Tensor:
         """Context input [B, S, K*H]."""
@@ -55,13 +73,7 @@ class Batch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=non_blocking)
 
-        return Batch(
-            ids_BS=move(self.ids_BS),
-            loss_mask_BS=move(self.loss_mask_BS),
-            lengths_B=move(self.lengths_B),
-            hidden_BSKH=move(self.hidden_BSKH),
-            context_BSC=move(self.context_BSC),
-        )
+        return Batch(**{k: move(v) for k, v in vars(self).items()})
 
 
 @dataclass
@@ -92,18 +104,47 @@ def forward_loss(
     batch: Batch,
     *,
     num_anchors: int,
+    generator: torch.Generator,
+    trim_anchors: bool = False,
+    **options: Any,
+) -> StepOut:
+    """The whole training forward for one micro-batch: draw anchors, then `anchored_loss`.
+
+    `num_anchors` blocks per row, drawn with `generator` (`train.anchors.sample_anchors`);
+    `trim_anchors` drops the all-padding blocks (a shape change: only where nothing is compiled).
+    `options` are `anchored_loss`'s.
+    """
+    anchors_BN, keep_BN = sample_anchors(
+        batch.loss_mask_BS,
+        batch.doc_ids_BS,
+        num_anchors=num_anchors,
+        generator=generator,
+        trim=trim_anchors,
+    )
+    return anchored_loss(
+        drafter, embed_weight_VH, lm_head_weight_VH, batch, anchors_BN, keep_BN, **options
+    )
+
+
+def anchored_loss(
+    drafter: nn.Module,
+    embed_weight_VH: torch.Tensor,
+    lm_head_weight_VH: torch.Tensor,
+    batch: Batch,
+    anchors_BN: torch.Tensor,
+    keep_BN: torch.Tensor,
+    *,
     block_size: int,
     gamma: float,
     mask_token_id: int,
     attention: str,
-    generator: torch.Generator,
     ce_chunk_blocks: int = 128,
     grad_ckpt: str = "loss",
     compile_masks: bool = False,
     ce: str = "fused",
     compile_ce: bool = False,
 ) -> StepOut:
-    """The whole training forward for one micro-batch.
+    """The training forward of one micro-batch for given anchors (a pure function of them).
 
     `drafter` may be wrapped (DDP, torch.compile). The embedding and lm_head weights are the
     target's, frozen: plain tensors, never drafter parameters. `grad_ckpt`: "loss" checkpoints
@@ -116,6 +157,8 @@ def forward_loss(
     eager, but the first step 210 s vs 13 s (compiling the mask for the second layer type alone
     took 215 s), so it is off by default (`--compile flex` turns it on; compare with
     `python bench/train_bench.py --shape qwen3-8b --attention flex --compile flex|none`).
+    A packed row gives exactly the sums of its samples computed one by one
+    (tests/test_packing.py).
     """
     if grad_ckpt not in GRAD_CKPT_MODES:
         raise ValueError(f"grad_ckpt must be one of {GRAD_CKPT_MODES}, got {grad_ckpt!r}")
@@ -124,16 +167,7 @@ def forward_loss(
     cfg = _unwrap(drafter).cfg
     if block_size != cfg.block_size:
         raise ValueError(f"block_size {block_size} differs from the drafter's {cfg.block_size}")
-    ids_BS, loss_mask_BS, lengths_B = batch.ids_BS, batch.loss_mask_BS, batch.lengths_B
-    batch_size, seq = ids_BS.shape
-    # Trimming all-padding blocks reads a count back: free on CPU, a sync on GPUs (skipped).
-    anchors_BN, keep_BN = sample_anchors(
-        loss_mask_BS,
-        lengths_B,
-        num_anchors=num_anchors,
-        generator=generator,
-        trim=ids_BS.device.type == "cpu",
-    )
+    ids_BS, loss_mask_BS, doc_ids_BS = batch.ids_BS, batch.loss_mask_BS, batch.doc_ids_BS
     with torch.no_grad():
         block_ids_BQ = block_inputs(
             ids_BS, anchors_BN, block_size=block_size, mask_token_id=mask_token_id
@@ -142,26 +176,26 @@ def forward_loss(
     masks = build_masks(
         anchors_BN,
         keep_BN,
-        context_len=seq,
+        context_len=ids_BS.shape[1],
         block_size=block_size,
         layer_types=cfg.layer_types,
         sliding_window=cfg.sliding_window,
         attention=attention,
+        starts_BN=context_starts(anchors_BN, batch.positions_BS),
         compiled=compile_masks,
     )
-    ctx_pos_BS = torch.arange(seq, device=ids_BS.device).expand(batch_size, seq)
     hidden_BQH = drafter(
         batch.context(),
         block_emb_BQH,
-        ctx_pos_BS,
-        block_positions(anchors_BN, block_size=block_size),
+        batch.positions_BS.long(),
+        block_positions(anchors_BN, batch.positions_BS, block_size=block_size),
         masks,
         attention=attention,
         checkpoint_layers=grad_ckpt == "layers",
     )
     targets_BQ = block_targets(ids_BS, anchors_BN, block_size=block_size)
     w_BQ = loss_weights(
-        loss_mask_BS, lengths_B, anchors_BN, keep_BN, block_size=block_size, gamma=gamma
+        loss_mask_BS, doc_ids_BS, anchors_BN, keep_BN, block_size=block_size, gamma=gamma
     )
     ce_args = (hidden_BQH.flatten(0, 1), lm_head_weight_VH, targets_BQ.flatten(), w_BQ.flatten())
     chunk_rows = ce_chunk_blocks * block_size
