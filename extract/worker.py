@@ -201,6 +201,7 @@ def rank_main(info: RankInfo, job: Job) -> None:
     log.info(
         "rank %d: %d units on %s, %d writer threads", info.rank, len(mine), info.device, threads
     )
+    start = time.perf_counter()
     try:
         run_units(
             pipeline,
@@ -210,6 +211,14 @@ def rank_main(info: RankInfo, job: Job) -> None:
         )
     finally:
         pipeline.close()
+        seconds = time.perf_counter() - start
+        log.info(
+            "rank %d: %d tokens extracted in %.1f s (%.0f tok/s), target loading excluded",
+            info.rank,
+            counters.counts["tokens"],
+            seconds,
+            counters.counts["tokens"] / max(seconds, 1e-9),
+        )
         capture.close()
         counters.close()
         if bar is not None:

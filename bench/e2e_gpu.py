@@ -1,0 +1,322 @@
+"""The user's path on one GPU, end to end, through the real commands and their default options.
+
+    python bench/e2e_gpu.py --shape qwen3-8b --tokens 1000000 --steps 200 --work /tmp/e2e
+
+1. A target folder of the shape with random weights (`save_pretrained`, a word-level tokenizer
+   built in code; `--target-layers N` keeps the first N layers, for shapes too large for the disk).
+2. Pre-tokenized rows with a long-tailed length mix like chat data: many short, some at the
+   limit (64 .. 3072 tokens, 6% at 3072).
+3. The plain forward of the same rows, batched as extraction batches them (its tok/s is the
+   denominator of extraction's), then `python -m extract --gpus 0`, `python -m extract.verify`,
+   `python -m train --gpus 0 --steps N` (export included) with default settings, and the
+   fixed-shape step of `bench/train_bench.py` in the same run.
+
+Prints one table and writes `--json`: extraction tok/s against the plain forward; training
+context tok/s (real tokens, padding excluded) over the steady windows, MFU by train_bench's
+count (the same shapes: one row of --batch-tokens with its anchor blocks, so the same FLOPs per
+step), first-step seconds, compiled graphs after the first step and at the end, peak GPU memory,
+data-wait fraction; and the fixed-shape benchmark's step as a ratio. Random weights: real speed,
+not real compression ratios or acceptance. `--shape tiny --gpus cpu` runs the same path on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+from shapes import hf_config  # noqa: E402
+
+from extract.batching import length_order, make_batches  # noqa: E402
+from extract.config import ExtractConfig  # noqa: E402
+from extract.target import build_target_layer_ids  # noqa: E402
+
+
+def long_tailed_lengths(tokens: int, *, seed: int, lo: int = 64, hi: int = 3072) -> list[int]:
+    """Lengths summing to at least `tokens`: 6% at `hi`, the rest log-normal around 500."""
+    rng, out = random.Random(seed), []
+    while sum(out) < tokens:
+        if rng.random() < 0.06:
+            out.append(hi)
+        else:
+            out.append(int(min(hi, max(lo, rng.lognormvariate(math.log(500), 1.0)))))
+    return out
+
+
+def write_rows(path: Path, lengths: list[int], vocab: int, seed: int) -> None:
+    """Pre-tokenized JSONL rows: a prompt (5-40% of the row, unsupervised), then the answer."""
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for n in lengths:
+            prompt = max(1, int(n * rng.uniform(0.05, 0.4)))
+            ids = rng.integers(0, vocab, n).tolist()
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * prompt + [1] * (n - prompt)}))
+            f.write("\n")
+
+
+def word_tokenizer(size: int):
+    """A word-level tokenizer of `size` entries (pre-tokenized rows never touch its merges)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def write_target(shape: str, folder: Path, *, layers: int | None, device: str) -> dict[str, Any]:
+    """A random-weight target folder of `shape` (first `layers` layers); returns its config."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(shape)
+    if layers:
+        cfg.num_hidden_layers = layers
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = cfg.layer_types[:layers]
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    # Qwen vocabularies hold ~290 rows past the tokenizer: the mask token lives there.
+    word_tokenizer(cfg.vocab_size - 293).save_pretrained(folder)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return cfg.to_dict()
+
+
+def plain_forward(target: Path, rows_path: Path, device: torch.device) -> dict[str, Any]:
+    """tok/s of the target's plain forward (layers up to the last captured one, no hooks) over
+    the rows, in extraction's parts and batches; the faster of two passes after a warm-up."""
+    from types import SimpleNamespace
+
+    from extract_bench import pure_forward
+
+    from extract.masks import choose_masks
+    from extract.target import load_target, read_config, text_config
+
+    defaults = ExtractConfig(out=Path("unused"))
+    layers = text_config(read_config(str(target)))["num_hidden_layers"]
+    last = max(build_target_layer_ids(layers, defaults.num_layers))
+    rows = [
+        SimpleNamespace(input_ids=np.asarray(json.loads(line)["input_ids"], np.int32))
+        for line in open(rows_path)
+    ]
+    ordered, batches = [], []
+    for u in range(0, len(rows), defaults.rows_per_part):
+        part = rows[u : u + defaults.rows_per_part]
+        part = [part[i] for i in length_order([len(r.input_ids) for r in part])]
+        base = len(ordered)
+        ordered += part
+        lens = [len(r.input_ids) for r in part]
+        for b in make_batches(lens, batch_tokens=defaults.batch_tokens):
+            batches.append(range(b.start + base, b.stop + base))
+    model = load_target(str(target), device=device, last_layer=last)
+    body = model.get_decoder()
+    masks = choose_masks(body)
+    pure_forward(body, ordered, batches[:2], device, masks)  # warm-up
+    seconds = min(pure_forward(body, ordered, batches, device, masks) for _ in range(2))
+    tokens = sum(len(r.input_ids) for r in rows)
+    del model, body
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+
+
+def command(args: list[str], log: Path, env: dict[str, str]) -> float:
+    """Run one of the product's commands; its output to `log`; wall seconds. Fails loudly."""
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        done = subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        tail = log.read_text()[-3000:]
+        raise SystemExit(
+            f"{' '.join(args)} failed ({done.returncode}) after {seconds:.0f} s:\n{tail}"
+        )
+    return seconds
+
+
+def extraction_rate(log: Path) -> tuple[int, float]:
+    """(tokens, seconds) from extract's per-rank line (target loading excluded)."""
+    m = re.search(r"(\d+) tokens extracted in ([\d.]+) s", log.read_text())
+    if not m:
+        raise SystemExit(f"no extraction rate in {log}")
+    return int(m.group(1)), float(m.group(2))
+
+
+def training_figures(run: Path, skip_steps: int) -> dict[str, Any]:
+    """Steady-state figures from metrics.jsonl: windows after `skip_steps`, weighted by steps."""
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    first = train[0]
+    steady = [r for r in train if r["step"] > skip_steps]
+    prev = {r["step"]: p["step"] for p, r in zip(train, train[1:], strict=False)}
+    steps = {r["step"]: r["step"] - prev.get(r["step"], 0) for r in steady}
+    total = sum(steps.values())
+    step_ms = sum(r["step_ms"] * steps[r["step"]] for r in steady) / total
+    tok_s = sum(r["tokens_per_s"] * r["step_ms"] * steps[r["step"]] for r in steady) / (
+        step_ms * total
+    )
+    return {
+        "steps": train[-1]["step"],
+        "first_step_s": first.get("first_step_s"),
+        "graphs_after_first_step": first["compiled_graphs"],
+        "graphs_at_end": train[-1]["compiled_graphs"],
+        "step_ms": step_ms,
+        "context_tok_s": tok_s,
+        "data_wait": sum(r["data_wait"] * steps[r["step"]] for r in steady) / total,
+        "peak_gpu_gb": max(r.get("peak_gpu_gb", 0) for r in train),
+        "loss_first_last": [first["loss"], train[-1]["loss"]],
+        "finite": all(math.isfinite(r["loss"]) for r in train),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="qwen3-8b")
+    p.add_argument("--tokens", type=int, default=1_000_000)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--target-layers", type=int, default=None, help="keep the first N layers")
+    p.add_argument("--gpus", default="0", help="the product's --gpus (cpu for a CPU check)")
+    p.add_argument("--work", type=Path, default=Path("/tmp/e2e"))
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--bench-steps", type=int, default=15)
+    p.add_argument("--keep", action="store_true", help="keep the work folder")
+    args = p.parse_args()
+    cuda = args.gpus != "cpu"
+    device = torch.device("cuda" if cuda else "cpu")
+    work = args.work / args.shape
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    py = sys.executable
+    times: dict[str, float] = {}
+    t = time.perf_counter()
+    cfg = write_target(args.shape, work / "target", layers=args.target_layers, device=device.type)
+    times["target"] = time.perf_counter() - t
+    lengths = long_tailed_lengths(args.tokens, seed=0)
+    write_rows(work / "rows.jsonl", lengths, cfg["vocab_size"] - 293, seed=0)
+    plain = plain_forward(work / "target", work / "rows.jsonl", device)
+    shards, run = work / "shards", work / "run"
+    times["extract"] = command(
+        [py, "-m", "extract", "--gpus", args.gpus, "--target", str(work / "target"),
+         "--data", str(work / "rows.jsonl"), "--out", str(shards)],
+        work / "extract.log", env,
+    )  # fmt: skip
+    tokens, extract_s = extraction_rate(work / "extract.log")
+    times["verify"] = command([py, "-m", "extract.verify", str(shards)], work / "verify.log", env)
+    manifest = json.loads((shards / "manifest.json").read_text())
+    shutil.rmtree(work / "target")  # the trainer never reads it; the disk is needed for runs
+    times["train"] = command(
+        [py, "-m", "train", "--gpus", args.gpus, "--data", str(shards), "--out", str(run),
+         "--steps", str(args.steps)],
+        work / "train.log", env,
+    )  # fmt: skip
+    train = training_figures(run, skip_steps=min(20, args.steps // 4))
+    saved = json.loads((run / "config.json").read_text())
+    export_ok = (run / "export" / "model.safetensors").is_file()
+    shutil.rmtree(shards)
+    shutil.rmtree(run / "checkpoints", ignore_errors=True)
+    bench_json = work / "train_bench.json"
+    command(
+        [py, "bench/train_bench.py", "--shape", args.shape, "--steps", str(args.bench_steps),
+         "--warmup", "4", "--json", str(bench_json), "--workdir", str(work / "bench")],
+        work / "train_bench.log", env,
+    )  # fmt: skip
+    bench = json.loads(bench_json.read_text())
+    same_shape = (bench["seq_len"], bench["anchors"]) == (
+        saved["train"]["batch_tokens"],
+        saved["train"]["num_anchors"],
+    )
+    mfu = bench["mfu"] * bench["step_ms"] / train["step_ms"] if same_shape else None
+    stored = sum(r["nbytes"] for r in manifest["parts"])
+    result = {
+        "shape": args.shape,
+        "target_layers": cfg["num_hidden_layers"],
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "rows": len(lengths),
+        "tokens": tokens,
+        "lengths": {"min": min(lengths), "max": max(lengths), "at_max": lengths.count(3072)},
+        "plain_forward_tok_s": plain["tok_s"],
+        "extract_tok_s": tokens / extract_s,
+        "extract_ratio": (tokens / extract_s) / plain["tok_s"],
+        "stored_bytes_per_token": stored / tokens,
+        "train": train,
+        "train_settings": {
+            k: saved["train"][k]
+            for k in (
+                "attention",
+                "compile",
+                "ce",
+                "grad_ckpt",
+                "batch_tokens",
+                "num_anchors",
+                "workers",
+            )
+        },  # fmt: skip
+        "export_written": export_ok,
+        "fixed_shape": {k: bench[k] for k in ("step_ms", "context_tok_s", "mfu", "first_step_s")},
+        "tok_s_ratio_to_fixed_shape": train["context_tok_s"] / bench["context_tok_s"],
+        "mfu_bench_count": mfu,
+        "wall_s": times,
+    }
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    print_table(result)
+
+
+def print_table(r: dict[str, Any]) -> None:
+    t, f = r["train"], r["fixed_shape"]
+    mfu = f"{100 * r['mfu_bench_count']:.1f}%" if r["mfu_bench_count"] is not None else "n/a"
+    rows = [
+        ("shape / target layers / device", f"{r['shape']} / {r['target_layers']} / {r['device']}"),
+        ("rows, tokens (lengths)", f"{r['rows']:,}, {r['tokens']:,} ({r['lengths']})"),
+        (
+            "extract tok/s vs plain forward",
+            f"{r['extract_tok_s']:,.0f} vs "
+            f"{r['plain_forward_tok_s']:,.0f} = {r['extract_ratio']:.3f}",
+        ),  # fmt: skip
+        ("stored bytes/token", f"{r['stored_bytes_per_token']:,.0f}"),
+        ("train steps, settings", f"{t['steps']}, {r['train_settings']}"),
+        ("train context tok/s (steady)", f"{t['context_tok_s']:,.0f}"),
+        ("train step / fixed-shape step", f"{t['step_ms']:.1f} / {f['step_ms']:.1f} ms"),
+        ("context tok/s vs fixed shape", f"{r['tok_s_ratio_to_fixed_shape']:.3f}"),
+        ("MFU (bench's count)", mfu),
+        ("first step", f"{t['first_step_s']:.1f} s (fixed-shape bench {f['first_step_s']:.1f} s)"),
+        (
+            "compiled graphs: after step 1, at end",
+            f"{t['graphs_after_first_step']}, {t['graphs_at_end']}",
+        ),  # fmt: skip
+        ("peak GPU memory", f"{t['peak_gpu_gb']:.1f} GB"),
+        ("data wait", f"{100 * t['data_wait']:.2f}%"),
+        ("loss first -> last, finite", f"{t['loss_first_last']}, {t['finite']}"),
+        ("export written", str(r["export_written"])),
+        ("wall seconds", json.dumps({k: round(v) for k, v in r["wall_s"].items()})),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+if __name__ == "__main__":
+    main()
