@@ -280,8 +280,10 @@ def main() -> None:
     }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
+    if not args.keep:  # the logs stay
+        for path in work.iterdir():
+            if path.suffix != ".log":
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
     print_table(result)
 
 

@@ -158,7 +158,10 @@ class PartPipeline:
             f.result()
 
     def close(self) -> None:
-        """Wait for every queued write and commit; re-raise the first failure."""
+        """Wait for every queued write and commit; re-raise the first failure. Idempotent."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         try:
             for f in self.commits:
                 f.result()
@@ -209,20 +212,30 @@ def rank_main(info: RankInfo, job: Job) -> None:
             read=lambda unit: _read_unit(job, tokenizer, unit),
             after_part=bar.refresh if bar is not None else None,
         )
+        if info.device.type == "cuda":
+            torch.cuda.synchronize(info.device)
+        forwards = time.perf_counter() - start
+        pipeline.close()
+        _report_rate(info.rank, counters.counts["tokens"], time.perf_counter() - start, forwards)
     finally:
         pipeline.close()
-        seconds = time.perf_counter() - start
-        log.info(
-            "rank %d: %d tokens extracted in %.1f s (%.0f tok/s), target loading excluded",
-            info.rank,
-            counters.counts["tokens"],
-            seconds,
-            counters.counts["tokens"] / max(seconds, 1e-9),
-        )
         capture.close()
         counters.close()
         if bar is not None:
             bar.close()
+
+
+def _report_rate(rank: int, tokens: int, seconds: float, forwards: float) -> None:
+    log.info(
+        "rank %d: %d tokens extracted in %.1f s (%.0f tok/s), target loading excluded; the "
+        "forwards ended at %.1f s, the last writes and commit took %.1f s",
+        rank,
+        tokens,
+        seconds,
+        tokens / max(seconds, 1e-9),
+        forwards,
+        seconds - forwards,
+    )
 
 
 def run_units(
