@@ -122,3 +122,27 @@ def test_step_terms_alpha_stop_gradient_and_selected_stats():
     torch.testing.assert_close(grads["stop"][0], grads["off"][0])  # backbone: CE_base only
     assert not torch.allclose(grads["on"][0], grads["off"][0])
     assert float(grads["stop"][1]) > 0 and float(grads["off"][1]) == 0
+
+
+def test_stat_sums_carry_selected_metrics_only_for_dflash2():
+    from train.metrics import SELECTOR_KEYS, StatSums
+
+    cfg = tiny_drafter_config(
+        drafter_type="dflash2", selector_rank=8, selector_top_k=5, conv_group_size=16
+    )
+    drafter = DFlash2Drafter(cfg)
+    init_dflash2_weights(drafter, 0)
+    targets, w, keep = _batch()
+    hidden = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(2))
+    total, norm, stats = _step(drafter, hidden, SelectorLoss(alpha=0.5), targets, w, keep)
+    sums = StatSums(4, torch.device("cpu"))
+    sums.add(total, norm, stats, torch.tensor(16))
+    out = sums.reduce()
+    assert set(SELECTOR_KEYS) <= set(out) and len(out["selected_acc"]) == 3
+    assert out["selected_tau"] == float(stats["selected_tau"])
+    wt = float(w.sum())
+    assert math.isclose(out["ce_base"], float(stats["ce_base_sum"]) / wt, rel_tol=1e-9)
+    assert math.isclose(out["selector_coverage"], float(stats["selector_weight"]) / wt)
+    plain = {k: v for k, v in stats.items() if not k.startswith("selected_")}
+    sums.add(total, norm, plain, torch.tensor(16))
+    assert not set(SELECTOR_KEYS) & set(sums.reduce())
