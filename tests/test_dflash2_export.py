@@ -1,6 +1,7 @@
 """DFlash2 export: the public schema (fields inside dflash_config, codebooks without `.weight`),
 names and shapes checked, `python -m train.export` from a checkpoint of either type."""
 
+import dataclasses
 import json
 
 import pytest
@@ -9,9 +10,9 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from torch import nn
 
-from tests.test_dflash2_model import dflash2_config, trained_like
+from tests.test_dflash2_model import dflash2_config, inputs, single_block, trained_like
 from train.checkpoint import save_checkpoint
-from train.dflash2 import DFlash2Drafter
+from train.dflash2 import DFlash2Drafter, is_added_parameter
 from train.export import export_drafter, export_keys, load_export, main
 
 
@@ -78,3 +79,31 @@ def test_export_command_from_a_dflash2_checkpoint(tmp_path):
     assert loaded_cfg == cfg and isinstance(loaded, DFlash2Drafter)
     for name, p in drafter.named_parameters():
         torch.testing.assert_close(loaded.state_dict()[name], p.detach().bfloat16().float())
+
+
+def test_warm_start_from_a_dflash_checkpoint_or_export(tmp_path):
+    from tests.drafters import tiny_drafter, tiny_drafter_config
+    from train.drafters import build_drafter, init_weights, warm_start
+
+    base_cfg = tiny_drafter_config(layer_types=("sliding_attention",) * 2, sliding_window=2048)
+    base = tiny_drafter(dataclasses.replace(base_cfg, is_causal=False), seed=4)
+    ckpt = save_checkpoint(tmp_path / "run", 1, {"model": base.state_dict()}, base.cfg, keep=1)
+    export = export_drafter(base, base.cfg, tmp_path / "export")
+    cfg = dflash2_config()  # all sliding over 2048, non-causal: the same attention as `base`
+    for source, exact in ((ckpt, True), (export, False)):
+        drafter = build_drafter(cfg)
+        init_weights(drafter, 0)
+        kept = warm_start(drafter, source)
+        assert kept and all(is_added_parameter(name) for name in kept)
+        context, noise = inputs(cfg)
+        with torch.no_grad():
+            got, expected = (
+                single_block(drafter.eval(), context, noise),
+                single_block(base if exact else load_export(export)[0].eval(), context, noise),
+            )
+        assert torch.equal(got, expected)  # the additions start as no-ops
+    with pytest.raises(ValueError, match="mask_token_id: 299 in .*, 298 here"):
+        warm_start(build_drafter(dflash2_config(mask_token_id=298)), ckpt)
+    dflash2_export = export_drafter(trained_like(cfg), cfg, tmp_path / "dflash2")
+    with pytest.raises(ValueError, match="candidate_selector.hidden_projection.weight: not a"):
+        warm_start(build_drafter(base.cfg), dflash2_export)
