@@ -146,3 +146,35 @@ def test_stat_sums_carry_selected_metrics_only_for_dflash2():
     plain = {k: v for k, v in stats.items() if not k.startswith("selected_")}
     sums.add(total, norm, plain, torch.tensor(16))
     assert not set(SELECTOR_KEYS) & set(sums.reduce())
+
+
+def test_fused_equals_checkpointed_loss_and_gradients():
+    cfg = tiny_drafter_config(
+        drafter_type="dflash2", selector_rank=8, selector_top_k=20, conv_group_size=16
+    )
+    drafter = DFlash2Drafter(cfg)
+    init_dflash2_weights(drafter, 0)
+    with torch.no_grad():
+        drafter.candidate_selector.successor_codebook.normal_(0, 1.0)
+    targets, w, keep = _batch()
+    base = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(2))
+    for stop in (False, True):
+        results = []
+        for fused in (False, True):
+            hidden = base.clone().requires_grad_()
+            drafter.zero_grad()
+            lm_head = torch.randn(300, 64, generator=torch.Generator().manual_seed(1))
+            total, _, stats = selector_step_terms(
+                hidden, lm_head, targets, w, keep, drafter.candidate_selector, cfg,
+                chunk_rows=5, checkpoint=True, fused=fused,
+                options=SelectorLoss(alpha=0.7, stop_gradient=stop),
+            )  # fmt: skip
+            (3.0 * total).backward()  # the upstream scale reaches every gradient
+            grads = [hidden.grad] + [p.grad for p in drafter.candidate_selector.parameters()]
+            results.append((total.detach(), stats, grads))
+        (loss_a, stats_a, grads_a), (loss_b, stats_b, grads_b) = results
+        torch.testing.assert_close(loss_b, loss_a)
+        for key in ("ce_base_sum", "selector_ce_sum", "selected_tau", "tau"):
+            torch.testing.assert_close(stats_b[key], stats_a[key])
+        for a, b in zip(grads_a, grads_b, strict=True):
+            torch.testing.assert_close(b, a)

@@ -16,6 +16,7 @@ measured here are those of the left-to-right selector walk at inference.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,9 +71,11 @@ def teacher_predecessors(targets_BQ: torch.Tensor, *, block_size: int) -> torch.
 
 @dataclass
 class SelectorCE:
-    """Sums over rows: w * CE_base, w * [gold in C] * CE_sel, w * [gold in C], w; and per row
-    whether the unary argmax and the selected candidate equal the target."""
+    """Sums over rows: `loss` = w * CE_base + alpha * w * [gold in C] * CE_sel (the one to
+    backpropagate), its two terms, w * [gold in C], w; and per row whether the unary argmax
+    and the selected candidate equal the target."""
 
+    loss: torch.Tensor
     ce_sum: torch.Tensor
     selector_ce_sum: torch.Tensor
     selector_weight: torch.Tensor
@@ -113,6 +116,67 @@ def _chunk(
     )
 
 
+class _FusedSelectorCE(torch.autograd.Function):
+    """Forward runs each chunk's loss and its gradients (hidden rows and selector parameters)
+    at once, with a local autograd pass; backward only scales them: no logits recompute."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
+        *params, spec = args
+        dhidden_NH = torch.empty_like(hidden_NH)
+        dparams = [torch.zeros_like(p) for p in params]
+        sums, correct, selected = _zeros(hidden_NH, 4), [], []
+        for rows, chunk_args in _chunks(hidden_NH, spec):
+            with torch.enable_grad():
+                h_nH = chunk_args[0].detach().requires_grad_()
+                out = _chunk(h_nH, *chunk_args[1:])
+                loss = out[0] + spec["alpha"] * out[1]
+                grads = torch.autograd.grad(loss, [h_nH, *params], allow_unused=True)
+            dhidden_NH[rows] = grads[0]
+            for total, grad in zip(dparams, grads[1:], strict=True):
+                if grad is not None:
+                    total += grad
+            parts = (loss, *out[:3])
+            sums = [total + part.detach() for total, part in zip(sums, parts, strict=True)]
+            correct.append(out[3])
+            selected.append(out[4])
+        ctx.save_for_backward(dhidden_NH, *dparams)
+        flags = _cat(correct, hidden_NH), _cat(selected, hidden_NH)
+        ctx.mark_non_differentiable(*sums[1:], *flags)
+        return (*sums, *flags)
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, *_unused: Any):
+        dhidden_NH, *dparams = ctx.saved_tensors
+        return grad_loss * dhidden_NH, *(grad_loss * d for d in dparams), None
+
+
+def _zeros(like: torch.Tensor, n: int) -> list[torch.Tensor]:
+    return [like.new_zeros((), dtype=torch.float32) for _ in range(n)]
+
+
+def _cat(flags: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    return torch.cat(flags) if flags else like.new_zeros(0, dtype=torch.bool)
+
+
+def _chunks(hidden_NH: torch.Tensor, spec: dict[str, Any]):
+    """(rows, `_chunk` arguments) of every chunk of `chunk_rows` rows."""
+    for start in range(0, hidden_NH.shape[0], spec["chunk_rows"]):
+        rows = slice(start, start + spec["chunk_rows"])
+        tensors = (spec["targets_N"], spec["predecessors_N"], spec["weights_N"])
+        yield (
+            rows,
+            (
+                hidden_NH[rows],
+                spec["lm_head_weight_VH"],
+                *(t[rows] for t in tensors),
+                spec["selector"],
+                spec["cfg"],
+                spec["stop_gradient"],
+            ),
+        )
+
+
 def selector_chunked_ce(
     hidden_NH: torch.Tensor,
     lm_head_weight_VH: torch.Tensor,
@@ -123,41 +187,51 @@ def selector_chunked_ce(
     cfg: DrafterConfig,
     *,
     chunk_rows: int,
+    alpha: float = 1.0,
     checkpoint: bool = True,
+    fused: bool = False,
     stop_gradient: bool = False,
 ) -> SelectorCE:
     """CE_base and CE_sel sums over rows in chunks of `chunk_rows` (see the module docstring).
 
-    With `checkpoint`, each chunk runs under non-reentrant activation checkpointing (its logits
-    are recomputed in backward). `stop_gradient` keeps the selector term out of the backbone:
-    its gradient then reaches only the selector's own parameters.
+    `fused` (with grad) forms each chunk's gradients in the forward, so nothing is kept or
+    recomputed but d(hidden) [N, H] and the selector's parameter gradients; its terms come back
+    detached, `loss` alone carries the gradient. Else, with `checkpoint`, each chunk runs under
+    non-reentrant activation checkpointing (its logits recomputed in backward). `stop_gradient`
+    keeps the selector term out of the backbone: its gradient then reaches only the selector's
+    own parameters. The lm_head is frozen: its gradient is never formed.
     """
     if chunk_rows <= 0:
         raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
     weights_N = weights_N.float()
-    use_ckpt = checkpoint and torch.is_grad_enabled() and hidden_NH.requires_grad
-    sums = [hidden_NH.new_zeros((), dtype=torch.float32) for _ in range(3)]
-    correct, selected = [], []
-    for start in range(0, hidden_NH.shape[0], chunk_rows):
-        rows = slice(start, start + chunk_rows)
-        args = (hidden_NH[rows], lm_head_weight_VH, targets_N[rows], predecessors_N[rows])
-        args = (*args, weights_N[rows], selector, cfg, stop_gradient)
-        if use_ckpt:
+    spec = dict(
+        lm_head_weight_VH=lm_head_weight_VH.detach(),
+        targets_N=targets_N,
+        predecessors_N=predecessors_N,
+        weights_N=weights_N,
+        selector=selector,
+        cfg=cfg,
+        chunk_rows=chunk_rows,
+        alpha=alpha,
+        stop_gradient=stop_gradient,
+    )
+    grad = torch.is_grad_enabled() and hidden_NH.requires_grad
+    if fused and grad:
+        params = tuple(selector.parameters())
+        *sums, correct_N, selected_N = _FusedSelectorCE.apply(hidden_NH, *params, spec)
+        return SelectorCE(*sums, weights_N.sum(), correct_N, selected_N)
+    sums, correct, selected = _zeros(hidden_NH, 3), [], []
+    for _, args in _chunks(hidden_NH, spec):
+        if checkpoint and grad:
             out = activation_checkpoint(_chunk, *args, use_reentrant=False)
         else:
             out = _chunk(*args)
         sums = [total + part for total, part in zip(sums, out[:3], strict=True)]
         correct.append(out[3])
         selected.append(out[4])
-    empty = targets_N.new_zeros(0).bool()
-    return SelectorCE(
-        ce_sum=sums[0],
-        selector_ce_sum=sums[1],
-        selector_weight=sums[2],
-        weight_total=weights_N.sum(),
-        correct_N=torch.cat(correct) if correct else empty,
-        selected_correct_N=torch.cat(selected) if selected else empty,
-    )
+    loss = sums[0] + alpha * sums[1]
+    flags = _cat(correct, hidden_NH), _cat(selected, hidden_NH)
+    return SelectorCE(loss, *sums, weights_N.sum(), *flags)
 
 
 def selector_step_terms(
@@ -171,6 +245,7 @@ def selector_step_terms(
     *,
     chunk_rows: int,
     checkpoint: bool,
+    fused: bool = False,
     options: SelectorLoss,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """(sum w * CE_base + alpha * sum w * [gold in C] * CE_sel, sum w, stats) of one micro-batch.
@@ -188,7 +263,9 @@ def selector_step_terms(
         selector,
         cfg,
         chunk_rows=chunk_rows,
+        alpha=options.alpha,
         checkpoint=checkpoint,
+        fused=fused,
         stop_gradient=options.stop_gradient,
     )
     size = dict(block_size=cfg.block_size)
@@ -198,5 +275,4 @@ def selector_step_terms(
     stats["ce_base_sum"] = out.ce_sum.detach()
     stats["selector_ce_sum"] = out.selector_ce_sum.detach()
     stats["selector_weight"] = out.selector_weight.detach()
-    weighted = out.ce_sum + options.alpha * out.selector_ce_sum
-    return weighted, out.weight_total, stats
+    return out.loss, out.weight_total, stats
