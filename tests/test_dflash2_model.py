@@ -233,3 +233,30 @@ def test_mask_causality_parameter():
     ]
     assert rows("sliding_attention", 2, None) == rows("sliding_attention", 2, True)
     assert rows("full_attention", None, None) == rows("full_attention", None, False)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("causal", [False, True])
+def test_flex_forward_equals_sdpa_forward(causal):
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    cfg = dflash2_config(sliding_window=3, is_causal=causal)
+    drafter = trained_like(cfg)
+    anchors = torch.tensor([[0, 2, 7, 0], [1, 5, 6, 10]])
+    keep = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    gen = torch.Generator().manual_seed(3)
+    context = torch.randn(2, 12, 3 * 64, generator=gen)
+    noise = torch.randn(2, 4 * cfg.block_size, 64, generator=gen)
+    ctx_pos = torch.arange(12).expand(2, 12)
+    block_pos = (anchors[..., None] + torch.arange(cfg.block_size)).flatten(1)
+    outs = {}
+    with torch.no_grad():
+        for attention in ("sdpa", "flex"):
+            masks = build_masks(
+                anchors, keep, context_len=12, block_size=cfg.block_size,
+                layer_types=cfg.layer_types, sliding_window=cfg.sliding_window,
+                attention=attention, causal=cfg.is_causal,
+            )  # fmt: skip
+            outs[attention] = drafter(
+                context, noise, ctx_pos, block_pos, masks, attention=attention
+            )
+    torch.testing.assert_close(outs["flex"], outs["sdpa"], atol=1e-5, rtol=1e-5)
