@@ -57,6 +57,18 @@ def selector_alpha(
     return alpha * (step - warm) / ramp
 
 
+def selector_loss(cfg: Any, step: int, total_steps: int) -> SelectorLoss:
+    """The selector term of optimizer step `step` from a TrainConfig's selector options."""
+    alpha = selector_alpha(
+        step,
+        total_steps,
+        alpha=cfg.selector_weight,
+        warmup_fraction=cfg.selector_warmup,
+        ramp_fraction=cfg.selector_ramp,
+    )
+    return SelectorLoss(alpha=alpha, stop_gradient=cfg.selector_stop_grad)
+
+
 def teacher_predecessors(targets_BQ: torch.Tensor, *, block_size: int) -> torch.Tensor:
     """The data token before each slot's target [B, Q]: target[k - 1] of the same block (offset
     0 holds the anchor token x[a], the predecessor of offset 1). Offset 0 gets x[a] itself; it is
