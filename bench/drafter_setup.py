@@ -54,14 +54,21 @@ def seq_defaults(shape: str) -> tuple[int, int]:
     return SEQ_DEFAULTS.get(shape, REAL_SEQ_DEFAULT)
 
 
-def drafter_config(shape: str, *, num_layers: int = DRAFTER_LAYERS) -> DrafterConfig:
-    """The drafter the product would build for a target of `shape` (default capture layers)."""
+def drafter_config(
+    shape: str, *, num_layers: int = DRAFTER_LAYERS, drafter_type: str = "dflash"
+) -> DrafterConfig:
+    """The drafter the product would build for a target of `shape` (default capture layers).
+    A dflash2 drafter keeps DFlash's attention (all full) so that a comparison of the two
+    times the DFlash2 additions alone."""
     target = SHAPES[shape]
     return DrafterConfig.from_target_config(
         target,
         num_layers=num_layers,
         target_layer_ids=build_target_layer_ids(target["num_hidden_layers"], 5),
         tokenizer_vocab_size=target["vocab_size"] - SPARE_ROWS,
+        drafter_type=drafter_type,
+        layer_types=("full_attention",) * num_layers,
+        is_causal=None,
     )
 
 
@@ -102,13 +109,15 @@ def make_trainer(
     grad_ckpt: str | None = None,
     ce: str | None = None,
     ce_chunk_blocks: int | None = None,
+    drafter_type: str = "dflash",
 ) -> Trainer:
     """The product's trainer for one process and device, after `configure_compile`; the
     caller hands it micro-batches with `Trainer.prepare`, which also wraps the model."""
-    drafter = drafter_config(shape)
+    drafter = drafter_config(shape, drafter_type=drafter_type)
     cfg = TrainConfig(
         data=cache,
         out=cache / "run",
+        drafter_type=drafter_type,
         attention=attention,
         compile=compile,
         steps=steps,
@@ -184,6 +193,7 @@ def feed(trainer: Trainer, items: Iterable[dict[str, Any]]) -> Iterator[dict[str
 def add_drafter_args(p: argparse.ArgumentParser) -> None:
     """Options shared by the benchmarks that time drafter training steps."""
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    p.add_argument("--drafter-type", choices=("dflash", "dflash2"), default="dflash")
     p.add_argument("--attention", choices=("sdpa", "flex"), default=None, help="default: product")
     p.add_argument("--compile", choices=("none", "flex", "model"), default=None)
     p.add_argument("--grad-ckpt", choices=("none", "loss", "layers"), default=None)

@@ -16,12 +16,17 @@ Prints one JSON line (and writes --json): the first step's wall time (compilatio
 apart from the steady state (the mean over --steps after --warmup steps, timed with CUDA events
 between steps, perf_counter on CPU), context tokens/s, achieved TFLOP/s, MFU, peak GPU memory.
 
+--drafter-type dflash2 times the DFlash2 drafter (same attention and settings; the convolutions
+and the selector's loss added, `train/dflash2.py`, `train/selector_loss.py`).
+
 Model FLOPs of one micro-batch (`step_flops`), 2 per multiply-add: fc on the context tokens;
 per drafter layer the q/o projections and the SwiGLU MLP on the block tokens, the k/v
 projections on context + block tokens, and attention (QK^T and PV) over the visible keys only:
 per block query, the context keys before its anchor (the mean over the batch's anchor
 candidates, which anchors are drawn uniformly from) plus the 16 keys of its block; lm_head on
-the block tokens. `mfu` = 3 x forward FLOPs / step time / 989 TFLOP/s (H200 dense bf16,
+the block tokens; for dflash2 also each layer's two convolutions (kernel_projection and the
+per-channel taps) and the selector (hidden_projection and the rank-r scores of the K
+candidates). `mfu` = 3 x forward FLOPs / step time / 989 TFLOP/s (H200 dense bf16,
 datasheet). Activation-checkpoint recomputation is not counted. `mfu_needed` counts only the
 backward work the step has to do: the frozen lm_head needs no weight gradient and fc no input
 gradient, so those two count 2x instead of 3x.
@@ -143,9 +148,18 @@ def step_flops(
         "mlp": 2 * 3 * blk * h * cfg.intermediate_size,
         "attention": 2 * 2 * blk * keys_per_query * q_dim,
     }
+    if cfg.drafter_type == "dflash2":
+        # Two convolutions per layer: kernel_projection (H -> 2kG), and per side and tap a
+        # multiply-add of (base + dynamic) kernel and input per channel.
+        taps, groups = cfg.conv_kernel_size, h // cfg.conv_group_size
+        per_layer["conv"] = 2 * (2 * blk * h * 2 * taps * groups + 2 * taps * 3 * blk * h)
     out = {k: cfg.num_layers * v for k, v in per_layer.items()}
     out["fc"] = 2 * ctx * cfg.num_context_layers * h * h
     out["lm_head"] = 2 * blk * h * cfg.vocab_size
+    if cfg.drafter_type == "dflash2":
+        # hidden_projection, the predecessor product and the K candidates' rank-r dot products.
+        r = cfg.selector_rank
+        out["selector"] = 2 * blk * h * r + blk * r + 2 * blk * cfg.selector_top_k * r
     return out
 
 
@@ -188,6 +202,7 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         grad_ckpt=args.grad_ckpt,
         ce=args.ce,
         ce_chunk_blocks=args.ce_chunk_blocks,
+        drafter_type=args.drafter_type,
         steps=total,
         seq_len=args.seq_len,
         anchors=args.anchors,
@@ -214,6 +229,7 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
     return {
         "bench": "train",
         "shape": args.shape,
+        "drafter_type": cfg.drafter_type,
         "attention": trainer.cfg.attention,
         "compile": trainer.cfg.compile,
         "grad_ckpt": trainer.cfg.grad_ckpt,

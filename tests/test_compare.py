@@ -159,3 +159,16 @@ def test_cli_refuses_a_folder_without_config(tmp_path):
     result = CliRunner().invoke(main, [str(a), str(tmp_path / "missing")])
     assert result.exit_code != 0
     assert f"{tmp_path / 'missing'}: no config.json, not a run folder" in result.output
+
+
+def test_selected_tau_column_when_a_run_has_a_selector(tmp_path):
+    rec = {"kind": "eval", "step": 5, "loss": 1.0, "tau": 1.5, "acc": [0.5, 0.25, 0.1]}
+    a = write_run(tmp_path / "dflash", records=[rec])
+    b = write_run(
+        tmp_path / "dflash2", records=[{**rec, "selected_tau": 1.75}], train={"drafter_type": "x"}
+    )
+    report = markdown_report([read_run(a), read_run(b)])
+    header, _, row_a, row_b = report.split("\n\n")[1].splitlines()[:4]
+    assert "| tau | selected tau | acc@1 |" in header
+    assert "| 1.500 | - | 0.500 |" in row_a and "| 1.500 | 1.750 | 0.500 |" in row_b
+    assert "selected tau" not in markdown_report([read_run(a)])

@@ -22,6 +22,7 @@ import torch
 
 from shared.fsio import atomic_write_json, fsync_dir, replace_dir
 from train.drafter_config import DrafterConfig
+from train.drafters import build_drafter
 from train.model import DFlashDrafter
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ def load_drafter(ckpt_dir: Path) -> tuple[DFlashDrafter, DrafterConfig]:
     if not is_complete(ckpt_dir):
         raise ValueError(f"{ckpt_dir} is not a complete checkpoint folder")
     cfg = DrafterConfig.from_dict(json.loads((ckpt_dir / DRAFTER_FILE).read_text()))
-    drafter = DFlashDrafter(cfg)
+    drafter = build_drafter(cfg)
     drafter.load_state_dict(load_state(ckpt_dir)["model"])
     return drafter, cfg
 

@@ -4,7 +4,8 @@
 
 Each run folder holds `config.json` (the resolved TrainConfig under "train", the drafter, and the
 cache's manifest identity under "cache") and `metrics.jsonl` (one record per log step: "kind"
-"train" or "eval", "step", "loss", "tau", "acc" = accuracy per block offset 1..B-1). A run is
+"train" or "eval", "step", "loss", "tau", "acc" = accuracy per block offset 1..B-1, and for
+DFlash2 "selected_tau", shown beside tau when any run has it). A run is
 summarised by its last eval record, else its last train record. The report warns when the runs
 read different caches (manifest identity or folder) or evaluated on different held-out splits,
 since their figures then do not compare.
@@ -136,12 +137,16 @@ def _table(header: list[str], rows: list[list[str]], numeric_from: int) -> list[
 def markdown_report(runs: list[RunSummary]) -> str:
     """The comparison as markdown: warnings, the metrics table, the settings that differ."""
     offsets = max((len(run.last.get("acc") or []) for run in runs), default=0)
-    header = ["run", "metrics", "step", "loss", "tau"] + [f"acc@{k}" for k in range(1, offsets + 1)]
+    # DFlash2 runs also report the tau of the tokens their selector picks.
+    selected = any("selected_tau" in run.last for run in runs)
+    header = ["run", "metrics", "step", "loss", "tau"] + ["selected tau"] * selected
+    header += [f"acc@{k}" for k in range(1, offsets + 1)]
     rows = []
     for run in runs:
         acc = list(run.last.get("acc") or [])
         acc += [None] * (offsets - len(acc))
         figures = [_fmt(run.last.get("loss")), _fmt(run.last.get("tau"), 3)]
+        figures += [_fmt(run.last.get("selected_tau"), 3)] * selected
         rows.append([run.name, run.source, _fmt(run.last.get("step"))] + figures)
         rows[-1] += [_fmt(a, 3) for a in acc]
     lines = ["# Drafter runs", ""]

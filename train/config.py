@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.cli import option
+from train.drafter_config import DRAFTER_TYPES
 
 ATTENTIONS = ("flex", "sdpa")
 COMPILE_MODES = ("none", "flex", "model")
@@ -85,13 +86,46 @@ class TrainConfig:
         None, help="devices: 0-4, 0,2,5, cpu, cpu:N (N gloo processes); default all GPUs, else cpu"
     )
     # drafter
+    drafter_type: str = option(
+        "dflash",
+        choices=DRAFTER_TYPES,
+        help="dflash, or dflash2 (DFlash plus grouped dynamic convolutions and a candidate "
+        "selector; same cache)",
+    )
     drafter_layers: int = option(5, help="number of drafter layers")
     layer_types: str | None = option(
         None,
         help="per drafter layer, comma-separated: full_attention or sliding_attention (aliases "
-        "full, sliding; one value applies to all); default all full",
+        "full, sliding; one value applies to all); default all full (dflash2: all sliding)",
     )
-    sliding_window: int | None = option(None, help="window of sliding-attention layers")
+    sliding_window: int | None = option(
+        None, help="window of sliding-attention layers (dflash2 default 2048)"
+    )
+    is_causal: str | None = option(
+        None,
+        choices=("true", "false"),
+        help="attention inside the block: causal or not for every layer; default sliding "
+        "layers causal, full ones not (dflash2: false, as the published DFlash2 drafters)",
+    )
+    conv_kernel_size: int = option(2, help="dflash2: taps of each convolution")
+    conv_group_size: int = option(16, help="dflash2: channels per dynamic-kernel group")
+    selector_rank: int = option(256, help="dflash2: rank of the candidate selector")
+    selector_top_k: int = option(16, help="dflash2: candidates the selector rescores")
+    selector_weight: float = option(1.0, help="dflash2: weight alpha of the selector's CE")
+    selector_warmup: float = option(
+        0.0, help="dflash2: fraction of steps with the selector's CE off (alpha 0)"
+    )
+    selector_ramp: float = option(
+        0.0, help="dflash2: fraction of steps after the warm-up over which alpha ramps linearly"
+    )
+    selector_stop_grad: bool = option(
+        False, help="dflash2: the selector's CE trains the selector only, not the backbone"
+    )
+    init_from: Path | None = option(
+        None,
+        help="warm start: a checkpoint folder (step-N) or an export of a DFlash or DFlash2 "
+        "drafter of the same shape; parameters it lacks keep their (no-op) init",
+    )
     drafter_heads: int | None = option(
         None, help="attention heads of the drafter; default the target's"
     )
@@ -201,6 +235,16 @@ class TrainConfig:
         _check(self.recompile_limit >= 1, "recompile_limit", "must be >= 1")
         _check(self.block_size >= 2, "block_size", "must be >= 2")
         _check(self.ce_chunk_blocks >= 1, "ce_chunk_blocks", "must be >= 1")
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            _check(getattr(self, name) >= 1, name, "must be >= 1")
+        _check(self.selector_weight >= 0, "selector_weight", "must be >= 0")
+        for name in ("selector_warmup", "selector_ramp"):
+            _check(0 <= getattr(self, name) <= 1, name, "must be in [0, 1]")
+        _check(
+            self.selector_warmup + self.selector_ramp <= 1,
+            "selector_ramp",
+            "selector_warmup + selector_ramp must be <= 1",
+        )
         _check(self.lr > 0, "lr", "must be > 0")
         _check(0 <= self.warmup < 1, "warmup", "must be in [0, 1)")
         _check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
@@ -249,6 +293,11 @@ class TrainConfig:
     @property
     def layer_type_names(self) -> tuple[str, ...]:
         return parse_layer_types(self.layer_types, self.drafter_layers)
+
+    @property
+    def causal(self) -> bool | None:
+        """--is-causal as a bool, None when unset."""
+        return None if self.is_causal is None else self.is_causal == "true"
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)

@@ -99,22 +99,24 @@ class DraftState:
         self.length += ctx_1NH.shape[1]
 
     def propose(self, block_ids_1Q: torch.Tensor) -> torch.Tensor:
-        """Greedy drafts [1, Q-1] for block offsets 1..Q-1 (block = [last token, MASK...])."""
+        """Greedy drafts [1, Q-1] for block offsets 1..Q-1 (block = [last token, MASK...]): the
+        unary argmax, or DFlash2's selector walk from the block's first token."""
         q_len = block_ids_1Q.shape[1]
         x_1QH = F.embedding(block_ids_1Q, self.embed_VH).to(self.dtype)
         cos, sin = self._rope(self.length, q_len)
         masks = {t: self._mask(t, q_len) for t in set(self.cfg.layer_types)}
         for i, layer in enumerate(self.drafter.layers):
-            h_1QH = layer.input_layernorm(x_1QH)
-            x_1QH = x_1QH + self._attend(
-                i, layer.self_attn, h_1QH, cos, sin, masks[layer.layer_type]
-            )
-            x_1QH = x_1QH + layer.mlp(layer.post_attention_layernorm(x_1QH))
+            mask = masks[layer.layer_type]
+
+            def attend(h_1QH, i=i, attn=layer.self_attn, mask=mask):
+                return self._attend(i, attn, h_1QH, cos, sin, mask)
+
+            x_1QH = layer.run(x_1QH, attend)  # the layer's own order (DFlash2: convolutions)
         hidden_1QH = self.drafter.norm(x_1QH[:, 1:])
-        return F.linear(hidden_1QH.to(self.lm_head_VH.dtype), self.lm_head_VH).argmax(dim=-1)
+        return self.drafter.propose(hidden_1QH, self.lm_head_VH, block_ids_1Q[:, 0])
 
     def _mask(self, layer_type: str, q_len: int) -> torch.Tensor | None:
-        if layer_type == "full_attention":
+        if layer_type == "full_attention" and not self.cfg.is_causal:
             return None  # the block sees the whole context and itself: no mask needed
         # The training mask function with one anchor at the block start: one source of truth.
         return dense_mask(
@@ -124,6 +126,7 @@ class DraftState:
             block_size=q_len,
             layer_type=layer_type,
             sliding_window=self.cfg.sliding_window,
+            causal=self.cfg.is_causal,
         )
 
     def _attend(self, i: int, attn: nn.Module, h_1QH, cos, sin, mask) -> torch.Tensor:

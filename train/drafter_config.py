@@ -9,6 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+DRAFTER_TYPES = ("dflash", "dflash2")
+# Published DFlash2 drafters: every layer slides over 2048 keys, non-causal inside the block.
+DFLASH2_SLIDING_WINDOW = 2048
 SUPPORTED_ROPE_TYPES = ("default", "linear")
 # Mask token rows of the public DFlash drafters, keyed by target model family.
 QWEN3_MASK_TOKEN_ID = 151669
@@ -49,6 +52,17 @@ class DrafterConfig:
     num_target_layers: int
     layer_types: tuple[str, ...]
     sliding_window: int | None = None
+    # None: causality from the layer type (sliding causal, full bidirectional inside the block).
+    is_causal: bool | None = None
+    drafter_type: str = "dflash"
+    # DFlash2 only (DFLASH2.md): convolution taps and groups, selector rank and candidates.
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    # Set only when the target transforms its own logits (scale, then tanh softcap).
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
@@ -85,6 +99,20 @@ class DrafterConfig:
             raise ValueError(f"layer_types entries must be in {LAYER_TYPES}: {self.layer_types}")
         if "sliding_attention" in self.layer_types and (self.sliding_window or 0) <= 0:
             raise ValueError("sliding_window must be a positive int when a layer slides")
+        if self.drafter_type not in DRAFTER_TYPES:
+            raise ValueError(f"drafter_type must be one of {DRAFTER_TYPES}: {self.drafter_type!r}")
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.conv_group_size:
+            raise ValueError(
+                f"conv_group_size ({self.conv_group_size}) must divide hidden_size "
+                f"({self.hidden_size})"
+            )
+        if self.selector_top_k > self.vocab_size:
+            raise ValueError(f"selector_top_k {self.selector_top_k} exceeds the vocabulary")
+        if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
+            raise ValueError("final_logit_softcapping must be positive when set")
 
     @property
     def num_context_layers(self) -> int:
@@ -114,6 +142,9 @@ class DrafterConfig:
         layer_types: tuple[str, ...] | list[str] | None = None,
         sliding_window: int | None = None,
         tokenizer_vocab_size: int | None = None,
+        drafter_type: str = "dflash",
+        is_causal: bool | None = None,
+        **dflash2_fields: Any,
     ) -> DrafterConfig:
         """Build a drafter config from a Hugging Face target config.json dict.
 
@@ -121,7 +152,15 @@ class DrafterConfig:
         size, heads, head_dim, intermediate size, eps and the rope base from the target; it always
         rotates the full head_dim with 1-D positions (Qwen3 style), so a target's
         `partial_rotary_factor` and multimodal rope sections are not carried over.
+        A DFlash2 drafter without explicit layer types takes the published attention: every
+        layer sliding (window 2048 unless given), non-causal unless `is_causal` says otherwise;
+        `dflash2_fields` are the DFlash2 fields (conv_kernel_size, selector_top_k, ...).
         """
+        if drafter_type == "dflash2":
+            if layer_types is None:
+                layer_types = ("sliding_attention",) * num_layers
+                sliding_window = sliding_window or DFLASH2_SLIDING_WINDOW
+            is_causal = False if is_causal is None else is_causal
         text = target_cfg.get("text_config") or target_cfg
         hidden = int(text["hidden_size"])
         heads = int(text["num_attention_heads"])
@@ -146,6 +185,9 @@ class DrafterConfig:
             num_target_layers=int(text["num_hidden_layers"]),
             layer_types=tuple(layer_types or ("full_attention",) * num_layers),
             sliding_window=sliding_window,
+            is_causal=is_causal,
+            drafter_type=drafter_type,
+            **dflash2_fields,
         )
 
 

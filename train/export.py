@@ -1,8 +1,10 @@
 """Export a trained drafter as the folder SGLang, vLLM and the reference `dflash` package load.
 
-`config.json` is a Qwen3 config with `architectures: ["DFlashDraftModel"]` plus the DFlash
-fields; `model.safetensors` holds exactly `EXPORT_KEYS` in bf16. No embedding, no lm_head, no
-`auto_map`. SGLang ignores unknown weight names silently, so the key set is checked both ways.
+`config.json` is a Qwen3 config with `architectures: ["DFlashDraftModel"]` (or
+`["DFlash2DraftModel"]`, its fields inside `dflash_config`) plus the DFlash fields;
+`model.safetensors` holds exactly `export_keys(cfg)` in bf16 with `export_shapes(cfg)`. No
+embedding, no lm_head, no `auto_map`. SGLang ignores unknown weight names silently (a DFlash2
+selector then degrades to top-1 without an error), so names and shapes are checked both ways.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from shared.fsio import replace_dir
 from train.drafter_config import DrafterConfig, rope_fields_from_hf
+from train.drafters import build_drafter
 from train.model import DFlashDrafter
 
 log = logging.getLogger(__name__)
@@ -52,9 +55,83 @@ def EXPORT_KEYS(num_layers: int) -> tuple[str, ...]:  # noqa: N802 (name fixed b
     return ("fc.weight", "hidden_norm.weight", "norm.weight", *per_layer)
 
 
-def check_keys(keys: set[str] | list[str], num_layers: int) -> None:
-    """Raise ValueError naming unknown and missing weight names."""
-    expected, got = set(EXPORT_KEYS(num_layers)), set(keys)
+_CONV_KEYS = tuple(
+    f"{conv}.{key}"
+    for conv in ("attention_conv", "mlp_conv")
+    for key in ("base_kernel", "kernel_projection.weight")
+)
+_SELECTOR_KEYS = tuple(
+    f"candidate_selector.{key}"
+    for key in ("hidden_projection.weight", "predecessor_codebook", "successor_codebook")
+)
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+_LOGIT_FIELDS = ("output_multiplier", "final_logit_softcapping")
+
+
+def export_keys(cfg: DrafterConfig) -> tuple[str, ...]:
+    """The exact weight names of an export of `cfg`'s type (DFlash2: 15 L + 6 tensors).
+
+    The codebooks have no `.weight` suffix, as in the public DFlash2 checkpoints.
+    """
+    keys = EXPORT_KEYS(cfg.num_layers)
+    if cfg.drafter_type != "dflash2":
+        return keys
+    conv = tuple(f"layers.{i}.{key}" for i in range(cfg.num_layers) for key in _CONV_KEYS)
+    return (*keys, *conv, *_SELECTOR_KEYS)
+
+
+def export_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every export key."""
+    h, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    layer = {
+        "input_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "self_attn.q_norm.weight": (d,),
+        "self_attn.k_norm.weight": (d,),
+        "post_attention_layernorm.weight": (h,),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+    }
+    if cfg.drafter_type == "dflash2":
+        taps, groups = cfg.conv_kernel_size, h // cfg.conv_group_size
+        for conv in ("attention_conv", "mlp_conv"):
+            layer[f"{conv}.base_kernel"] = (2, taps, h)
+            layer[f"{conv}.kernel_projection.weight"] = (2 * taps * groups, h)
+    shapes = {"fc.weight": (h, cfg.num_context_layers * h), "hidden_norm.weight": (h,)}
+    shapes["norm.weight"] = (h,)
+    for i in range(cfg.num_layers):
+        shapes.update({f"layers.{i}.{key}": shape for key, shape in layer.items()})
+    if cfg.drafter_type == "dflash2":
+        r, v = cfg.selector_rank, cfg.vocab_size
+        shapes["candidate_selector.hidden_projection.weight"] = (r, h)
+        shapes["candidate_selector.predecessor_codebook"] = (v, r)
+        shapes["candidate_selector.successor_codebook"] = (v, r)
+    return shapes
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], cfg: DrafterConfig) -> None:
+    """Raise ValueError naming unknown and missing weight names and wrong shapes."""
+    check_keys(list(tensors), cfg)
+    expected = export_shapes(cfg)
+    wrong = [
+        f"{name} {tuple(t.shape)} (expected {expected[name]})"
+        for name, t in sorted(tensors.items())
+        if tuple(t.shape) != expected[name]
+    ]
+    if wrong:
+        raise ValueError(f"drafter weight shapes differ from the export: {wrong}")
+
+
+def check_keys(keys: set[str] | list[str], cfg: DrafterConfig | int) -> None:
+    """Raise ValueError naming unknown and missing weight names (`cfg`: a config, or a DFlash
+    drafter's layer count)."""
+    names = EXPORT_KEYS(cfg) if isinstance(cfg, int) else export_keys(cfg)
+    expected, got = set(names), set(keys)
     unknown, missing = sorted(got - expected), sorted(expected - got)
     if unknown or missing:
         raise ValueError(
@@ -67,7 +144,7 @@ def hf_config(cfg: DrafterConfig) -> dict[str, Any]:
     """The config.json dict of an exported drafter."""
     rope_parameters = {"rope_type": "default", **(cfg.rope_scaling or {})}
     rope_parameters["rope_theta"] = cfg.rope_theta
-    return {
+    out = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
@@ -98,11 +175,30 @@ def hf_config(cfg: DrafterConfig) -> dict[str, Any]:
             "target_layer_ids": list(cfg.target_layer_ids),
         },
     }
+    if cfg.is_causal is not None or cfg.drafter_type == "dflash2":
+        # Overrides the per-layer-type default in the loaders; DFlash2's is written explicitly.
+        layer_default = "sliding_attention" in cfg.layer_types
+        out["is_causal"] = layer_default if cfg.is_causal is None else cfg.is_causal
+    if cfg.drafter_type == "dflash2":
+        # vLLM raises without these inside dflash_config; SGLang silently builds no convolution.
+        out["architectures"] = ["DFlash2DraftModel"]
+        del out["block_size"]
+        out["dflash_config"] = {"block_size": cfg.block_size, **out["dflash_config"]}
+        out["dflash_config"].update({name: getattr(cfg, name) for name in DFLASH2_FIELDS})
+        for name in _LOGIT_FIELDS:
+            if getattr(cfg, name) is not None:
+                out["dflash_config"][name] = getattr(cfg, name)
+    return out
 
 
 def config_from_hf(data: dict[str, Any]) -> DrafterConfig:
     """Inverse of `hf_config` (also reads public DFlash configs with the same fields)."""
     dflash = data.get("dflash_config", {})
+    dflash2 = "DFlash2DraftModel" in (data.get("architectures") or ())
+    extra: dict[str, Any] = {}
+    if dflash2:
+        extra = {name: int(dflash[name]) for name in DFLASH2_FIELDS if name in dflash}
+        extra.update({name: float(dflash[name]) for name in _LOGIT_FIELDS if name in dflash})
     heads = int(data["num_attention_heads"])
     num_layers = int(data["num_hidden_layers"])
     rope_theta, rope_scaling = rope_fields_from_hf(data)
@@ -124,6 +220,9 @@ def config_from_hf(data: dict[str, Any]) -> DrafterConfig:
         num_target_layers=int(data["num_target_layers"]),
         layer_types=tuple(data.get("layer_types") or ("full_attention",) * num_layers),
         sliding_window=data.get("sliding_window"),
+        is_causal=data.get("is_causal"),
+        drafter_type="dflash2" if dflash2 else "dflash",
+        **extra,
     )
 
 
@@ -135,10 +234,9 @@ def export_drafter(drafter: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Pa
     """
     out = Path(out_dir)
     state = drafter.state_dict()
-    check_keys(list(state), cfg.num_layers)
+    check_tensors(state, cfg)
     tensors = {
-        key: state[key].detach().to("cpu", torch.bfloat16).contiguous()
-        for key in EXPORT_KEYS(cfg.num_layers)
+        key: state[key].detach().to("cpu", torch.bfloat16).contiguous() for key in export_keys(cfg)
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -161,12 +259,12 @@ def _fsync_file(path: Path) -> None:
 
 
 def load_export(export_dir: str | Path) -> tuple[DFlashDrafter, DrafterConfig]:
-    """Load an exported folder into a float32 DFlashDrafter (checks the key set first)."""
+    """Load an exported folder into a float32 drafter of its type (checks names and shapes)."""
     folder = Path(export_dir)
     cfg = config_from_hf(json.loads((folder / CONFIG_FILE).read_text()))
     tensors = load_file(str(folder / WEIGHTS_FILE))
-    check_keys(list(tensors), cfg.num_layers)
-    drafter = DFlashDrafter(cfg)
+    check_tensors(tensors, cfg)
+    drafter = build_drafter(cfg)
     drafter.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
     return drafter, cfg
 

@@ -37,13 +37,14 @@ from train.compiling import RecompileLimitError, compiled_graphs, configure_comp
 from train.config import TrainConfig
 from train.data import LoaderState, PartInfo, PlanDataset, checked, make_loader
 from train.drafter_config import DrafterConfig
+from train.drafters import build_drafter, init_weights, warm_start
 from train.evaluate import Evaluator
 from train.export import export_drafter
 from train.feed import DeviceFeed
 from train.mask import flex_kernel_options
-from train.metrics import MetricsWriter, StatSums
-from train.model import DFlashDrafter, init_drafter_weights
+from train.metrics import SELECTOR_KEYS, MetricsWriter, StatSums
 from train.plan import PlanSpec, epoch_lengths
+from train.selector_loss import selector_loss
 from train.step import Batch, forward_loss
 
 log = logging.getLogger(__name__)
@@ -98,8 +99,10 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         dtype = torch.bfloat16 if cuda else torch.float32
         self.embed_VH, self.lm_head_VH = load_heads(cfg.data, device=self.device, dtype=dtype)
-        self.model = DFlashDrafter(prep.drafter)
-        init_drafter_weights(self.model, cfg.seed)
+        self.model = build_drafter(prep.drafter)
+        init_weights(self.model, cfg.seed)
+        if cfg.init_from is not None:
+            warm_start(self.model, cfg.init_from)
         self.model.to(self.device)
         self.model.use_flex_options(flex_kernel_options(prep.drafter.head_dim, self.device))
         self.optimizer = torch.optim.AdamW(
@@ -335,6 +338,7 @@ class Trainer:
                         batch,
                         generator=gen,
                         grad_ckpt=self.cfg.grad_ckpt,
+                        selector=selector_loss(self.cfg, self.step, self.total),
                         **self.step_kwargs,
                     )
                 out.weighted_sum.backward()
@@ -377,6 +381,7 @@ class Trainer:
             "step_ms": 1e3 * elapsed / steps,
             "data_wait": waited / elapsed,
             "compiled_graphs": compiled_graphs(),
+            **{key: summary[key] for key in SELECTOR_KEYS if key in summary},
         }
         if self.first_step_s is not None:
             record["first_step_s"], self.first_step_s = self.first_step_s, None
@@ -397,6 +402,7 @@ class Trainer:
             device=self.device,
             autocast=self.autocast,
             grad_ckpt="none",
+            selector=selector_loss(self.cfg, self.total, self.total),  # the full weight
             **self.step_kwargs,
         )
         record = {"kind": "eval", "step": self.step, **result}

@@ -9,6 +9,9 @@ of other samples are never visible. Visibility:
   key of the same block;
 - sliding layers (window W): context max(s, a + k - (W - 1)) <= kv < a, and same-block keys at
   offsets k' <= k with k - k' < W (causal inside the block);
+- `causal` overrides the layer type's default inside the block (None: sliding causal, full
+  bidirectional): True keeps same-block keys k' <= k, False all with |k - k'| < W (DFlash2's
+  published drafters slide non-causally);
 - dropped blocks (keep False) see no real key. A softmax over an empty row is NaN in sdpa, so a
   dropped query sees exactly its own key instead; its loss weight is zero, so nothing leaks.
 
@@ -43,6 +46,7 @@ def make_mask_mod(
     layer_type: str,
     sliding_window: int | None,
     starts_BN: torch.Tensor | None = None,
+    causal: bool | None = None,
 ) -> MaskMod:
     """The mask function `mask_mod(b, h, q_idx, kv_idx) -> bool` (flex signature, broadcasts).
 
@@ -59,6 +63,7 @@ def make_mask_mod(
     if sliding and (sliding_window is None or sliding_window <= 0):
         raise ValueError(f"sliding_window must be positive for sliding layers: {sliding_window}")
     window = sliding_window or 0
+    causal = sliding if causal is None else causal
     # A tensor, not a Python int: a compiled mask builder would otherwise recompile per length.
     # Filled on the device: torch.tensor(x, device=gpu) copies from pageable memory, which makes
     # the host wait for the device in every step.
@@ -73,10 +78,12 @@ def make_mask_mod(
         blk_idx = kv_idx - ctx_len
         ctx_ok = in_ctx & (kv_idx >= start) & (kv_idx < anchor)
         blk_ok = ~in_ctx & (blk_idx // block_size == j)
+        k_key = blk_idx % block_size
         if sliding:
-            k_key = blk_idx % block_size
             ctx_ok = ctx_ok & (kv_idx >= anchor + k - (window - 1))
-            blk_ok = blk_ok & (k_key <= k) & (k - k_key < window)
+            blk_ok = blk_ok & (k - k_key < window) & (k_key - k < window)
+        if causal:
+            blk_ok = blk_ok & (k_key <= k)
         own_key = ~keep & (blk_idx == q_idx)
         return (keep & (ctx_ok | blk_ok)) | own_key
 
@@ -92,6 +99,7 @@ def dense_mask(
     layer_type: str,
     sliding_window: int | None,
     starts_BN: torch.Tensor | None = None,
+    causal: bool | None = None,
 ) -> torch.Tensor:
     """Boolean sdpa mask [B, 1, Q, S + Q] (True = may attend) from the mask function."""
     mod = make_mask_mod(
@@ -102,6 +110,7 @@ def dense_mask(
         layer_type=layer_type,
         sliding_window=sliding_window,
         starts_BN=starts_BN,
+        causal=causal,
     )
     batch, n_blocks = anchors_BN.shape
     q_len = n_blocks * block_size
@@ -122,6 +131,7 @@ def flex_block_mask(
     layer_type: str,
     sliding_window: int | None,
     starts_BN: torch.Tensor | None = None,
+    causal: bool | None = None,
     compiled: bool = False,
 ) -> BlockMask:
     """flex_attention BlockMask built from the same mask function as `dense_mask`.
@@ -138,6 +148,7 @@ def flex_block_mask(
         layer_type=layer_type,
         sliding_window=sliding_window,
         starts_BN=starts_BN,
+        causal=causal,
     )
     batch, n_blocks = anchors_BN.shape
     q_len = n_blocks * block_size
@@ -156,6 +167,7 @@ def build_masks(
     attention: str,
     starts_BN: torch.Tensor | None = None,
     compiled: bool = False,
+    causal: bool | None = None,
 ) -> dict[str, Any]:
     """One mask per distinct layer type, in the form `attention` ("sdpa" or "flex") needs;
     `starts_BN` (see `train.anchors.context_starts`) confines each block to its sample."""
@@ -169,6 +181,7 @@ def build_masks(
             layer_type=layer_type,
             sliding_window=sliding_window,
             starts_BN=starts_BN,
+            causal=causal,
         )
         if attention == "sdpa":
             masks[layer_type] = dense_mask(anchors_BN, keep_BN, **kwargs)

@@ -34,6 +34,10 @@ class StatSums:
         self.scalars = torch.zeros(7, dtype=torch.float64, device=device)
         self.correct = torch.zeros(block_size, dtype=torch.float64, device=device)
         self.count = torch.zeros(block_size, dtype=torch.float64, device=device)
+        # DFlash2's selector (zero for DFlash; same size on every rank, so one all-reduce):
+        # [micro-batches with a selector, selected accepted_sum, ce_base_sum, selector_ce_sum,
+        #  selector_weight, selected correct per offset x block_size]
+        self.selected = torch.zeros(5 + block_size, dtype=torch.float64, device=device)
 
     def add(
         self,
@@ -51,6 +55,11 @@ class StatSums:
         s[4] += tokens.double()
         self.correct += stats["correct_per_offset"].double()
         self.count += stats["count_per_offset"].double()
+        if "selected_accepted_sum" in stats:
+            keys = ("selected_accepted_sum", "ce_base_sum", "selector_ce_sum", "selector_weight")
+            self.selected[0] += 1
+            self.selected[1:5] += torch.stack([stats[k].double() for k in keys])
+            self.selected[5:] += stats["selected_correct_per_offset"].double()
 
     def add_step(self, grad_norm: torch.Tensor) -> None:
         self.scalars[5] += grad_norm.detach().double()
@@ -58,18 +67,44 @@ class StatSums:
 
     def reduce(self) -> dict[str, Any]:
         """Sum over ranks, copy to the host, summarise, reset. Every rank must call it."""
-        packed = all_reduce_sum(torch.cat([self.scalars, self.correct, self.count]))
+        packed = all_reduce_sum(torch.cat([self.scalars, self.correct, self.count, self.selected]))
         values = packed.tolist()
-        self.scalars.zero_(), self.correct.zero_(), self.count.zero_()
+        self.scalars.zero_(), self.correct.zero_(), self.count.zero_(), self.selected.zero_()
         return summarise(values, self.block_size)
 
 
+SELECTOR_KEYS = ("selected_tau", "selected_acc", "ce_base", "selector_ce", "selector_coverage")
+
+
+def _summarise_selected(values: list[float], block_size: int) -> dict[str, Any]:
+    """DFlash2's selected-token tau and accuracy per offset, the two CE terms (each a mean over
+    its own weight) and the fraction of weight whose data token is among the candidates."""
+    base = 7 + 2 * block_size
+    if len(values) < base + 5 + block_size or values[base] <= 0:
+        return {}
+    wt, blocks = values[1], values[3]
+    count = values[7 + block_size : base]
+    _, accepted, ce_base, ce_sel, sel_weight = values[base : base + 5]
+    correct = values[base + 5 : base + 5 + block_size]
+    return {
+        "selected_tau": 1.0 + accepted / blocks if blocks > 0 else math.nan,
+        "selected_acc": [
+            c / n if n > 0 else math.nan for c, n in zip(correct[1:], count[1:], strict=True)
+        ],
+        "ce_base": ce_base / wt if wt > 0 else math.nan,
+        "selector_ce": ce_sel / sel_weight if sel_weight > 0 else math.nan,
+        "selector_coverage": sel_weight / wt if wt > 0 else math.nan,
+    }
+
+
 def summarise(values: list[float], block_size: int) -> dict[str, Any]:
-    """Loss, tau and accuracy per block offset (1..B-1) from packed sums (see StatSums)."""
+    """Loss, tau and accuracy per block offset (1..B-1) from packed sums (see StatSums); with a
+    DFlash2 selector also SELECTOR_KEYS."""
     ws, wt, accepted, blocks, tokens, gnorm, steps = values[:7]
     correct = values[7 : 7 + block_size]
     count = values[7 + block_size : 7 + 2 * block_size]
     return {
+        **_summarise_selected(values, block_size),
         "loss": ws / wt if wt > 0 else math.nan,
         "tau": 1.0 + accepted / blocks if blocks > 0 else math.nan,
         "acc": [c / n if n > 0 else math.nan for c, n in zip(correct[1:], count[1:], strict=True)],

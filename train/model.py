@@ -10,6 +10,7 @@ N blocks per sequence, Q = N * block_size block tokens, T = S + Q keys, D head d
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -141,14 +142,22 @@ class DrafterLayer(nn.Module):
         self.mlp = DrafterMLP(cfg)
 
     def forward(self, x_BQH, ctx_BSH, cos_BTD, sin_BTD, mask, attention: str) -> torch.Tensor:
-        # The context feature is not re-normalised per layer: only the block stream is.
-        h = self.input_layernorm(x_BQH)
-        x_BQH = x_BQH + self.self_attn(h, ctx_BSH, cos_BTD, sin_BTD, mask, attention)
+        attn = self.self_attn
+        return self.run(x_BQH, lambda h: attn(h, ctx_BSH, cos_BTD, sin_BTD, mask, attention))
+
+    def run(self, x_BQH: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]):
+        """The layer with `attend(normed block stream)` as its attention (inference caches K/V).
+
+        The context feature is not re-normalised per layer: only the block stream is.
+        """
+        x_BQH = x_BQH + attend(self.input_layernorm(x_BQH))
         return x_BQH + self.mlp(self.post_attention_layernorm(x_BQH))
 
 
 class DFlashDrafter(nn.Module):
     """Single-device DFlash drafter; parameter names are the export keys."""
+
+    layer_class: type[DrafterLayer] = DrafterLayer  # a variant's layers (train/dflash2.py)
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
@@ -156,7 +165,7 @@ class DFlashDrafter(nn.Module):
         h = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_context_layers * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DrafterLayer(cfg, t) for t in cfg.layer_types)
+        self.layers = nn.ModuleList(self.layer_class(cfg, t) for t in cfg.layer_types)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
@@ -196,6 +205,13 @@ class DFlashDrafter(nn.Module):
                 x_BQH = layer(*args)
         return self.norm(x_BQH)
 
+    def propose(
+        self, hidden_NQH: torch.Tensor, lm_head_VH: torch.Tensor, first_N: torch.Tensor
+    ) -> torch.Tensor:
+        """Greedy draft ids [N, Q] from final hidden states of the slots to draft; `first_N` is
+        the block's known first token (unused here; DFlash2's selector starts from it)."""
+        return F.linear(hidden_NQH.to(lm_head_VH.dtype), lm_head_VH).argmax(dim=-1)
+
 
 def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Cast inputs to the weight dtype unless autocast is on (it casts inside each matmul)."""
@@ -205,14 +221,19 @@ def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def init_drafter_weights(model: DFlashDrafter, seed: int) -> None:
+def init_drafter_weights(
+    model: DFlashDrafter, seed: int, names: Collection[str] | None = None
+) -> None:
     """Deterministic init: linear weights N(0, 0.02) (Qwen3's initializer_range), norms 1.
 
     Draws from a CPU generator in parameter-name order, so the result does not depend on the
-    device or on how many processes run.
+    device or on how many processes run. `names` limits it to those parameters (a variant's
+    DFlash parameters then get the same values as a DFlash drafter of the same seed).
     """
     gen = torch.Generator().manual_seed(seed)
     for name, param in sorted(model.named_parameters()):
+        if names is not None and name not in names:
+            continue
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         else:

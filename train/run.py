@@ -111,6 +111,8 @@ def prepare(
     cfg = cfg.replace(
         target_layers=",".join(map(str, wanted)),
         layer_types=",".join(drafter.layer_types),
+        sliding_window=drafter.sliding_window,
+        is_causal=None if drafter.is_causal is None else str(drafter.is_causal).lower(),
         mask_token_id=drafter.mask_token_id,
         gamma=gamma,
         max_length=cfg.max_length or manifest.max_length,
@@ -196,9 +198,13 @@ def _drafter_config(
             target_layer_ids=wanted,
             block_size=cfg.block_size,
             mask_token_id=cfg.mask_token_id,
-            layer_types=cfg.layer_type_names,
+            # DFlash2 without layer types takes the published attention (all sliding).
+            layer_types=None if cfg.layer_types is None else cfg.layer_type_names,
             sliding_window=cfg.sliding_window,
             tokenizer_vocab_size=manifest.target.tokenizer_vocab_size,
+            drafter_type=cfg.drafter_type,
+            is_causal=cfg.causal,
+            **dflash2_fields(cfg),
         )
         shape = {
             "num_attention_heads": cfg.drafter_heads,
@@ -211,6 +217,14 @@ def _drafter_config(
         problems.append(f"drafter config: {e}")
         return None, hidden
     return drafter, hidden
+
+
+def dflash2_fields(cfg: TrainConfig) -> dict[str, int]:
+    """The DFlash2 fields of the drafter config (none for a DFlash drafter)."""
+    if cfg.drafter_type != "dflash2":
+        return {}
+    names = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    return {name: getattr(cfg, name) for name in names}
 
 
 def _embedding_rows(cache: Path, manifest: Manifest, problems: list[str]) -> int | None:

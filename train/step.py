@@ -21,6 +21,7 @@ from train.config import CE_MODES, GRAD_CKPT_MODES
 from train.loss import acceptance_stats, chunked_ce, fused_chunked_ce
 from train.mask import build_masks
 from train.model import DFlashDrafter
+from train.selector_loss import SelectorLoss, selector_step_terms
 
 
 @dataclass
@@ -143,6 +144,7 @@ def anchored_loss(
     compile_masks: bool = False,
     ce: str = "fused",
     compile_ce: bool = False,
+    selector: SelectorLoss | None = None,
 ) -> StepOut:
     """The training forward of one micro-batch for given anchors (a pure function of them).
 
@@ -152,6 +154,8 @@ def anchored_loss(
     neither. `ce="fused"` forms each CE chunk's hidden-gradient in the forward
     (`train.loss.fused_chunked_ce`): no logits are kept or recomputed, whatever `grad_ckpt`;
     `compile_ce` runs its chunk body through torch.compile.
+    `selector`: this step's selector-loss weight and stop-gradient (DFlash2 drafters only;
+    default alpha 1).
     `compile_masks` builds flex BlockMasks with the compiled create_block_mask. Measured on an
     H200 (Qwen3-8B shape, S 3072, 512 blocks of 16, flex): steady step 221 ms compiled vs 224 ms
     eager, but the first step 210 s vs 13 s (compiling the mask for the second layer type alone
@@ -183,6 +187,7 @@ def anchored_loss(
         attention=attention,
         starts_BN=context_starts(anchors_BN, batch.positions_BS),
         compiled=compile_masks,
+        causal=cfg.is_causal,
     )
     hidden_BQH = drafter(
         batch.context(),
@@ -197,8 +202,15 @@ def anchored_loss(
     w_BQ = loss_weights(
         loss_mask_BS, doc_ids_BS, anchors_BN, keep_BN, block_size=block_size, gamma=gamma
     )
-    ce_args = (hidden_BQH.flatten(0, 1), lm_head_weight_VH, targets_BQ.flatten(), w_BQ.flatten())
     chunk_rows = ce_chunk_blocks * block_size
+    if cfg.drafter_type == "dflash2":  # CE_base plus the candidate selector's CE
+        weighted_sum, weight_total, stats = selector_step_terms(
+            hidden_BQH, lm_head_weight_VH, targets_BQ, w_BQ, keep_BN,
+            _unwrap(drafter).candidate_selector, cfg, chunk_rows=chunk_rows,
+            checkpoint=grad_ckpt != "none", fused=ce == "fused", options=selector or SelectorLoss(),
+        )  # fmt: skip
+        return StepOut(weighted_sum=weighted_sum, weight_total=weight_total, stats=stats)
+    ce_args = (hidden_BQH.flatten(0, 1), lm_head_weight_VH, targets_BQ.flatten(), w_BQ.flatten())
     if ce == "fused":
         weighted_sum, weight_total, correct_N = fused_chunked_ce(
             *ce_args, chunk_rows=chunk_rows, compiled=compile_ce
