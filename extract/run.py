@@ -11,6 +11,13 @@ from pathlib import Path
 
 from extract.config import ExtractConfig
 from extract.data import RowIndex, index_rows, source_fingerprint, template_fingerprint
+from extract.outdir import (
+    clear_cache,
+    foreign_entries,
+    listing,
+    only_leftovers,
+    protected_reason,
+)
 from extract.target import (
     TargetError,
     build_target_layer_ids,
@@ -129,9 +136,11 @@ def plan_manifest(cfg: ExtractConfig) -> tuple[Manifest, RowIndex]:
 
 
 def existing_state(cfg: ExtractConfig, planned: Manifest) -> Manifest | None:
-    """The cache to resume, None for a fresh start; raises if --out holds something else."""
+    """The cache to resume, None for a fresh start; raises if --out holds something else.
+    `--overwrite` replaces only a folder holding nothing but this tool's entries, and never the
+    working directory or a folder holding the data or the target."""
     out = cfg.out
-    if not out.exists() or not any(out.iterdir()):
+    if not out.exists() or only_leftovers(out):
         return None
     if (out / MANIFEST).is_file():
         try:
@@ -145,7 +154,16 @@ def existing_state(cfg: ExtractConfig, planned: Manifest) -> Manifest | None:
         if not problems:
             return old
     else:
-        problems = ["it is not empty and holds no manifest.json"]
+        problems = ["it holds no manifest.json"]
+    foreign = foreign_entries(out)
+    inputs = [Path(s.path) for s in planned.sources] + [Path(planned.target.path)]
+    protected = protected_reason(out, inputs)
+    if foreign or protected:
+        why = protected or f"it holds files this tool did not write: {listing(foreign)}"
+        raise ExtractError(
+            f"--out {out} is not a cache this tool may replace: {why}.\n"
+            "Choose a new or empty folder for --out (nothing was deleted)."
+        )
     if cfg.overwrite:
         return None
     lines = "\n".join(f"  - {p}" for p in problems)
@@ -157,9 +175,8 @@ def existing_state(cfg: ExtractConfig, planned: Manifest) -> Manifest | None:
 
 def _init_output(cfg: ExtractConfig, planned: Manifest, resume: Manifest | None) -> None:
     if resume is None:
-        if cfg.out.exists():
-            shutil.rmtree(cfg.out)
-        cfg.out.mkdir(parents=True)
+        clear_cache(cfg.out)
+        cfg.out.mkdir(parents=True, exist_ok=True)
         from transformers import AutoTokenizer
 
         target = planned.target.path

@@ -1,0 +1,99 @@
+"""Stage one never loses the user's data: what --overwrite may delete, the lock, verification."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from extract.config import ExtractConfig
+from extract.outdir import is_own_entry, protected_reason
+from extract.run import ExtractError, run
+from shared.manifest import read_manifest
+from tests.test_extract import chat
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    path.write_text("".join(json.dumps(chat(i)) + "\n" for i in range(8)))
+    return path
+
+
+def extract(out: Path, target: Path, data: Path, **over) -> object:
+    cfg = dict(
+        out=out,
+        target=str(target),
+        data=(data,),
+        gpus="cpu",
+        rows_per_part=4,
+        batch_tokens=512,
+        layers="0,2",
+        writer_threads=1,
+    )
+    return run(ExtractConfig(**{**cfg, **over}))
+
+
+def test_own_entries_are_recognised():
+    own = ["manifest.json", "part-000012", "part-000003.tar.tmp", "target.tmp", ".progress"]
+    own += [".manifest.json.tmp.12.345", ".lock", "extract_config.json", "part-000001.old"]
+    assert all(is_own_entry(n) for n in own)
+    foreign = ["notes.txt", "part-1", "manifest.json.bak", "target2", "data.jsonl", ".git"]
+    assert not any(is_own_entry(n) for n in foreign)
+
+
+def test_protected_folders(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert "working directory" in protected_reason(tmp_path, [])
+    assert "working directory" in protected_reason(tmp_path.parent, [])
+    data = tmp_path / "d" / "x.jsonl"
+    assert "holds" in protected_reason(tmp_path / "d", [data])
+    assert protected_reason(tmp_path / "other", [data]) is None
+
+
+def test_overwrite_refuses_a_folder_that_is_not_a_cache(tmp_path, tiny_qwen3, data_file):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    for overwrite in (False, True):
+        with pytest.raises(ExtractError, match="precious.txt") as e:
+            extract(out, tiny_qwen3, data_file, overwrite=overwrite)
+        assert "--overwrite" not in str(e.value)
+    assert (out / "precious.txt").read_text() == "keep me"
+    assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
+
+
+def test_overwrite_refuses_the_working_directory_and_the_data_folder(
+    tmp_path, tiny_qwen3, data_file, monkeypatch
+):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    extract(cwd, tiny_qwen3, data_file, max_rows=4)  # a real cache, then used as the cwd
+    monkeypatch.chdir(cwd)
+    before = sorted(p.name for p in cwd.iterdir())
+    with pytest.raises(ExtractError, match="working directory"):
+        extract(Path("."), tiny_qwen3, data_file, max_rows=4, layers="1", overwrite=True)
+    assert sorted(p.name for p in cwd.iterdir()) == before
+    holder = tmp_path / "holder"
+    extract(holder, tiny_qwen3, data_file, max_rows=4)
+    inside = holder / "rows.jsonl"
+    inside.write_text(data_file.read_text())
+    with pytest.raises(ExtractError, match="rows.jsonl"):
+        extract(holder, tiny_qwen3, inside, max_rows=4, layers="1", overwrite=True)
+    assert inside.is_file()
+
+
+def test_overwrite_replaces_only_a_cache_and_leftovers_do_not_block(
+    tmp_path, tiny_qwen3, data_file
+):
+    out = tmp_path / "c"
+    extract(out, tiny_qwen3, data_file, max_rows=4)
+    m = extract(out, tiny_qwen3, data_file, max_rows=4, layers="1", overwrite=True)
+    assert m.complete and m.layer_ids == (1,)
+    fresh = tmp_path / "interrupted"
+    (fresh / "target.tmp").mkdir(parents=True)  # a start stopped while writing target/
+    (fresh / "target.tmp" / "config.json").write_text("{")
+    m = extract(fresh, tiny_qwen3, data_file, max_rows=4)
+    assert m.complete and not (fresh / "target.tmp").exists()
+    assert read_manifest(fresh).complete
