@@ -36,9 +36,11 @@ from shared.dist import (
     launch,
     main_first,
     parse_gpus,
+    takes_output_lock,
     under_torchrun,
 )
 from shared.fsio import atomic_write_json
+from shared.lock import LockHeld, output_lock
 from shared.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -214,6 +216,16 @@ def run(cfg: ExtractConfig) -> Manifest:
         planned, index = plan_manifest(cfg)
     except (TargetError, ValueError) as e:
         raise ExtractError(str(e)) from None
+    try:
+        with output_lock(cfg.out, "python -m extract", enabled=takes_output_lock()):
+            return _run_locked(cfg, spec, planned, index)
+    except LockHeld as e:
+        raise ExtractError(str(e)) from None
+
+
+def _run_locked(
+    cfg: ExtractConfig, spec: DeviceSpec, planned: Manifest, index: RowIndex
+) -> Manifest:
     resume = existing_state(cfg, planned)
     done = resume.done_units() if resume is not None else set()
     pending = tuple(u for u in range(planned.num_units) if u not in done)

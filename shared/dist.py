@@ -105,6 +105,12 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
+def takes_output_lock() -> bool:
+    """True in the process that holds a run's output lock for all its ranks: our launcher, or
+    rank 0 under torchrun (torchrun stops every rank when one fails)."""
+    return not under_torchrun() or os.environ.get("RANK") == "0"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,8 +16,9 @@ from typing import Any
 from safetensors import safe_open
 
 from shared.cli import to_json
-from shared.dist import launch, parse_gpus, under_torchrun
+from shared.dist import DeviceSpec, launch, parse_gpus, takes_output_lock, under_torchrun
 from shared.fsio import atomic_write_json
+from shared.lock import LockHeld, output_lock
 from shared.manifest import CacheMismatch, Manifest, check_compatible, read_manifest
 from shared.target_files import EMBED_FILE, EMBED_KEY, read_target_config, target_dir
 from train.anchors import default_gamma
@@ -44,6 +45,14 @@ def run(cfg: TrainConfig) -> Path:
         raise RunError(str(e)) from None
     manifest = read_manifest(cfg.data)
     cfg, prep = prepare(cfg, manifest, device_kind=spec.kind)
+    try:
+        with output_lock(cfg.out, "python -m train", enabled=takes_output_lock()):
+            return _run_locked(cfg, prep, manifest, spec)
+    except LockHeld as e:
+        raise RunError(str(e)) from None
+
+
+def _run_locked(cfg: TrainConfig, prep: Prepared, manifest: Manifest, spec: DeviceSpec) -> Path:
     world_size = None if under_torchrun() else spec.nprocs
     prepare_run_dir(cfg, prep, manifest, world_size=world_size)
     log.info(
