@@ -27,6 +27,7 @@ from extract.target import (
     write_target_files,
 )
 from extract.worker import Job, rank_main
+from shared.cache import missing_or_resized
 from shared.cli import to_json
 from shared.codec import codec_description
 from shared.dist import (
@@ -47,12 +48,14 @@ from shared.manifest import (
     CacheMismatch,
     Manifest,
     SourceFile,
+    drop_parts,
     identity_mismatches,
     read_manifest,
     update_manifest,
     write_manifest,
 )
 from shared.progress import SummedBar
+from shared.target_files import target_checksums, target_problems
 
 log = logging.getLogger(__name__)
 PROGRESS_DIR = ".progress"
@@ -179,13 +182,38 @@ def _init_output(cfg: ExtractConfig, planned: Manifest, resume: Manifest | None)
     if resume is None:
         clear_cache(cfg.out)
         cfg.out.mkdir(parents=True, exist_ok=True)
-        from transformers import AutoTokenizer
-
-        target = planned.target.path
-        write_target_files(Path(target), AutoTokenizer.from_pretrained(target), cfg.out)
-        write_manifest(cfg.out, planned)
+        _write_target(cfg.out, planned.target.path)
+        write_manifest(
+            cfg.out, dataclasses.replace(planned, target_files=target_checksums(cfg.out))
+        )
     shutil.rmtree(cfg.out / PROGRESS_DIR, ignore_errors=True)
     atomic_write_json(cfg.out / "extract_config.json", planned.config)
+
+
+def _write_target(out: Path, target: str) -> None:
+    from transformers import AutoTokenizer
+
+    write_target_files(Path(target), AutoTokenizer.from_pretrained(target), out)
+
+
+def checked_resume(out: Path, resume: Manifest) -> Manifest:
+    """The cache to resume after checking what it lists: `target/` is rewritten when it differs
+    from its record (or has none), and parts that are missing or of another size are dropped
+    from the manifest, so that this run extracts them again."""
+    problems = target_problems(out, resume.target_files)
+    if problems or not resume.target_files:
+        for p in problems:
+            log.warning("%s: %s: writing target/ again", out, p)
+        _write_target(out, resume.target.path)
+        files = target_checksums(out)
+        resume = update_manifest(out, lambda m: dataclasses.replace(m, target_files=files))
+    damaged = missing_or_resized(out, resume.parts)
+    if damaged:
+        for p in damaged:
+            log.warning("%s: %s: extracting it again", out, p)
+        names = {p.split(":", 1)[0] for p in damaged}
+        resume = update_manifest(out, lambda m: drop_parts(m, names))
+    return resume
 
 
 def _finalize(out: Path) -> Manifest:
@@ -227,6 +255,8 @@ def _run_locked(
     cfg: ExtractConfig, spec: DeviceSpec, planned: Manifest, index: RowIndex
 ) -> Manifest:
     resume = existing_state(cfg, planned)
+    if resume is not None:
+        resume = checked_resume(cfg.out, resume)
     done = resume.done_units() if resume is not None else set()
     pending = tuple(u for u in range(planned.num_units) if u not in done)
     spawned = spec.nprocs > 1 and not under_torchrun()

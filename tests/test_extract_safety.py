@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,72 @@ def test_overwrite_replaces_only_a_cache_and_leftovers_do_not_block(
     m = extract(fresh, tiny_qwen3, data_file, max_rows=4)
     assert m.complete and not (fresh / "target.tmp").exists()
     assert read_manifest(fresh).complete
+
+
+def _verify(cache: Path, *args: str):
+    from click.testing import CliRunner
+
+    from extract.verify import main
+
+    return CliRunner().invoke(main, [str(cache), "--samples", "0", *args])
+
+
+def _flip(path: Path, at: float = 0.5) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _checksums(cache: Path) -> dict[str, str]:
+    return {p.name: p.checksum for p in read_manifest(cache).parts}
+
+
+def test_damaged_target_files_are_found_refused_and_repaired(tmp_path, tiny_qwen3, data_file):
+    from train.config import TrainConfig
+    from train.run import prepare
+
+    cache = tmp_path / "c"
+    extract(cache, tiny_qwen3, data_file, max_rows=4)
+    assert "embed.safetensors" in read_manifest(cache).target_files
+    assert _verify(cache).exit_code == 0
+    _flip(cache / "target" / "embed.safetensors", 0.9)  # tensor bytes: the file still loads
+    r = _verify(cache)
+    assert r.exit_code == 1 and "target/embed.safetensors" in r.output, r.output
+    cfg = TrainConfig(data=cache, out=tmp_path / "run", gpus="cpu", drafter_layers=1)
+    with pytest.raises(ValueError, match="target/embed.safetensors.*--repair"):
+        prepare(cfg, read_manifest(cache), device_kind="cpu")
+    r = _verify(cache, "--repair")
+    assert r.exit_code == 1 and "target/ to be written again" in r.output
+    assert not read_manifest(cache).complete
+    m = extract(cache, tiny_qwen3, data_file, max_rows=4)
+    assert m.complete and _verify(cache).exit_code == 0
+
+
+def test_missing_part_is_redone_on_resume(tmp_path, tiny_qwen3, data_file):
+    cache = tmp_path / "c"
+    extract(cache, tiny_qwen3, data_file)
+    before = _checksums(cache)
+    shutil.rmtree(cache / "part-000001")
+    m = extract(cache, tiny_qwen3, data_file)
+    assert m.complete and _checksums(cache) == before
+    assert _verify(cache).exit_code == 0
+
+
+def test_repair_drops_exactly_the_damaged_part(tmp_path, tiny_qwen3, data_file):
+    cache = tmp_path / "c"
+    extract(cache, tiny_qwen3, data_file)
+    before = _checksums(cache)
+    victim = max(
+        (p for p in (cache / "part-000000").rglob("*") if p.is_file()),
+        key=lambda p: p.stat().st_size,
+    )
+    _flip(victim)
+    untouched = (cache / "part-000001").stat().st_ino
+    r = _verify(cache, "--repair")
+    assert r.exit_code == 1 and "part-000000" in r.output and "dropped 1 damaged" in r.output
+    m = read_manifest(cache)
+    assert not m.complete and [p.name for p in m.parts] == ["part-000001"]
+    m = extract(cache, tiny_qwen3, data_file)
+    assert m.complete and _checksums(cache) == before
+    assert (cache / "part-000001").stat().st_ino == untouched
+    assert _verify(cache).exit_code == 0

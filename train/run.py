@@ -20,7 +20,13 @@ from shared.dist import DeviceSpec, launch, parse_gpus, takes_output_lock, under
 from shared.fsio import atomic_write_json
 from shared.lock import LockHeld, output_lock
 from shared.manifest import CacheMismatch, Manifest, check_compatible, read_manifest
-from shared.target_files import EMBED_FILE, EMBED_KEY, read_target_config, target_dir
+from shared.target_files import (
+    EMBED_FILE,
+    EMBED_KEY,
+    read_target_config,
+    target_dir,
+    target_problems,
+)
 from train.anchors import default_gamma
 from train.checkpoint import list_checkpoints, read_meta, resolve_resume
 from train.config import TrainConfig, config_changes
@@ -91,7 +97,11 @@ def prepare(
 ) -> tuple[TrainConfig, Prepared]:
     """The resolved config and what every rank needs; CacheMismatch lists every problem."""
     cfg = resolve_devices(cfg, device_kind)
-    problems: list[str] = []
+    problems = [
+        f"{p}: run `python -m extract.verify {cfg.data} --repair`, then the same extract "
+        "command to write it again"
+        for p in target_problems(cfg.data, manifest.target_files)
+    ]
     wanted = cfg.target_layer_ids or tuple(manifest.layer_ids)
     drafter, hidden = _drafter_config(cfg, manifest, wanted, problems)
     embed_rows = _embedding_rows(cfg.data, manifest, problems)
@@ -143,7 +153,7 @@ def _drafter_config(
         text = target_cfg.get("text_config") or target_cfg
         hidden = int(text["hidden_size"])
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        problems.append(f"target config unreadable ({e!r})")
+        problems.append(f"target config unreadable: {e}")
         return None, None
     try:
         drafter = DrafterConfig.from_target_config(
