@@ -89,6 +89,17 @@ def _check_writable(out: Path) -> None:
 
 def _layer_ids(cfg: ExtractConfig, num_target_layers: int) -> tuple[int, ...]:
     ids = cfg.layer_ids or tuple(build_target_layer_ids(num_target_layers, cfg.num_layers))
+    if cfg.layer_ids is None and len(set(ids)) < len(ids):
+        fits = max(
+            n
+            for n in range(1, num_target_layers + 1)
+            if len(set(build_target_layer_ids(num_target_layers, n))) == n
+        )
+        raise ExtractError(
+            f"--num-layers {cfg.num_layers}: the target has {num_target_layers} decoder layers, "
+            f"and the DFlash rule gives repeated ids {list(ids)}; use --num-layers {fits} or "
+            "less, or name the ids with --layers"
+        )
     bad = [i for i in ids if not 0 <= i < num_target_layers]
     if bad:
         raise ExtractError(

@@ -22,6 +22,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+class StopRun(RuntimeError):
+    """An error meant for the user, raised on a rank: `launch` re-raises it in the launching
+    process with its message (spawned ranks pass it back), not as a rank's traceback."""
+
+
+STOP_EXIT = 3  # exit status of a spawned rank that raised StopRun (its message is queued)
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     kind: str  # "cuda" or "cpu"
@@ -132,13 +140,37 @@ def _init(rank: int, world: int, local_rank: int, spec: DeviceSpec) -> RankInfo:
     return RankInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 
-def _spawned(local_rank: int, fn: Callable, spec: DeviceSpec, args: tuple) -> None:
+def _spawned(local_rank: int, fn: Callable, spec: DeviceSpec, args: tuple, errors: Any) -> None:
     info = _init(local_rank, spec.nprocs, local_rank, spec)
     try:
         fn(info, *args)
+    except StopRun as e:
+        errors.put((local_rank, str(e)))
+        raise SystemExit(STOP_EXIT) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _join(ctx: Any, errors: Any, monitor: Callable[[], None] | None, every: float) -> None:
+    """Wait for the spawned ranks; a StopRun in any is re-raised here with its message."""
+    try:
+        while not ctx.join(timeout=every):
+            if monitor is not None:
+                monitor()
+    except mp.ProcessExitedException as e:
+        if e.exit_code == STOP_EXIT and not errors.empty():
+            raise StopRun(min(_drain(errors))[1]) from None
+        raise
+    if monitor is not None:
+        monitor()
+
+
+def _drain(errors: Any) -> list[tuple[int, str]]:
+    out = []
+    while not errors.empty():
+        out.append(errors.get())
+    return out
 
 
 def launch(
@@ -173,14 +205,15 @@ def launch(
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(_free_port())
+    errors = mp.get_context("spawn").SimpleQueue()
     ctx = mp.start_processes(
-        _spawned, args=(fn, spec, args), nprocs=spec.nprocs, join=False, start_method="spawn"
+        _spawned,
+        args=(fn, spec, args, errors),
+        nprocs=spec.nprocs,
+        join=False,
+        start_method="spawn",
     )
-    while not ctx.join(timeout=monitor_every):
-        if monitor is not None:
-            monitor()
-    if monitor is not None:
-        monitor()
+    _join(ctx, errors, monitor, monitor_every)
 
 
 # Collectives that are no-ops in a single process, so stage code never branches on world size.

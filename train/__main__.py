@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from shared.cli import build, click_options
+from shared.dist import StopRun
 from shared.logs import setup_logging
 from shared.manifest import CacheMismatch
 from train.config import TrainConfig
@@ -19,7 +20,7 @@ def main(**kwargs: object) -> None:
     setup_logging(0, verbose=cfg.verbose)
     try:
         out = run(cfg)
-    except (CacheMismatch, RunError) as e:
+    except (CacheMismatch, RunError, StopRun) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"drafter exported to {out}")
 

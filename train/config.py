@@ -181,7 +181,7 @@ class TrainConfig:
     verbose: bool = option(False, help="debug logging on every rank")
 
     def __post_init__(self) -> None:
-        for name in ("drafter_layers", "block_size", "num_anchors", "batch_tokens", "grad_accum"):
+        for name in ("drafter_layers", "num_anchors", "batch_tokens", "grad_accum"):
             _check(getattr(self, name) >= 1, name, "must be >= 1")
         for name in ("epochs", "shuffle_buffer", "eval_every", "eval_batches"):
             _check(getattr(self, name) >= 0, name, "must be >= 0")
@@ -189,7 +189,13 @@ class TrainConfig:
         for name in ("log_every", "checkpoint_every", "keep_checkpoints", "prefetch"):
             _check(getattr(self, name) >= 1, name, "must be >= 1")
         _check(self.recompile_limit >= 1, "recompile_limit", "must be >= 1")
-        _check(self.block_size >= 2, "block_size", "must be >= 2")
+        _check(self.block_size >= 2, "block_size", "must be >= 2 (offset 0 is never a target)")
+        _check(
+            self.max_length is None or self.max_length >= self.block_size,
+            "max_length",
+            f"must be at least block_size ({self.block_size}): no draft block fits in a shorter "
+            "sample",
+        )
         _check(self.ce_chunk_blocks >= 1, "ce_chunk_blocks", "must be >= 1")
         _check(self.lr > 0, "lr", "must be > 0")
         _check(0 <= self.warmup < 1, "warmup", "must be in [0, 1)")
@@ -199,7 +205,6 @@ class TrainConfig:
         for name in (
             "steps",
             "stop_after_steps",
-            "max_length",
             "sliding_window",
             "drafter_heads",
             "drafter_kv_heads",

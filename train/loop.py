@@ -46,6 +46,7 @@ from train.drafter_config import DrafterConfig
 from train.evaluate import Evaluator
 from train.export import export_drafter
 from train.feed import DeviceFeed
+from train.finite import FiniteGuard
 from train.mask import flex_kernel_options
 from train.metrics import MetricsWriter, StatSums
 from train.model import DFlashDrafter, init_drafter_weights
@@ -146,6 +147,9 @@ class Trainer:
             compile_ce=cfg.compile == "model",
         )
         self.sums = StatSums(cfg.block_size, self.device)
+        self.guard = FiniteGuard(
+            self.device, every=cfg.log_every, total=self.total, data=cfg.data, out=cfg.out
+        )
         self.writer = MetricsWriter(cfg.out, enabled=info.is_main)
         self.evaluator = self._make_evaluator()
         self.net: torch.nn.Module | None = None  # prepare() sets the next three
@@ -187,6 +191,7 @@ class Trainer:
         log.info("resumed from %s at step %d of %d", path, self.step, self.total)
 
     def save(self) -> None:
+        self.guard.check(self.step)  # never save (nor export after) a non-finite model
         rngs = all_gather_objects(rng_state(self.device))
         if self.info.is_main:
             state = {
@@ -323,6 +328,7 @@ class Trainer:
                 self.feed.ahead()  # its copy overlaps this micro-batch's backward
             weight_local += out.weight_total.detach().float()
             self.sums.add(out.weighted_sum, out.weight_total, out.stats, batch.lengths_B.sum())
+            self.guard.add(out.weighted_sum, out.weight_total)
             self.loader_state = self.loader_state.advance(self.limits)
         # Every kept block weighs >= 1 at offset 1, so a total below 1 means no targets at all.
         weight_total = all_reduce_sum(weight_local).clamp(min=1.0)
@@ -332,12 +338,14 @@ class Trainer:
             p.grad.mul_(scale)
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        self.guard.observe(self.step + 1, grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.sums.add_step(grad_norm)
         self.step += 1
         self.feed.ahead()  # the next micro-batch's copy overlaps this step's queued work
+        self.guard.check_due(self.step)  # reads the device back only on log steps
         return self.feed.waited - waited
 
     def _log(self) -> dict[str, Any]:
