@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import shutil
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +24,16 @@ from shared.cache import open_part_writer, part_name
 from shared.codec import quantize_fp8
 from shared.dist import RankInfo, processes_on_this_host, usable_cpus
 from shared.logs import setup_logging
-from shared.manifest import MAX_LISTED_REJECTS, PartRecord, RejectedRow, update_manifest
+from shared.manifest import (
+    MAX_LISTED_REJECTS,
+    CacheMismatch,
+    PartRecord,
+    RejectedRow,
+    read_manifest,
+    update_manifest,
+)
 from shared.progress import RankCounters, SummedBar
+from shared.stopping import Stopped, StopRequest, StopRun
 
 log = logging.getLogger(__name__)
 # Batches in flight between the device and the writer threads: the GPU runs ahead by this many
@@ -201,19 +212,62 @@ def rank_main(info: RankInfo, job: Job) -> None:
     log.info(
         "rank %d: %d units on %s, %d writer threads", info.rank, len(mine), info.device, threads
     )
+    stop = StopRequest().install("finishing the parts in progress, then stopping")
     try:
-        run_units(
-            pipeline,
-            mine,
-            read=lambda unit: _read_unit(job, tokenizer, unit),
-            after_part=bar.refresh if bar is not None else None,
-        )
+        with disk_full_message(job):
+            try:
+                done = run_units(
+                    pipeline,
+                    mine,
+                    read=lambda unit: _read_unit(job, tokenizer, unit),
+                    after_part=bar.refresh if bar is not None else None,
+                    stop=stop,
+                )
+            finally:
+                pipeline.close()
     finally:
-        pipeline.close()
         capture.close()
         counters.close()
+        stop.restore()
         if bar is not None:
             bar.close()
+    if done < len(mine):
+        raise Stopped(
+            f"stopped by {stop.signal_name}: rank {info.rank} committed {done} of its "
+            f"{len(mine)} parts in this run, and no part was left half-written; rerun the same "
+            "command to resume."
+        )
+
+
+class DiskFull(StopRun):
+    """The cache's file system is full; the message says where and how much a part needs."""
+
+
+@contextlib.contextmanager
+def disk_full_message(job: Job) -> Iterator[None]:
+    """Turn ENOSPC (raised by a writer or the commit thread) into one message: which folder,
+    its free space, and about how much a part takes (the mean of those committed)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        try:
+            parts = read_manifest(job.out).parts
+        except (CacheMismatch, OSError):
+            parts = ()
+        size = (
+            f"a part takes about {sum(p.nbytes for p in parts) / len(parts) / 1e6:,.1f} MB "
+            "(the mean of those committed)"
+            if parts
+            else "no part was committed yet"
+        )
+        free = shutil.disk_usage(job.out).free / 1e6
+        raise DiskFull(
+            f"the disk holding {job.out} is full ({free:,.1f} MB free; {size}). Free space "
+            "there (or move the cache and use its new --out), then rerun the same command: "
+            "committed parts are kept and the one being written is redone."
+        ) from None
 
 
 def run_units(
@@ -222,26 +276,35 @@ def run_units(
     *,
     read: Callable[[int], tuple[list[Tokenized], list[Rejected]]],
     after_part: Callable[[], None] | None = None,
-) -> None:
-    """`units` through `pipeline`, in order. Reading and tokenizing a unit's rows (`read`) and
-    opening its part run on a reader thread, one unit ahead: on the thread that feeds the
-    device they would leave the GPU idle at every part boundary."""
+    stop: StopRequest | None = None,
+) -> int:
+    """`units` through `pipeline`, in order; returns how many were submitted (fewer than all
+    when `stop` was requested: the part read ahead is then discarded, never half-committed).
+    Reading and tokenizing a unit's rows (`read`) and opening its part run on a reader
+    thread, one unit ahead: on the thread that feeds the device they would leave the GPU idle
+    at every part boundary."""
 
     def prepare(unit: int) -> OpenPart:
         return pipeline.open(unit, *read(unit))
 
     reader = ThreadPoolExecutor(1, thread_name_prefix="read")
+    submitted = 0
     try:
         ahead = reader.submit(prepare, units[0]) if units else None
         for k in range(len(units)):
             part = ahead.result()
+            if stop is not None and stop.requested:
+                part.writer.abort()
+                break
             if k + 1 < len(units):
                 ahead = reader.submit(prepare, units[k + 1])
             pipeline.submit(part)
+            submitted += 1
             if after_part is not None:
                 after_part()
     finally:
         reader.shutdown(wait=True, cancel_futures=True)
+    return submitted
 
 
 def _read_unit(job: Job, tokenizer, unit: int) -> tuple[list[Tokenized], list[Rejected]]:  # noqa: ANN001

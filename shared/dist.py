@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import signal
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,13 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-class StopRun(RuntimeError):
-    """An error meant for the user, raised on a rank: `launch` re-raises it in the launching
-    process with its message (spawned ranks pass it back), not as a rank's traceback."""
-
+from shared.stopping import StopRequest, StopRun, die_with_parent, stop_error
 
 STOP_EXIT = 3  # exit status of a spawned rank that raised StopRun (its message is queued)
+STOP_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -141,26 +139,37 @@ def _init(rank: int, world: int, local_rank: int, spec: DeviceSpec) -> RankInfo:
 
 
 def _spawned(local_rank: int, fn: Callable, spec: DeviceSpec, args: tuple, errors: Any) -> None:
+    die_with_parent()  # a launcher killed by -9 takes its ranks with it
     info = _init(local_rank, spec.nprocs, local_rank, spec)
     try:
         fn(info, *args)
     except StopRun as e:
-        errors.put((local_rank, str(e)))
+        errors.put((local_rank, type(e).__name__, str(e)))
         raise SystemExit(STOP_EXIT) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _join(ctx: Any, errors: Any, monitor: Callable[[], None] | None, every: float) -> None:
+def _join(
+    ctx: Any,
+    errors: Any,
+    monitor: Callable[[], None] | None,
+    every: float,
+    tick: Callable[[], None],
+) -> None:
     """Wait for the spawned ranks; a StopRun in any is re-raised here with its message."""
     try:
-        while not ctx.join(timeout=every):
+        # A failed rank: the others get STOP_GRACE_S to end by themselves (the same StopRun
+        # reaches all ranks at once), then SIGTERM, then SIGKILL.
+        while not ctx.join(timeout=every, grace_period=STOP_GRACE_S):
+            tick()
             if monitor is not None:
                 monitor()
     except mp.ProcessExitedException as e:
         if e.exit_code == STOP_EXIT and not errors.empty():
-            raise StopRun(min(_drain(errors))[1]) from None
+            _, kind, message = min(_drain(errors))
+            raise stop_error(kind, message) from None
         raise
     if monitor is not None:
         monitor()
@@ -213,7 +222,27 @@ def launch(
         join=False,
         start_method="spawn",
     )
-    _join(ctx, errors, monitor, monitor_every)
+    # The ranks stop by themselves on a signal; this process passes one sent only to it on to
+    # them, and a second one stops them at once.
+    stop = StopRequest()
+    stop.on_repeat = lambda: _signal_ranks(ctx, signal.SIGKILL)
+    stop.install("passing it on to the ranks (again to stop them at once)")
+    try:
+        _join(ctx, errors, monitor, monitor_every, lambda: _forward(stop, ctx))
+    finally:
+        stop.restore()
+
+
+def _forward(stop: StopRequest, ctx: Any) -> None:
+    if stop.requested and not getattr(ctx, "forwarded", False):
+        ctx.forwarded = True
+        _signal_ranks(ctx, signal.SIGTERM)
+
+
+def _signal_ranks(ctx: Any, sig: int) -> None:
+    for proc in ctx.processes:
+        if proc.is_alive():
+            os.kill(proc.pid, sig)
 
 
 # Collectives that are no-ops in a single process, so stage code never branches on world size.

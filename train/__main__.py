@@ -5,9 +5,9 @@ from __future__ import annotations
 import click
 
 from shared.cli import build, click_options
-from shared.dist import StopRun
 from shared.logs import setup_logging
 from shared.manifest import CacheMismatch
+from shared.stopping import Stopped, StopRun, resume_command
 from train.config import TrainConfig
 from train.run import RunError, run
 
@@ -20,6 +20,8 @@ def main(**kwargs: object) -> None:
     setup_logging(0, verbose=cfg.verbose)
     try:
         out = run(cfg)
+    except Stopped as e:
+        raise click.ClickException(f"{e}\nresume: {resume_command('train')}") from None
     except (CacheMismatch, RunError, StopRun) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"drafter exported to {out}")

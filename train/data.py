@@ -9,8 +9,10 @@ the device. Resuming skips planned batches without reading them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing as mp
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from shared.cache import Sample, open_part
 from shared.codec import dequantize_fp8
 from shared.manifest import Manifest
+from shared.stopping import loader_worker_init
 from train.plan import (
     PlanSpec,
     SampleRef,
@@ -262,6 +265,7 @@ def make_loader(
     kwargs: dict[str, Any] = {}
     if workers > 0:
         kwargs = dict(prefetch_factor=prefetch, multiprocessing_context=_worker_context())
+        kwargs["worker_init_fn"] = functools.partial(loader_worker_init, os.getpid())
     return DataLoader(
         dataset, batch_size=None, num_workers=workers, pin_memory=pin_memory, **kwargs
     )

@@ -15,12 +15,13 @@ unchecked, and the last checkpoint saved before it stays the newest.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from shared.dist import StopRun
+from shared.stopping import Stopped, StopRequest, StopRun
 
 
 class NonFiniteError(StopRun):
@@ -34,6 +35,7 @@ class FiniteGuard:
         self.record = torch.zeros(2, dtype=torch.float64, device=device)
         self.loss = torch.zeros((), dtype=torch.float64, device=device)  # this step's so far
         self.checked = 0  # the step of the last check that passed
+        self.stop = StopRequest()  # replaced by the rank's installed one (train_rank)
 
     def add(self, loss_sum: torch.Tensor, weight: torch.Tensor) -> None:
         """Fold one micro-batch's loss sum and weight in (no device read-back)."""
@@ -47,24 +49,37 @@ class FiniteGuard:
         self.record[0] = torch.where(first, float(step), self.record[0])
         self.loss.zero_()
 
-    def check_due(self, step: int) -> None:
-        """`check` on log steps and the last step."""
-        if step % self.every == 0 or step == self.total:
-            self.check(step)
+    def check_due(self, step: int, *, save: Callable[[], None]) -> None:
+        """`check` on log steps and the last step; when a stop signal reached any rank, all
+        of them `save()` a checkpoint of this step and raise Stopped."""
+        # At the last step a stop request is moot: the run ends and exports as usual.
+        if (
+            (step % self.every == 0 or step == self.total)
+            and self.check(step)
+            and (step < self.total)
+        ):
+            save()
+            raise Stopped(
+                f"stopped by {self.stop.signal_name or 'a signal on another rank'} at step "
+                f"{step} of {self.total}: checkpoint saved in {self.out}; rerun the same "
+                "command to resume from it (--resume auto)."
+            )
 
-    def check(self, step: int) -> None:
-        """Raise NonFiniteError (on every rank alike) if a step since the last check was bad."""
+    def check(self, step: int) -> bool:
+        """Raise NonFiniteError (on every rank alike) if a step since the last check was bad;
+        True when a stop was requested on any rank."""
         if step == self.checked:
-            return
-        packed = torch.stack([self.record[0] * -1.0, self.record[0].clamp(max=1.0), self.record[1]])
+            return False
+        stop = 1.0 if self.stop.requested else 0.0
+        first, weight = self.record[0], self.record[1]
+        # [min over ranks of the first bad step (via max of its negation), any bad, any stop]
+        worst = torch.stack([-first, first.clamp(max=1.0), torch.full_like(first, stop)])
         if dist.is_initialized():
-            # min over ranks of the first bad step (0 for none), via max of its negation; sums.
-            worst = packed[:2].clone()
+            worst, weight = worst.clone(), weight.clone()
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            weight = packed[2:].clone()
             dist.all_reduce(weight, op=dist.ReduceOp.SUM)
-            packed = torch.cat([worst, weight])
-        neg_first, any_bad, weight = packed.tolist()
+        neg_first, any_bad, any_stop = worst.tolist()
+        weight = float(weight)
         if any_bad:
             raise NonFiniteError(self._message(int(-neg_first), step))
         if weight <= 0:
@@ -77,6 +92,7 @@ class FiniteGuard:
             )
         self.record[1].zero_()
         self.checked = step
+        return bool(any_stop)
 
     def _message(self, first: int, step: int) -> str:
         from train.checkpoint import list_checkpoints

@@ -31,6 +31,7 @@ from shared.dist import (
     usable_cpus,
 )
 from shared.logs import setup_logging
+from shared.stopping import StopRequest
 from shared.target_files import load_heads
 from train.checkpoint import load_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
 from train.compiling import RecompileLimitError, configure_compile
@@ -89,7 +90,13 @@ def train_rank(info: RankInfo, cfg: TrainConfig, prep: Prepared) -> None:
     if info.device.type == "cpu" and info.world_size > 1:
         # CPU ranks share the host: without this each would start one thread per core.
         torch.set_num_threads(max(1, usable_cpus() // processes_on_this_host(info.world_size)))
-    Trainer(info, cfg, prep).fit()
+    stop = StopRequest().install("saving a checkpoint at the next log step, then stopping")
+    try:
+        trainer = Trainer(info, cfg, prep)
+        trainer.guard.stop = stop
+        trainer.fit()
+    finally:
+        stop.restore()
 
 
 class Trainer:
@@ -345,7 +352,7 @@ class Trainer:
         self.sums.add_step(grad_norm)
         self.step += 1
         self.feed.ahead()  # the next micro-batch's copy overlaps this step's queued work
-        self.guard.check_due(self.step)  # reads the device back only on log steps
+        self.guard.check_due(self.step, save=self.save)  # reads the device on log steps only
         return self.feed.waited - waited
 
     def _log(self) -> dict[str, Any]:
