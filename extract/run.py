@@ -133,6 +133,8 @@ def plan_manifest(cfg: ExtractConfig) -> tuple[Manifest, RowIndex]:
         for f, n in zip(files, rows, strict=True)
     )
     total = sum(rows) if cfg.max_rows is None else min(sum(rows), cfg.max_rows)
+    if total == 0:
+        raise ExtractError(f"--data: {', '.join(map(str, files))} holds no rows")
     prints = template_fingerprint(tokenizer)
     resolved = dataclasses.replace(cfg, target=target, data=tuple(Path(f) for f in files))
     return Manifest(
@@ -227,10 +229,22 @@ def checked_resume(out: Path, resume: Manifest) -> Manifest:
     return resume
 
 
+def nothing_kept(manifest: Manifest) -> str:
+    t = manifest.totals()
+    reasons = ", ".join(f"{n} {r}" for r, n in t["rejected"].items()) or "none"
+    first = [r for p in manifest.parts for r in p.rejected_rows][:5]
+    lines = "".join(f"\n  {r.source}:{r.line}: {r.reason}" for r in first)
+    return (
+        f"no row of --data was kept ({t['rows_read']} read; rejected: {reasons}), so the cache "
+        f"is not complete. The first rejected rows:{lines}"
+    )
+
+
 def _finalize(out: Path) -> Manifest:
     def close(m: Manifest) -> Manifest:
         done = m.done_units() >= set(range(m.num_units))
-        return dataclasses.replace(m, complete=done)
+        # A cache without a single sample cannot train anything: never "complete".
+        return dataclasses.replace(m, complete=done and m.totals()["rows_kept"] > 0)
 
     return update_manifest(out, close)
 
@@ -257,9 +271,14 @@ def run(cfg: ExtractConfig) -> Manifest:
         raise ExtractError(str(e)) from None
     try:
         with output_lock(cfg.out, "python -m extract", enabled=takes_output_lock()):
-            return _run_locked(cfg, spec, planned, index)
-    except LockHeld as e:
+            manifest = _run_locked(cfg, spec, planned, index)
+    except (LockHeld, TargetError) as e:
         raise ExtractError(str(e)) from None
+    except OSError as e:  # e.g. --out /proc/x as root: mkdir fails although "writable"
+        raise ExtractError(f"{e.filename or cfg.out}: {e.strerror or e}") from None
+    if len(manifest.parts) == manifest.num_units and manifest.totals()["rows_kept"] == 0:
+        raise ExtractError(nothing_kept(manifest))
+    return manifest
 
 
 def _run_locked(

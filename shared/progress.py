@@ -67,7 +67,10 @@ class RankCounters:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self.flush()
+        try:
+            self.flush()
+        except OSError as e:  # advisory, as in _run: a full disk is reported by the writers
+            log.debug("progress counters not written: %s", e)
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):

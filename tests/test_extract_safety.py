@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from extract.config import ExtractConfig
 from extract.outdir import is_own_entry, protected_reason
 from extract.run import ExtractError, run
 from shared.manifest import read_manifest
+from shared.stopping import StopRun
 from tests.test_extract import chat
 
 
@@ -167,3 +170,76 @@ def test_repair_drops_exactly_the_damaged_part(tmp_path, tiny_qwen3, data_file):
     assert m.complete and _checksums(cache) == before
     assert (cache / "part-000001").stat().st_ino == untouched
     assert _verify(cache).exit_code == 0
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str):
+    """A tmpfs of `size` at `path` (a real full file system); skips where it cannot mount."""
+    path.mkdir(parents=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip()})")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_disk_full_while_writing_target_is_one_message(tmp_path, tiny_qwen3, data_file):
+    with small_disk(tmp_path / "disk", "64k") as disk:
+        with pytest.raises(ExtractError, match="cannot write .*target.*needs about") as e:
+            extract(disk / "c", tiny_qwen3, data_file, max_rows=4)
+        assert "rerun the same command" in str(e.value)
+        assert not (disk / "c" / "target.tmp").exists()
+        subprocess.run(["mount", "-o", "remount,size=8m", str(disk)], check=True)
+        assert extract(disk / "c", tiny_qwen3, data_file, max_rows=4).complete
+
+
+def test_disk_full_in_a_writer_thread_names_the_folder(tmp_path, tiny_qwen3):
+    from tests.test_extract import chat
+
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(chat(i, 3)) + "\n" for i in range(120)))
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        out = disk / "c"
+        with pytest.raises(StopRun, match="disk holding .* is full .*MB free") as e:
+            extract(out, tiny_qwen3, data, rows_per_part=30, layers="0,1,2,3")
+        assert "rerun the same command" in str(e.value)
+        m = read_manifest(out)
+        assert not m.complete and len(m.parts) < m.num_units
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        m = extract(out, tiny_qwen3, data, rows_per_part=30, layers="0,1,2,3")
+        assert m.complete and _verify(out).exit_code == 0
+
+
+def test_failures_before_any_work_name_the_file(tmp_path, tiny_qwen3, data_file):
+    target = tmp_path / "target"
+    shutil.copytree(tiny_qwen3, target)
+    (target / "config.json").write_text("{broken")
+    with pytest.raises(ExtractError, match=r"target/config.json cannot be read"):
+        extract(tmp_path / "a", target, data_file)
+    shutil.copy(tiny_qwen3 / "config.json", target / "config.json")
+    weights = next(target.glob("*.safetensors"))
+    weights.write_bytes(b"\xff" * 64)
+    with pytest.raises(ExtractError, match=f"{weights.name} cannot be read"):
+        extract(tmp_path / "b", target, data_file)
+    with pytest.raises(ExtractError, match="/proc/nope"):
+        extract(Path("/proc/nope/c"), tiny_qwen3, data_file)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ExtractError, match="holds no rows"):
+        extract(tmp_path / "c", tiny_qwen3, empty)
+    assert not (tmp_path / "c").exists()
+
+
+def test_every_row_rejected_is_not_a_complete_cache(tmp_path, tiny_qwen3):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n" + json.dumps({"prompt": "unknown schema"}) + "\n")
+    with pytest.raises(ExtractError, match="no row of --data was kept") as e:
+        extract(tmp_path / "c", tiny_qwen3, bad)
+    assert f"{bad}:1:" in str(e.value) and f"{bad}:2:" in str(e.value)
+    assert not read_manifest(tmp_path / "c").complete

@@ -99,3 +99,9 @@ def test_extract_refuses_more_layers_than_the_target_has(tmp_path, tiny_qwen3):
     r = CliRunner().invoke(extract_main, args)
     assert r.exit_code == 1 and "--num-layers 20" in r.output and "--layers" in r.output
     assert not (tmp_path / "c").exists()
+
+
+def test_an_output_that_cannot_be_made_is_one_message(cache):
+    args = ["--data", str(cache), "--out", "/proc/nope/run", "--gpus", "cpu", "--workers", "0"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 1 and "/proc/nope" in r.output and "Traceback" not in r.output

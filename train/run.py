@@ -56,6 +56,8 @@ def run(cfg: TrainConfig) -> Path:
             return _run_locked(cfg, prep, manifest, spec)
     except LockHeld as e:
         raise RunError(str(e)) from None
+    except OSError as e:  # creating --out or a file in it (e.g. --out /proc/x, a full disk)
+        raise RunError(f"{e.filename or cfg.out}: {e.strerror or e}") from None
 
 
 def _run_locked(cfg: TrainConfig, prep: Prepared, manifest: Manifest, spec: DeviceSpec) -> Path:
