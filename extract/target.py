@@ -14,7 +14,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from shared.fsio import replace_dir
+from shared.fsio import public_modes, replace_dir
 from shared.manifest import TargetInfo
 from shared.target_files import EMBED_FILE, EMBED_KEY, LM_HEAD_KEY, TARGET_DIR
 
@@ -141,6 +141,7 @@ def write_target_files(target: Path, tokenizer: Any, cache: Path) -> None:
         tokenizer.save_pretrained(str(tmp))
         shutil.copyfile(Path(target) / "config.json", tmp / "config.json")
         save_file(tensors, str(tmp / EMBED_FILE))
+        public_modes(tmp)
         replace_dir(tmp, final)
     except (OSError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing left to block the same command
