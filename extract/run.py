@@ -323,7 +323,9 @@ def _run_locked(
     _init_output(cfg, planned, resume)
     bar = None
     if spawned:
-        bar = SummedBar(job.progress_dir, total=job.pending_rows, unit_key="rows", desc="extract")
+        bar = SummedBar(
+            job.progress_dir, total=job.pending_rows, unit_key="done_rows", desc="extract"
+        )
     try:
         launch(rank_main, (job,), spec, monitor=bar.refresh if bar else None)
     finally:

@@ -160,8 +160,10 @@ class PartPipeline:
                     self.writers.submit(_write_sample, writer, n, kept[n], host, rows_n, countdown)
                 )
                 start = rows_n.stop
-            self.counters.add(
-                tokens=packed.shape[0], raw_bytes=packed.shape[0] * packed[0].numel() * 2
+            self.counters.add(  # done_rows: the bar moves per batch, not per part
+                tokens=packed.shape[0],
+                raw_bytes=packed.shape[0] * packed[0].numel() * 2,
+                done_rows=len(batch),
             )
             self.writers.check()
         self.commits.append(self.committer.submit(_commit, part, job, futures, self.counters))
@@ -206,7 +208,10 @@ def rank_main(info: RankInfo, job: Job) -> None:
     counters = RankCounters(job.progress_dir, info.rank)
     bar = None
     if job.draw_bar and info.is_main:
-        bar = SummedBar(job.progress_dir, total=job.pending_rows, unit_key="rows", desc="extract")
+        bar = SummedBar(
+            job.progress_dir, total=job.pending_rows, unit_key="done_rows", desc="extract"
+        )
+        counters.listener = bar.refresh
     threads = _threads(job, info)
     pipeline = PartPipeline(job, info.device, capture, threads=threads, counters=counters)
     log.info(
@@ -394,6 +399,11 @@ def _commit(part: OpenPart, job: Job, futures: list[Future], counters: RankCount
         record.nbytes / 1e6,
     )
     counters.add(
-        rows=len(rows), parts=1, stored_bytes=stats.nbytes, kept=len(kept), rejected=len(rejected)
+        rows=len(rows),
+        done_rows=len(rejected),  # the kept ones were counted per forward batch
+        parts=1,
+        stored_bytes=stats.nbytes,
+        kept=len(kept),
+        rejected=len(rejected),
     )
     counters.flush()

@@ -31,6 +31,7 @@ from shared.dist import (
     usable_cpus,
 )
 from shared.logs import setup_logging
+from shared.progress import progress_bar
 from shared.stopping import StopRequest
 from shared.target_files import load_heads
 from train.checkpoint import load_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
@@ -265,7 +266,13 @@ class Trainer:
     def fit(self) -> None:
         self.restore()
         self.prepare()
-        bar = tqdm(total=self.total, initial=self.step, desc="train", disable=not self.info.is_main)
+        bar = progress_bar(
+            total=self.total,
+            initial=self.step,
+            desc="train",
+            unit="steps",
+            disable=not self.info.is_main,
+        )
         try:
             while self.step < self.total:
                 self.train_step()
