@@ -209,10 +209,14 @@ def _write_target(out: Path, target: str) -> None:
     write_target_files(Path(target), AutoTokenizer.from_pretrained(target), out)
 
 
-def checked_resume(out: Path, resume: Manifest) -> Manifest:
+def checked_resume(out: Path, resume: Manifest, *, write: bool = True) -> Manifest:
     """The cache to resume after checking what it lists: `target/` is rewritten when it differs
     from its record (or has none), and parts that are missing or of another size are dropped
-    from the manifest, so that this run extracts them again."""
+    from the manifest, so that this run extracts them again. With `write` False (the other
+    ranks under torchrun) nothing is written: the same parts are dropped in memory only."""
+    damaged = missing_or_resized(out, resume.parts)
+    if not write:
+        return drop_parts(resume, {p.split(":", 1)[0] for p in damaged})
     problems = target_problems(out, resume.target_files)
     if problems or not resume.target_files:
         for p in problems:
@@ -220,7 +224,6 @@ def checked_resume(out: Path, resume: Manifest) -> Manifest:
         _write_target(out, resume.target.path)
         files = target_checksums(out)
         resume = update_manifest(out, lambda m: dataclasses.replace(m, target_files=files))
-    damaged = missing_or_resized(out, resume.parts)
     if damaged:
         for p in damaged:
             log.warning("%s: %s: extracting it again", out, p)
@@ -286,7 +289,7 @@ def _run_locked(
 ) -> Manifest:
     resume = existing_state(cfg, planned)
     if resume is not None:
-        resume = checked_resume(cfg.out, resume)
+        resume = checked_resume(cfg.out, resume, write=takes_output_lock())
     done = resume.done_units() if resume is not None else set()
     pending = tuple(u for u in range(planned.num_units) if u not in done)
     spawned = spec.nprocs > 1 and not under_torchrun()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing
 import os
 import select
 import shlex
@@ -59,8 +60,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 class StopRequest:
-    """Set by the first SIGTERM or SIGINT after `install()`; later ones are logged only (or,
-    with `on_repeat`, call it: the launching process uses that to stop its ranks at once)."""
+    """Set by the first SIGTERM or SIGINT after `install()`. A later one calls `on_repeat`
+    (the launching process stops its ranks at once), raises KeyboardInterrupt in a process
+    started by hand, and is only logged in a rank our launcher spawned."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
@@ -91,7 +93,11 @@ class StopRequest:
         elif self.on_repeat is not None:
             log.warning("%s again: stopping now", name)
             self.on_repeat()
+        elif multiprocessing.parent_process() is None:
+            raise KeyboardInterrupt  # a process run by hand: the second Ctrl-C is at once
         else:
+            # A rank of our launcher: the launcher passes signals on (a second one here is
+            # that copy) and stops the ranks itself on a second one of its own.
             log.warning("%s again: already stopping (%s)", name, self.what)
 
 

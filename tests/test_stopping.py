@@ -154,3 +154,27 @@ def test_no_child_outlives_a_killed_trainer(tmp_path, gpus):
     for pid in left:  # don't leave them to the next test
         os.kill(pid, signal.SIGKILL)
     assert not left, f"still running after 30 s: {left}"
+
+
+def test_second_ctrl_c_stops_a_process_run_by_hand_at_once():
+    code = (
+        "import logging, sys; logging.basicConfig(); from shared.stopping import StopRequest; "
+        "s = StopRequest().install('stopping soon'); print('ready', flush=True); "
+        "sys.stdin.readline()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=ENV,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGINT)
+    read_until(proc, "SIGINT: stopping soon")  # the first one only asks to stop
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    code, err = finish(proc)
+    assert code != 0 and "KeyboardInterrupt" in err
