@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
-import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +15,7 @@ import torch
 from extract.batching import length_order, make_batches
 from extract.capture import LayerCapture
 from extract.data import Rejected, RowIndex, Tokenized, iter_rows
+from extract.disk import disk_full_message
 from extract.sink import Staging, WriterPool
 from extract.target import load_target
 from shared.cache import open_part_writer, part_name
@@ -26,14 +24,12 @@ from shared.dist import RankInfo, processes_on_this_host, usable_cpus
 from shared.logs import setup_logging
 from shared.manifest import (
     MAX_LISTED_REJECTS,
-    CacheMismatch,
     PartRecord,
     RejectedRow,
-    read_manifest,
     update_manifest,
 )
 from shared.progress import RankCounters, SummedBar
-from shared.stopping import Stopped, StopRequest, StopRun
+from shared.stopping import Stopped, StopRequest
 
 log = logging.getLogger(__name__)
 # Batches in flight between the device and the writer threads: the GPU runs ahead by this many
@@ -242,37 +238,6 @@ def rank_main(info: RankInfo, job: Job) -> None:
             f"{len(mine)} parts in this run, and no part was left half-written; rerun the same "
             "command to resume."
         )
-
-
-class DiskFull(StopRun):
-    """The cache's file system is full; the message says where and how much a part needs."""
-
-
-@contextlib.contextmanager
-def disk_full_message(job: Job) -> Iterator[None]:
-    """Turn ENOSPC (raised by a writer or the commit thread) into one message: which folder,
-    its free space, and about how much a part takes (the mean of those committed)."""
-    try:
-        yield
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
-            raise
-        try:
-            parts = read_manifest(job.out).parts
-        except (CacheMismatch, OSError):
-            parts = ()
-        size = (
-            f"a part takes about {sum(p.nbytes for p in parts) / len(parts) / 1e6:,.1f} MB "
-            "(the mean of those committed)"
-            if parts
-            else "no part was committed yet"
-        )
-        free = shutil.disk_usage(job.out).free / 1e6
-        raise DiskFull(
-            f"the disk holding {job.out} is full ({free:,.1f} MB free; {size}). Free space "
-            "there (or move the cache and use its new --out), then rerun the same command: "
-            "committed parts are kept and the one being written is redone."
-        ) from None
 
 
 def run_units(
