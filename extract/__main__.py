@@ -15,13 +15,16 @@ def main(**kwargs) -> None:
     from extract.run import ExtractError, run
     from extract.summary import format_summary
     from shared.logs import setup_logging
+    from shared.stopping import Stopped, StopRun, resume_command
 
     cfg = build(ExtractConfig, kwargs)
     setup_logging(verbose=cfg.verbose)
     start = time.monotonic()
     try:
         manifest = run(cfg)
-    except ExtractError as e:
+    except Stopped as e:
+        raise click.ClickException(f"{e}\nresume: {resume_command('extract')}") from None
+    except (ExtractError, StopRun) as e:
         raise click.ClickException(str(e)) from None
     click.echo(format_summary(manifest, seconds=time.monotonic() - start))
     if not manifest.complete:

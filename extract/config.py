@@ -57,7 +57,9 @@ class ExtractConfig:
         "more threads slow the forward loop down through the GIL).",
     )
     overwrite: bool = option(
-        False, help="Delete an existing cache in --out that was made with other settings."
+        False,
+        help="Replace a cache in --out made with other settings (only this tool's own files; "
+        "any other file in --out is refused, never deleted).",
     )
     verbose: bool = option(False, help="Debug logging on every rank.")
 

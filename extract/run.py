@@ -11,6 +11,13 @@ from pathlib import Path
 
 from extract.config import ExtractConfig
 from extract.data import RowIndex, index_rows, source_fingerprint, template_fingerprint
+from extract.outdir import (
+    clear_cache,
+    foreign_entries,
+    listing,
+    only_leftovers,
+    protected_reason,
+)
 from extract.target import (
     TargetError,
     build_target_layer_ids,
@@ -20,6 +27,7 @@ from extract.target import (
     write_target_files,
 )
 from extract.worker import Job, rank_main
+from shared.cache import missing_or_resized
 from shared.cli import to_json
 from shared.codec import codec_description
 from shared.dist import (
@@ -29,21 +37,25 @@ from shared.dist import (
     launch,
     main_first,
     parse_gpus,
+    takes_output_lock,
     under_torchrun,
 )
 from shared.fsio import atomic_write_json
+from shared.lock import LockHeld, output_lock
 from shared.manifest import (
     FORMAT_VERSION,
     MANIFEST,
     CacheMismatch,
     Manifest,
     SourceFile,
+    drop_parts,
     identity_mismatches,
     read_manifest,
     update_manifest,
     write_manifest,
 )
 from shared.progress import SummedBar
+from shared.target_files import target_checksums, target_problems
 
 log = logging.getLogger(__name__)
 PROGRESS_DIR = ".progress"
@@ -77,6 +89,17 @@ def _check_writable(out: Path) -> None:
 
 def _layer_ids(cfg: ExtractConfig, num_target_layers: int) -> tuple[int, ...]:
     ids = cfg.layer_ids or tuple(build_target_layer_ids(num_target_layers, cfg.num_layers))
+    if cfg.layer_ids is None and len(set(ids)) < len(ids):
+        fits = max(
+            n
+            for n in range(1, num_target_layers + 1)
+            if len(set(build_target_layer_ids(num_target_layers, n))) == n
+        )
+        raise ExtractError(
+            f"--num-layers {cfg.num_layers}: the target has {num_target_layers} decoder layers, "
+            f"and the DFlash rule gives repeated ids {list(ids)}; use --num-layers {fits} or "
+            "less, or name the ids with --layers"
+        )
     bad = [i for i in ids if not 0 <= i < num_target_layers]
     if bad:
         raise ExtractError(
@@ -110,6 +133,8 @@ def plan_manifest(cfg: ExtractConfig) -> tuple[Manifest, RowIndex]:
         for f, n in zip(files, rows, strict=True)
     )
     total = sum(rows) if cfg.max_rows is None else min(sum(rows), cfg.max_rows)
+    if total == 0:
+        raise ExtractError(f"--data: {', '.join(map(str, files))} holds no rows")
     prints = template_fingerprint(tokenizer)
     resolved = dataclasses.replace(cfg, target=target, data=tuple(Path(f) for f in files))
     return Manifest(
@@ -129,9 +154,11 @@ def plan_manifest(cfg: ExtractConfig) -> tuple[Manifest, RowIndex]:
 
 
 def existing_state(cfg: ExtractConfig, planned: Manifest) -> Manifest | None:
-    """The cache to resume, None for a fresh start; raises if --out holds something else."""
+    """The cache to resume, None for a fresh start; raises if --out holds something else.
+    `--overwrite` replaces only a folder holding nothing but this tool's entries, and never the
+    working directory or a folder holding the data or the target."""
     out = cfg.out
-    if not out.exists() or not any(out.iterdir()):
+    if not out.exists() or only_leftovers(out):
         return None
     if (out / MANIFEST).is_file():
         try:
@@ -145,7 +172,16 @@ def existing_state(cfg: ExtractConfig, planned: Manifest) -> Manifest | None:
         if not problems:
             return old
     else:
-        problems = ["it is not empty and holds no manifest.json"]
+        problems = ["it holds no manifest.json"]
+    foreign = foreign_entries(out)
+    inputs = [Path(s.path) for s in planned.sources] + [Path(planned.target.path)]
+    protected = protected_reason(out, inputs)
+    if foreign or protected:
+        why = protected or f"it holds files this tool did not write: {listing(foreign)}"
+        raise ExtractError(
+            f"--out {out} is not a cache this tool may replace: {why}.\n"
+            "Choose a new or empty folder for --out (nothing was deleted)."
+        )
     if cfg.overwrite:
         return None
     lines = "\n".join(f"  - {p}" for p in problems)
@@ -157,22 +193,61 @@ def existing_state(cfg: ExtractConfig, planned: Manifest) -> Manifest | None:
 
 def _init_output(cfg: ExtractConfig, planned: Manifest, resume: Manifest | None) -> None:
     if resume is None:
-        if cfg.out.exists():
-            shutil.rmtree(cfg.out)
-        cfg.out.mkdir(parents=True)
-        from transformers import AutoTokenizer
-
-        target = planned.target.path
-        write_target_files(Path(target), AutoTokenizer.from_pretrained(target), cfg.out)
-        write_manifest(cfg.out, planned)
+        clear_cache(cfg.out)
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        _write_target(cfg.out, planned.target.path)
+        write_manifest(
+            cfg.out, dataclasses.replace(planned, target_files=target_checksums(cfg.out))
+        )
     shutil.rmtree(cfg.out / PROGRESS_DIR, ignore_errors=True)
     atomic_write_json(cfg.out / "extract_config.json", planned.config)
+
+
+def _write_target(out: Path, target: str) -> None:
+    from transformers import AutoTokenizer
+
+    write_target_files(Path(target), AutoTokenizer.from_pretrained(target), out)
+
+
+def checked_resume(out: Path, resume: Manifest, *, write: bool = True) -> Manifest:
+    """The cache to resume after checking what it lists: `target/` is rewritten when it differs
+    from its record (or has none), and parts that are missing or of another size are dropped
+    from the manifest, so that this run extracts them again. With `write` False (the other
+    ranks under torchrun) nothing is written: the same parts are dropped in memory only."""
+    damaged = missing_or_resized(out, resume.parts)
+    if not write:
+        return drop_parts(resume, {p.split(":", 1)[0] for p in damaged})
+    problems = target_problems(out, resume.target_files)
+    if problems or not resume.target_files:
+        for p in problems:
+            log.warning("%s: %s: writing target/ again", out, p)
+        _write_target(out, resume.target.path)
+        files = target_checksums(out)
+        resume = update_manifest(out, lambda m: dataclasses.replace(m, target_files=files))
+    if damaged:
+        for p in damaged:
+            log.warning("%s: %s: extracting it again", out, p)
+        names = {p.split(":", 1)[0] for p in damaged}
+        resume = update_manifest(out, lambda m: drop_parts(m, names))
+    return resume
+
+
+def nothing_kept(manifest: Manifest) -> str:
+    t = manifest.totals()
+    reasons = ", ".join(f"{n} {r}" for r, n in t["rejected"].items()) or "none"
+    first = [r for p in manifest.parts for r in p.rejected_rows][:5]
+    lines = "".join(f"\n  {r.source}:{r.line}: {r.reason}" for r in first)
+    return (
+        f"no row of --data was kept ({t['rows_read']} read; rejected: {reasons}), so the cache "
+        f"is not complete. The first rejected rows:{lines}"
+    )
 
 
 def _finalize(out: Path) -> Manifest:
     def close(m: Manifest) -> Manifest:
         done = m.done_units() >= set(range(m.num_units))
-        return dataclasses.replace(m, complete=done)
+        # A cache without a single sample cannot train anything: never "complete".
+        return dataclasses.replace(m, complete=done and m.totals()["rows_kept"] > 0)
 
     return update_manifest(out, close)
 
@@ -197,7 +272,24 @@ def run(cfg: ExtractConfig) -> Manifest:
         planned, index = plan_manifest(cfg)
     except (TargetError, ValueError) as e:
         raise ExtractError(str(e)) from None
+    try:
+        with output_lock(cfg.out, "python -m extract", enabled=takes_output_lock()):
+            manifest = _run_locked(cfg, spec, planned, index)
+    except (LockHeld, TargetError) as e:
+        raise ExtractError(str(e)) from None
+    except OSError as e:  # e.g. --out /proc/x as root: mkdir fails although "writable"
+        raise ExtractError(f"{e.filename or cfg.out}: {e.strerror or e}") from None
+    if len(manifest.parts) == manifest.num_units and manifest.totals()["rows_kept"] == 0:
+        raise ExtractError(nothing_kept(manifest))
+    return manifest
+
+
+def _run_locked(
+    cfg: ExtractConfig, spec: DeviceSpec, planned: Manifest, index: RowIndex
+) -> Manifest:
     resume = existing_state(cfg, planned)
+    if resume is not None:
+        resume = checked_resume(cfg.out, resume, write=takes_output_lock())
     done = resume.done_units() if resume is not None else set()
     pending = tuple(u for u in range(planned.num_units) if u not in done)
     spawned = spec.nprocs > 1 and not under_torchrun()
@@ -234,7 +326,9 @@ def run(cfg: ExtractConfig) -> Manifest:
     _init_output(cfg, planned, resume)
     bar = None
     if spawned:
-        bar = SummedBar(job.progress_dir, total=job.pending_rows, unit_key="rows", desc="extract")
+        bar = SummedBar(
+            job.progress_dir, total=job.pending_rows, unit_key="done_rows", desc="extract"
+        )
     try:
         launch(rank_main, (job,), spec, monitor=bar.refresh if bar else None)
     finally:

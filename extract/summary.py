@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from shared.manifest import Manifest
 
+LISTED_REJECTS = 5
+
 
 def format_summary(manifest: Manifest, *, seconds: float) -> str:
     t = manifest.totals()
@@ -23,6 +25,13 @@ def format_summary(manifest: Manifest, *, seconds: float) -> str:
         ("rows rejected", f"{t['rows_rejected']:,}"),
     ]
     rows += [(f"  {reason}", f"{n:,}") for reason, n in t["rejected"].items()]
+    first = [r for p in manifest.parts for r in p.rejected_rows][:LISTED_REJECTS]
+    rows += [
+        ("  first rejected" if i == 0 else "", f"{r.source}:{r.line}: {r.reason}")
+        for i, r in enumerate(first)
+    ]
+    if t["rows_rejected"] > len(first):
+        rows.append(("", f"... all of them in {manifest.config.get('out', '')}/manifest.json"))
     rows += [
         ("tokens", f"{t['tokens']:,} ({t['supervised_tokens']:,} supervised)"),
         (

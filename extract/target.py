@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from shared.fsio import replace_dir
+from shared.fsio import public_modes, replace_dir
 from shared.manifest import TargetInfo
 from shared.target_files import EMBED_FILE, EMBED_KEY, LM_HEAD_KEY, TARGET_DIR
 
@@ -54,13 +54,28 @@ def read_config(target: str) -> dict[str, Any]:
             f"--target {target!r}: {hint}; give a local Hugging Face model folder "
             "(download it first: this tool never fetches models)"
         )
-    return json.loads((path / "config.json").read_text())
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TargetError(
+            f"--target {target}: {path / 'config.json'} cannot be read ({e}); restore it "
+            "from the model's original files"
+        ) from None
 
 
 def weight_files(target: Path) -> list[Path]:
+    """The target's safetensors files, each checked to open (headers only: fast)."""
     files = sorted(Path(target).glob("*.safetensors"))
     if not files:
         raise TargetError(f"--target {target}: no *.safetensors weight files found")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                st.keys()
+        except (OSError, SafetensorError) as e:
+            raise TargetError(
+                f"--target {target}: {f} cannot be read ({e}); download or copy it again"
+            ) from None
     return files
 
 
@@ -121,11 +136,28 @@ def write_target_files(target: Path, tokenizer: Any, cache: Path) -> None:
     final = Path(cache) / TARGET_DIR
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tokenizer.save_pretrained(str(tmp))
-    shutil.copyfile(Path(target) / "config.json", tmp / "config.json")
-    save_file(tensors, str(tmp / EMBED_FILE))
-    replace_dir(tmp, final)
+    try:
+        tmp.mkdir(parents=True)
+        tokenizer.save_pretrained(str(tmp))
+        shutil.copyfile(Path(target) / "config.json", tmp / "config.json")
+        save_file(tensors, str(tmp / EMBED_FILE))
+        public_modes(tmp)
+        replace_dir(tmp, final)
+    except (OSError, SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing left to block the same command
+        need = sum(t.numel() * t.element_size() for t in tensors.values())
+        raise TargetError(
+            f"cannot write {final} ({e}); it needs about {need / 1e6:,.0f} MB (free: "
+            f"{_free_mb(cache):,.0f} MB): free space or fix the folder, then rerun the same "
+            "command"
+        ) from None
+
+
+def _free_mb(folder: Path) -> float:
+    try:
+        return shutil.disk_usage(folder).free / 1e6
+    except OSError:
+        return float("nan")
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

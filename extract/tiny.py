@@ -34,6 +34,7 @@ from tokenizers.trainers import BpeTrainer
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 from extract.data import demo_dataset
+from shared.fsio import public_modes
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def _build_once(folder: Path, build: Callable[[Path], None]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
     try:
         build(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+        public_modes(tmp)  # mkdtemp and safetensors make them private; the cache may be shared
         os.rename(tmp, folder)
     except OSError:
         # rename refuses to replace a non-empty folder: another process finished first.

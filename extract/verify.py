@@ -7,6 +7,7 @@ and batching changes GPU reductions slightly (tolerance 2e-2); fp8 e4m3 keeps 3 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -17,7 +18,9 @@ import click
 import torch
 
 from shared.cache import open_part, verify_part
-from shared.manifest import CacheMismatch, Manifest, read_manifest
+from shared.lock import LockHeld, output_lock
+from shared.manifest import CacheMismatch, Manifest, drop_parts, read_manifest, update_manifest
+from shared.target_files import TARGET_DIR, target_problems
 
 log = logging.getLogger(__name__)
 TOLERANCE = {"bf16": 2e-2, "fp8": 8e-2}
@@ -32,7 +35,11 @@ def check_parts(cache: Path, manifest: Manifest) -> list[str]:
             problems.append(f"{rec.name}: listed in the manifest but missing on disk")
             continue
         problems += [f"{rec.name}: {p}" for p in verify_part(path, rec.checksum)]
-        reader = open_part(path)
+        try:
+            reader = open_part(path)
+        except (OSError, ValueError, KeyError) as e:
+            problems.append(f"{rec.name}: cannot be opened ({e})")
+            continue
         if reader.num_samples != rec.rows_kept:
             problems.append(
                 f"{rec.name}: {reader.num_samples} samples, manifest says {rec.rows_kept}"
@@ -80,13 +87,38 @@ def rerun_samples(
     return problems
 
 
+def repair_manifest(cache: Path, problems: list[str]) -> str:
+    """Drop the parts named in `problems` from the manifest, and mark the cache incomplete
+    when `target/` is damaged: the same extract command then redoes exactly those (it
+    rewrites a damaged `target/` on resume). Returns what was done, as a sentence."""
+    names = {p.split(":", 1)[0] for p in problems if p.startswith("part-")}
+    target_damaged = any(p.startswith(f"{TARGET_DIR}/") for p in problems)
+
+    def change(m: Manifest) -> Manifest:
+        m = drop_parts(m, names)
+        return dataclasses.replace(m, complete=False) if target_damaged else m
+
+    with output_lock(cache, "python -m extract.verify --repair"):
+        update_manifest(cache, change)
+    done = f"dropped {len(names)} damaged parts from the manifest" if names else ""
+    if target_damaged:
+        done += (", and " if done else "") + "marked target/ to be written again"
+    return done + ": rerun the same extract command to redo them"
+
+
 @click.command()
 @click.argument("cache", type=click.Path(path_type=Path))
 @click.option("--samples", default=4, show_default=True, help="Samples to re-run the target on.")
 @click.option("--seed", default=0, show_default=True, help="Which samples.")
 @click.option("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present).")
-def main(cache: Path, samples: int, seed: int, device: str | None) -> None:
-    """Check every part of CACHE against its manifest; exit 1 on any mismatch."""
+@click.option(
+    "--repair",
+    is_flag=True,
+    help="Drop damaged parts from the manifest, so that the same extract command redoes them.",
+)
+def main(cache: Path, samples: int, seed: int, device: str | None, repair: bool) -> None:
+    """Check every part of CACHE and its target/ files against its manifest; exit 1 on any
+    mismatch."""
     from shared.logs import setup_logging
 
     setup_logging()
@@ -95,7 +127,15 @@ def main(cache: Path, samples: int, seed: int, device: str | None) -> None:
     except CacheMismatch as e:
         raise click.ClickException(str(e)) from None
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    problems = check_parts(cache, manifest)
+    problems = target_problems(cache, manifest.target_files) + check_parts(cache, manifest)
+    if repair and problems:
+        for p in problems:
+            click.echo(f"MISMATCH {p}", err=True)
+        try:
+            click.echo(f"repaired: {repair_manifest(cache, problems)}")
+        except LockHeld as e:
+            raise click.ClickException(str(e)) from None
+        sys.exit(1)
     if not manifest.complete:
         problems.append(
             f"the cache is incomplete ({len(manifest.parts)}/{manifest.num_units} "

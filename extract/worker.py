@@ -15,14 +15,21 @@ import torch
 from extract.batching import length_order, make_batches
 from extract.capture import LayerCapture
 from extract.data import Rejected, RowIndex, Tokenized, iter_rows
+from extract.disk import disk_full_message
 from extract.sink import Staging, WriterPool
 from extract.target import load_target
 from shared.cache import open_part_writer, part_name
 from shared.codec import quantize_fp8
 from shared.dist import RankInfo, processes_on_this_host, usable_cpus
 from shared.logs import setup_logging
-from shared.manifest import MAX_LISTED_REJECTS, PartRecord, RejectedRow, update_manifest
+from shared.manifest import (
+    MAX_LISTED_REJECTS,
+    PartRecord,
+    RejectedRow,
+    update_manifest,
+)
 from shared.progress import RankCounters, SummedBar
+from shared.stopping import Stopped, StopRequest
 
 log = logging.getLogger(__name__)
 # Batches in flight between the device and the writer threads: the GPU runs ahead by this many
@@ -149,8 +156,10 @@ class PartPipeline:
                     self.writers.submit(_write_sample, writer, n, kept[n], host, rows_n, countdown)
                 )
                 start = rows_n.stop
-            self.counters.add(
-                tokens=packed.shape[0], raw_bytes=packed.shape[0] * packed[0].numel() * 2
+            self.counters.add(  # done_rows: the bar moves per batch, not per part
+                tokens=packed.shape[0],
+                raw_bytes=packed.shape[0] * packed[0].numel() * 2,
+                done_rows=len(batch),
             )
             self.writers.check()
         self.commits.append(self.committer.submit(_commit, part, job, futures, self.counters))
@@ -198,31 +207,46 @@ def rank_main(info: RankInfo, job: Job) -> None:
     counters = RankCounters(job.progress_dir, info.rank)
     bar = None
     if job.draw_bar and info.is_main:
-        bar = SummedBar(job.progress_dir, total=job.pending_rows, unit_key="rows", desc="extract")
+        bar = SummedBar(
+            job.progress_dir, total=job.pending_rows, unit_key="done_rows", desc="extract"
+        )
+        counters.listener = bar.refresh
     threads = _threads(job, info)
     pipeline = PartPipeline(job, info.device, capture, threads=threads, counters=counters)
     log.info(
         "rank %d: %d units on %s, %d writer threads", info.rank, len(mine), info.device, threads
     )
+    stop = StopRequest().install("finishing the parts in progress, then stopping")
     start = time.perf_counter()
     try:
-        run_units(
-            pipeline,
-            mine,
-            read=lambda unit: _read_unit(job, tokenizer, unit),
-            after_part=bar.refresh if bar is not None else None,
-        )
-        if info.device.type == "cuda":
-            torch.cuda.synchronize(info.device)
-        forwards = time.perf_counter() - start
-        pipeline.close()
-        _report_rate(info.rank, counters.counts["tokens"], time.perf_counter() - start, forwards)
+        with disk_full_message(job):
+            try:
+                done = run_units(
+                    pipeline,
+                    mine,
+                    read=lambda unit: _read_unit(job, tokenizer, unit),
+                    after_part=bar.refresh if bar is not None else None,
+                    stop=stop,
+                )
+                if info.device.type == "cuda":
+                    torch.cuda.synchronize(info.device)
+                forwards = time.perf_counter() - start
+            finally:
+                pipeline.close()
+        tokens, seconds = counters.counts["tokens"], time.perf_counter() - start
+        _report_rate(info.rank, tokens, seconds, forwards)
     finally:
-        pipeline.close()
         capture.close()
         counters.close()
+        stop.restore()
         if bar is not None:
             bar.close()
+    if done < len(mine):
+        raise Stopped(
+            f"stopped by {stop.signal_name}: rank {info.rank} committed {done} of its "
+            f"{len(mine)} parts in this run, and no part was left half-written; rerun the same "
+            "command to resume."
+        )
 
 
 def _report_rate(rank: int, tokens: int, seconds: float, forwards: float) -> None:
@@ -244,26 +268,35 @@ def run_units(
     *,
     read: Callable[[int], tuple[list[Tokenized], list[Rejected]]],
     after_part: Callable[[], None] | None = None,
-) -> None:
-    """`units` through `pipeline`, in order. Reading and tokenizing a unit's rows (`read`) and
-    opening its part run on a reader thread, one unit ahead: on the thread that feeds the
-    device they would leave the GPU idle at every part boundary."""
+    stop: StopRequest | None = None,
+) -> int:
+    """`units` through `pipeline`, in order; returns how many were submitted (fewer than all
+    when `stop` was requested: the part read ahead is then discarded, never half-committed).
+    Reading and tokenizing a unit's rows (`read`) and opening its part run on a reader
+    thread, one unit ahead: on the thread that feeds the device they would leave the GPU idle
+    at every part boundary."""
 
     def prepare(unit: int) -> OpenPart:
         return pipeline.open(unit, *read(unit))
 
     reader = ThreadPoolExecutor(1, thread_name_prefix="read")
+    submitted = 0
     try:
         ahead = reader.submit(prepare, units[0]) if units else None
         for k in range(len(units)):
             part = ahead.result()
+            if stop is not None and stop.requested:
+                part.writer.abort()
+                break
             if k + 1 < len(units):
                 ahead = reader.submit(prepare, units[k + 1])
             pipeline.submit(part)
+            submitted += 1
             if after_part is not None:
                 after_part()
     finally:
         reader.shutdown(wait=True, cancel_futures=True)
+    return submitted
 
 
 def _read_unit(job: Job, tokenizer, unit: int) -> tuple[list[Tokenized], list[Rejected]]:  # noqa: ANN001
@@ -353,6 +386,11 @@ def _commit(part: OpenPart, job: Job, futures: list[Future], counters: RankCount
         record.nbytes / 1e6,
     )
     counters.add(
-        rows=len(rows), parts=1, stored_bytes=stats.nbytes, kept=len(kept), rejected=len(rejected)
+        rows=len(rows),
+        done_rows=len(rejected),  # the kept ones were counted per forward batch
+        parts=1,
+        stored_bytes=stats.nbytes,
+        kept=len(kept),
+        rejected=len(rejected),
     )
     counters.flush()

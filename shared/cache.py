@@ -14,6 +14,7 @@ from shared.codec import (
     check_format,
     check_store,
     part_checksum,
+    tree_file_sizes,
 )
 from shared.part import (  # noqa: F401  (re-exported: the cache's public names)
     PartReader,
@@ -82,4 +83,24 @@ def verify_part(path: Path, expected_checksum: str | None = None) -> list[str]:
         problems += verify_zarr(path)
     else:
         problems += verify_wds(path)
+    return problems
+
+
+def part_size(path: Path) -> int | None:
+    """Bytes of a part on disk as its writer records them (`PartStats.nbytes`); None if missing."""
+    path = Path(path)
+    if path.is_dir():
+        return sum(tree_file_sizes(path).values())
+    return path.stat().st_size if path.is_file() else None
+
+
+def missing_or_resized(cache: Path, records: Sequence) -> list[str]:
+    """Problems of listed parts that are cheap to see (no read): missing, or another size."""
+    problems = []
+    for rec in records:
+        size = part_size(Path(cache) / rec.name)
+        if size is None:
+            problems.append(f"{rec.name}: listed in the manifest but missing on disk")
+        elif size != rec.nbytes:
+            problems.append(f"{rec.name}: {size} bytes on disk, the manifest says {rec.nbytes}")
     return problems

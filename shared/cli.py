@@ -8,6 +8,7 @@ kwargs)` makes the config, turning a `ValueError` from `__post_init__` into a cl
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -98,7 +99,24 @@ def build(cls: type, kwargs: dict[str, Any]) -> Any:
     try:
         return cls(**values)
     except ValueError as e:
-        raise click.UsageError(str(e)) from None
+        raise click.UsageError(flag_names(cls, str(e))) from None
+
+
+def flag_names(cls: type, message: str) -> str:
+    """`message` with `cls`'s field names written as their flags (`block_size` ->
+    `--block-size`): validation speaks of fields, the user typed flags. A name written as a
+    flag already is left alone."""
+    for f in sorted(dataclasses.fields(cls), key=lambda f: -len(f.name)):
+        if "help" not in f.metadata:
+            continue
+        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        # Whole words only; a plain word that is also a field (`steps`, `data`) only where the
+        # message starts with it, as in "steps: must be >= 1".
+        pattern = (
+            rf"(?<![\w-]){re.escape(f.name)}(?![\w-])" if "_" in f.name else rf"^{f.name}(?=:)"
+        )
+        message = re.sub(pattern, flag, message)
+    return message
 
 
 def to_json(cfg: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import signal
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,6 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from shared.stopping import StopRequest, StopRun, die_with_parent, stop_error
+
+STOP_EXIT = 3  # exit status of a spawned rank that raised StopRun (its message is queued)
+STOP_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,12 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
+def takes_output_lock() -> bool:
+    """True in the process that holds a run's output lock for all its ranks: our launcher, or
+    rank 0 under torchrun (torchrun stops every rank when one fails)."""
+    return not under_torchrun() or os.environ.get("RANK") == "0"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -131,13 +143,48 @@ def _init(rank: int, world: int, local_rank: int, spec: DeviceSpec) -> RankInfo:
     return RankInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 
-def _spawned(local_rank: int, fn: Callable, spec: DeviceSpec, args: tuple) -> None:
+def _spawned(local_rank: int, fn: Callable, spec: DeviceSpec, args: tuple, errors: Any) -> None:
+    die_with_parent()  # a launcher killed by -9 takes its ranks with it
     info = _init(local_rank, spec.nprocs, local_rank, spec)
     try:
         fn(info, *args)
+    except StopRun as e:
+        errors.put((local_rank, type(e).__name__, str(e)))
+        raise SystemExit(STOP_EXIT) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _join(
+    ctx: Any,
+    errors: Any,
+    monitor: Callable[[], None] | None,
+    every: float,
+    tick: Callable[[], None],
+) -> None:
+    """Wait for the spawned ranks; a StopRun in any is re-raised here with its message."""
+    try:
+        # A failed rank: the others get STOP_GRACE_S to end by themselves (the same StopRun
+        # reaches all ranks at once), then SIGTERM, then SIGKILL.
+        while not ctx.join(timeout=every, grace_period=STOP_GRACE_S):
+            tick()
+            if monitor is not None:
+                monitor()
+    except mp.ProcessExitedException as e:
+        if e.exit_code == STOP_EXIT and not errors.empty():
+            _, kind, message = min(_drain(errors))
+            raise stop_error(kind, message) from None
+        raise
+    if monitor is not None:
+        monitor()
+
+
+def _drain(errors: Any) -> list[tuple[int, str]]:
+    out = []
+    while not errors.empty():
+        out.append(errors.get())
+    return out
 
 
 def launch(
@@ -172,14 +219,35 @@ def launch(
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(_free_port())
+    errors = mp.get_context("spawn").SimpleQueue()
     ctx = mp.start_processes(
-        _spawned, args=(fn, spec, args), nprocs=spec.nprocs, join=False, start_method="spawn"
+        _spawned,
+        args=(fn, spec, args, errors),
+        nprocs=spec.nprocs,
+        join=False,
+        start_method="spawn",
     )
-    while not ctx.join(timeout=monitor_every):
-        if monitor is not None:
-            monitor()
-    if monitor is not None:
-        monitor()
+    # The ranks stop by themselves on a signal; this process passes one sent only to it on to
+    # them, and a second one stops them at once.
+    stop = StopRequest()
+    stop.on_repeat = lambda: _signal_ranks(ctx, signal.SIGKILL)
+    stop.install("passing it on to the ranks (again to stop them at once)")
+    try:
+        _join(ctx, errors, monitor, monitor_every, lambda: _forward(stop, ctx))
+    finally:
+        stop.restore()
+
+
+def _forward(stop: StopRequest, ctx: Any) -> None:
+    if stop.requested and not getattr(ctx, "forwarded", False):
+        ctx.forwarded = True
+        _signal_ranks(ctx, signal.SIGTERM)
+
+
+def _signal_ranks(ctx: Any, sig: int) -> None:
+    for proc in ctx.processes:
+        if proc.is_alive():
+            os.kill(proc.pid, sig)
 
 
 # Collectives that are no-ops in a single process, so stage code never branches on world size.

@@ -123,6 +123,35 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask sets it: for a moment every
+    other thread would create files with another mode)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def public_modes(root: Path) -> None:
+    """Files 0644 and folders 0755 under `root` (within the umask): what the user's own
+    writes get. safetensors and tempfile.mkdtemp create private files and folders (0600,
+    0700), which a serving process running as another user cannot read."""
+    root = Path(root)
+    mask = _umask()
+    paths = [root, *root.rglob("*")] if root.is_dir() else [root]
+    for path in paths:
+        if path.is_symlink():
+            continue
+        want = (0o777 if path.is_dir() else 0o666) & ~mask
+        if path.stat().st_mode & 0o777 != want:
+            path.chmod(want)
+
+
 def replace_dir(tmp: Path, final: Path) -> None:
     """Rename a finished folder `tmp` to `final`, replacing an older `final` if one exists."""
     if final.exists():

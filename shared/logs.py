@@ -13,6 +13,25 @@ def setup_logging(rank: int = 0, *, verbose: bool = False) -> None:
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     if rank != 0:
         fmt = f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", stream=sys.stderr, force=True)
+    handler = _BarSafeHandler() if sys.stderr.isatty() else logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
     for noisy in ("urllib3", "filelock", "asyncio", "numcodecs", "zarr"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class _BarSafeHandler(logging.StreamHandler):
+    """On a terminal, log lines go through tqdm.write (as tqdm's logging_redirect_tqdm does):
+    the progress bar is cleared, the line printed, and the bar drawn again below it, instead
+    of the line being written into the bar."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 (logging must never raise)
+            self.handleError(record)

@@ -128,6 +128,9 @@ class Manifest:
     total_rows: int
     parts: tuple[PartRecord, ...] = ()
     config: dict[str, Any] = field(default_factory=dict)
+    # {file under target/: {size, checksum}}; empty in caches written before it was recorded
+    # (same format version: readers treat empty as "not recorded").
+    target_files: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def num_units(self) -> int:
@@ -205,6 +208,14 @@ class Manifest:
                 "parts": parts,
             }
         )
+
+
+def drop_parts(manifest: Manifest, names: set[str]) -> Manifest:
+    """`manifest` without the parts named `names`, and so incomplete if it drops any: the same
+    extract command extracts exactly those again."""
+    kept = tuple(p for p in manifest.parts if p.name not in names)
+    complete = manifest.complete and len(kept) == len(manifest.parts)
+    return dataclasses.replace(manifest, parts=kept, complete=complete)
 
 
 def identity_mismatches(old: Manifest, new: Manifest) -> list[str]:

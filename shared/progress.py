@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
@@ -40,6 +42,8 @@ class RankCounters:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._written: dict[str, float] | None = None
+        # Called after each background write: the bar of a process that draws its own.
+        self.listener: Callable[[], object] | None = None
 
     def add(self, **increments: float) -> None:
         with self._lock:
@@ -67,7 +71,10 @@ class RankCounters:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self.flush()
+        try:
+            self.flush()
+        except OSError as e:  # advisory, as in _run: a full disk is reported by the writers
+            log.debug("progress counters not written: %s", e)
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
@@ -75,6 +82,8 @@ class RankCounters:
                 self.flush()
             except OSError as e:  # progress is advisory: a full disk shows up in the writers
                 log.debug("progress counters not written: %s", e)
+            if self.listener is not None:
+                self.listener()
 
 
 def read_counters(folder: Path) -> Counter[str]:
@@ -87,28 +96,109 @@ def read_counters(folder: Path) -> Counter[str]:
     return total
 
 
+# Without a terminal (a job's log file) one plain line this often replaces the bar's redraws.
+LINE_EVERY_S = 30.0
+
+
+def on_terminal() -> bool:
+    return sys.stderr.isatty()
+
+
+class LineProgress:
+    """tqdm's interface as far as the stages use it (n, update, set_postfix, set_postfix_str,
+    refresh, close), written as one log line every `every` seconds and at the end: a log file
+    gets readable lines instead of carriage-return redraws."""
+
+    def __init__(
+        self,
+        *,
+        total: int,
+        desc: str,
+        unit: str = "it",
+        initial: int = 0,
+        disable: bool = False,
+        every: float | None = None,
+    ):
+        self.total, self.desc, self.unit, self.n = total, desc, unit, initial
+        self.disable, self.postfix = disable, ""
+        self.every = LINE_EVERY_S if every is None else every
+        self.start = self.last = time.monotonic()
+        self.initial = initial
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        self.refresh(only_when_due=True)
+
+    def set_postfix(self, refresh: bool = False, **values: object) -> None:
+        self.postfix = ", ".join(f"{k}={v}" for k, v in values.items())
+
+    def set_postfix_str(self, text: str, refresh: bool = False) -> None:
+        self.postfix = text
+
+    def refresh(self, only_when_due: bool = False) -> None:
+        now = time.monotonic()
+        if self.disable or (only_when_due and now - self.last < self.every):
+            return
+        self.last = now
+        elapsed = now - self.start
+        rate = (self.n - self.initial) / elapsed if elapsed > 0 else 0.0
+        left = (self.total - self.n) / rate if rate > 0 else float("nan")
+        pct = 100 * self.n / self.total if self.total else 100.0
+        log.info(
+            "%s: %d/%d %s (%.0f%%), %.1f s elapsed, %s left%s",
+            self.desc,
+            self.n,
+            self.total,
+            self.unit,
+            pct,
+            elapsed,
+            f"{left:.0f} s" if left == left else "?",
+            f", {self.postfix}" if self.postfix else "",
+        )
+
+    def close(self) -> None:
+        self.refresh()
+        self.disable = True
+
+
+def progress_bar(
+    *, total: int, desc: str, unit: str = "it", initial: int = 0, disable: bool = False
+) -> tqdm | LineProgress:
+    """A tqdm bar on a terminal, else a LineProgress."""
+    if on_terminal():
+        return tqdm(
+            total=total, desc=desc, unit=unit, initial=initial, disable=disable, dynamic_ncols=True
+        )
+    return LineProgress(total=total, desc=desc, unit=unit, initial=initial, disable=disable)
+
+
 class SummedBar:
-    """A tqdm bar over `total` units of `unit_key`, with rates of the other counters."""
+    """A progress bar over `total` units of `unit_key`, with rates of the other counters."""
 
     def __init__(
         self, folder: Path, *, total: int, unit_key: str, desc: str, disable: bool = False
     ):
         self.folder, self.unit_key = Path(folder), unit_key
         self.start = time.monotonic()
-        self.bar = tqdm(total=total, desc=desc, unit=unit_key, dynamic_ncols=True, disable=disable)
+        self.bar = progress_bar(total=total, desc=desc, unit="rows", disable=disable)
+        self._lock = threading.Lock()  # refreshed by the launcher's loop or a counters thread
 
     def refresh(self) -> Counter[str]:
-        counts = read_counters(self.folder)
-        self.bar.n = int(counts.get(self.unit_key, 0))
-        elapsed = max(time.monotonic() - self.start, 1e-6)
-        raw, stored = counts.get("raw_bytes", 0), counts.get("stored_bytes", 0)
-        self.bar.set_postfix_str(
-            f"{counts.get('tokens', 0) / elapsed:,.0f} tok/s, "
-            f"{stored / elapsed / 1e6:,.1f} MB/s written, "
-            f"ratio {raw / stored if stored else 0:.2f}",
-            refresh=False,
-        )
-        self.bar.refresh()
+        with self._lock:
+            counts = read_counters(self.folder)
+            self.bar.n = int(counts.get(self.unit_key, 0))
+            elapsed = max(time.monotonic() - self.start, 1e-6)
+            raw, stored = counts.get("raw_bytes", 0), counts.get("stored_bytes", 0)
+            self.bar.set_postfix_str(
+                f"{counts.get('tokens', 0) / elapsed:,.0f} tok/s, "
+                f"{stored / elapsed / 1e6:,.1f} MB/s written, "
+                f"ratio {raw / stored if stored else 0:.2f}",
+                refresh=False,
+            )
+            if isinstance(self.bar, LineProgress):
+                self.bar.refresh(only_when_due=True)
+            else:
+                self.bar.refresh()
         return counts
 
     def close(self) -> Counter[str]:

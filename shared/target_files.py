@@ -7,11 +7,16 @@ embedding (`embed_tokens`) and, when not tied to it, the output head (`lm_head`)
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
+
+from shared.codec import crc32c_file, tree_file_sizes
+
+log = logging.getLogger(__name__)
 
 TARGET_DIR = "target"
 EMBED_FILE = "embed.safetensors"
@@ -24,7 +29,43 @@ def target_dir(cache: Path) -> Path:
 
 
 def read_target_config(cache: Path) -> dict[str, Any]:
-    return json.loads((target_dir(cache) / "config.json").read_text())
+    """The cached target's config.json; ValueError naming the file when it cannot be read."""
+    path = target_dir(cache) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} cannot be read ({e})") from None
+
+
+def target_checksums(cache: Path) -> dict[str, dict[str, Any]]:
+    """{file under target/: {size, checksum}} of every file in `<cache>/target/`, for the
+    manifest: the trainer reads these files, so they are verified like the parts."""
+    folder = target_dir(cache)
+    return {
+        rel: {"size": size, "checksum": crc32c_file(folder / rel)}
+        for rel, size in sorted(tree_file_sizes(folder).items())
+    }
+
+
+def target_problems(cache: Path, recorded: dict[str, dict[str, Any]]) -> list[str]:
+    """Every difference between `<cache>/target/` and the manifest's record of it (sizes, then
+    checksums: each file is read once). An empty record (a cache written before the record
+    existed) is not checked: a warning says so."""
+    if not recorded:
+        log.warning("%s: the manifest records no checksums of target/: not checked", cache)
+        return []
+    folder, problems = target_dir(cache), []
+    for rel, want in sorted(recorded.items()):
+        path = folder / rel
+        if not path.is_file():
+            problems.append(f"{TARGET_DIR}/{rel}: missing")
+        elif path.stat().st_size != want["size"]:
+            problems.append(
+                f"{TARGET_DIR}/{rel}: {path.stat().st_size} bytes, the manifest says {want['size']}"
+            )
+        elif crc32c_file(path) != want["checksum"]:
+            problems.append(f"{TARGET_DIR}/{rel}: its checksum differs from the manifest's")
+    return problems
 
 
 def load_heads(

@@ -23,7 +23,7 @@ from shared.manifest import (
     TargetInfo,
     write_manifest,
 )
-from shared.target_files import EMBED_FILE, EMBED_KEY, LM_HEAD_KEY, target_dir
+from shared.target_files import EMBED_FILE, EMBED_KEY, LM_HEAD_KEY, target_checksums, target_dir
 
 HIDDEN = 64
 NUM_TARGET_LAYERS = 4
@@ -152,6 +152,7 @@ def write_cache(
         sources=(SourceFile(path="synthetic.jsonl", sha256="0" * 64, rows=0),),
         total_rows=num_parts * samples_per_part,
         parts=tuple(records),
+        target_files=target_checksums(root),
     )
     write_manifest(root, manifest)
     return root

@@ -134,8 +134,9 @@ def test_incompatible_cache_lists_every_problem(tmp_path):
     )
     assert result.exit_code == 1 and "Traceback" not in result.output
     problems = [line for line in result.output.splitlines() if line.startswith("  - ")]
-    assert len(problems) == 4, result.output
+    assert len(problems) == 5, result.output
     text = result.output
+    assert "target/config.json: " in text  # edited after its checksum was recorded
     assert "incomplete" in text and "[2, 7]" in text and "mask_token_id" in text
     assert "hidden size 64 in the cache, the drafter needs 128" in text
     assert not (tmp_path / "r").exists()  # refused before any work

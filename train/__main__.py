@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import time
+
 import click
 
 from shared.cli import build, click_options
 from shared.logs import setup_logging
 from shared.manifest import CacheMismatch
+from shared.stopping import Stopped, StopRun, resume_command
 from train.config import TrainConfig
 from train.run import RunError, run
+from train.summary import format_summary
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -17,11 +21,14 @@ def main(**kwargs: object) -> None:
     """Train a DFlash drafter from a hidden-state cache written by `python -m extract`."""
     cfg = build(TrainConfig, kwargs)
     setup_logging(0, verbose=cfg.verbose)
+    start = time.monotonic()
     try:
         out = run(cfg)
-    except (CacheMismatch, RunError) as e:
+    except Stopped as e:
+        raise click.ClickException(f"{e}\nresume: {resume_command('train')}") from None
+    except (CacheMismatch, RunError, StopRun) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"drafter exported to {out}")
+    click.echo(format_summary(cfg.out, export=out, seconds=time.monotonic() - start))
 
 
 if __name__ == "__main__":

@@ -233,7 +233,13 @@ class TrainConfig:
         for name in ("log_every", "checkpoint_every", "keep_checkpoints", "prefetch"):
             _check(getattr(self, name) >= 1, name, "must be >= 1")
         _check(self.recompile_limit >= 1, "recompile_limit", "must be >= 1")
-        _check(self.block_size >= 2, "block_size", "must be >= 2")
+        _check(self.block_size >= 2, "block_size", "must be >= 2 (offset 0 is never a target)")
+        _check(
+            self.max_length is None or self.max_length >= self.block_size,
+            "max_length",
+            f"must be at least block_size ({self.block_size}): no draft block fits in a shorter "
+            "sample",
+        )
         _check(self.ce_chunk_blocks >= 1, "ce_chunk_blocks", "must be >= 1")
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             _check(getattr(self, name) >= 1, name, "must be >= 1")
@@ -253,7 +259,6 @@ class TrainConfig:
         for name in (
             "steps",
             "stop_after_steps",
-            "max_length",
             "sliding_window",
             "drafter_heads",
             "drafter_kv_heads",

@@ -11,8 +11,10 @@ them. A part that fails to decode ends the run with one message naming it (`Cach
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing as mp
+import os
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from shared.cache import Sample, open_part
 from shared.codec import dequantize_fp8
 from shared.manifest import Manifest
+from shared.stopping import loader_worker_init
 from train.plan import (
     PlanSpec,
     SampleRef,
@@ -308,6 +311,7 @@ def make_loader(
     kwargs: dict[str, Any] = {}
     if workers > 0:
         kwargs = dict(prefetch_factor=prefetch, multiprocessing_context=_worker_context())
+        kwargs["worker_init_fn"] = functools.partial(loader_worker_init, os.getpid())
     return DataLoader(
         dataset, batch_size=None, num_workers=workers, pin_memory=pin_memory, **kwargs
     )

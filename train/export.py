@@ -21,7 +21,7 @@ import click
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.fsio import replace_dir
+from shared.fsio import public_modes, replace_dir
 from train.drafter_config import DrafterConfig, rope_fields_from_hf
 from train.drafters import build_drafter
 from train.model import DFlashDrafter
@@ -245,6 +245,7 @@ def export_drafter(drafter: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Pa
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
         for name in (WEIGHTS_FILE, CONFIG_FILE):
             _fsync_file(tmp / name)
+        public_modes(tmp)  # a serving process often runs as another user
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

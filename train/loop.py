@@ -31,6 +31,8 @@ from shared.dist import (
     usable_cpus,
 )
 from shared.logs import setup_logging
+from shared.progress import progress_bar
+from shared.stopping import StopRequest
 from shared.target_files import load_heads
 from train.checkpoint import load_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
 from train.compiling import RecompileLimitError, compiled_graphs, configure_compile
@@ -41,6 +43,7 @@ from train.drafters import build_drafter, init_weights, warm_start
 from train.evaluate import Evaluator
 from train.export import export_drafter
 from train.feed import DeviceFeed
+from train.finite import FiniteGuard
 from train.mask import flex_kernel_options
 from train.metrics import SELECTOR_KEYS, MetricsWriter, StatSums
 from train.plan import PlanSpec, epoch_lengths
@@ -88,7 +91,13 @@ def train_rank(info: RankInfo, cfg: TrainConfig, prep: Prepared) -> None:
     if info.device.type == "cpu" and info.world_size > 1:
         # CPU ranks share the host: without this each would start one thread per core.
         torch.set_num_threads(max(1, usable_cpus() // processes_on_this_host(info.world_size)))
-    Trainer(info, cfg, prep).fit()
+    stop = StopRequest().install("saving a checkpoint at the next log step, then stopping")
+    try:
+        trainer = Trainer(info, cfg, prep)
+        trainer.guard.stop = stop
+        trainer.fit()
+    finally:
+        stop.restore()
 
 
 class Trainer:
@@ -149,6 +158,9 @@ class Trainer:
             trim_anchors=self.device.type == "cpu" and cfg.compile == "none",
         )
         self.sums = StatSums(cfg.block_size, self.device)
+        self.guard = FiniteGuard(
+            self.device, every=cfg.log_every, total=self.total, data=cfg.data, out=cfg.out
+        )
         self.writer = MetricsWriter(cfg.out, enabled=info.is_main)
         self.evaluator = self._make_evaluator()
         self.net: torch.nn.Module | None = None  # prepare() sets the next three
@@ -192,6 +204,7 @@ class Trainer:
         log.info("resumed from %s at step %d of %d", path, self.step, self.total)
 
     def save(self) -> None:
+        self.guard.check(self.step)  # never save (nor export after) a non-finite model
         rngs = all_gather_objects(rng_state(self.device))
         if self.info.is_main:
             state = {
@@ -261,7 +274,13 @@ class Trainer:
     def fit(self) -> None:
         self.restore()
         self.prepare()
-        bar = tqdm(total=self.total, initial=self.step, desc="train", disable=not self.info.is_main)
+        bar = progress_bar(
+            total=self.total,
+            initial=self.step,
+            desc="train",
+            unit="steps",
+            disable=not self.info.is_main,
+        )
         try:
             if self.step < self.total:
                 self.first_step()
@@ -346,6 +365,7 @@ class Trainer:
                 self.feed.ahead()  # its copy overlaps this micro-batch's backward
             weight_local += out.weight_total.detach().float()
             self.sums.add(out.weighted_sum, out.weight_total, out.stats, batch.num_tokens)
+            self.guard.add(out.weighted_sum, out.weight_total)
             self.loader_state = self.loader_state.advance(self.limits)
         # Every kept block weighs >= 1 at offset 1, so a total below 1 means no targets at all.
         weight_total = all_reduce_sum(weight_local).clamp(min=1.0)
@@ -355,12 +375,14 @@ class Trainer:
             p.grad.mul_(scale)
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        self.guard.observe(self.step + 1, grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.sums.add_step(grad_norm)
         self.step += 1
         self.feed.ahead()  # the next micro-batch's copy overlaps this step's queued work
+        self.guard.check_due(self.step, save=self.save)  # reads the device on log steps only
         return self.feed.waited - waited
 
     def _log(self) -> dict[str, Any]:

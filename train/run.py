@@ -16,10 +16,24 @@ from typing import Any
 from safetensors import safe_open
 
 from shared.cli import to_json
-from shared.dist import launch, parse_gpus, torchrun_world_size, under_torchrun
+from shared.dist import (
+    DeviceSpec,
+    launch,
+    parse_gpus,
+    takes_output_lock,
+    torchrun_world_size,
+    under_torchrun,
+)
 from shared.fsio import atomic_write_json
+from shared.lock import LockHeld, output_lock
 from shared.manifest import CacheMismatch, Manifest, check_compatible, read_manifest
-from shared.target_files import EMBED_FILE, EMBED_KEY, read_target_config, target_dir
+from shared.target_files import (
+    EMBED_FILE,
+    EMBED_KEY,
+    read_target_config,
+    target_dir,
+    target_problems,
+)
 from train.anchors import default_gamma
 from train.checkpoint import list_checkpoints, read_meta, resolve_resume
 from train.config import TrainConfig, config_changes
@@ -45,6 +59,16 @@ def run(cfg: TrainConfig) -> Path:
         raise RunError(str(e)) from None
     manifest = read_manifest(cfg.data)
     cfg, prep = prepare(cfg, manifest, device_kind=spec.kind)
+    try:
+        with output_lock(cfg.out, "python -m train", enabled=takes_output_lock()):
+            return _run_locked(cfg, prep, manifest, spec)
+    except LockHeld as e:
+        raise RunError(str(e)) from None
+    except OSError as e:  # creating --out or a file in it (e.g. --out /proc/x, a full disk)
+        raise RunError(f"{e.filename or cfg.out}: {e.strerror or e}") from None
+
+
+def _run_locked(cfg: TrainConfig, prep: Prepared, manifest: Manifest, spec: DeviceSpec) -> Path:
     world_size = None if under_torchrun() else spec.nprocs
     check_size(cfg, prep, world_size or torchrun_world_size())
     prepare_run_dir(cfg, prep, manifest, world_size=world_size)
@@ -84,7 +108,11 @@ def prepare(
 ) -> tuple[TrainConfig, Prepared]:
     """The resolved config and what every rank needs; CacheMismatch lists every problem."""
     cfg = resolve_devices(cfg, device_kind)
-    problems: list[str] = []
+    problems = [
+        f"{p}: run `python -m extract.verify {cfg.data} --repair`, then the same extract "
+        "command to write it again"
+        for p in target_problems(cfg.data, manifest.target_files)
+    ]
     wanted = cfg.target_layer_ids or tuple(manifest.layer_ids)
     drafter, hidden = _drafter_config(cfg, manifest, wanted, problems)
     embed_rows = _embedding_rows(cfg.data, manifest, problems)
@@ -189,7 +217,7 @@ def _drafter_config(
         text = target_cfg.get("text_config") or target_cfg
         hidden = int(text["hidden_size"])
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        problems.append(f"target config unreadable ({e!r})")
+        problems.append(f"target config unreadable: {e}")
         return None, None
     try:
         drafter = DrafterConfig.from_target_config(

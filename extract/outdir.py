@@ -1,0 +1,85 @@
+"""What `--out` may hold, and what `--overwrite` may delete: only this tool's own entries.
+
+A cache folder holds the manifest, the parts, `target/`, the resolved config, and temporary,
+progress and lock entries of its writers. Anything else (a user's files, a data file, the
+working directory) is never deleted: `--overwrite` refuses and lists it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from shared.part import remove_path
+
+log = logging.getLogger(__name__)
+
+# Names written by extract: the manifest and its lock, the resolved config, the parts (zarr
+# folders or wds tars) with their `.tmp`/`.old` forms, `target/` with its `.tmp`/`.old` forms,
+# progress counters, the output lock, and the temporary files of atomic writes (`.NAME.tmp.*`).
+_OWN = re.compile(
+    r"^(manifest\.json|\.manifest\.lock|extract_config\.json|\.progress|\.lock"
+    r"|\.lock\.[^/]+"
+    r"|part-\d{6}(\.tar)?(\.tmp|\.old)?"
+    r"|target(\.tmp|\.old)?"
+    r"|\.(manifest|extract_config)\.json\.tmp\.[\d.]+)$"
+)
+# Entries that hold no committed data: a folder holding only these is a start that was
+# interrupted before its manifest, and is cleared without --overwrite.
+_LEFTOVER = re.compile(
+    r"^(\.manifest\.lock|\.progress|\.lock|\.lock\.[^/]+|target(\.tmp|\.old)?"
+    r"|part-\d{6}(\.tar)?\.tmp|extract_config\.json|\.(manifest|extract_config)\.json\.tmp\.[\d.]+)$"
+)
+MAX_LISTED = 10
+
+
+def is_own_entry(name: str) -> bool:
+    """True for a name this tool writes into a cache folder."""
+    return bool(_OWN.match(name))
+
+
+def entries(out: Path) -> list[str]:
+    return sorted(p.name for p in Path(out).iterdir()) if Path(out).is_dir() else []
+
+
+def foreign_entries(out: Path) -> list[str]:
+    """Names in `out` that this tool did not write."""
+    return [n for n in entries(out) if not is_own_entry(n)]
+
+
+def only_leftovers(out: Path) -> bool:
+    """True when `out` holds nothing but what an interrupted start leaves (no manifest, no
+    committed part): the same command may clear it."""
+    return all(_LEFTOVER.match(n) for n in entries(out))
+
+
+def listing(names: list[str]) -> str:
+    shown = ", ".join(names[:MAX_LISTED])
+    more = len(names) - MAX_LISTED
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def protected_reason(out: Path, inputs: Iterable[Path]) -> str | None:
+    """Why `out` must never be deleted: it is (or holds) the working directory, or holds one
+    of `inputs` (data files, the target). None when it may be replaced."""
+    folder = Path(out).resolve()
+    cwd = Path.cwd().resolve()
+    if folder == cwd or folder in cwd.parents:
+        return f"it is the working directory {cwd} or holds it"
+    for item in inputs:
+        path = Path(item).resolve()
+        if path == folder or folder in path.parents:
+            return f"it holds {item}, an input of this run"
+    if folder == Path(folder.anchor) or folder == Path.home().resolve():
+        return "it is a root or home folder"
+    return None
+
+
+def clear_cache(out: Path) -> None:
+    """Delete this tool's entries in `out` (not the folder itself, nor its output lock)."""
+    for name in entries(out):
+        if is_own_entry(name) and not name.startswith(".lock"):
+            log.info("removing %s", Path(out) / name)
+            remove_path(Path(out) / name)

@@ -1,0 +1,191 @@
+"""An exclusive lock on an output folder: one extract or train process tree writes it at a time.
+
+`<folder>/.lock` names its holder (pid, host, start time, command). It is made as a private file
+that is flocked and then hard-linked into place: link(2) fails if the name exists, atomically
+also on NFS, so of two processes only one gets it. The holder keeps an flock(2) on it for its
+whole life; the kernel drops that lock when the process dies, even by `kill -9`.
+
+A lock whose holder is gone (its host is this host and its flock is free) is stale: it is taken
+over with a warning. A lock held from another host cannot be checked from here: it is refused,
+and the message says which file to delete once that process is known to be gone.
+
+The ranks of one run share the lock: the launching process takes it before it starts them
+(under torchrun, rank 0 takes it and torchrun stops the job when rank 0 fails).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = ".lock"
+
+
+class LockHeld(RuntimeError):
+    """Another process holds the output folder; the message names it."""
+
+
+def _holder_text(info: dict[str, Any], path: Path) -> str:
+    started = info.get("started")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if started else "?"
+    return (
+        f"pid {info.get('pid', '?')} on host {info.get('host', '?')}, started {when}"
+        f" ({info.get('command', '?')})"
+    )
+
+
+def _read(fd: int) -> dict[str, Any]:
+    try:
+        data = os.pread(fd, 65536, 0)
+        return json.loads(data) if data else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _pid_alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _own_record(what: str) -> dict[str, Any]:
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.time(),
+        "command": what or " ".join(sys.argv),
+    }
+
+
+def _make_private(folder: Path, record: dict[str, Any]) -> tuple[int, Path]:
+    """A flocked file holding `record`, under a name only this process uses."""
+    tmp = folder / f"{LOCK_FILE}.{record['host']}.{record['pid']}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, (json.dumps(record) + "\n").encode())
+    os.fsync(fd)
+    return fd, tmp
+
+
+def acquire(folder: Path, what: str = "") -> int:
+    """Take the lock of `folder` (created if missing); return its fd, to pass to `release`.
+    Raises LockHeld naming the holder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_FILE
+    record = _own_record(what)
+    fd, tmp = _make_private(folder, record)
+    try:
+        for _ in range(100):  # a holder releasing at the same time: look again
+            try:
+                os.link(tmp, path)
+                return fd
+            except FileExistsError:
+                pass
+            if _take_over_stale(path, tmp, record):
+                return fd
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    os.close(fd)
+    raise LockHeld(f"{folder}: could not take {path}")
+
+
+def _take_over_stale(path: Path, tmp: Path, record: dict[str, Any]) -> bool:
+    """Replace `path` with `tmp` when its holder is gone; raise LockHeld when it is not.
+    False when `path` changed meanwhile (try again)."""
+    try:
+        old = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        info = _read(old)
+        if not _try_flock(old):
+            raise LockHeld(
+                f"{path.parent} is in use by {_holder_text(info, path)}.\n"
+                "Wait for it to finish, or use another output folder."
+            )
+        if os.fstat(old).st_ino != _inode(path):
+            return False  # released and replaced while we looked
+        if info.get("host") not in (None, record["host"]):
+            # The other host's process may be alive: an flock taken there is not always
+            # visible here (NFS without lock support, or some FUSE file systems).
+            raise LockHeld(
+                f"{path.parent} is locked by {_holder_text(info, path)}, which this host cannot "
+                f"check. If that process is gone, delete {path} and run again."
+            )
+        state = "no longer running" if not _pid_alive(info.get("pid")) else "not holding it"
+        log.warning(
+            "taking over the stale lock %s of %s (%s)", path, _holder_text(info, path), state
+        )
+        os.replace(tmp, path)
+        return True
+    finally:
+        os.close(old)
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
+
+
+def release(folder: Path, fd: int) -> None:
+    """Remove the lock file if it is still ours, then drop the flock."""
+    path = Path(folder) / LOCK_FILE
+    try:
+        if _inode(path) == os.fstat(fd).st_ino:
+            os.unlink(path)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def output_lock(folder: Path, what: str = "", *, enabled: bool = True) -> Iterator[None]:
+    """Hold the lock of `folder` for the block (a no-op when not `enabled`: ranks that share
+    their launcher's lock). A folder that did not exist and is still empty is removed after."""
+    if not enabled:
+        yield
+        return
+    folder = Path(folder)
+    created = not folder.exists()
+    fd = acquire(folder, what)
+    try:
+        yield
+    finally:
+        release(folder, fd)
+        if created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when empty

@@ -1,0 +1,152 @@
+"""Graceful stops (SIGTERM, SIGINT) and child processes that never outlive their parent.
+
+A job scheduler sends SIGTERM before it kills a job; Ctrl-C sends SIGINT to every process of
+the terminal's foreground group. Either one only sets a flag (`StopRequest`): the stage acts on
+it where its state is consistent (extract between parts, train at its next log step, where
+the ranks agree through a collective they make anyway) and exits non-zero, saying how to
+resume. In a process that launched ranks, a second signal stops them at once.
+
+After `kill -9` of a process nothing runs in it, so its children must notice by themselves:
+spawned ranks get the kernel's parent-death signal (prctl PR_SET_PDEATHSIG), and DataLoader
+workers, whose parent is multiprocessing's forkserver (which lives as long as they do), watch
+the rank's pid. With those gone the forkserver and the resource tracker end on their own (their
+pipes reach end-of-file).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import select
+import shlex
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRun(RuntimeError):
+    """An error meant for the user, raised on a rank: `shared.dist.launch` re-raises it in the
+    launching process with its class and message (spawned ranks pass them back), not as a
+    rank's traceback."""
+
+
+class Stopped(StopRun):
+    """Stopped by a signal at a consistent point; the same command resumes."""
+
+
+def resume_command(stage: str) -> str:
+    """The command line that resumes this run: the same one."""
+    return shlex.join(["python", "-m", stage, *sys.argv[1:]])
+
+
+def stop_error(kind: str, message: str) -> StopRun:
+    """The StopRun subclass named `kind` (a rank's error, passed back by name) with `message`."""
+    todo, found = [StopRun], {}
+    while todo:
+        cls = todo.pop()
+        found[cls.__name__] = cls
+        todo += cls.__subclasses__()
+    return found.get(kind, StopRun)(message)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+class StopRequest:
+    """Set by the first SIGTERM or SIGINT after `install()`. A later one calls `on_repeat`
+    (the launching process stops its ranks at once), raises KeyboardInterrupt in a process
+    started by hand, and is only logged in a rank our launcher spawned."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self.on_repeat: Callable[[], None] | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def install(self, what: str) -> StopRequest:
+        """Handle the stop signals in this process (main thread only) until `restore()`."""
+        self.what = what
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.signal_name is None:
+            self.signal_name = name
+            log.warning("%s: %s", name, self.what)
+        elif self.on_repeat is not None:
+            log.warning("%s again: stopping now", name)
+            self.on_repeat()
+        elif multiprocessing.parent_process() is None:
+            raise KeyboardInterrupt  # a process run by hand: the second Ctrl-C is at once
+        else:
+            # A rank of our launcher: the launcher passes signals on (a second one here is
+            # that copy) and stops the ranks itself on a second one of its own.
+            log.warning("%s again: already stopping (%s)", name, self.what)
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send `sig` to this process when its parent ends (Linux; a no-op
+    elsewhere). Also covers a parent that ended before the call."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # reparented already: the parent is gone
+        os.kill(os.getpid(), sig)
+
+
+def watch_process(pid: int, *, poll_s: float = 1.0) -> None:
+    """End this process (os._exit) as soon as process `pid` ends: a daemon thread waits on a
+    pidfd where Linux has them, else polls every `poll_s`."""
+
+    def wait_for_it() -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            fd = None
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while _alive(pid):
+                threading.Event().wait(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=wait_for_it, name=f"watch-{pid}", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def loader_worker_init(rank_pid: int, _worker_id: int) -> None:
+    """`worker_init_fn` of the DataLoader (with functools.partial binding the rank's pid):
+    the stop signals are the rank's to handle (a worker ending on Ctrl-C would fail the rank's
+    next fetch instead of a clean stop), and the worker ends when its rank does."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    watch_process(rank_pid)

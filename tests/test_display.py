@@ -1,0 +1,89 @@
+"""What the user sees: bars on a terminal, plain lines in a log file, the end-of-run tables."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import sys
+
+from tqdm import tqdm
+
+from shared import progress
+from shared.logs import setup_logging
+from shared.progress import LineProgress, progress_bar
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_without_a_terminal_progress_is_plain_lines(caplog, monkeypatch):
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    bar = progress_bar(total=10, desc="train", unit="steps")
+    assert isinstance(bar, LineProgress)
+    monkeypatch.setattr(progress, "LINE_EVERY_S", 0.0)
+    with caplog.at_level(logging.INFO):
+        bar = progress_bar(total=10, desc="train", unit="steps", initial=2)
+        bar.update(1)
+        bar.set_postfix(loss="1.234")
+        bar.update(2)
+        bar.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "shared.progress"]
+    assert lines[0].startswith("train: 3/10 steps (30%)")
+    assert lines[1].startswith("train: 5/10 steps (50%)") and lines[1].endswith("loss=1.234")
+    assert "\r" not in "".join(lines)
+    quiet = LineProgress(total=10, desc="x", every=3600.0)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        for _ in range(5):
+            quiet.update(1)
+    assert not caplog.records  # not due yet: no line per update
+
+
+def test_on_a_terminal_log_lines_are_not_written_into_the_bar(monkeypatch):
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    assert isinstance(progress_bar(total=3, desc="d", disable=True), tqdm)
+    setup_logging(0)
+    bar = tqdm(total=3, desc="extract", file=term)
+    bar.update(1)
+    logging.getLogger("test.display").info("a log line")
+    bar.close()
+    setup_logging(0)  # back to the real stderr for later tests
+    out = term.getvalue()
+    line = next(x for x in out.replace("\r", "\n").splitlines() if "a log line" in x)
+    assert "extract" not in line  # a line of its own, not glued to the bar
+
+
+def test_train_summary_table(tmp_path):
+    from train.summary import format_summary
+
+    records = [
+        {"kind": "train", "step": 10, "loss": 2.5, "tau": 1.5},
+        {"kind": "train", "step": 20, "loss": 2.0, "tau": 1.75},
+        {"kind": "eval", "step": 20, "loss": 2.25, "tau": 1.625},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "export").mkdir()
+    text = format_summary(tmp_path, export=tmp_path / "export", seconds=12.0)
+    assert "steps" in text and "20" in text and "12.0 s" in text
+    assert "loss 2.0000, tau 1.750" in text and "loss 2.2500, tau 1.625 at step 20" in text
+    assert str(tmp_path / "export") in text and str(tmp_path / "metrics.jsonl") in text
+
+
+def test_extract_summary_lists_the_first_rejected_rows(tmp_path, tiny_qwen3):
+    from extract.summary import format_summary
+    from tests.test_extract import chat
+    from tests.test_extract_safety import extract
+
+    data = tmp_path / "d.jsonl"
+    lines = [json.dumps(chat(i)) for i in range(4)]
+    lines[1] = "{not json"
+    lines[3] = json.dumps({"prompt": "unknown schema"})
+    data.write_text("\n".join(lines) + "\n")
+    text = format_summary(extract(tmp_path / "c", tiny_qwen3, data), seconds=1.0)
+    assert f"{data}:2: " in text and f"{data}:4: " in text, text
+    counts = progress.read_counters(tmp_path / "c" / ".progress")
+    assert counts["done_rows"] == 4  # the bar's position: kept rows per batch + rejected rows

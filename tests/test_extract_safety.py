@@ -1,0 +1,245 @@
+"""Stage one never loses the user's data: what --overwrite may delete, the lock, verification."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from extract.config import ExtractConfig
+from extract.outdir import is_own_entry, protected_reason
+from extract.run import ExtractError, run
+from shared.manifest import read_manifest
+from shared.stopping import StopRun
+from tests.test_extract import chat
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    path.write_text("".join(json.dumps(chat(i)) + "\n" for i in range(8)))
+    return path
+
+
+def extract(out: Path, target: Path, data: Path, **over) -> object:
+    cfg = dict(
+        out=out,
+        target=str(target),
+        data=(data,),
+        gpus="cpu",
+        rows_per_part=4,
+        batch_tokens=512,
+        layers="0,2",
+        writer_threads=1,
+    )
+    return run(ExtractConfig(**{**cfg, **over}))
+
+
+def test_own_entries_are_recognised():
+    own = ["manifest.json", "part-000012", "part-000003.tar.tmp", "target.tmp", ".progress"]
+    own += [".manifest.json.tmp.12.345", ".lock", "extract_config.json", "part-000001.old"]
+    assert all(is_own_entry(n) for n in own)
+    foreign = ["notes.txt", "part-1", "manifest.json.bak", "target2", "data.jsonl", ".git"]
+    assert not any(is_own_entry(n) for n in foreign)
+
+
+def test_protected_folders(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert "working directory" in protected_reason(tmp_path, [])
+    assert "working directory" in protected_reason(tmp_path.parent, [])
+    data = tmp_path / "d" / "x.jsonl"
+    assert "holds" in protected_reason(tmp_path / "d", [data])
+    assert protected_reason(tmp_path / "other", [data]) is None
+
+
+def test_overwrite_refuses_a_folder_that_is_not_a_cache(tmp_path, tiny_qwen3, data_file):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    for overwrite in (False, True):
+        with pytest.raises(ExtractError, match="precious.txt") as e:
+            extract(out, tiny_qwen3, data_file, overwrite=overwrite)
+        assert "--overwrite" not in str(e.value)
+    assert (out / "precious.txt").read_text() == "keep me"
+    assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
+
+
+def test_overwrite_refuses_the_working_directory_and_the_data_folder(
+    tmp_path, tiny_qwen3, data_file, monkeypatch
+):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    extract(cwd, tiny_qwen3, data_file, max_rows=4)  # a real cache, then used as the cwd
+    monkeypatch.chdir(cwd)
+    before = sorted(p.name for p in cwd.iterdir())
+    with pytest.raises(ExtractError, match="working directory"):
+        extract(Path("."), tiny_qwen3, data_file, max_rows=4, layers="1", overwrite=True)
+    assert sorted(p.name for p in cwd.iterdir()) == before
+    holder = tmp_path / "holder"
+    extract(holder, tiny_qwen3, data_file, max_rows=4)
+    inside = holder / "rows.jsonl"
+    inside.write_text(data_file.read_text())
+    with pytest.raises(ExtractError, match="rows.jsonl"):
+        extract(holder, tiny_qwen3, inside, max_rows=4, layers="1", overwrite=True)
+    assert inside.is_file()
+
+
+def test_overwrite_replaces_only_a_cache_and_leftovers_do_not_block(
+    tmp_path, tiny_qwen3, data_file
+):
+    out = tmp_path / "c"
+    extract(out, tiny_qwen3, data_file, max_rows=4)
+    m = extract(out, tiny_qwen3, data_file, max_rows=4, layers="1", overwrite=True)
+    assert m.complete and m.layer_ids == (1,)
+    fresh = tmp_path / "interrupted"
+    (fresh / "target.tmp").mkdir(parents=True)  # a start stopped while writing target/
+    (fresh / "target.tmp" / "config.json").write_text("{")
+    m = extract(fresh, tiny_qwen3, data_file, max_rows=4)
+    assert m.complete and not (fresh / "target.tmp").exists()
+    assert read_manifest(fresh).complete
+
+
+def _verify(cache: Path, *args: str):
+    from click.testing import CliRunner
+
+    from extract.verify import main
+
+    return CliRunner().invoke(main, [str(cache), "--samples", "0", *args])
+
+
+def _flip(path: Path, at: float = 0.5) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _checksums(cache: Path) -> dict[str, str]:
+    return {p.name: p.checksum for p in read_manifest(cache).parts}
+
+
+def test_damaged_target_files_are_found_refused_and_repaired(tmp_path, tiny_qwen3, data_file):
+    from train.config import TrainConfig
+    from train.run import prepare
+
+    cache = tmp_path / "c"
+    extract(cache, tiny_qwen3, data_file, max_rows=4)
+    assert "embed.safetensors" in read_manifest(cache).target_files
+    assert _verify(cache).exit_code == 0
+    _flip(cache / "target" / "embed.safetensors", 0.9)  # tensor bytes: the file still loads
+    r = _verify(cache)
+    assert r.exit_code == 1 and "target/embed.safetensors" in r.output, r.output
+    cfg = TrainConfig(data=cache, out=tmp_path / "run", gpus="cpu", drafter_layers=1)
+    with pytest.raises(ValueError, match="target/embed.safetensors.*--repair"):
+        prepare(cfg, read_manifest(cache), device_kind="cpu")
+    r = _verify(cache, "--repair")
+    assert r.exit_code == 1 and "target/ to be written again" in r.output
+    assert not read_manifest(cache).complete
+    m = extract(cache, tiny_qwen3, data_file, max_rows=4)
+    assert m.complete and _verify(cache).exit_code == 0
+
+
+def test_missing_part_is_redone_on_resume(tmp_path, tiny_qwen3, data_file):
+    cache = tmp_path / "c"
+    extract(cache, tiny_qwen3, data_file)
+    before = _checksums(cache)
+    shutil.rmtree(cache / "part-000001")
+    m = extract(cache, tiny_qwen3, data_file)
+    assert m.complete and _checksums(cache) == before
+    assert _verify(cache).exit_code == 0
+
+
+def test_repair_drops_exactly_the_damaged_part(tmp_path, tiny_qwen3, data_file):
+    cache = tmp_path / "c"
+    extract(cache, tiny_qwen3, data_file)
+    before = _checksums(cache)
+    victim = max(
+        (p for p in (cache / "part-000000").rglob("*") if p.is_file()),
+        key=lambda p: p.stat().st_size,
+    )
+    _flip(victim)
+    untouched = (cache / "part-000001").stat().st_ino
+    r = _verify(cache, "--repair")
+    assert r.exit_code == 1 and "part-000000" in r.output and "dropped 1 damaged" in r.output
+    m = read_manifest(cache)
+    assert not m.complete and [p.name for p in m.parts] == ["part-000001"]
+    m = extract(cache, tiny_qwen3, data_file)
+    assert m.complete and _checksums(cache) == before
+    assert (cache / "part-000001").stat().st_ino == untouched
+    assert _verify(cache).exit_code == 0
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str):
+    """A tmpfs of `size` at `path` (a real full file system); skips where it cannot mount."""
+    path.mkdir(parents=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip()})")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_disk_full_while_writing_target_is_one_message(tmp_path, tiny_qwen3, data_file):
+    with small_disk(tmp_path / "disk", "64k") as disk:
+        with pytest.raises(ExtractError, match="cannot write .*target.*needs about") as e:
+            extract(disk / "c", tiny_qwen3, data_file, max_rows=4)
+        assert "rerun the same command" in str(e.value)
+        assert not (disk / "c" / "target.tmp").exists()
+        subprocess.run(["mount", "-o", "remount,size=8m", str(disk)], check=True)
+        assert extract(disk / "c", tiny_qwen3, data_file, max_rows=4).complete
+
+
+def test_disk_full_in_a_writer_thread_names_the_folder(tmp_path, tiny_qwen3):
+    from tests.test_extract import chat
+
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(chat(i, 3)) + "\n" for i in range(120)))
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        out = disk / "c"
+        with pytest.raises(StopRun, match="disk holding .* is full .*MB free") as e:
+            extract(out, tiny_qwen3, data, rows_per_part=30, layers="0,1,2,3")
+        assert "rerun the same command" in str(e.value)
+        m = read_manifest(out)
+        assert not m.complete and len(m.parts) < m.num_units
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        m = extract(out, tiny_qwen3, data, rows_per_part=30, layers="0,1,2,3")
+        assert m.complete and _verify(out).exit_code == 0
+
+
+def test_failures_before_any_work_name_the_file(tmp_path, tiny_qwen3, data_file):
+    target = tmp_path / "target"
+    shutil.copytree(tiny_qwen3, target)
+    (target / "config.json").write_text("{broken")
+    with pytest.raises(ExtractError, match=r"target/config.json cannot be read"):
+        extract(tmp_path / "a", target, data_file)
+    shutil.copy(tiny_qwen3 / "config.json", target / "config.json")
+    weights = next(target.glob("*.safetensors"))
+    weights.write_bytes(b"\xff" * 64)
+    with pytest.raises(ExtractError, match=f"{weights.name} cannot be read"):
+        extract(tmp_path / "b", target, data_file)
+    with pytest.raises(ExtractError, match="/proc/nope"):
+        extract(Path("/proc/nope/c"), tiny_qwen3, data_file)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ExtractError, match="holds no rows"):
+        extract(tmp_path / "c", tiny_qwen3, empty)
+    assert not (tmp_path / "c").exists()
+
+
+def test_every_row_rejected_is_not_a_complete_cache(tmp_path, tiny_qwen3):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n" + json.dumps({"prompt": "unknown schema"}) + "\n")
+    with pytest.raises(ExtractError, match="no row of --data was kept") as e:
+        extract(tmp_path / "c", tiny_qwen3, bad)
+    assert f"{bad}:1:" in str(e.value) and f"{bad}:2:" in str(e.value)
+    assert not read_manifest(tmp_path / "c").complete

@@ -1,0 +1,180 @@
+"""SIGTERM/SIGINT stop extract and train cleanly; after kill -9 no child process lingers."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.manifest import read_manifest
+from tests.cachegen import write_cache
+from train.checkpoint import list_checkpoints
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+TIMEOUT_S = 240
+
+
+def start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        env=ENV,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # signals from the test reach only what it sends them to
+    )
+
+
+def read_until(proc: subprocess.Popen, needle: str) -> list[str]:
+    """stderr lines up to the first holding `needle` (the pipe blocks: no sleeping)."""
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if needle in line:
+            return seen
+    raise AssertionError(f"{needle!r} never printed:\n{''.join(seen)}")
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    _, err = proc.communicate(timeout=TIMEOUT_S)
+    return proc.returncode, err
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """The pids still alive after `timeout` seconds (waits on pidfds: no polling)."""
+    fds = {}
+    for pid in pids:
+        try:
+            fds[os.pidfd_open(pid)] = pid
+        except ProcessLookupError:
+            continue
+    left = dict(fds)
+    try:
+        while left:
+            ready, _, _ = select.select(list(left), [], [], timeout)
+            if not ready:
+                break
+            for fd in ready:
+                left.pop(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return list(left.values())
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    from tests.test_extract import chat
+
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    path.write_text("".join(json.dumps(chat(i)) + "\n" for i in range(24)))
+    return path
+
+
+def test_sigterm_stops_extract_between_parts(tmp_path, tiny_qwen3, data_file):
+    out = tmp_path / "c"
+    args = ["extract", "--out", str(out), "--target", str(tiny_qwen3), "--data", str(data_file)]
+    args += ["--gpus", "cpu", "--rows-per-part", "2", "--batch-tokens", "256", "--layers", "1"]
+    proc = start(*args)
+    read_until(proc, "committed part-")
+    proc.send_signal(signal.SIGTERM)
+    code, err = finish(proc)
+    assert code == 1 and "stopped by SIGTERM" in err and "resume: python -m extract" in err, err
+    partial = read_manifest(out)
+    assert not partial.complete and 1 <= len(partial.parts) < partial.num_units
+    assert not list(out.glob("part-*.tmp"))  # nothing half-written
+    code, err = finish(start(*args))
+    assert code == 0, err
+    assert read_manifest(out).complete
+
+
+def train_args(cache: Path, out: Path, *extra: str) -> list[str]:
+    args = ["train", "--data", str(cache), "--out", str(out), "--gpus", "cpu"]
+    args += ["--drafter-layers", "1", "--block-size", "4", "--num-anchors", "8"]
+    args += ["--batch-tokens", "512", "--eval-fraction", "0", "--log-every", "1", "--verbose"]
+    return args + list(extra)
+
+
+@pytest.mark.parametrize("gpus", ["cpu", "cpu:2"])
+def test_sigterm_checkpoints_train_at_the_step_reached(tmp_path, gpus):
+    """To the launching process only: with two ranks it passes the signal on to them."""
+    cache = write_cache(tmp_path / "cache", num_parts=4, samples_per_part=12)
+    out = tmp_path / "run"
+    args = train_args(cache, out, "--steps", "400", "--workers", "2")
+    args[args.index("cpu")] = gpus
+    proc = start(*args)
+    read_until(proc, "step 2:")
+    proc.send_signal(signal.SIGTERM)
+    code, err = finish(proc)
+    assert code == 1 and "stopped by SIGTERM at step" in err, err
+    assert "resume: python -m train" in err and "--steps 400" in err
+    steps = [s for s, _ in list_checkpoints(out)]
+    assert len(steps) == 1 and 2 <= steps[0] < 400
+    assert not (out / "export").exists()
+
+
+@pytest.mark.parametrize("gpus", ["cpu", "cpu:2"])
+def test_no_child_outlives_a_killed_trainer(tmp_path, gpus):
+    cache = write_cache(tmp_path / "cache", num_parts=4, samples_per_part=12)
+    args = train_args(cache, tmp_path / "run", "--steps", "400", "--workers", "2")
+    args[args.index("cpu")] = gpus
+    proc = start(*args)
+    read_until(proc, "step 2:")
+    kids = descendants(proc.pid)
+    assert len(kids) >= 3  # forkserver, resource tracker, DataLoader workers (and ranks)
+    proc.kill()
+    proc.wait(timeout=TIMEOUT_S)
+    left = wait_gone(kids, timeout=30)
+    for pid in left:  # don't leave them to the next test
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running after 30 s: {left}"
+
+
+def test_second_ctrl_c_stops_a_process_run_by_hand_at_once():
+    code = (
+        "import logging, sys; logging.basicConfig(); from shared.stopping import StopRequest; "
+        "s = StopRequest().install('stopping soon'); print('ready', flush=True); "
+        "sys.stdin.readline()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=ENV,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGINT)
+    read_until(proc, "SIGINT: stopping soon")  # the first one only asks to stop
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    code, err = finish(proc)
+    assert code != 0 and "KeyboardInterrupt" in err

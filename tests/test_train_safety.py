@@ -1,0 +1,107 @@
+"""Stage two never continues on non-finite values and refuses options that cannot work."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from shared.manifest import read_manifest, write_manifest
+from shared.target_files import EMBED_FILE, target_checksums, target_dir
+from tests.cachegen import write_cache
+from tests.test_train_loop import tiny
+from train.__main__ import main
+from train.checkpoint import list_checkpoints
+from train.finite import FiniteGuard, NonFiniteError
+from train.run import run
+
+
+@pytest.fixture()
+def cache(tmp_path):
+    return write_cache(tmp_path / "cache", num_parts=2, samples_per_part=6)
+
+
+def poison_embedding(cache):
+    """A target whose embedding holds NaN (recorded as such: the files are not damaged)."""
+    path = target_dir(cache) / EMBED_FILE
+    tensors = load_file(str(path))
+    tensors["embed_tokens"][:] = float("nan")
+    save_file(tensors, str(path))
+    m = read_manifest(cache)
+    write_manifest(cache, dataclasses.replace(m, target_files=target_checksums(cache)))
+
+
+def test_guard_records_the_first_bad_step_without_reading_back(tmp_path):
+    guard = FiniteGuard(torch.device("cpu"), every=4, total=10, data=tmp_path, out=tmp_path)
+    one = torch.tensor(1.0)
+    for step, loss in enumerate([1.0, 2.0, float("inf"), float("nan")], start=1):
+        guard.add(torch.tensor(loss), one)
+        guard.observe(step, torch.tensor(0.5))
+    with pytest.raises(NonFiniteError, match="from step 3 .seen at step 4"):
+        guard.check(4)
+    ok = FiniteGuard(torch.device("cpu"), every=1, total=2, data=tmp_path, out=tmp_path)
+    ok.add(torch.tensor(1.0), one)
+    ok.observe(1, torch.tensor(float("nan")))  # a non-finite gradient norm alone
+    with pytest.raises(NonFiniteError):
+        ok.check(1)
+    empty = FiniteGuard(torch.device("cpu"), every=1, total=2, data=tmp_path, out=tmp_path)
+    empty.add(torch.tensor(0.0), torch.tensor(0.0))
+    empty.observe(1, torch.tensor(0.0))
+    with pytest.raises(NonFiniteError, match="no target token"):
+        empty.check(1)
+
+
+def test_nan_stops_the_run_keeping_the_last_good_checkpoint(cache, tmp_path):
+    out = tmp_path / "run"
+    kw = dict(steps=8, checkpoint_every=2, log_every=4)
+    run(tiny(cache, out, stop_after_steps=2, **kw))
+    assert [s for s, _ in list_checkpoints(out)] == [2]
+    poison_embedding(cache)
+    with pytest.raises(NonFiniteError, match="from step 3 .seen at step 4.*step-2") as e:
+        run(tiny(cache, out, **kw))
+    assert "extract.verify" in str(e.value) and "--lr" in str(e.value)
+    assert [s for s, _ in list_checkpoints(out)] == [2]  # nothing saved after the bad step
+    assert not (out / "export").exists()
+
+
+def test_nan_on_two_ranks_is_one_clean_message(cache, tmp_path):
+    poison_embedding(cache)
+    args = ["--data", str(cache), "--out", str(tmp_path / "r"), "--gpus", "cpu:2"]
+    args += ["--drafter-layers", "1", "--block-size", "4", "--num-anchors", "8", "--workers", "0"]
+    args += ["--batch-tokens", "512", "--steps", "2", "--log-every", "1", "--eval-fraction", "0"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 1 and "not finite" in r.output and "from step 1" in r.output, r.output
+    assert "Traceback" not in r.output
+    assert not (tmp_path / "r" / "export").exists()
+
+
+def test_options_that_cannot_work_name_their_flag(cache, tmp_path):
+    base = ["--data", str(cache), "--out", str(tmp_path / "r"), "--gpus", "cpu"]
+    for args, needle in [
+        (["--block-size", "0"], "--block-size: must be >= 2"),
+        (["--block-size", "1"], "--block-size: must be >= 2"),
+        (["--max-length", "1"], "--max-length: must be at least --block-size (16)"),
+        (["--layer-types", "nope"], "--layer-types: unknown"),
+        (["--mask-token-id", "-1"], "--mask-token-id"),
+    ]:
+        r = CliRunner().invoke(main, base + args)
+        assert r.exit_code == 2 and needle in r.output, (args, r.output)
+        assert "block_size" not in r.output and "max_length" not in r.output
+
+
+def test_extract_refuses_more_layers_than_the_target_has(tmp_path, tiny_qwen3):
+    from extract.__main__ import main as extract_main
+
+    args = ["--out", str(tmp_path / "c"), "--target", str(tiny_qwen3), "--num-layers", "20"]
+    r = CliRunner().invoke(extract_main, args)
+    assert r.exit_code == 1 and "--num-layers 20" in r.output and "--layers" in r.output
+    assert not (tmp_path / "c").exists()
+
+
+def test_an_output_that_cannot_be_made_is_one_message(cache):
+    args = ["--data", str(cache), "--out", "/proc/nope/run", "--gpus", "cpu", "--workers", "0"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 1 and "/proc/nope" in r.output and "Traceback" not in r.output

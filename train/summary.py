@@ -1,0 +1,54 @@
+"""The table printed at the end of a training run, from what the run folder holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from train.metrics import METRICS_FILE, PLOTS_DIR
+
+
+def _last(records: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
+    found = [r for r in records if r.get("kind") == kind]
+    return found[-1] if found else None
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def format_summary(out: Path, *, export: Path, seconds: float) -> str:
+    """Steps, time, the last train and eval loss and tau, and where the outputs are."""
+    out = Path(out)
+    records = _read(out / METRICS_FILE)
+    train, evals = _last(records, "train"), _last(records, "eval")
+    rows = [
+        ("run", str(out)),
+        ("steps", f"{train['step']:,}" if train else "none"),
+        ("time", f"{seconds:,.1f} s this run"),
+        (
+            "train (last log)",
+            f"loss {train['loss']:.4f}, tau {train['tau']:.3f}" if train else "no log step",
+        ),
+        (
+            "eval (held out)",
+            f"loss {evals['loss']:.4f}, tau {evals['tau']:.3f} at step {evals['step']:,}"
+            if evals
+            else "no held-out parts (--eval-parts, --eval-fraction)",
+        ),
+        ("export", str(export) if Path(export).is_dir() else "none (stopped before the end)"),
+        ("metrics", str(out / METRICS_FILE)),
+    ]
+    plots = sorted((out / PLOTS_DIR).glob("*.png"))
+    rows.append(("plots", ", ".join(str(p) for p in plots) if plots else "none"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
