@@ -225,7 +225,7 @@ class TrainConfig:
     verbose: bool = option(False, help="debug logging on every rank")
 
     def __post_init__(self) -> None:
-        for name in ("drafter_layers", "block_size", "batch_tokens", "grad_accum"):
+        for name in ("drafter_layers", "batch_tokens", "grad_accum"):
             _check(getattr(self, name) >= 1, name, "must be >= 1")
         for name in ("epochs", "shuffle_buffer", "eval_every", "eval_batches"):
             _check(getattr(self, name) >= 0, name, "must be >= 0")
