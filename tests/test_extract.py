@@ -84,8 +84,9 @@ def reference_states(
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
 def test_stored_states_are_hidden_states_plus_one(tmp_path, data_file, kind, request):
     target = request.getfixturevalue("tiny_qwen3" if kind == "qwen3" else "tiny_qwen35")
-    m = extract(tmp_path / "cache", target, data_file, batch_tokens=4096)
-    assert m.complete
+    # A user's order is stored ascending, the order serving engines collect the states in.
+    m = extract(tmp_path / "cache", target, data_file, batch_tokens=4096, layers="3,0,2")
+    assert m.complete and m.layer_ids == (0, 2, 3) and m.config["layers"] == "0,2,3"
     samples = samples_by_row(tmp_path / "cache")
     assert len(samples) == m.totals()["rows_kept"] > 10
     for row in list(samples)[:4]:

@@ -110,7 +110,9 @@ class TrainConfig:
         None, help="loss decay over block offsets; default 7 for block 16, 4 for block 8"
     )
     target_layers: str | None = option(
-        None, help="comma-separated cached target layer ids to use, in this order; default all"
+        None,
+        help="comma-separated cached target layer ids to use (trained and exported in ascending "
+        "order, the order serving engines feed them in); default all",
     )
     mask_token_id: int | None = option(
         None, help="embedding row used as the mask token; default from the target's vocabulary"

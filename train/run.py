@@ -83,7 +83,7 @@ def prepare(
     """The resolved config and what every rank needs; CacheMismatch lists every problem."""
     cfg = resolve_devices(cfg, device_kind)
     problems: list[str] = []
-    wanted = cfg.target_layer_ids or tuple(manifest.layer_ids)
+    wanted = ascending_layers(cfg.target_layer_ids or tuple(manifest.layer_ids))
     drafter, hidden = _drafter_config(cfg, manifest, wanted, problems)
     embed_rows = _embedding_rows(cfg.data, manifest, problems)
     try:
@@ -123,6 +123,19 @@ def prepare(
         gamma=gamma,
     )
     return cfg, prep
+
+
+def ascending_layers(ids: tuple[int, ...]) -> tuple[int, ...]:
+    """`ids` sorted: SGLang and vLLM feed a drafter its target states in layer order whatever
+    `target_layer_ids` says, so a drafter trained on another order would get permuted features
+    there. The cache's order does not matter (`layer_positions` picks the stored layers)."""
+    if list(ids) != sorted(ids):
+        log.info(
+            "--target-layers %s: trained in ascending order %s (the order serving engines use)",
+            ",".join(map(str, ids)),
+            ",".join(map(str, sorted(ids))),
+        )
+    return tuple(sorted(ids))
 
 
 def _drafter_config(

@@ -1,0 +1,40 @@
+"""Target layer order: caches, trained drafters and exports hold ascending layer ids, the order in
+which SGLang and vLLM feed a drafter its target states."""
+
+import json
+
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from shared.manifest import read_manifest
+from tests.cachegen import write_cache
+from tests.drafters import tiny_drafter, tiny_drafter_config
+from train.checkpoint import save_checkpoint
+from train.config import TrainConfig
+from train.export import main as export_main
+from train.run import prepare
+
+
+def test_training_resolves_target_layers_to_ascending(tmp_path):
+    cache = write_cache(tmp_path / "cache", num_parts=2, samples_per_part=2, layer_ids=(3, 0, 1))
+    cfg = TrainConfig(
+        data=cache, out=tmp_path / "run", gpus="cpu", drafter_layers=1, target_layers="3,0"
+    )
+    resolved, prep = prepare(cfg, read_manifest(cache), device_kind="cpu")
+    assert prep.drafter.target_layer_ids == (0, 3) and resolved.target_layers == "0,3"
+    assert prep.layers == (1, 0)  # where layers 0 and 3 lie in the cache's layer axis
+
+
+def test_export_cli_sorts_an_older_checkpoint(tmp_path):
+    """A checkpoint trained on layers (6, 1, 4) before training sorted them exports ascending."""
+    cfg = tiny_drafter_config(target_layer_ids=(6, 1, 4))
+    drafter = tiny_drafter(cfg)
+    ckpt = save_checkpoint(tmp_path / "run", 3, {"model": drafter.state_dict()}, cfg, keep=1)
+    result = CliRunner().invoke(export_main, [str(ckpt), str(tmp_path / "export")])
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [1, 4, 6]
+    fc = load_file(str(tmp_path / "export" / "model.safetensors"))["fc.weight"]
+    blocks = drafter.fc.weight.detach().bfloat16().split(64, dim=1)  # layers 6, 1, 4
+    assert torch.equal(fc, torch.cat([blocks[1], blocks[2], blocks[0]], dim=1))
