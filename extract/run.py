@@ -34,6 +34,7 @@ from shared.dist import (
 from shared.fsio import atomic_write_json
 from shared.manifest import (
     FORMAT_VERSION,
+    LAST_LAYER_WARNING,
     MANIFEST,
     CacheMismatch,
     Manifest,
@@ -92,6 +93,8 @@ def _layer_ids(cfg: ExtractConfig, num_target_layers: int) -> tuple[int, ...]:
             ",".join(map(str, ids)),
             ",".join(map(str, sorted(ids))),
         )
+    if num_target_layers - 1 in ids:
+        log.warning(LAST_LAYER_WARNING, num_target_layers - 1)
     return tuple(sorted(ids))
 
 

@@ -38,3 +38,12 @@ def test_export_cli_sorts_an_older_checkpoint(tmp_path):
     fc = load_file(str(tmp_path / "export" / "model.safetensors"))["fc.weight"]
     blocks = drafter.fc.weight.detach().bfloat16().split(64, dim=1)  # layers 6, 1, 4
     assert torch.equal(fc, torch.cat([blocks[1], blocks[2], blocks[0]], dim=1))
+
+
+def test_training_warns_when_the_last_target_layer_is_used(tmp_path, caplog):
+    cache = write_cache(tmp_path / "cache", num_parts=2, samples_per_part=2)  # layers 0, 1, 3 of 4
+    for layers, warned in (("0,1", False), ("0,3", True)):
+        caplog.clear()
+        cfg = TrainConfig(data=cache, out=tmp_path / "run", gpus="cpu", target_layers=layers)
+        prepare(cfg, read_manifest(cache), device_kind="cpu")
+        assert ("SGLang and vLLM cannot serve" in caplog.text) == warned

@@ -10,7 +10,7 @@ also restore recurrent states, see TargetCache). The drafter caches only each la
 context K/V (k/v_proj of hidden_norm(fc(target states)), after k_norm and RoPE), extended with
 each step's accepted rows; the block's own K/V are recomputed every step. Context rows are
 `hidden_states[i + 1]` for target layer i, as in the reference; transformers returns the last
-layer's entry after the final norm, unlike the extraction hooks. transformers is imported only
+layer's entry after the final norm, and extraction stores it so too. transformers is imported only
 where the target is loaded: the rest of stage two does not need it.
 """
 

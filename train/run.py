@@ -18,7 +18,13 @@ from safetensors import safe_open
 from shared.cli import to_json
 from shared.dist import launch, parse_gpus, under_torchrun
 from shared.fsio import atomic_write_json
-from shared.manifest import CacheMismatch, Manifest, check_compatible, read_manifest
+from shared.manifest import (
+    LAST_LAYER_WARNING,
+    CacheMismatch,
+    Manifest,
+    check_compatible,
+    read_manifest,
+)
 from shared.target_files import EMBED_FILE, EMBED_KEY, read_target_config, target_dir
 from train.anchors import default_gamma
 from train.checkpoint import list_checkpoints, read_meta, resolve_resume
@@ -84,6 +90,8 @@ def prepare(
     cfg = resolve_devices(cfg, device_kind)
     problems: list[str] = []
     wanted = ascending_layers(cfg.target_layer_ids or tuple(manifest.layer_ids))
+    if manifest.target.num_layers - 1 in wanted:
+        log.warning(LAST_LAYER_WARNING, manifest.target.num_layers - 1)
     drafter, hidden = _drafter_config(cfg, manifest, wanted, problems)
     embed_rows = _embedding_rows(cfg.data, manifest, problems)
     try:
