@@ -7,7 +7,6 @@ written: a cache that cannot serve the requested drafter (every problem listed i
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -118,6 +117,7 @@ def prepare(
     cfg = cfg.replace(
         target_layers=",".join(map(str, wanted)),
         layer_types=",".join(drafter.layer_types),
+        sliding_window=drafter.sliding_window,
         mask_token_id=drafter.mask_token_id,
         gamma=gamma,
         max_length=cfg.max_length or manifest.max_length,
@@ -164,17 +164,15 @@ def _drafter_config(
             target_layer_ids=wanted,
             block_size=cfg.block_size,
             mask_token_id=cfg.mask_token_id,
-            layer_types=cfg.layer_type_names,
+            # None: the published drafters' layer types for this target (all full for most)
+            layer_types=cfg.layer_type_names if cfg.layer_types is not None else None,
             sliding_window=cfg.sliding_window,
             tokenizer_vocab_size=manifest.target.tokenizer_vocab_size,
+            num_attention_heads=cfg.drafter_heads,
+            num_key_value_heads=cfg.drafter_kv_heads,
+            head_dim=cfg.drafter_head_dim,
+            intermediate_size=cfg.drafter_intermediate,
         )
-        shape = {
-            "num_attention_heads": cfg.drafter_heads,
-            "num_key_value_heads": cfg.drafter_kv_heads,
-            "head_dim": cfg.drafter_head_dim,
-            "intermediate_size": cfg.drafter_intermediate,
-        }
-        drafter = dataclasses.replace(drafter, **{k: v for k, v in shape.items() if v is not None})
     except (ValueError, KeyError) as e:
         problems.append(f"drafter config: {e}")
         return None, hidden
