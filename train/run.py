@@ -41,6 +41,19 @@ class RunError(ValueError):
     """The request cannot run as given (devices, run folder, options); the message says why."""
 
 
+def ascending_layers(ids: tuple[int, ...]) -> tuple[int, ...]:
+    """`ids` sorted: SGLang and vLLM feed a drafter its target states in layer order whatever
+    `target_layer_ids` says, so a drafter trained on another order would get permuted features
+    there. The cache's order does not matter (`layer_positions` picks the stored layers)."""
+    if list(ids) != sorted(ids):
+        log.info(
+            "--target-layers %s: trained in ascending order %s (the order serving engines use)",
+            ",".join(map(str, ids)),
+            ",".join(map(str, sorted(ids))),
+        )
+    return tuple(sorted(ids))
+
+
 def run(cfg: TrainConfig) -> Path:
     """Train as `cfg` says; return the export folder."""
     try:
@@ -131,19 +144,6 @@ def prepare(
         gamma=gamma,
     )
     return cfg, prep
-
-
-def ascending_layers(ids: tuple[int, ...]) -> tuple[int, ...]:
-    """`ids` sorted: SGLang and vLLM feed a drafter its target states in layer order whatever
-    `target_layer_ids` says, so a drafter trained on another order would get permuted features
-    there. The cache's order does not matter (`layer_positions` picks the stored layers)."""
-    if list(ids) != sorted(ids):
-        log.info(
-            "--target-layers %s: trained in ascending order %s (the order serving engines use)",
-            ",".join(map(str, ids)),
-            ",".join(map(str, sorted(ids))),
-        )
-    return tuple(sorted(ids))
 
 
 def _drafter_config(
