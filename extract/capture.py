@@ -1,7 +1,9 @@
 """Capture hidden states of chosen target layers with forward hooks.
 
 Layer id i is the output of decoder layer i (0-based), i.e. Hugging Face
-`outputs.hidden_states[i + 1]`. Rows are right-padded: in a causal model a real token never
+`outputs.hidden_states[i + 1]`; for the last layer (i = T - 1) that entry is taken after the
+final norm, and so is ours (the hook sits on the norm): z-lab's reference feeds the drafter
+exactly `hidden_states[T]`. Rows are right-padded: in a causal model a real token never
 sees the padding after it, so its states equal those of the row run alone (left padding would
 feed pad tokens into the recurrent state of linear-attention layers first). Only real tokens are
 gathered: padding never leaves the GPU.
@@ -16,7 +18,7 @@ import torch
 from torch import nn
 
 from extract.masks import choose_masks, forward_kwargs
-from extract.target import decoder_layers
+from extract.target import decoder_layers, final_norm, num_decoder_layers
 
 # Pinned input buffers in rotation: a buffer is refilled only after the copy issued from it
 # `INPUT_SLOTS` batches earlier has landed (an event wait that, in steady state, never blocks).
@@ -110,12 +112,14 @@ class LayerCapture:
         self.body = model.get_decoder() if hasattr(model, "get_decoder") else model
         # Chosen before the hooks exist: the choice runs a probe forward.
         self.masks = None if own_masks else choose_masks(self.body, pad_id=pad_id)
-        layers = decoder_layers(model)
+        layers, last = decoder_layers(model), num_decoder_layers(model) - 1
         self._packed: torch.Tensor | None = None
         self._index: torch.Tensor | None = None
         self._inputs: DeviceInputs | None = None
         self._handles = [
-            layers[layer_id].register_forward_hook(self._hook(slot))
+            (final_norm(model) if layer_id == last else layers[layer_id]).register_forward_hook(
+                self._hook(slot)
+            )
             for slot, layer_id in enumerate(self.layer_ids)
         ]
 

@@ -44,6 +44,7 @@ from shared.fsio import atomic_write_json
 from shared.lock import LockHeld, output_lock
 from shared.manifest import (
     FORMAT_VERSION,
+    LAST_LAYER_WARNING,
     MANIFEST,
     CacheMismatch,
     Manifest,
@@ -88,6 +89,9 @@ def _check_writable(out: Path) -> None:
 
 
 def _layer_ids(cfg: ExtractConfig, num_target_layers: int) -> tuple[int, ...]:
+    """The ids to capture, ascending: SGLang and vLLM collect a drafter's target states in layer
+    order whatever its `target_layer_ids` say, so the cache (and every drafter trained on it)
+    keeps that order too."""
     ids = cfg.layer_ids or tuple(build_target_layer_ids(num_target_layers, cfg.num_layers))
     if cfg.layer_ids is None and len(set(ids)) < len(ids):
         fits = max(
@@ -106,7 +110,15 @@ def _layer_ids(cfg: ExtractConfig, num_target_layers: int) -> tuple[int, ...]:
             f"--layers: ids {bad} out of range: the target has {num_target_layers} decoder "
             f"layers (ids 0..{num_target_layers - 1})"
         )
-    return ids
+    if list(ids) != sorted(ids):
+        log.info(
+            "--layers %s: stored in ascending order %s (the order serving engines use)",
+            ",".join(map(str, ids)),
+            ",".join(map(str, sorted(ids))),
+        )
+    if num_target_layers - 1 in ids:
+        log.warning(LAST_LAYER_WARNING, num_target_layers - 1)
+    return tuple(sorted(ids))
 
 
 def plan_manifest(cfg: ExtractConfig) -> tuple[Manifest, RowIndex]:
@@ -136,7 +148,12 @@ def plan_manifest(cfg: ExtractConfig) -> tuple[Manifest, RowIndex]:
     if total == 0:
         raise ExtractError(f"--data: {', '.join(map(str, files))} holds no rows")
     prints = template_fingerprint(tokenizer)
-    resolved = dataclasses.replace(cfg, target=target, data=tuple(Path(f) for f in files))
+    resolved = dataclasses.replace(
+        cfg,
+        target=target,
+        data=tuple(Path(f) for f in files),
+        layers=None if cfg.layers is None else ",".join(map(str, layer_ids)),
+    )
     return Manifest(
         format=cfg.format,
         store=cfg.store,

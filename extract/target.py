@@ -170,6 +170,24 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise TargetError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
+def final_norm(model: nn.Module) -> nn.Module:
+    """The norm after the last decoder layer (a sibling of the layer list, as in Qwen3)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model
+    for candidate in (base, getattr(base, "language_model", None), getattr(base, "model", None)):
+        if isinstance(getattr(candidate, "layers", None), nn.ModuleList):
+            norm = getattr(candidate, "norm", None)
+            if isinstance(norm, nn.Module):
+                return norm
+    raise TargetError(f"cannot find the final norm of {type(model).__name__}")
+
+
+def num_decoder_layers(model: nn.Module) -> int:
+    """T, the target's decoder layer count from its config (a truncated model keeps it)."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.num_hidden_layers)
+
+
 def load_target(target: str, *, device: torch.device, last_layer: int) -> nn.Module:
     """Load the causal LM for capture: bf16 on GPU, fp32 on CPU, eval mode, and without the
     layers after `last_layer` (they would be computed for nothing)."""

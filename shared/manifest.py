@@ -19,7 +19,16 @@ from shared.codec import FORMAT_VERSION
 from shared.fsio import atomic_write_json, file_lock
 
 MANIFEST = "manifest.json"
-LAYER_CONVENTION = "id i = output of target decoder layer i (0-based) = HF hidden_states[i + 1]"
+LAYER_CONVENTION = (
+    "id i = output of target decoder layer i (0-based) = HF hidden_states[i + 1] "
+    "(the last layer's after the final norm)"
+)
+# Said by extract and by train when the last target layer is used.
+LAST_LAYER_WARNING = (
+    "target layer %d is the target's last: SGLang and vLLM cannot serve a drafter that uses it "
+    "(they capture the input of layer i + 1, which does not exist for it); only z-lab's `dflash` "
+    "package and `python -m train.speculate` feed it"
+)
 MAX_LISTED_REJECTS = 200  # per part; counts stay exact, the list of rows is capped
 
 

@@ -109,3 +109,45 @@ def test_reference_package_loads_export_and_matches_forward(tmp_path, layer_type
         )
         got = _ours_single_block(ours.eval(), cfg, target_hidden, noise)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_export_sorts_target_layers_and_permutes_fc(tmp_path):
+    """A drafter trained on layers (6, 1, 4) exports as (1, 4, 6) and computes the same outputs
+    from the states in that order."""
+    cfg = tiny_drafter_config(target_layer_ids=(6, 1, 4))
+    drafter = tiny_drafter(cfg)
+    with torch.no_grad():  # the export's bf16 rounding, so both sides hold the same weights
+        for p in drafter.parameters():
+            p.copy_(p.bfloat16().float())
+    export_drafter(drafter, cfg, tmp_path / "export")
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [1, 4, 6]
+    ours, sorted_cfg = load_export(tmp_path / "export")
+    assert sorted_cfg.target_layer_ids == (1, 4, 6)
+    fc, fc_sorted = drafter.fc.weight.detach(), ours.fc.weight.detach()
+    for new_block, old_block in enumerate((1, 2, 0)):  # layer 1 was block 1, 4 block 2, 6 block 0
+        assert torch.equal(fc_sorted[:, new_block * 64 : (new_block + 1) * 64],
+                           fc[:, old_block * 64 : (old_block + 1) * 64])  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    states = {layer: torch.randn(1, 9, 64, generator=gen) for layer in (1, 4, 6)}
+    noise = torch.randn(1, cfg.block_size, 64, generator=gen)
+    with torch.no_grad():
+        before = _ours_single_block(
+            drafter, cfg, torch.cat([states[i] for i in (6, 1, 4)], -1), noise
+        )
+        after = _ours_single_block(
+            ours.eval(), sorted_cfg, torch.cat([states[i] for i in (1, 4, 6)], -1), noise
+        )
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(  # and the order matters: unpermuted columns would differ
+        _ours_single_block(drafter, cfg, torch.cat([states[i] for i in (1, 4, 6)], -1), noise),
+        before,
+    )
+
+
+def test_export_keeps_an_ascending_drafter_as_it_is(tmp_path):
+    drafter, cfg = _drafter()
+    export_drafter(drafter, cfg, tmp_path / "export")
+    ours, loaded_cfg = load_export(tmp_path / "export")
+    assert loaded_cfg == cfg
+    assert torch.equal(ours.fc.weight, drafter.fc.weight.detach().bfloat16().float())

@@ -45,6 +45,90 @@ def test_from_qwen35_nested_config():
     assert cfg.sliding_window == 64
 
 
+def qwen35_text(**over) -> dict:
+    """A Qwen3.5-shaped text config (attention 16 heads of 256, 4 kv heads), sizes overridable."""
+    text = dict(
+        model_type="qwen3_5_text",
+        hidden_size=2560,
+        intermediate_size=9216,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=256,
+        vocab_size=248320,
+    )
+    return {k: v for k, v in {**text, **over}.items() if v is not None}
+
+
+def shape(cfg: DrafterConfig) -> tuple:
+    return (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
+
+
+def test_published_shapes_are_the_defaults():
+    qwen3 = DrafterConfig.from_target_config(TINY_TARGET, target_layer_ids=(1,), mask_token_id=1)
+    assert shape(qwen3) == (4, 2, 16, 128)  # Qwen3 dense: the target's own
+    dense = DrafterConfig.from_target_config(
+        {"model_type": "qwen3_5", "text_config": qwen35_text()}, target_layer_ids=(1, 9)
+    )
+    assert shape(dense) == (32, 8, 128, 9216)
+    assert dense.layer_types == ("full_attention",) * 5 and dense.sliding_window is None
+    moe = qwen35_text(
+        model_type="qwen3_5_moe_text",
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_key_value_heads=2,
+        intermediate_size=None,  # MoE text configs have none
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+    )
+    a3b = DrafterConfig.from_target_config(
+        {"model_type": "qwen3_5_moe", "text_config": moe}, target_layer_ids=(1, 13)
+    )
+    assert shape(a3b) == (32, 4, 128, 8 * 512 + 512)
+    big = {
+        "model_type": "qwen3_5",
+        "text_config": qwen35_text(hidden_size=5120, num_hidden_layers=64),
+    }
+    b27 = DrafterConfig.from_target_config(big, target_layer_ids=(1, 16, 31, 46, 61))
+    assert shape(b27)[:3] == (32, 8, 128)
+    assert b27.layer_types == ("sliding_attention",) * 4 + ("full_attention",)
+    assert b27.sliding_window == 2048
+
+
+def test_options_override_the_published_shapes():
+    big = {
+        "model_type": "qwen3_5",
+        "text_config": qwen35_text(hidden_size=5120, num_hidden_layers=64),
+    }
+    cfg = DrafterConfig.from_target_config(
+        big,
+        target_layer_ids=(1,),
+        num_layers=2,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=1024,
+        sliding_window=512,
+    )
+    assert shape(cfg) == (16, 2, 64, 1024)
+    assert cfg.layer_types == ("sliding_attention", "full_attention") and cfg.sliding_window == 512
+    full = DrafterConfig.from_target_config(
+        big, target_layer_ids=(1,), layer_types=("full_attention",) * 5
+    )
+    assert full.layer_types == ("full_attention",) * 5 and full.sliding_window is None
+
+
+def test_moe_target_without_mlp_sizes_asks_for_the_intermediate_size():
+    text = qwen35_text(model_type="qwen3_5_moe_text", intermediate_size=None, num_experts=8)
+    target = {"model_type": "qwen3_5_moe", "text_config": text}
+    with pytest.raises(ValueError, match="--drafter-intermediate"):
+        DrafterConfig.from_target_config(target, target_layer_ids=(1,))
+    cfg = DrafterConfig.from_target_config(target, target_layer_ids=(1,), intermediate_size=512)
+    assert shape(cfg) == (32, 4, 128, 512)
+
+
 def test_mask_token_fallback_and_no_spare_row():
     other = {**TINY_TARGET, "model_type": "llama"}
     cfg = DrafterConfig.from_target_config(other, target_layer_ids=(1,), tokenizer_vocab_size=290)

@@ -82,10 +82,13 @@ def reference_states(
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
-def test_stored_states_are_hidden_states_plus_one(tmp_path, data_file, kind, request):
+def test_stored_states_are_hidden_states_plus_one(tmp_path, data_file, kind, request, caplog):
+    """Layer 7, the last, is `hidden_states[8]`: after the final norm."""
     target = request.getfixturevalue("tiny_qwen3" if kind == "qwen3" else "tiny_qwen35")
-    m = extract(tmp_path / "cache", target, data_file, batch_tokens=4096)
-    assert m.complete
+    # A user's order is stored ascending, the order serving engines collect the states in.
+    m = extract(tmp_path / "cache", target, data_file, batch_tokens=4096, layers="7,0,3")
+    assert m.complete and m.layer_ids == (0, 3, 7) and m.config["layers"] == "0,3,7"
+    assert "SGLang and vLLM cannot serve a drafter that uses it" in caplog.text
     samples = samples_by_row(tmp_path / "cache")
     assert len(samples) == m.totals()["rows_kept"] > 10
     for row in list(samples)[:4]:
@@ -224,7 +227,7 @@ def test_clear_errors_before_any_work(tmp_path, qwen3, data_file):
 
 
 def test_verify_passes_then_names_a_corrupt_part(tmp_path, qwen3, data_file):
-    extract(tmp_path / "c", qwen3, data_file, max_rows=12)
+    extract(tmp_path / "c", qwen3, data_file, max_rows=12, layers="0,2,7")  # 7: the last
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     ok = subprocess.run(
         [sys.executable, "-m", "extract.verify", str(tmp_path / "c"), "--samples", "2"],
@@ -277,8 +280,8 @@ def test_multimodal_qwen35_checkpoint_extracts_its_language_model(tmp_path, data
         Qwen3_5Config(text_config=text, vision_config=vision)
     ).save_pretrained(target)
     AutoTokenizer.from_pretrained(str(qwen3)).save_pretrained(target)
-    # Not the last layer: HF returns that one after the final norm, the hooks before it.
-    m = extract(tmp_path / "cache", target, data_file, layers="0,2", max_rows=6)
+    # Layer 3 is the last: its final norm sits beside the wrapped language model's layers.
+    m = extract(tmp_path / "cache", target, data_file, layers="0,3", max_rows=6)
     assert m.complete and m.target.num_layers == 4 and m.target.hidden_size == 64
     sample = next(iter(samples_by_row(tmp_path / "cache").values()))
     ref = reference_states(target, sample.input_ids, m.layer_ids)

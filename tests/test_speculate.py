@@ -148,6 +148,35 @@ def test_cuda_equals_greedy_and_reference_per_step(
     assert max(lengths) > 1
 
 
+def test_drafter_trained_on_unsorted_layers_decodes_the_same_after_export(
+    tmp_path, monkeypatch, tiny_qwen3, two_token_target
+):
+    """Trained on layers (6, 1, 4), exported as (1, 4, 6) with fc permuted: our loop with the
+    unexported drafter, our loop with the export and the reference with the export agree."""
+    dflash_model = pytest.importorskip("dflash.model")
+    cfg = drafter_config(tiny_qwen3, target_layer_ids=(6, 1, 4))
+    drafter = two_token_drafter(cfg)
+    with torch.no_grad():  # the export's bf16 rounding, so both sides hold the same weights
+        for p in drafter.parameters():
+            p.copy_(p.bfloat16().float())
+    export_drafter(drafter, cfg, tmp_path / "export")
+    ours, sorted_cfg = load_export(tmp_path / "export")
+    assert sorted_cfg.target_layer_ids == (1, 4, 6)
+    ref = reference(dflash_model, monkeypatch, tmp_path / "export")
+    assert list(ref.target_layer_ids) == [1, 4, 6]
+    prompts = [prompt(seed) for seed in range(100, 104)]
+    lengths = agree_with_reference(
+        dflash_model.dflash_generate, ref, ours.eval(), two_token_target, prompts,
+        max_new_tokens=32, eos=[EOS],
+    )  # fmt: skip
+    unexported = [
+        speculate(two_token_target, drafter.eval(), ids, max_new_tokens=32, eos_ids=[EOS])
+        for ids in prompts
+    ]
+    assert [n for r in unexported for n in r.acceptance_lengths] == lengths
+    assert max(lengths) > 1 and min(lengths) == 1
+
+
 def test_stops_at_eos_like_the_reference(tmp_path, monkeypatch, tiny_qwen3, two_token_target):
     dflash_model = pytest.importorskip("dflash.model")
     cfg = drafter_config(tiny_qwen3)

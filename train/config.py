@@ -96,7 +96,8 @@ class TrainConfig:
     layer_types: str | None = option(
         None,
         help="per drafter layer, comma-separated: full_attention or sliding_attention (aliases "
-        "full, sliding; one value applies to all); default all full (dflash2: all sliding)",
+        "full, sliding; one value applies to all); default all full, except Qwen3.6-27B targets: "
+        "all but the last sliding (window 2048), as its published drafter (dflash2: all sliding)",
     )
     sliding_window: int | None = option(
         None, help="window of sliding-attention layers (dflash2 default 2048)"
@@ -127,16 +128,24 @@ class TrainConfig:
         "drafter of the same shape; parameters it lacks keep their (no-op) init",
     )
     drafter_heads: int | None = option(
-        None, help="attention heads of the drafter; default the target's"
+        None,
+        help="attention heads of the drafter; default the published drafters' (the target's; "
+        "32 for Qwen3.5/3.6)",
     )
     drafter_kv_heads: int | None = option(
-        None, help="key/value heads of the drafter; default the target's"
+        None,
+        help="key/value heads of the drafter; default the published drafters' (the target's; "
+        "8 for Qwen3.5/3.6, 4 for their MoE targets)",
     )
     drafter_head_dim: int | None = option(
-        None, help="head dimension of the drafter; default the target's"
+        None,
+        help="head dimension of the drafter; default the published drafters' (the target's; "
+        "128 for Qwen3.5/3.6)",
     )
     drafter_intermediate: int | None = option(
-        None, help="MLP intermediate size of the drafter; default the target's"
+        None,
+        help="MLP intermediate size of the drafter; default the target's (MoE targets: routed "
+        "experts per token x moe_intermediate_size + the shared expert's)",
     )
     block_size: int = option(16, help="tokens per draft block")
     num_anchors: int | None = option(
@@ -148,7 +157,9 @@ class TrainConfig:
         None, help="loss decay over block offsets; default 7 for block 16, 4 for block 8"
     )
     target_layers: str | None = option(
-        None, help="comma-separated cached target layer ids to use, in this order; default all"
+        None,
+        help="comma-separated cached target layer ids to use (trained and exported in ascending "
+        "order, the order serving engines feed them in); default all",
     )
     mask_token_id: int | None = option(
         None, help="embedding row used as the mask token; default from the target's vocabulary"

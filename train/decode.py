@@ -10,7 +10,7 @@ also restore recurrent states, see TargetCache). The drafter caches only each la
 context K/V (k/v_proj of hidden_norm(fc(target states)), after k_norm and RoPE), extended with
 each step's accepted rows; the block's own K/V are recomputed every step. Context rows are
 `hidden_states[i + 1]` for target layer i, as in the reference; transformers returns the last
-layer's entry after the final norm, unlike the extraction hooks. transformers is imported only
+layer's entry after the final norm, and extraction stores it so too. transformers is imported only
 where the target is loaded: the rest of stage two does not need it.
 """
 
@@ -20,7 +20,7 @@ import inspect
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +41,8 @@ class Result:
     acceptance_lengths: list[int]  # tokens produced per target forward after the prefill
     num_input_tokens: int
     seconds: float = 0.0
+    # Accepted drafts + 1 per step before the clip at max_new_tokens and eos: vLLM's count.
+    unclipped_lengths: list[int] = field(default_factory=list)
 
     @property
     def new_ids(self) -> list[int]:
@@ -238,9 +240,14 @@ def speculate(
     *,
     max_new_tokens: int,
     eos_ids: Sequence[int] = (),
+    full_blocks: bool = False,
 ) -> Result:
     """Greedy speculative decoding of one prompt (`drafter` on the target's device); the output
-    equals the target's greedy output up to floating-point near-ties."""
+    equals the target's greedy output up to floating-point near-ties.
+
+    The last blocks are cut to the tokens still wanted, as in z-lab's `dflash_generate`;
+    `full_blocks` keeps them whole and cuts the output instead, as vLLM does (a shorter block
+    changes what a bidirectional drafter proposes)."""
     ids_1P, cache = begin_decoding(target_model, input_ids, max_new_tokens)
     cfg, device, eos = drafter.cfg, ids_1P.device, set(eos_ids)
     embed_VH = target_model.get_input_embeddings().weight
@@ -249,10 +256,10 @@ def speculate(
     out = target_model(ids_1P, **cache.kwargs, output_hidden_states=True, logits_to_keep=1)
     draft.extend(context_features(out.hidden_states, cfg.target_layer_ids))
     tokens = ids_1P[0].tolist() + [int(out.logits[0, -1].argmax())]
-    start, max_len, lengths = ids_1P.shape[1], ids_1P.shape[1] + max_new_tokens, []
+    start, max_len, lengths, unclipped = ids_1P.shape[1], ids_1P.shape[1] + max_new_tokens, [], []
     stopped = tokens[-1] in eos
     while start + 1 < max_len and not stopped:
-        q_len = min(cfg.block_size, max_len - start)
+        q_len = cfg.block_size if full_blocks else min(cfg.block_size, max_len - start)
         block_1Q = torch.full((1, q_len), cfg.mask_token_id, dtype=torch.long, device=device)
         block_1Q[0, 0] = tokens[start]
         block_1Q[0, 1:] = draft.propose(block_1Q)
@@ -275,9 +282,10 @@ def speculate(
         cache.keep(block_1Q, start, len(new), snapshot)
         start += len(new)
         lengths.append(len(new))
+        unclipped.append(accepted + 1)
     seconds = sync_clock(device) - started
     output = torch.tensor([tokens], dtype=torch.long, device=device)
-    return Result(output, lengths, ids_1P.shape[1], seconds)
+    return Result(output, lengths, ids_1P.shape[1], seconds, unclipped)
 
 
 @torch.inference_mode()

@@ -16,6 +16,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear")
 # Mask token rows of the public DFlash drafters, keyed by target model family.
 QWEN3_MASK_TOKEN_ID = 151669
 QWEN35_MASK_TOKEN_ID = 248070
+# The Qwen3.6-27B target (layers, hidden size), whose published drafter slides with this window.
+QWEN36_27B_LAYERS_HIDDEN = (64, 5120)
+QWEN36_27B_WINDOW = 2048
 _QWEN3_TYPES = ("qwen3", "qwen3_moe")
 _QWEN35_PREFIXES = ("qwen3_5", "qwen3_6")
 _POSITIVE_FIELDS = (
@@ -142,19 +145,25 @@ class DrafterConfig:
         layer_types: tuple[str, ...] | list[str] | None = None,
         sliding_window: int | None = None,
         tokenizer_vocab_size: int | None = None,
+        num_attention_heads: int | None = None,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+        intermediate_size: int | None = None,
         drafter_type: str = "dflash",
         is_causal: bool | None = None,
         **dflash2_fields: Any,
     ) -> DrafterConfig:
         """Build a drafter config from a Hugging Face target config.json dict.
 
-        Qwen3.5/3.6 configs keep the size fields under `text_config`. The drafter copies hidden
-        size, heads, head_dim, intermediate size, eps and the rope base from the target; it always
-        rotates the full head_dim with 1-D positions (Qwen3 style), so a target's
-        `partial_rotary_factor` and multimodal rope sections are not carried over.
-        A DFlash2 drafter without explicit layer types takes the published attention: every
-        layer sliding (window 2048 unless given), non-causal unless `is_causal` says otherwise;
-        `dflash2_fields` are the DFlash2 fields (conv_kernel_size, selector_top_k, ...).
+        Qwen3.5/3.6 configs keep the size fields under `text_config`. The hidden size, eps and
+        rope base are the target's; heads, head_dim, intermediate size, layer types and window
+        default to the published DFlash drafters' choice for the target (`published_shape`), and
+        any argument given here overrides its default. The drafter always rotates the full
+        head_dim with 1-D positions (Qwen3 style), so a target's `partial_rotary_factor` and
+        multimodal rope sections are not carried over.
+        A DFlash2 drafter without explicit layer types takes the published DFlash2 attention:
+        every layer sliding (window 2048 unless given), non-causal unless `is_causal` says
+        otherwise; `dflash2_fields` are the DFlash2 fields (conv_kernel_size, selector_top_k...).
         """
         if drafter_type == "dflash2":
             if layer_types is None:
@@ -163,17 +172,33 @@ class DrafterConfig:
             is_causal = False if is_causal is None else is_causal
         text = target_cfg.get("text_config") or target_cfg
         hidden = int(text["hidden_size"])
-        heads = int(text["num_attention_heads"])
         rope_theta, rope_scaling = rope_fields_from_hf(text)
         if mask_token_id is None:
             mask_token_id = default_mask_token_id(target_cfg, tokenizer_vocab_size)
+        given = {
+            "num_attention_heads": num_attention_heads,
+            "num_key_value_heads": num_key_value_heads,
+            "head_dim": head_dim,
+            "intermediate_size": intermediate_size,
+        }
+        shape = published_shape(target_cfg, num_layers)
+        shape.update({k: v for k, v in given.items() if v is not None})
+        if shape["intermediate_size"] is None:
+            raise ValueError(
+                "intermediate_size: the target config has no `intermediate_size` nor the MoE "
+                "fields `moe_intermediate_size` and `num_experts_per_tok`; give "
+                "--drafter-intermediate"
+            )
+        if layer_types is None and "layer_types" in shape:
+            layer_types = shape["layer_types"]
+            sliding_window = sliding_window or shape["sliding_window"]
         return cls(
             hidden_size=hidden,
-            intermediate_size=int(text["intermediate_size"]),
+            intermediate_size=int(shape["intermediate_size"]),
             num_layers=num_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(text.get("head_dim") or hidden // heads),
+            num_attention_heads=int(shape["num_attention_heads"]),
+            num_key_value_heads=int(shape["num_key_value_heads"]),
+            head_dim=int(shape["head_dim"]),
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -189,6 +214,64 @@ class DrafterConfig:
             drafter_type=drafter_type,
             **dflash2_fields,
         )
+
+
+def is_qwen35(target_cfg: dict[str, Any]) -> bool:
+    """Qwen3.5 or Qwen3.6 (hybrid Gated DeltaNet), dense or MoE, text-only or multimodal."""
+    text = target_cfg.get("text_config") or target_cfg
+    types = (str(target_cfg.get("model_type", "")), str(text.get("model_type", "")))
+    return any(t.startswith(_QWEN35_PREFIXES) for t in types)
+
+
+def is_moe(text_cfg: dict[str, Any]) -> bool:
+    return bool(text_cfg.get("num_experts") or text_cfg.get("moe_intermediate_size"))
+
+
+def moe_intermediate(text_cfg: dict[str, Any]) -> int | None:
+    """The MLP width a MoE target applies per token: routed experts x their width, plus the
+    shared expert's (Qwen3.5-35B-A3B: 8 x 512 + 512 = 4608); None without the MoE fields."""
+    width, per_token = text_cfg.get("moe_intermediate_size"), text_cfg.get("num_experts_per_tok")
+    if not width or not per_token:
+        return None
+    return int(width) * int(per_token) + int(text_cfg.get("shared_expert_intermediate_size") or 0)
+
+
+def published_shape(target_cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The drafter shape the public DFlash checkpoints use for this target (DESIGN.md section 5).
+
+    Qwen3 and others: the target's attention shape and intermediate size. Qwen3.5/3.6: 32 heads
+    of 128 with 8 kv heads (4 for the MoE targets, as for 35B-A3B). Qwen3.6-27B (64 layers,
+    hidden 5120): every layer but the last slides with a window of 2048, the last is full (its
+    5-layer drafter: 4 sliding + 1 full); `layer_types` and `sliding_window` are keys only then.
+    A target without `intermediate_size` (a MoE text config) gets `moe_intermediate`, or None.
+
+    >>> shape = published_shape({"model_type": "qwen3_5_text", "hidden_size": 5120,
+    ...     "num_hidden_layers": 64, "num_attention_heads": 24, "intermediate_size": 17408}, 5)
+    >>> [shape[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim")]
+    [32, 8, 128]
+    >>> [t[:4] for t in shape["layer_types"]], shape["sliding_window"]
+    (['slid', 'slid', 'slid', 'slid', 'full'], 2048)
+    """
+    text = target_cfg.get("text_config") or target_cfg
+    hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+    intermediate = text.get("intermediate_size") or moe_intermediate(text)
+    if not is_qwen35(target_cfg):
+        return {
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(text.get("num_key_value_heads") or heads),
+            "head_dim": int(text.get("head_dim") or hidden // heads),
+            "intermediate_size": intermediate,
+        }
+    shape: dict[str, Any] = {
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4 if is_moe(text) else 8,
+        "head_dim": 128,
+        "intermediate_size": intermediate,
+    }
+    if (int(text.get("num_hidden_layers", 0)), hidden) == QWEN36_27B_LAYERS_HIDDEN:
+        shape["layer_types"] = ("sliding_attention",) * (num_layers - 1) + ("full_attention",)
+        shape["sliding_window"] = QWEN36_27B_WINDOW
+    return shape
 
 
 def rope_fields_from_hf(text_cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -9,6 +9,7 @@ selector then degrades to top-1 without an error), so names and shapes are check
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -226,15 +227,43 @@ def config_from_hf(data: dict[str, Any]) -> DrafterConfig:
     )
 
 
+def sort_target_layers(
+    state: dict[str, torch.Tensor], cfg: DrafterConfig
+) -> tuple[dict[str, torch.Tensor], DrafterConfig]:
+    """The same drafter with ascending `target_layer_ids`: `fc.weight`'s column blocks (one of
+    width H per target layer, in `target_layer_ids` order) permuted to match.
+
+    SGLang and vLLM concatenate the captured states in layer order whatever the list says, so
+    only an ascending export gets each block the features it was trained on. The drafter's
+    outputs are unchanged when its context input is permuted the same way.
+    """
+    ids = list(cfg.target_layer_ids)
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    if order == list(range(len(ids))):
+        return state, cfg
+    fc = state["fc.weight"]
+    blocks = fc.view(fc.shape[0], len(ids), cfg.hidden_size)[:, order]
+    state = {**state, "fc.weight": blocks.reshape(fc.shape).contiguous()}
+    new_cfg = dataclasses.replace(cfg, target_layer_ids=tuple(ids[i] for i in order))
+    log.info(
+        "target layers %s exported in ascending order %s (fc columns permuted to match)",
+        ids,
+        list(new_cfg.target_layer_ids),
+    )
+    return state, new_cfg
+
+
 def export_drafter(drafter: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Path) -> Path:
     """Write config.json and bf16 model.safetensors into `out_dir` atomically; return it.
 
-    The files are written into a temporary sibling folder that is renamed to `out_dir` (an
-    existing `out_dir` is replaced), so readers never see a half-written export.
+    Target layer ids are written ascending (`sort_target_layers`). The files are written into a
+    temporary sibling folder that is renamed to `out_dir` (an existing `out_dir` is replaced), so
+    readers never see a half-written export.
     """
     out = Path(out_dir)
     state = drafter.state_dict()
     check_tensors(state, cfg)
+    state, cfg = sort_target_layers(state, cfg)
     tensors = {
         key: state[key].detach().to("cpu", torch.bfloat16).contiguous() for key in export_keys(cfg)
     }

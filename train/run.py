@@ -7,7 +7,6 @@ written: a cache that cannot serve the requested drafter (every problem listed i
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -26,7 +25,13 @@ from shared.dist import (
 )
 from shared.fsio import atomic_write_json
 from shared.lock import LockHeld, output_lock
-from shared.manifest import CacheMismatch, Manifest, check_compatible, read_manifest
+from shared.manifest import (
+    LAST_LAYER_WARNING,
+    CacheMismatch,
+    Manifest,
+    check_compatible,
+    read_manifest,
+)
 from shared.target_files import (
     EMBED_FILE,
     EMBED_KEY,
@@ -49,6 +54,19 @@ CONFIG_FILE = "config.json"
 
 class RunError(ValueError):
     """The request cannot run as given (devices, run folder, options); the message says why."""
+
+
+def ascending_layers(ids: tuple[int, ...]) -> tuple[int, ...]:
+    """`ids` sorted: SGLang and vLLM feed a drafter its target states in layer order whatever
+    `target_layer_ids` says, so a drafter trained on another order would get permuted features
+    there. The cache's order does not matter (`layer_positions` picks the stored layers)."""
+    if list(ids) != sorted(ids):
+        log.info(
+            "--target-layers %s: trained in ascending order %s (the order serving engines use)",
+            ",".join(map(str, ids)),
+            ",".join(map(str, sorted(ids))),
+        )
+    return tuple(sorted(ids))
 
 
 def run(cfg: TrainConfig) -> Path:
@@ -113,7 +131,9 @@ def prepare(
         "command to write it again"
         for p in target_problems(cfg.data, manifest.target_files)
     ]
-    wanted = cfg.target_layer_ids or tuple(manifest.layer_ids)
+    wanted = ascending_layers(cfg.target_layer_ids or tuple(manifest.layer_ids))
+    if manifest.target.num_layers - 1 in wanted:
+        log.warning(LAST_LAYER_WARNING, manifest.target.num_layers - 1)
     drafter, hidden = _drafter_config(cfg, manifest, wanted, problems)
     embed_rows = _embedding_rows(cfg.data, manifest, problems)
     try:
@@ -226,21 +246,19 @@ def _drafter_config(
             target_layer_ids=wanted,
             block_size=cfg.block_size,
             mask_token_id=cfg.mask_token_id,
-            # DFlash2 without layer types takes the published attention (all sliding).
+            # None: the published drafters' layer types for this target (all full for most;
+            # DFlash2: all sliding)
             layer_types=None if cfg.layer_types is None else cfg.layer_type_names,
             sliding_window=cfg.sliding_window,
             tokenizer_vocab_size=manifest.target.tokenizer_vocab_size,
+            num_attention_heads=cfg.drafter_heads,
+            num_key_value_heads=cfg.drafter_kv_heads,
+            head_dim=cfg.drafter_head_dim,
+            intermediate_size=cfg.drafter_intermediate,
             drafter_type=cfg.drafter_type,
             is_causal=cfg.causal,
             **dflash2_fields(cfg),
         )
-        shape = {
-            "num_attention_heads": cfg.drafter_heads,
-            "num_key_value_heads": cfg.drafter_kv_heads,
-            "head_dim": cfg.drafter_head_dim,
-            "intermediate_size": cfg.drafter_intermediate,
-        }
-        drafter = dataclasses.replace(drafter, **{k: v for k, v in shape.items() if v is not None})
     except (ValueError, KeyError) as e:
         problems.append(f"drafter config: {e}")
         return None, hidden

@@ -132,8 +132,8 @@ def load(cfg: SpeculateConfig) -> tuple[nn.Module, DFlashDrafter, list[list[int]
         raise SpeculateError("the drafter does not fit the target:\n  - " + "\n  - ".join(problems))
     if target_config.get_text_config().num_hidden_layers - 1 in drafter_cfg.target_layer_ids:
         log.warning(
-            "the drafter reads the last target layer, which transformers returns after the "
-            "final norm (extraction captured it before): expect a lower tau"
+            "the drafter reads the last target layer: SGLang and vLLM cannot serve it (they "
+            "capture the input of layer i + 1, which does not exist for it)"
         )
     prompts = load_prompts(cfg.prompts, tokenizer, target_config.get_text_config().vocab_size)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))

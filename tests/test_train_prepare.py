@@ -1,0 +1,73 @@
+"""What stage two resolves before training: ascending target layers (the order in which SGLang
+and vLLM feed a drafter its target states), the last-layer warning, the default drafter shape;
+and the export of a checkpoint trained in another layer order."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from shared.manifest import CacheMismatch, read_manifest
+from tests.cachegen import write_cache
+from tests.drafters import tiny_drafter, tiny_drafter_config
+from train.checkpoint import save_checkpoint
+from train.config import TrainConfig
+from train.export import main as export_main
+from train.run import prepare, prepare_run_dir
+
+
+def test_training_resolves_target_layers_to_ascending(tmp_path):
+    cache = write_cache(tmp_path / "cache", num_parts=2, samples_per_part=2, layer_ids=(3, 0, 1))
+    cfg = TrainConfig(
+        data=cache, out=tmp_path / "run", gpus="cpu", drafter_layers=1, target_layers="3,0"
+    )
+    resolved, prep = prepare(cfg, read_manifest(cache), device_kind="cpu")
+    assert prep.drafter.target_layer_ids == (0, 3) and resolved.target_layers == "0,3"
+    assert prep.layers == (1, 0)  # where layers 0 and 3 lie in the cache's layer axis
+
+
+def test_export_cli_sorts_an_older_checkpoint(tmp_path):
+    """A checkpoint trained on layers (6, 1, 4) before training sorted them exports ascending."""
+    cfg = tiny_drafter_config(target_layer_ids=(6, 1, 4))
+    drafter = tiny_drafter(cfg)
+    ckpt = save_checkpoint(tmp_path / "run", 3, {"model": drafter.state_dict()}, cfg, keep=1)
+    result = CliRunner().invoke(export_main, [str(ckpt), str(tmp_path / "export")])
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [1, 4, 6]
+    fc = load_file(str(tmp_path / "export" / "model.safetensors"))["fc.weight"]
+    blocks = drafter.fc.weight.detach().bfloat16().split(64, dim=1)  # layers 6, 1, 4
+    assert torch.equal(fc, torch.cat([blocks[1], blocks[2], blocks[0]], dim=1))
+
+
+def test_training_warns_when_the_last_target_layer_is_used(tmp_path, caplog):
+    cache = write_cache(tmp_path / "cache", num_parts=2, samples_per_part=2)  # layers 0, 1, 3 of 4
+    for layers, warned in (("0,1", False), ("0,3", True)):
+        caplog.clear()
+        cfg = TrainConfig(data=cache, out=tmp_path / "run", gpus="cpu", target_layers=layers)
+        prepare(cfg, read_manifest(cache), device_kind="cpu")
+        assert ("SGLang and vLLM cannot serve" in caplog.text) == warned
+
+
+def test_moe_target_gets_the_published_shape_recorded_in_the_run_config(tmp_path):
+    cache = write_cache(tmp_path / "cache", num_parts=2, samples_per_part=2)
+    path = cache / "target" / "config.json"
+    text = json.loads(path.read_text())
+    del text["intermediate_size"]
+    text.update(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2)
+    path.write_text(json.dumps(text))
+    cfg = TrainConfig(data=cache, out=tmp_path / "run", gpus="cpu", drafter_layers=1)
+    with pytest.raises(CacheMismatch, match="give --drafter-intermediate"):
+        prepare(cfg, read_manifest(cache), device_kind="cpu")
+    text["moe_intermediate_size"] = 32
+    path.write_text(json.dumps(text))
+    resolved, prep = prepare(cfg, read_manifest(cache), device_kind="cpu")
+    d = prep.drafter
+    assert (d.num_attention_heads, d.num_key_value_heads, d.head_dim) == (32, 4, 128)
+    assert d.intermediate_size == 64  # 2 routed experts of 32 per token
+    prepare_run_dir(resolved, prep, read_manifest(cache))
+    record = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert record["drafter"]["num_attention_heads"] == 32
+    assert record["drafter"]["intermediate_size"] == 64
