@@ -2,6 +2,7 @@
 and vLLM feed a drafter its target states), the last-layer warning, the default drafter shape;
 and the export of a checkpoint trained in another layer order."""
 
+import dataclasses
 import json
 
 import pytest
@@ -9,7 +10,8 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from shared.manifest import CacheMismatch, read_manifest
+from shared.manifest import CacheMismatch, read_manifest, write_manifest
+from shared.target_files import target_checksums
 from tests.cachegen import write_cache
 from tests.drafters import tiny_drafter, tiny_drafter_config
 from train.checkpoint import save_checkpoint
@@ -51,18 +53,25 @@ def test_training_warns_when_the_last_target_layer_is_used(tmp_path, caplog):
         assert ("SGLang and vLLM cannot serve" in caplog.text) == warned
 
 
+def _rewrite_config(cache, text):
+    """A new target config.json, recorded in the manifest as extraction would have."""
+    (cache / "target" / "config.json").write_text(json.dumps(text))
+    manifest = read_manifest(cache)
+    write_manifest(cache, dataclasses.replace(manifest, target_files=target_checksums(cache)))
+
+
 def test_moe_target_gets_the_published_shape_recorded_in_the_run_config(tmp_path):
     cache = write_cache(tmp_path / "cache", num_parts=2, samples_per_part=2)
     path = cache / "target" / "config.json"
     text = json.loads(path.read_text())
     del text["intermediate_size"]
     text.update(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2)
-    path.write_text(json.dumps(text))
+    _rewrite_config(cache, text)
     cfg = TrainConfig(data=cache, out=tmp_path / "run", gpus="cpu", drafter_layers=1)
     with pytest.raises(CacheMismatch, match="give --drafter-intermediate"):
         prepare(cfg, read_manifest(cache), device_kind="cpu")
     text["moe_intermediate_size"] = 32
-    path.write_text(json.dumps(text))
+    _rewrite_config(cache, text)
     resolved, prep = prepare(cfg, read_manifest(cache), device_kind="cpu")
     d = prep.drafter
     assert (d.num_attention_heads, d.num_key_value_heads, d.head_dim) == (32, 4, 128)
