@@ -1,10 +1,10 @@
 """Capture hidden states of chosen target layers with forward hooks.
 
 Layer id i is the output of decoder layer i (0-based), i.e. Hugging Face
-`outputs.hidden_states[i + 1]`. Rows are right-padded: in a causal model a real token never
-sees the padding after it, so its states equal those of the row run alone (left padding would
-feed pad tokens into the recurrent state of linear-attention layers first). Only real tokens are
-gathered: padding never leaves the GPU.
+`outputs.hidden_states[i + 1]`; for the last layer (T - 1) that is after the final norm. Rows are
+right-padded: in a causal model a real token never sees the padding after it, so its states equal
+those of the row run alone (left padding would feed pad tokens into the recurrent state of
+linear-attention layers first). Only real tokens are gathered: padding never leaves the GPU.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from extract.masks import choose_masks, forward_kwargs
-from extract.target import decoder_layers
+from extract.target import decoder_layers, final_norm, num_decoder_layers
 
 # Pinned input buffers in rotation: a buffer is refilled only after the copy issued from it
 # `INPUT_SLOTS` batches earlier has landed (an event wait that, in steady state, never blocks).
@@ -111,17 +111,22 @@ class LayerCapture:
         # Chosen before the hooks exist: the choice runs a probe forward.
         self.masks = None if own_masks else choose_masks(self.body, pad_id=pad_id)
         layers = decoder_layers(model)
+        # Layer T - 1 is stored after the final norm, as `hidden_states[T]` is.
+        last = num_decoder_layers(model) - 1
+        self._norm = final_norm(model) if last in self.layer_ids else None
         self._packed: torch.Tensor | None = None
         self._index: torch.Tensor | None = None
         self._inputs: DeviceInputs | None = None
         self._handles = [
-            layers[layer_id].register_forward_hook(self._hook(slot))
+            layers[layer_id].register_forward_hook(self._hook(slot, layer_id == last))
             for slot, layer_id in enumerate(self.layer_ids)
         ]
 
-    def _hook(self, slot: int):
+    def _hook(self, slot: int, normed: bool):
         def hook(module: nn.Module, args: tuple, output) -> None:
             hidden = output[0] if isinstance(output, tuple) else output
+            if normed:
+                hidden = self._norm(hidden)
             flat = hidden.reshape(-1, hidden.shape[-1])
             if self._packed is None:
                 shape = (len(self.layer_ids), self._index.numel(), flat.shape[-1])

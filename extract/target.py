@@ -138,6 +138,24 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise TargetError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
+def final_norm(model: nn.Module) -> nn.Module:
+    """The norm after the last decoder layer: `hidden_states[T]` of a T-layer model is taken
+    after it, so the capture of layer T - 1 applies it too (DESIGN.md section 4)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model
+    for candidate in (base, getattr(base, "language_model", None), getattr(base, "model", None)):
+        norm = getattr(candidate, "norm", None)
+        if isinstance(norm, nn.Module):
+            return norm
+    raise TargetError(f"cannot find the final norm of {type(model).__name__}")
+
+
+def num_decoder_layers(model: nn.Module) -> int:
+    """The target's layer count from its config (its layer list may have been truncated)."""
+    config = model.config.get_text_config() if hasattr(model, "config") else None
+    layers = getattr(config, "num_hidden_layers", None)
+    return int(layers) if layers is not None else len(decoder_layers(model))
+
+
 def load_target(target: str, *, device: torch.device, last_layer: int) -> nn.Module:
     """Load the causal LM for capture: bf16 on GPU, fp32 on CPU, eval mode, and without the
     layers after `last_layer` (they would be computed for nothing)."""

@@ -114,6 +114,7 @@ class DrafterConfig:
         layer_types: tuple[str, ...] | list[str] | None = None,
         sliding_window: int | None = None,
         tokenizer_vocab_size: int | None = None,
+        unused_token: int | None = None,
     ) -> DrafterConfig:
         """Build a drafter config from a Hugging Face target config.json dict.
 
@@ -127,7 +128,7 @@ class DrafterConfig:
         heads = int(text["num_attention_heads"])
         rope_theta, rope_scaling = rope_fields_from_hf(text)
         if mask_token_id is None:
-            mask_token_id = default_mask_token_id(target_cfg, tokenizer_vocab_size)
+            mask_token_id = default_mask_token_id(target_cfg, tokenizer_vocab_size, unused_token)
         return cls(
             hidden_size=hidden,
             intermediate_size=int(text["intermediate_size"]),
@@ -169,13 +170,19 @@ def rope_fields_from_hf(text_cfg: dict[str, Any]) -> tuple[float, dict[str, Any]
     return theta, scaling
 
 
-def default_mask_token_id(target_cfg: dict[str, Any], tokenizer_vocab_size: int | None) -> int:
-    """Mask row: Qwen3 151669, Qwen3.5/3.6 248070, else the first embedding row past the tokenizer.
+def default_mask_token_id(
+    target_cfg: dict[str, Any], tokenizer_vocab_size: int | None, unused_token: int | None = None
+) -> int:
+    """Mask row: Qwen3 151669, Qwen3.5/3.6 248070, else the first embedding row past the
+    tokenizer, else (a tokenizer as large as the embedding) `unused_token`, an unused special
+    token of the tokenizer (`shared.target_files.unused_special_token`).
 
     >>> default_mask_token_id({"model_type": "qwen3", "vocab_size": 151936}, None)
     151669
     >>> default_mask_token_id({"model_type": "llama", "vocab_size": 300}, 290)
     290
+    >>> default_mask_token_id({"model_type": "llama", "vocab_size": 300}, 300, 16)
+    16
     """
     text = target_cfg.get("text_config") or target_cfg
     vocab = int(text["vocab_size"])
@@ -189,9 +196,12 @@ def default_mask_token_id(target_cfg: dict[str, Any], tokenizer_vocab_size: int 
             f"mask_token_id: no default for model_type {sorted(types)}; pass mask_token_id or "
             "tokenizer_vocab_size (the mask is then the first embedding row past the tokenizer)"
         )
+    if tokenizer_vocab_size >= vocab and unused_token is not None:
+        return int(unused_token)
     if tokenizer_vocab_size >= vocab:
         raise ValueError(
             f"mask_token_id: the embedding has no spare row (vocab_size {vocab}, tokenizer "
-            f"{tokenizer_vocab_size} tokens); pass an existing unused token id as mask_token_id"
+            f"{tokenizer_vocab_size} tokens) and the tokenizer has no unused special token; pass "
+            "an existing unused token id as mask_token_id"
         )
     return int(tokenizer_vocab_size)

@@ -19,7 +19,13 @@ from shared.cli import to_json
 from shared.dist import launch, parse_gpus, under_torchrun
 from shared.fsio import atomic_write_json
 from shared.manifest import CacheMismatch, Manifest, check_compatible, read_manifest
-from shared.target_files import EMBED_FILE, EMBED_KEY, read_target_config, target_dir
+from shared.target_files import (
+    EMBED_FILE,
+    EMBED_KEY,
+    read_target_config,
+    target_dir,
+    unused_special_token,
+)
 from train.anchors import default_gamma
 from train.checkpoint import list_checkpoints, read_meta, resolve_resume
 from train.config import TrainConfig, config_changes
@@ -146,6 +152,7 @@ def _drafter_config(
             layer_types=cfg.layer_type_names,
             sliding_window=cfg.sliding_window,
             tokenizer_vocab_size=manifest.target.tokenizer_vocab_size,
+            unused_token=unused_special_token(cfg.data),
         )
         shape = {
             "num_attention_heads": cfg.drafter_heads,
