@@ -121,7 +121,6 @@ def _check_extra() -> None:
 
 def build_folder(t: RealTarget, gguf: Path, out: Path) -> None:
     """Dequantize `gguf` into a plain bf16 Hugging Face folder `out` (existing, empty)."""
-    _check_extra()
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -176,6 +175,8 @@ def materialize(name: str, *, source: Path | None = None, cache_dir: Path | None
     folder = materialized_path(name, cache_dir)
     if is_materialized(folder):
         return folder
+
+    _check_extra()  # before any download
 
     def build(tmp: Path) -> None:
         with tempfile.TemporaryDirectory(prefix=".src.", dir=tmp.parent) as work:

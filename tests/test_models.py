@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +68,67 @@ def test_unused_special_token_rule(tmp_path, tokenizer):
     tokenizer.add_special_tokens({"additional_special_tokens": ["<spare_a>", "<spare_b>"]})
     tokenizer.save_pretrained(str(tmp_path / "target"))
     assert unused_special_token(tmp_path) == tokenizer.convert_tokens_to_ids("<spare_b>")
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct materialized in the default cache (downloaded once, then reused)."""
+    pytest.importorskip("gguf", reason='needs the [real] extra: pip install -e ".[real]"')
+    from extract.models import materialize
+
+    return materialize("smollm2-135m-instruct")
+
+
+@pytest.mark.slow
+def test_real_target_extraction_matches_a_plain_forward(tmp_path, smollm2):
+    """Real weights end to end: a Llama decoder with tied embeddings and a full tokenizer, its
+    ChatML assistant spans, and layers 1, 15 and 29 (the last, after the final norm) against
+    `hidden_states[i + 1]` of a plain forward of the materialized folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from extract.config import ExtractConfig
+    from extract.data import demo_dataset
+    from extract.run import run
+    from shared.cache import open_part
+    from shared.manifest import read_manifest
+    from shared.target_files import load_heads, read_target_config
+    from train.drafter_config import DrafterConfig
+
+    cache = tmp_path / "cache"
+    cfg = ExtractConfig(
+        out=cache,
+        target="smollm2-135m-instruct",
+        data=(demo_dataset(),),
+        gpus="cpu",
+        max_rows=4,
+        rows_per_part=4,
+        layers="1,15,29",
+        writer_threads=1,
+    )
+    m = run(cfg)
+    assert m.complete and m.target.model_type == "llama" and m.target.path == str(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(smollm2))
+    samples = list(open_part(cache / read_manifest(cache).parts[0].name).iter_samples())
+    assert len(samples) == 4
+    for s in samples:
+        with torch.no_grad():
+            ids = torch.from_numpy(s.input_ids.astype("int64"))[None]
+            hs = model(ids, output_hidden_states=True).hidden_states
+        ref = torch.stack([hs[i + 1][0] for i in m.layer_ids], dim=1)
+        got = s.hidden_tensor(torch.device("cpu")).float()
+        assert ref.abs().max() > 1000  # real massive activations, not random weights
+        torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+        supervised = tok.decode(s.input_ids[s.loss_mask == 1])
+        assert supervised.endswith("<|im_end|>") and "<|im_start|>" not in supervised
+    embed, lm_head = load_heads(cache)
+    assert lm_head is embed  # tied: one tensor
+    torch.testing.assert_close(embed.float(), model.lm_head.weight, rtol=0, atol=0)
+    drafter = DrafterConfig.from_target_config(
+        read_target_config(cache),
+        target_layer_ids=m.layer_ids,
+        tokenizer_vocab_size=m.target.tokenizer_vocab_size,
+        unused_token=unused_special_token(cache),
+    )
+    assert tok.convert_ids_to_tokens(drafter.mask_token_id) == "<empty_output>"
