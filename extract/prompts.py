@@ -32,6 +32,7 @@ from shared.fsio import atomic_write_text
 DEMO_PROMPTS = Path(__file__).parent / "data" / "demo_prompts.json"
 SEEDS = Path(__file__).parent / "data" / "prompt_seeds.json"  # topics, kinds, askers
 _QUESTION = re.compile(r"^[^\n]{8,300}\?$")
+_QUOTED = re.compile(r'"([^"\n]{8,300}\?)"')
 
 
 def _seeds() -> dict[str, list[str]]:
@@ -62,8 +63,16 @@ def normalized(text: str) -> str:
 
 
 def clean_question(text: str) -> str | None:
-    """The model's answer as one question, or None (several lines, no question mark, too long)."""
-    text = text.strip().strip('"').strip()
+    """The model's answer as one question, or None (several lines, no question mark, too long).
+
+    A small model often wraps the question (`A child might ask, "What's a river?"`): the last
+    quoted question is taken then.
+
+    >>> clean_question('What a question! A child might ask, "What is a river?"')
+    'What is a river?'
+    """
+    quoted = _QUOTED.findall(text)
+    text = (quoted[-1] if quoted else text).strip().strip('"').strip()
     if text.lower().startswith("question:"):
         text = text[len("question:") :].strip()
     return text if _QUESTION.match(text) else None

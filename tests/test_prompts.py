@@ -25,6 +25,7 @@ def test_question_filter_and_dedup():
     assert clean_question("Question: How do bees fly?") == "How do bees fly?"
     assert clean_question("Here are three questions:\n1. Why?") is None
     assert clean_question("Bees fly with wings.") is None
+    assert clean_question('Great! A child might ask, "Why do cats purr?"') == "Why do cats purr?"
     got = unique_prompts(["What is 2 plus 2?"], ["what is 2 plus 2 ?", "How do bees fly?", "x"])
     assert got == ["What is 2 plus 2?", "How do bees fly?"]
 
