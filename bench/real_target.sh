@@ -28,9 +28,11 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 if [ "${BENCH_TINY:-0}" = 1 ]; then
   GPUS=cpu SEEDS=${SEEDS:-12} HELD_OUT=${HELD_OUT:-3} Q_TOKENS=24 A_TOKENS=16 BATCH=12
   STEPS=${STEPS:-3} SPEC_TOKENS=16 TRAIN=(--drafter-layers 1 --num-anchors 8 --batch-tokens 512)
+  PARTS=(--rows-per-part 8)  # training holds a part out: at least two
 else
   GPUS=${GPUS:-0} SEEDS=${SEEDS:-50500} HELD_OUT=${HELD_OUT:-32} Q_TOKENS=48
   A_TOKENS=${A_TOKENS:-128} BATCH=${BATCH:-1024} STEPS=${STEPS:-1500} SPEC_TOKENS=96 TRAIN=()
+  PARTS=()
 fi
 T=smollm2-135m-instruct
 LOG="$WORK/report.txt"
@@ -63,7 +65,7 @@ stage prompts python3 -m extract.prompts chats --regen "$WORK/seeds.regen.jsonl"
 stage answers regen "$WORK/chats.jsonl" "$WORK/data.jsonl" "$A_TOKENS"
 extract() {  # extract STORE
   python3 -m extract --target $T --gpus "$GPUS" --data "$WORK/data.jsonl" --out "$WORK/$1" \
-    --store "$1" --overwrite
+    --store "$1" --overwrite "${PARTS[@]}"
 }
 stage extract both extract bf16 -- extract fp8
 stage codec python3 bench/codec_bench.py --cache "$WORK/bf16" --max-samples 4000

@@ -113,7 +113,9 @@ class TrainConfig:
         None, help="comma-separated cached target layer ids to use, in this order; default all"
     )
     mask_token_id: int | None = option(
-        None, help="embedding row used as the mask token; default from the target's vocabulary"
+        None,
+        help="embedding row used as the mask token; default: Qwen3's or Qwen3.5's published id, "
+        "else the first row past the tokenizer, else an unused special token of the tokenizer",
     )
     # compute
     attention: str | None = option(
