@@ -26,8 +26,10 @@ class ExtractConfig:
     out: Path = option(help="Output cache folder (created; resumed if it holds the same job).")
     target: str | None = option(
         None,
-        help="Target model: a local Hugging Face folder (or hub id, if cached locally). "
-        "Default: the embedded tiny Qwen3 demo target, built on first use.",
+        help="Target model: a local Hugging Face folder (or hub id, if cached locally), or a "
+        "named real target (smollm2-135m-instruct: materialized on first use, see "
+        "`python -m extract.models`). Default: the embedded tiny Qwen3 demo target, built on "
+        "first use.",
     )
     data: tuple[Path, ...] = option(
         (),

@@ -27,7 +27,8 @@ REGEN_REJECT_REASONS = (
 class RegenConfig:
     target: str | None = option(
         None,
-        help="Target model: a local Hugging Face folder. Default: the embedded tiny demo target.",
+        help="Target model: a local Hugging Face folder or a named real target "
+        "(smollm2-135m-instruct). Default: the embedded tiny demo target.",
     )
     data: tuple[Path, ...] = option(
         (),

@@ -238,6 +238,13 @@ def run(cfg: RegenConfig) -> RegenState:
     """Regenerate the assistant turns described by `cfg`; returns the final state."""
     from extract.target import TargetError
 
+    if cfg.target is not None:  # a named real target is materialized on first use
+        from extract.models import ModelError, resolve_target
+
+        try:
+            cfg = dataclasses.replace(cfg, target=resolve_target(cfg.target))
+        except ModelError as e:
+            raise RegenError(str(e)) from None
     if cfg.target is None or not cfg.data:  # the embedded demo, as in `python -m extract`
         from extract.data import demo_dataset
         from extract.tiny import tiny_target

@@ -74,7 +74,9 @@ def default_data() -> tuple[Path, ...]:
 
 def resolve_target(cfg: ExtractConfig) -> str:
     if cfg.target is not None:
-        return cfg.target
+        from extract.models import resolve_target as resolve_name
+
+        return resolve_name(cfg.target)
     from extract.tiny import tiny_target
 
     return str(tiny_target())

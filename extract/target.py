@@ -182,10 +182,10 @@ def final_norm(model: nn.Module) -> nn.Module:
 
 
 def num_decoder_layers(model: nn.Module) -> int:
-    """T, the target's decoder layer count from its config (a truncated model keeps it)."""
-    config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(text.num_hidden_layers)
+    """The target's layer count from its config (its layer list may have been truncated)."""
+    config = model.config.get_text_config() if hasattr(model, "config") else None
+    layers = getattr(config, "num_hidden_layers", None)
+    return int(layers) if layers is not None else len(decoder_layers(model))
 
 
 def load_target(target: str, *, device: torch.device, last_layer: int) -> nn.Module:

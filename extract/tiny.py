@@ -35,6 +35,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerF
 
 from extract.data import demo_dataset
 from shared.fsio import public_modes
+from shared.models import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -68,24 +69,16 @@ SEED = 1234
 _TRAIN_RECIPE = {"qwen3": (80, 16, 64, 3e-3), "qwen3_5": (40, 16, 64, 3e-3)}
 
 
-def default_cache_dir() -> Path:
-    """`$DFLASH_CACHE`, else `$XDG_CACHE_HOME/dflash-offline`, else `~/.cache/dflash-offline`."""
-    if os.environ.get("DFLASH_CACHE"):
-        return Path(os.environ["DFLASH_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "dflash-offline"
-
-
 def tiny_target(cache_dir: Path | None = None, *, kind: str = "qwen3") -> Path:
     """Path of the tiny target folder `tiny-{kind}-v{TINY_VERSION}`, building it on first use."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     folder = root / f"tiny-{kind}-v{TINY_VERSION}"
-    return _build_once(folder, lambda tmp: build_tiny_target(tmp, kind=kind))
+    return build_once(folder, lambda tmp: build_tiny_target(tmp, kind=kind))
 
 
-def _build_once(folder: Path, build: Callable[[Path], None]) -> Path:
+def build_once(folder: Path, build: Callable[[Path], None]) -> Path:
     """`folder`, made by `build(tmp)` in a private temporary folder renamed into place if absent.
 
     A reader never sees a partial folder, and processes racing all end up with one complete copy:

@@ -30,6 +30,21 @@ CHUNK_ROWS = 64
 # Measured on synthetic bf16 activations (DESIGN.md section 3): zstd-1 with byte shuffle beats
 # bitshuffle, lz4 and an automatic blocksize. typesize is 1 for fp8 payloads.
 BLOSC = dict(cname="zstd", clevel=1, shuffle="shuffle", typesize=2, blocksize=1 << 20)
+# bf16 payloads: "planes" (`planes_compress`: the exponent bytes apart from sign+mantissa;
+# `bench/codec_bench.py` on SmolLM2-135M-Instruct's states of the demo chats: 0.698 of raw bf16
+# against 0.789 for Blosc's byte shuffle); "blosc" for caches written before it (their parts
+# say so, and read as before).
+BF16_CODEC = "planes"
+PLANES_LAYOUT = "u32le exponent-frame size, exponent frame, sign+mantissa frame"
+# Per plane (bench/codec_bench.py, real activations): zstd-1 codes the exponent bytes at about 2.5
+# bits; sign+mantissa bytes are noise that no entropy coder shrinks (zstd-1 gives the size lz4
+# does, at a quarter of its speed): lz4 only squeezes the zero rows that align samples.
+PLANES_BLOSC = {
+    "exponent": dict(cname="zstd", clevel=1, shuffle="noshuffle", typesize=1, blocksize=1 << 20),
+    "sign_mantissa": dict(
+        cname="lz4", clevel=1, shuffle="noshuffle", typesize=1, blocksize=1 << 20
+    ),
+}
 STORES = ("bf16", "fp8")
 FORMATS = ("zarr", "wds")
 # Largest finite float8 e4m3fn magnitude: scale = amax / FP8_MAX maps each row onto the full range.
@@ -97,19 +112,96 @@ def blosc_compressor(typesize: int) -> Callable[[np.ndarray], bytes]:
     return compress
 
 
+def hidden_codec(store: str) -> str:
+    """The codec the writers use for a store's hidden payload (readers take what a part says)."""
+    check_store(store)
+    return BF16_CODEC if store == "bf16" else "blosc"
+
+
 def codec_description(store: str) -> dict:
     """What the manifest records about the stored values and their codec."""
     ptype = payload_dtype(store)
+    if hidden_codec(store) == "planes":
+        compressor = {
+            "id": "planes",
+            "layout": PLANES_LAYOUT,
+            "planes": {name: {"id": "blosc", **c} for name, c in PLANES_BLOSC.items()},
+        }
+    else:
+        compressor = {"id": "blosc", **blosc_settings(ptype.itemsize)}
     return {
         "format_version": FORMAT_VERSION,
         "store": store,
         "hidden_dtype": str(ptype),
         "hidden_meaning": "bfloat16 bits" if store == "bf16" else "float8_e4m3fn bits",
         "scale": None if store == "bf16" else "float32 per token per layer, amax/448",
-        "compressor": {"id": "blosc", **blosc_settings(ptype.itemsize)},
+        "compressor": compressor,
         "checksum": "crc32c",
         "chunk_rows": CHUNK_ROWS,
     }
+
+
+def planes_compress(a: np.ndarray) -> bytes:
+    """bf16 bit patterns -> the `planes` encoding: exponent bytes and sign+mantissa bytes, each
+    compressed alone.
+
+    A bf16 is sign (1 bit), exponent (8), mantissa (7): Blosc's byte shuffle puts the sign and 7
+    exponent bits in one byte stream and the last exponent bit with the mantissa in the other,
+    and zstd then codes both streams with one Huffman table. Here the exponent is one stream
+    (activations use few exponents: about 3 bits of entropy on a real target) and sign+mantissa
+    the other, each its own Blosc frame with its own tables. Layout: uint32 little-endian size of
+    the exponent frame, the exponent frame, the sign+mantissa frame.
+
+    >>> a = np.array([0x3F80, 0xC000, 0x0001, 0xFFFF], np.uint16)
+    >>> np.array_equal(planes_decompress(planes_compress(a)), a)
+    True
+    """
+    if a.size == 0:  # Blosc does not decode an empty frame
+        return bytes(4)
+    # uint16 ops then a wrapping cast: several times faster than ops on strided uint8 views.
+    flat = c_contiguous(a).reshape(-1)
+    exponent = (flat >> 7).astype(np.uint8)  # the cast drops the sign (bit 8 after the shift)
+    sign_mantissa = flat & 0x807F
+    sign_mantissa |= sign_mantissa >> 8
+    sign_mantissa = sign_mantissa.astype(np.uint8)
+    e = _planes_blosc(exponent, PLANES_BLOSC["exponent"])
+    return (
+        len(e).to_bytes(4, "little")
+        + e
+        + _planes_blosc(sign_mantissa, PLANES_BLOSC["sign_mantissa"])
+    )
+
+
+def planes_decompress(buf: bytes | memoryview, out: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of planes_compress: uint16 [N] (written into `out`, C-contiguous uint16, if
+    given)."""
+    view = memoryview(buf)
+    n = int.from_bytes(view[:4], "little")
+    if n == 0:
+        empty = np.empty(0, np.uint16) if out is None else out
+        if empty.size:
+            raise ValueError(f"planes payload of 0 values, expected {empty.size}")
+        return empty
+    exponent = np.frombuffer(numcodecs.blosc.decompress(view[4 : 4 + n]), np.uint8)
+    sign_mantissa = np.frombuffer(numcodecs.blosc.decompress(view[4 + n :]), np.uint8)
+    if out is None:
+        out = np.empty(exponent.size, np.uint16)
+    if out.size != exponent.size or sign_mantissa.size != exponent.size:
+        raise ValueError(f"planes payload of {exponent.size} values, expected {out.size}")
+    flat = out.reshape(-1)
+    np.left_shift(exponent, 7, out=flat, dtype=np.uint16)
+    sm = sign_mantissa.astype(np.uint16)
+    flat |= sm & 0x7F
+    sm &= 0x80
+    sm <<= 8
+    flat |= sm
+    return out
+
+
+def _planes_blosc(plane: np.ndarray, s: dict) -> bytes:
+    return numcodecs.blosc.compress(
+        plane, s["cname"].encode(), s["clevel"], Blosc.NOSHUFFLE, s["blocksize"], 1
+    )
 
 
 def bf16_to_u16(t: torch.Tensor) -> np.ndarray:

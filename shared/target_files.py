@@ -80,3 +80,41 @@ def load_heads(
         embed, lm_head = embed.to(dtype), (lm_head.to(dtype) if lm_head is not embed else None)
         lm_head = embed if lm_head is None else lm_head
     return embed, lm_head
+
+
+def _token_text(value: Any) -> str | None:
+    """A tokenizer_config special-token entry (a string or an AddedToken dict) as its text."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def unused_special_token(cache: Path) -> int | None:
+    """The mask-token rule for a tokenizer that fills its embedding (no row past it to spare).
+
+    The highest-id special token added to the tokenizer that is none of its bos, eos, pad and unk
+    tokens and that its chat template never writes: the rendered chats cannot contain it, so the
+    drafter's mask embedding is a row that the data never uses. None if there is no such token.
+    Read from the cached tokenizer files alone (the trainer loads no tokenizer).
+
+    SmolLM2's tokenizer: `<empty_output>` (id 16), after `<|endoftext|>`, `<|im_start|>`,
+    `<|im_end|>` and the code-data markers `<repo_name>` .. `<jupyter_script>`.
+    """
+    folder = target_dir(cache)
+    try:
+        added = json.loads((folder / "tokenizer.json").read_text()).get("added_tokens") or []
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    template = config.get("chat_template") or ""
+    if (folder / "chat_template.jinja").is_file():
+        template += (folder / "chat_template.jinja").read_text()
+    named = {
+        _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+    }
+    free = [
+        int(t["id"])
+        for t in added
+        if t.get("special") and t.get("content") not in named and t.get("content") not in template
+    ]
+    return max(free) if free else None

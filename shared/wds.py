@@ -4,11 +4,13 @@ A part is ``part-XXXXXX.tar``. Its first member, ``__part__``, holds the part's 
 (format version, store, layer count, hidden size, sample count); webdataset's tar iterator skips
 names of that shape. Then per sample, with KEY = ``s{sample_index:012d}``:
 
-    KEY.hidden.blosc   Blosc frames of the [L, K, H] payload (bf16 or e4m3 bits), in C order
+    KEY.hidden.blosc   Blosc-based frames of the [L, K, H] payload (bf16 or e4m3 bits), C order
     KEY.scale.npy      float32 [L, K] (fp8 store only)
     KEY.ids.npy        int32 [L]
     KEY.mask.npy       uint8 [L]
-    KEY.json           sample_index, length, shape, dtype, store, frames, crc32c of the payload
+    KEY.json           sample_index, codec, length, shape, dtype, store, frames, crc32c of the
+                       payload (codec: "planes" or "blosc" for bf16, see `shared.codec`; none
+                       before "planes" existed: Blosc)
 
 Members of one sample are adjacent; samples are in order of completion, which readers do not
 rely on. Compression happens in the writing thread (numcodecs releases the GIL), only the tar
@@ -31,8 +33,11 @@ from shared.codec import (
     FORMAT_VERSION,
     c_contiguous,
     crc32c_hex,
+    hidden_codec,
     numcodecs_blosc,
     payload_dtype,
+    planes_compress,
+    planes_decompress,
 )
 from shared.fsio import start_writeback
 from shared.part import PartReader, PartWriter, Sample
@@ -53,24 +58,38 @@ def required_exts(store: str) -> frozenset[str]:
     return frozenset(_BASE_EXTS + (("scale.npy",) if store == "fp8" else ()))
 
 
-def compress_payload(payload: np.ndarray) -> list[bytes]:
-    """Blosc frames (cache settings, typesize = itemsize) of a C-contiguous array's bytes."""
-    codec = numcodecs_blosc(payload.itemsize)
+def compress_payload(payload: np.ndarray, codec: str = "blosc") -> list[bytes]:
+    """Frames of a C-contiguous array's bytes: Blosc (cache settings, typesize = itemsize) or,
+    for bf16 bits, `planes` (`shared.codec.planes_compress`)."""
+    if codec == "planes":
+        flat = c_contiguous(payload).reshape(-1)
+        step = FRAME_BYTES // 2
+        return [planes_compress(flat[i : i + step]) for i in range(0, flat.size, step)]
+    blosc = numcodecs_blosc(payload.itemsize)
     flat = c_contiguous(payload).reshape(-1).view(np.uint8)
-    return [codec.encode(flat[i : i + FRAME_BYTES]) for i in range(0, flat.size, FRAME_BYTES)]
+    return [blosc.encode(flat[i : i + FRAME_BYTES]) for i in range(0, flat.size, FRAME_BYTES)]
 
 
 def decompress_payload(
-    blob: bytes, frames: Sequence[int], dtype: np.dtype, shape: Sequence[int]
+    blob: bytes,
+    frames: Sequence[int],
+    dtype: np.dtype,
+    shape: Sequence[int],
+    codec: str = "blosc",
 ) -> np.ndarray:
     """Inverse of compress_payload; ``frames`` are the compressed frame sizes."""
     out = np.empty(tuple(shape), dtype)
-    flat = out.reshape(-1).view(np.uint8)
-    codec = numcodecs_blosc(out.itemsize)
+    planes = codec == "planes"
+    flat = out.reshape(-1) if planes else out.reshape(-1).view(np.uint8)
+    step = FRAME_BYTES // 2 if planes else FRAME_BYTES
+    blosc = numcodecs_blosc(out.itemsize)
     view, pos, done = memoryview(blob), 0, 0
     for size in frames:
-        n = min(FRAME_BYTES, flat.size - done)
-        codec.decode(view[pos : pos + size], out=flat[done : done + n])
+        n = min(step, flat.size - done)
+        if planes:
+            planes_decompress(view[pos : pos + size], out=flat[done : done + n])
+        else:
+            blosc.decode(view[pos : pos + size], out=flat[done : done + n])
         pos, done = pos + size, done + n
     if pos != len(view) or done != flat.size:
         raise ValueError(f"payload of {len(view)} bytes does not decode to {tuple(shape)}")
@@ -114,9 +133,11 @@ class WdsPartWriter(PartWriter):
     def _store(self, n, sample_index, ids, mask, payload, scale) -> None:  # noqa: ANN001
         key = sample_key(sample_index)
         payload = c_contiguous(payload)  # the tar stores [L, K, H] in C order
-        frames = compress_payload(payload)  # outside the lock: this is the expensive part
+        codec = hidden_codec(self.store)
+        frames = compress_payload(payload, codec)  # outside the lock: the expensive part
         meta = dict(
             sample_index=sample_index,
+            codec=codec,
             length=len(ids),
             shape=list(payload.shape),
             dtype=str(payload.dtype),
@@ -230,7 +251,11 @@ class WdsPartReader(PartReader):
         meta = json.loads(rec["json"])
         shape = (meta["length"], self.num_layers, self.hidden_size)
         hidden = decompress_payload(
-            rec["hidden.blosc"], meta["frames"], payload_dtype(self.store), shape
+            rec["hidden.blosc"],
+            meta["frames"],
+            payload_dtype(self.store),
+            shape,
+            meta.get("codec", "blosc"),  # samples written before `planes` name no codec
         )
         if crc32c_hex(hidden) != meta["crc32c"]:
             raise ValueError(f"{self.path.name} sample {meta['sample_index']}: crc32c mismatch")

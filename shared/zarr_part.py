@@ -18,16 +18,22 @@ and 3.4.2. Writer throughput against plain Blosc: ``python bench/write_bench.py`
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import struct
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import crc32c
 import numpy as np
 import zarr
+import zarr.registry
+from zarr.abc.codec import BytesBytesCodec
 from zarr.codecs import BloscCodec, Crc32cCodec
+from zarr.core.array_spec import ArraySpec
+from zarr.core.buffer import Buffer
 
 from shared.codec import (
     CHUNK_ROWS,
@@ -35,7 +41,10 @@ from shared.codec import (
     blosc_compressor,
     blosc_settings,
     c_contiguous,
+    hidden_codec,
     payload_dtype,
+    planes_compress,
+    planes_decompress,
     torch_bits,
 )
 from shared.fsio import start_writeback, sync_tree
@@ -54,6 +63,56 @@ EARLY_WRITEBACK = True
 def zarr_compressors(typesize: int) -> list:
     """Blosc (cache settings) then crc32c, so every chunk is checksummed when decoded."""
     return [BloscCodec(**blosc_settings(typesize)), Crc32cCodec()]
+
+
+@dataclass(frozen=True)
+class PlanesCodec(BytesBytesCodec):
+    """zarr's side of `shared.codec.planes_compress` (bf16 chunks), registered by name, so zarr
+    reads such chunks like any other; `hidden` arrays written before it name Blosc instead."""
+
+    is_fixed_size = False
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PlanesCodec:
+        return cls()
+
+    def to_dict(self) -> dict:
+        return {"name": PLANES_CODEC_NAME}
+
+    def _decode_sync(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> Buffer:
+        values = planes_decompress(memoryview(chunk_bytes.as_numpy_array()))
+        return chunk_spec.prototype.buffer.from_array_like(values.view(np.uint8))
+
+    async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> Buffer:
+        return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
+
+    def _encode_sync(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> Buffer:
+        data = chunk_bytes.as_numpy_array().view(np.uint16)
+        return chunk_spec.prototype.buffer.from_bytes(planes_compress(data))
+
+    async def _encode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> Buffer:
+        return await asyncio.to_thread(self._encode_sync, chunk_bytes, chunk_spec)
+
+    def compute_encoded_size(self, _input_byte_length: int, _chunk_spec: ArraySpec) -> int:
+        raise NotImplementedError
+
+
+PLANES_CODEC_NAME = "dflash_offline.planes"
+zarr.registry.register_codec(PLANES_CODEC_NAME, PlanesCodec)
+
+
+def hidden_compressors(store: str) -> list:
+    """The `hidden` array's codecs: the store's codec (`shared.codec.hidden_codec`), crc32c."""
+    if hidden_codec(store) == "planes":
+        return [PlanesCodec(), Crc32cCodec()]
+    return zarr_compressors(payload_dtype(store).itemsize)
+
+
+def hidden_compressor(store: str) -> Callable[[np.ndarray], bytes]:
+    """The function compressing one inner chunk of `hidden` as `hidden_compressors` declares."""
+    if hidden_codec(store) == "planes":
+        return planes_compress
+    return blosc_compressor(payload_dtype(store).itemsize)
 
 
 def shard_buffers(block: np.ndarray, compress: Callable[[np.ndarray], bytes]) -> list[bytes]:
@@ -126,7 +185,7 @@ class ZarrPartWriter(PartWriter):
             dtype=ptype,
             chunks=(CHUNK_ROWS, 1, H),
             shards=(CHUNK_ROWS, K, H),
-            compressors=zarr_compressors(ptype.itemsize),
+            compressors=hidden_compressors(self.store),
             fill_value=0,
             # Pinned, since shard_buffers + write_buffers write the files under these keys.
             chunk_key_encoding={"name": "default", "separator": "/"},
@@ -143,7 +202,7 @@ class ZarrPartWriter(PartWriter):
 
     def _store(self, n, sample_index, ids, mask, payload, scale) -> None:  # noqa: ANN001
         start, stop, length = int(self.offsets[n]), int(self.offsets[n + 1]), len(ids)
-        compress = blosc_compressor(payload.itemsize)
+        compress = hidden_compressor(self.store)
         payload = payload.astype(payload.dtype.newbyteorder("<"), copy=False)  # as stored
         for row in range(0, stop - start, CHUNK_ROWS):
             block = payload[row : row + CHUNK_ROWS]

@@ -100,6 +100,24 @@ def test_stored_states_are_hidden_states_plus_one(tmp_path, data_file, kind, req
         torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_last_layer_is_stored_after_the_final_norm(tmp_path, data_file, kind, request):
+    """`hidden_states[T]` of a T-layer model is taken after its final norm: so is layer T - 1."""
+    target = request.getfixturevalue("tiny_qwen3" if kind == "qwen3" else "tiny_qwen35")
+    last = int(read_config_layers(target)) - 1
+    m = extract(tmp_path / "cache", target, data_file, layers=f"1,{last}", max_rows=8)
+    samples = samples_by_row(tmp_path / "cache")
+    for s in list(samples.values())[:3]:
+        ref = reference_states(target, s.input_ids, m.layer_ids)
+        got = s.hidden_tensor(torch.device("cpu")).float()
+        torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+
+
+def read_config_layers(target: Path) -> int:
+    config = json.loads((target / "config.json").read_text())
+    return (config.get("text_config") or config)["num_hidden_layers"]
+
+
 def test_bad_rows_are_counted_with_line_numbers(tmp_path, qwen3, data_file):
     m = extract(tmp_path / "c", qwen3, data_file)
     t = m.totals()

@@ -16,8 +16,8 @@ from extract.tiny import (
     KINDS,
     TINY_VERSION,
     TOKENIZER_SIZE,
-    _build_once,
     _token_stream,
+    build_once,
     build_tiny_target,
     default_cache_dir,
     tiny_target,
@@ -179,7 +179,7 @@ def test_racing_builders_end_with_one_complete_folder(tmp_path):
     results: dict[str, Path] = {}
 
     def run(name: str) -> None:
-        results[name] = _build_once(folder, build)
+        results[name] = build_once(folder, build)
 
     threads = [threading.Thread(target=run, args=(t,), name=t) for t in ("first", "second")]
     for thread in threads:

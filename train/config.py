@@ -162,7 +162,9 @@ class TrainConfig:
         "order, the order serving engines feed them in); default all",
     )
     mask_token_id: int | None = option(
-        None, help="embedding row used as the mask token; default from the target's vocabulary"
+        None,
+        help="embedding row used as the mask token; default: Qwen3's or Qwen3.5's published id, "
+        "else the first row past the tokenizer, else an unused special token of the tokenizer",
     )
     # compute
     attention: str | None = option(

@@ -149,6 +149,7 @@ class DrafterConfig:
         num_key_value_heads: int | None = None,
         head_dim: int | None = None,
         intermediate_size: int | None = None,
+        unused_token: int | None = None,
         drafter_type: str = "dflash",
         is_causal: bool | None = None,
         **dflash2_fields: Any,
@@ -174,7 +175,7 @@ class DrafterConfig:
         hidden = int(text["hidden_size"])
         rope_theta, rope_scaling = rope_fields_from_hf(text)
         if mask_token_id is None:
-            mask_token_id = default_mask_token_id(target_cfg, tokenizer_vocab_size)
+            mask_token_id = default_mask_token_id(target_cfg, tokenizer_vocab_size, unused_token)
         given = {
             "num_attention_heads": num_attention_heads,
             "num_key_value_heads": num_key_value_heads,
@@ -294,13 +295,19 @@ def rope_fields_from_hf(text_cfg: dict[str, Any]) -> tuple[float, dict[str, Any]
     return theta, scaling
 
 
-def default_mask_token_id(target_cfg: dict[str, Any], tokenizer_vocab_size: int | None) -> int:
-    """Mask row: Qwen3 151669, Qwen3.5/3.6 248070, else the first embedding row past the tokenizer.
+def default_mask_token_id(
+    target_cfg: dict[str, Any], tokenizer_vocab_size: int | None, unused_token: int | None = None
+) -> int:
+    """Mask row: Qwen3 151669, Qwen3.5/3.6 248070, else the first embedding row past the
+    tokenizer, else (a tokenizer as large as the embedding) `unused_token`, an unused special
+    token of the tokenizer (`shared.target_files.unused_special_token`).
 
     >>> default_mask_token_id({"model_type": "qwen3", "vocab_size": 151936}, None)
     151669
     >>> default_mask_token_id({"model_type": "llama", "vocab_size": 300}, 290)
     290
+    >>> default_mask_token_id({"model_type": "llama", "vocab_size": 300}, 300, 16)
+    16
     """
     text = target_cfg.get("text_config") or target_cfg
     vocab = int(text["vocab_size"])
@@ -314,9 +321,12 @@ def default_mask_token_id(target_cfg: dict[str, Any], tokenizer_vocab_size: int 
             f"mask_token_id: no default for model_type {sorted(types)}; pass mask_token_id or "
             "tokenizer_vocab_size (the mask is then the first embedding row past the tokenizer)"
         )
+    if tokenizer_vocab_size >= vocab and unused_token is not None:
+        return int(unused_token)
     if tokenizer_vocab_size >= vocab:
         raise ValueError(
             f"mask_token_id: the embedding has no spare row (vocab_size {vocab}, tokenizer "
-            f"{tokenizer_vocab_size} tokens); pass an existing unused token id as mask_token_id"
+            f"{tokenizer_vocab_size} tokens) and the tokenizer has no unused special token; pass "
+            "an existing unused token id as mask_token_id"
         )
     return int(tokenizer_vocab_size)

@@ -38,6 +38,7 @@ from shared.target_files import (
     read_target_config,
     target_dir,
     target_problems,
+    unused_special_token,
 )
 from train.anchors import default_gamma
 from train.checkpoint import list_checkpoints, read_meta, resolve_resume
@@ -255,6 +256,7 @@ def _drafter_config(
             num_key_value_heads=cfg.drafter_kv_heads,
             head_dim=cfg.drafter_head_dim,
             intermediate_size=cfg.drafter_intermediate,
+            unused_token=unused_special_token(cfg.data),
             drafter_type=cfg.drafter_type,
             is_causal=cfg.causal,
             **dflash2_fields(cfg),

