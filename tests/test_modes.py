@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from extract.tiny import _build_once
+from extract.tiny import build_once
 from tests.drafters import tiny_drafter, tiny_drafter_config
 from train.export import export_drafter
 
@@ -40,7 +40,7 @@ def test_built_folders_are_readable_by_others(tmp_path, umask):
         save_file({"w": torch.zeros(2)}, str(folder / "model.safetensors"))
         (folder / "config.json").write_text(json.dumps({}))
 
-    out = _build_once(tmp_path / "tiny", build)
+    out = build_once(tmp_path / "tiny", build)
     assert mode(out) == 0o777 & ~umask
     assert {mode(f) for f in out.iterdir()} == {0o666 & ~umask}
 
