@@ -35,7 +35,8 @@ from train.compiling import configure_compile  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
 from train.data import PartInfo  # noqa: E402
 from train.drafter_config import DrafterConfig  # noqa: E402
-from train.loop import Prepared, Trainer  # noqa: E402
+from train.loop import Trainer  # noqa: E402
+from train.prepared import Prepared  # noqa: E402
 from train.run import resolve_devices  # noqa: E402
 
 DRAFTER_LAYERS = 5

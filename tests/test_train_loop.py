@@ -12,8 +12,8 @@ from train.__main__ import main
 from train.checkpoint import list_checkpoints, load_drafter, load_state
 from train.config import TrainConfig
 from train.export import EXPORT_KEYS
-from train.loop import lr_factor
 from train.run import RunError, run
+from train.schedule import lr_factor
 
 
 @pytest.fixture(scope="module")

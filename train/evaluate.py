@@ -51,6 +51,23 @@ class Evaluator:
         self.rows = min(mine, max_batches) if max_batches else mine
         self.dataset = PlanDataset(parts, spec, limits={0: self.rows}, **kw)
 
+    @classmethod
+    def for_run(cls, prep: Any, cfg: Any, *, rank: int, world_size: int) -> Evaluator | None:
+        """The evaluator of a run (`train.prepared.Prepared`, `TrainConfig`); None when it
+        holds nothing out."""
+        if not prep.num_eval:
+            return None
+        return cls(
+            prep.parts,
+            prep.eval_lengths,
+            layers=prep.layers,
+            rank=rank,
+            world_size=world_size,
+            batch_tokens=cfg.batch_tokens,
+            max_length=cfg.max_length,
+            max_batches=cfg.eval_batches,
+        )
+
     @torch.no_grad()
     def run(
         self,

@@ -14,7 +14,6 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,8 +36,7 @@ from shared.target_files import load_heads
 from train.checkpoint import load_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
 from train.compiling import RecompileLimitError, compiled_graphs, configure_compile
 from train.config import TrainConfig
-from train.data import LoaderState, PartInfo, PlanDataset, checked, make_loader
-from train.drafter_config import DrafterConfig
+from train.data import LoaderState, PlanDataset, checked, make_loader
 from train.drafters import build_drafter, init_weights, warm_start
 from train.evaluate import Evaluator
 from train.export import export_drafter
@@ -47,41 +45,14 @@ from train.finite import FiniteGuard
 from train.mask import flex_kernel_options
 from train.metrics import SELECTOR_KEYS, MetricsWriter, StatSums
 from train.plan import PlanSpec, epoch_lengths
+from train.prepared import Prepared
+from train.schedule import warmup_cosine
 from train.selector_loss import selector_loss
 from train.step import Batch, forward_loss
 
 log = logging.getLogger(__name__)
 
 EXPORT_DIR = "export"
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """What `train.run` resolves once from the cache and hands to every rank."""
-
-    drafter: DrafterConfig
-    parts: tuple[PartInfo, ...]
-    # per part, every sample's length in training / in evaluation (0: not in that set)
-    train_lengths: tuple[tuple[int, ...], ...]
-    eval_lengths: tuple[tuple[int, ...], ...]
-    layers: tuple[int, ...]  # positions in the cached layer axis, in the drafter's order
-    gamma: float
-
-    @property
-    def num_eval(self) -> int:
-        return sum(1 for ls in self.eval_lengths for n in ls if n > 0)
-
-
-def lr_factor(step: int, *, total: int, warmup: int) -> float:
-    """Multiplier of the peak lr at optimizer step `step`: linear warmup, cosine to 0.
-
-    >>> [round(lr_factor(s, total=10, warmup=2), 3) for s in (0, 1, 2, 6, 10)]
-    [0.5, 1.0, 1.0, 0.5, 0.0]
-    """
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def train_rank(info: RankInfo, cfg: TrainConfig, prep: Prepared) -> None:
@@ -134,10 +105,7 @@ class Trainer:
             steps=cfg.steps,
         )
         self.total = cfg.steps if by_steps else sum(self.limits) // cfg.grad_accum
-        warmup = math.ceil(cfg.warmup * self.total) if cfg.warmup > 0 else 0
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, total=self.total, warmup=warmup)
-        )
+        self.scheduler = warmup_cosine(self.optimizer, total=self.total, warmup=cfg.warmup)
         self.step, self.loader_state = 0, LoaderState()
         self.autocast = (
             (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
@@ -162,26 +130,12 @@ class Trainer:
             self.device, every=cfg.log_every, total=self.total, data=cfg.data, out=cfg.out
         )
         self.writer = MetricsWriter(cfg.out, enabled=info.is_main)
-        self.evaluator = self._make_evaluator()
+        self.evaluator = Evaluator.for_run(prep, cfg, rank=info.rank, world_size=info.world_size)
         self.net: torch.nn.Module | None = None  # prepare() sets the next three
         self.feed: DeviceFeed | None = None
         # (start, feed.waited at the start): the logging window and its data wait.
         self.window = (time.perf_counter(), 0.0)
         self.first_step_s: float | None = None
-
-    def _make_evaluator(self) -> Evaluator | None:
-        if not self.prep.num_eval:
-            return None
-        return Evaluator(
-            self.prep.parts,
-            self.prep.eval_lengths,
-            layers=self.prep.layers,
-            rank=self.info.rank,
-            world_size=self.info.world_size,
-            batch_tokens=self.cfg.batch_tokens,
-            max_length=self.cfg.max_length,
-            max_batches=self.cfg.eval_batches,
-        )
 
     # --- state ---------------------------------------------------------------------------
 

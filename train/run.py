@@ -45,8 +45,9 @@ from train.checkpoint import list_checkpoints, read_meta, resolve_resume
 from train.config import TrainConfig, config_changes
 from train.data import layer_positions, load_catalog
 from train.drafter_config import DrafterConfig
-from train.loop import EXPORT_DIR, Prepared, train_rank
+from train.loop import EXPORT_DIR, train_rank
 from train.plan import PlanSpec, holdout_lengths, plan_rows
+from train.prepared import Prepared
 
 log = logging.getLogger(__name__)
 

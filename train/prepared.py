@@ -1,0 +1,25 @@
+"""What `train.run` resolves once from the cache and hands to every rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from train.data import PartInfo
+from train.drafter_config import DrafterConfig
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What `train.run` resolves once from the cache and hands to every rank."""
+
+    drafter: DrafterConfig
+    parts: tuple[PartInfo, ...]
+    # per part, every sample's length in training / in evaluation (0: not in that set)
+    train_lengths: tuple[tuple[int, ...], ...]
+    eval_lengths: tuple[tuple[int, ...], ...]
+    layers: tuple[int, ...]  # positions in the cached layer axis, in the drafter's order
+    gamma: float
+
+    @property
+    def num_eval(self) -> int:
+        return sum(1 for ls in self.eval_lengths for n in ls if n > 0)
