@@ -43,7 +43,6 @@ sys.path.insert(0, str(ROOT))
 
 from shapes import hf_config  # noqa: E402
 
-from extract.batching import length_order, make_batches  # noqa: E402
 from extract.config import ExtractConfig  # noqa: E402
 from extract.target import build_target_layer_ids  # noqa: E402
 
@@ -106,7 +105,7 @@ def plain_forward(target: Path, rows_path: Path, device: torch.device) -> dict[s
     the rows, in extraction's parts and batches; the faster of two passes after a warm-up."""
     from types import SimpleNamespace
 
-    from extract_bench import pure_forward
+    from extract_bench import extraction_batches, pure_forward
 
     from extract.masks import choose_masks
     from extract.target import load_target, read_config, text_config
@@ -118,15 +117,7 @@ def plain_forward(target: Path, rows_path: Path, device: torch.device) -> dict[s
         SimpleNamespace(input_ids=np.asarray(json.loads(line)["input_ids"], np.int32))
         for line in open(rows_path)
     ]
-    ordered, batches = [], []
-    for u in range(0, len(rows), defaults.rows_per_part):
-        part = rows[u : u + defaults.rows_per_part]
-        part = [part[i] for i in length_order([len(r.input_ids) for r in part])]
-        base = len(ordered)
-        ordered += part
-        lens = [len(r.input_ids) for r in part]
-        for b in make_batches(lens, batch_tokens=defaults.batch_tokens):
-            batches.append(range(b.start + base, b.stop + base))
+    ordered, batches = extraction_batches(rows, defaults.rows_per_part, defaults.batch_tokens)
     model = load_target(str(target), device=device, last_layer=last)
     body = model.get_decoder()
     masks = choose_masks(body)

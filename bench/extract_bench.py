@@ -120,6 +120,21 @@ class CallClock:
             h.remove()
 
 
+def extraction_batches(rows, rows_per_part: int, batch_tokens: int) -> tuple[list, list[range]]:
+    """(rows in the order the pipeline runs them, forward batches as ranges of it): each part
+    sorted by length and cut into batches as extraction does, so a pure forward sees the same."""
+    ordered, batches = [], []
+    for u in range(0, len(rows), rows_per_part):
+        part = rows[u : u + rows_per_part]
+        part = [part[i] for i in length_order([len(r.input_ids) for r in part])]
+        base = len(ordered)
+        ordered += part
+        lengths = [len(r.input_ids) for r in part]
+        for b in make_batches(lengths, batch_tokens=batch_tokens):
+            batches.append(range(b.start + base, b.stop + base))
+    return ordered, batches
+
+
 def pure_forward(body, rows, batches, device, masks) -> float:
     """The plain forward of `batches`, inputs and masks given as extraction gives them."""
     inputs = DeviceInputs(device)
@@ -245,17 +260,7 @@ def main() -> None:
     hidden = model.config.hidden_size
     rows = synthetic_rows(args.tokens, model.config.vocab_size, seed=0)
     tokens = sum(len(r.input_ids) for r in rows)
-    # The pipeline sorts each part by length; the pure forward uses the same batches.
-    ordered, batches = [], []
-    for u in range(0, len(rows), args.rows_per_part):
-        part = rows[u : u + args.rows_per_part]
-        part = [part[i] for i in length_order([len(r.input_ids) for r in part])]
-        base = len(ordered)
-        ordered += part
-        batches += [
-            range(b.start + base, b.stop + base)
-            for b in make_batches([len(r.input_ids) for r in part], batch_tokens=args.batch_tokens)
-        ]
+    ordered, batches = extraction_batches(rows, args.rows_per_part, args.batch_tokens)
     body = model.get_decoder()
     masks = choose_masks(body)  # as LayerCapture chooses them
     pure_forward(body, ordered, batches[:3], device, masks)  # warm-up

@@ -54,7 +54,8 @@ def _read(fd: int) -> dict[str, Any]:
         return {}
 
 
-def _pid_alive(pid: Any) -> bool:
+def pid_alive(pid: Any) -> bool:
+    """Whether a process of that pid runs on this host (one of another user counts)."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
@@ -145,7 +146,7 @@ def _take_over_stale(path: Path, tmp: Path, record: dict[str, Any]) -> bool:
                 f"{path.parent} is locked by {_holder_text(info, path)}, which this host cannot "
                 f"check. If that process is gone, delete {path} and run again."
             )
-        state = "no longer running" if not _pid_alive(info.get("pid")) else "not holding it"
+        state = "no longer running" if not pid_alive(info.get("pid")) else "not holding it"
         log.warning(
             "taking over the stale lock %s of %s (%s)", path, _holder_text(info, path), state
         )

@@ -26,6 +26,8 @@ import sys
 import threading
 from collections.abc import Callable
 
+from shared.lock import pid_alive
+
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -126,21 +128,11 @@ def watch_process(pid: int, *, poll_s: float = 1.0) -> None:
         if fd is not None:
             select.select([fd], [], [])
         else:
-            while _alive(pid):
+            while pid_alive(pid):
                 threading.Event().wait(poll_s)
         os._exit(1)
 
     threading.Thread(target=wait_for_it, name=f"watch-{pid}", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def loader_worker_init(rank_pid: int, _worker_id: int) -> None:
