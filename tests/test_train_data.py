@@ -216,3 +216,25 @@ def test_formats_and_stores_give_the_same_batches(tmp_path, fmt, store):
             want, have = a.hidden_BSKH.float(), b.hidden_BSKH.float()
             amax = want.abs().amax(-1, keepdim=True)
             assert ((have - want).abs() <= want.abs() * 0.07 + amax * 1e-5).all()
+
+
+def test_the_cli_reports_a_damaged_part_in_one_message_and_exits(tmp_path):
+    """Through `python -m train` with loader processes: one message, exit 1, no traceback, and
+    the process ends (its workers, which follow their rank, are stopped with it)."""
+    import subprocess
+    import sys
+
+    cache = write_cache(tmp_path / "c", num_parts=2, samples_per_part=6)
+    for f in (cache / "part-000001" / "hidden" / "c").rglob("*"):
+        if f.is_file():
+            data = bytearray(f.read_bytes())
+            for i in range(0, len(data), 50):
+                data[i] ^= 0xFF
+            f.write_bytes(bytes(data))
+    args = [sys.executable, "-m", "train", "--data", str(cache), "--out", str(tmp_path / "run")]
+    args += ["--gpus", "cpu", "--drafter-layers", "1", "--block-size", "4", "--workers", "2"]
+    args += ["--batch-tokens", "512", "--epochs", "2", "--eval-fraction", "0"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert "part-000001" in done.stderr and "extract.verify" in done.stderr

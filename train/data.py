@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from shared.cache import Sample, open_part
 from shared.codec import dequantize_fp8
 from shared.manifest import Manifest
-from shared.stopping import loader_worker_init
+from shared.stopping import StopRun, loader_worker_init
 from train.plan import (
     PlanSpec,
     SampleRef,
@@ -74,7 +74,7 @@ def load_catalog(cache: Path, manifest: Manifest) -> tuple[list[PartInfo], list[
     return parts, problems
 
 
-class CacheReadError(RuntimeError):
+class CacheReadError(StopRun):
     """A part of the cache could not be read while training; the message names it."""
 
 
@@ -158,8 +158,18 @@ def checked(items: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """The loader's items, raising `CacheReadError` where a worker met an unreadable part."""
     for item in items:
         if "error" in item:
+            _stop_workers(items)
             raise CacheReadError(item["error"])
         yield item
+
+
+def _stop_workers(items: Iterator[dict[str, Any]]) -> None:
+    """Stop a DataLoader iterator's worker processes now. The error's traceback keeps the
+    iterator alive, and its workers, which leave signals to their rank and end with it, would
+    otherwise keep the exiting process waiting for them."""
+    shutdown = getattr(items, "_shutdown_workers", None)  # torch's DataLoader iterator
+    if shutdown is not None:
+        shutdown()
 
 
 class PlanDataset(IterableDataset):
