@@ -4,7 +4,7 @@
 
 A default part (512 rows) of an 8B target holds about 9000 shard files. The commit thread
 hashes each file's path and size and combines in the crc32c the writer took of its bytes
-(`shared.codec.part_checksum` with `known`), walking the folder once; that work is mostly Python
+(`shared.checksum.part_checksum` with `known`), walking the folder once; that work is mostly Python
 and holds the GIL, which the thread launching the forward pass then waits for. Builds a folder
 of --files small files laid out like a part's shards (their real sizes are given as `known`, so
 nothing is read back), then prints the median seconds of `part_checksum` and of 9000
@@ -28,7 +28,7 @@ import crc32c
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.codec import crc32c_combine, part_checksum  # noqa: E402
+from shared.checksum import crc32c_combine, part_checksum  # noqa: E402
 
 
 def make_part(root: Path, files: int) -> dict[str, tuple[int, int]]:

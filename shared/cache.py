@@ -10,12 +10,8 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from shared.codec import (
-    check_format,
-    check_store,
-    part_checksum,
-    tree_file_sizes,
-)
+from shared.checksum import part_checksum, tree_file_sizes
+from shared.codec import check_format, check_store
 from shared.part import (  # noqa: F401  (re-exported: the cache's public names)
     PartReader,
     PartStats,

@@ -2,7 +2,7 @@
 
 Everything here is independent of the container (zarr folder or webdataset tar): the Blosc
 settings, the bf16 <-> uint16 views, the fp8 e4m3 quantisation with one scale per token per
-layer, and crc32c checksums of payloads, files and whole parts.
+layer (checksums: ``shared/checksum.py``).
 
 Blosc threading: we compress from our own writer threads (and zarr from its worker pool), so
 Blosc's internal threads stay off. With ``use_threads = False`` numcodecs calls
@@ -13,12 +13,8 @@ is imported; we set it here too so the webdataset path does not depend on import
 
 from __future__ import annotations
 
-import functools
-import os
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Callable
 
-import crc32c
 import numcodecs.blosc
 import numpy as np
 import torch
@@ -49,7 +45,6 @@ STORES = ("bf16", "fp8")
 FORMATS = ("zarr", "wds")
 # Largest finite float8 e4m3fn magnitude: scale = amax / FP8_MAX maps each row onto the full range.
 FP8_MAX = 448.0
-CHECKSUM_PREFIX = "crc32c:"
 
 numcodecs.blosc.use_threads = False
 numcodecs.blosc.set_nthreads(1)
@@ -59,7 +54,6 @@ _SHUFFLE_IDS = {
     "shuffle": Blosc.SHUFFLE,
     "bitshuffle": Blosc.BITSHUFFLE,
 }
-_READ_BLOCK = 8 << 20
 HiddenInput = torch.Tensor | tuple[torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]
 
 
@@ -316,135 +310,3 @@ def token_array(x: torch.Tensor | np.ndarray, dtype: type, length: int, name: st
     if a.shape != (length,):
         raise ValueError(f"{name} must have shape ({length},), got {a.shape}")
     return a.astype(dtype, copy=False)
-
-
-def crc32c_hex(data: bytes | bytearray | memoryview | np.ndarray, value: int = 0) -> str:
-    """Prefixed crc32c of a buffer (a numpy array is hashed as its raw bytes)."""
-    if isinstance(data, np.ndarray):
-        data = c_contiguous(data).view(np.uint8).reshape(-1)
-    return f"{CHECKSUM_PREFIX}{crc32c.crc32c(data, value):08x}"
-
-
-def _crc_file_into(path: Path, value: int) -> int:
-    with open(path, "rb") as f:
-        while block := f.read(_READ_BLOCK):
-            value = crc32c.crc32c(block, value)
-    return value
-
-
-def crc32c_file(path: Path | str) -> str:
-    """Prefixed crc32c of a file's bytes."""
-    return f"{CHECKSUM_PREFIX}{_crc_file_into(Path(path), 0):08x}"
-
-
-# CRC-32C (Castagnoli), reflected, for combining checksums of consecutive byte ranges.
-_CRC32C_POLY = 0x82F63B78
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a * b modulo the CRC-32C polynomial (reflected bit order, as zlib's crc32 combine)."""
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if (a & (m - 1)) == 0:
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _CRC32C_POLY if b & 1 else b >> 1
-
-
-def _x2n_table() -> list[int]:
-    table = [1 << 30]  # x^1
-    for _ in range(31):
-        table.append(_multmodp(table[-1], table[-1]))
-    return table
-
-
-_X2N = _x2n_table()
-
-
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The crc32c of A + B from crc32c(A), crc32c(B) and len(B), without reading either.
-
-    crc(A + B) = crc(A) * x^(8 len2) + crc(B) modulo the polynomial; the multiplication by
-    x^(8 len2) applies one byte-table operator per set bit of len2 (about ten table lookups per
-    bit), so a commit combining thousands of shard files holds the GIL only briefly.
-
-    >>> a, b = b"hidden ", b"states"
-    >>> crc32c_combine(crc32c.crc32c(a), crc32c.crc32c(b), len(b)) == crc32c.crc32c(a + b)
-    True
-    """
-    value, k = crc1, 3  # x^(8 * len2) = product of x^(2^(3 + i)) over the set bits i of len2
-    while len2:
-        if len2 & 1:
-            t0, t1, t2, t3 = _times_x2n_tables(k & 31)
-            v = value
-            value = t0[v & 255] ^ t1[(v >> 8) & 255] ^ t2[(v >> 16) & 255] ^ t3[v >> 24]
-        len2 >>= 1
-        k += 1
-    return value ^ crc2
-
-
-@functools.cache
-def _times_x2n_tables(k: int) -> tuple[list[int], list[int], list[int], list[int]]:
-    """Multiplication by x^(2^k) modulo the polynomial, as four 256-entry tables indexed by the
-    bytes of the multiplicand (it is linear in the multiplicand's bits)."""
-    columns = [_multmodp(_X2N[k], 1 << bit) for bit in range(32)]
-    tables = []
-    for j in range(4):
-        table = [0] * 256
-        for byte in range(1, 256):
-            low = byte & -byte
-            table[byte] = table[byte ^ low] ^ columns[8 * j + low.bit_length() - 1]
-        tables.append(table)
-    return tuple(tables)
-
-
-def part_checksum(
-    path: Path,
-    known: Mapping[str, tuple[int, int]] | None = None,
-    sizes: Mapping[str, int] | None = None,
-) -> str:
-    """Checksum of a part: a .tar's bytes, or for a zarr folder every file in sorted relative
-    path order with its path, its size and its bytes all hashed (so a renamed, moved, truncated
-    or missing file changes the result).
-
-    `known` maps relative paths to (size, crc32c of the bytes) that the writer computed while
-    writing them: those files are combined in without being read again (a file whose size
-    differs is read). Verification never passes `known`: it reads everything. `sizes`: the
-    folder's `tree_file_sizes`, when the caller has it already.
-    """
-    path = Path(path)
-    if path.is_file():
-        return crc32c_file(path)
-    files = tree_file_sizes(path) if sizes is None else sizes
-    known = known or {}
-    value = 0
-    for rel in sorted(files):
-        size = files[rel]
-        value = crc32c.crc32c(rel.encode() + b"\0" + size.to_bytes(8, "little"), value)
-        size_crc = known.get(rel)
-        if size_crc is not None and size_crc[0] == size:
-            value = crc32c_combine(value, size_crc[1], size)
-        else:
-            value = _crc_file_into(path / rel, value)
-    return f"{CHECKSUM_PREFIX}{value:08x}"
-
-
-def tree_file_sizes(root: Path) -> dict[str, int]:
-    """{posix path relative to `root`: size} of every regular file under the folder `root`.
-
-    os.scandir on strings: a part has thousands of shard files, and pathlib's rglob costs the
-    commit thread far more time under the GIL."""
-    sizes: dict[str, int] = {}
-    stack = [("", os.fspath(root))]
-    while stack:
-        rel_dir, abs_dir = stack.pop()
-        with os.scandir(abs_dir) as entries:
-            for e in entries:
-                rel = f"{rel_dir}{e.name}"
-                if e.is_dir(follow_symlinks=False):
-                    stack.append((rel + "/", e.path))
-                elif e.is_file(follow_symlinks=False):
-                    sizes[rel] = e.stat(follow_symlinks=False).st_size
-    return sizes

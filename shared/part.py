@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shared.checksum import part_checksum, tree_file_sizes
 from shared.codec import (
     CHUNK_ROWS,
     HiddenInput,
@@ -28,9 +29,7 @@ from shared.codec import (
     check_store,
     dequantize_fp8,
     encode_hidden,
-    part_checksum,
     token_array,
-    tree_file_sizes,
     u16_to_bf16,
 )
 from shared.fsio import fsync_dir, replace_dir

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from shared.codec import crc32c_file, tree_file_sizes
+from shared.checksum import crc32c_file, tree_file_sizes
 
 log = logging.getLogger(__name__)
 

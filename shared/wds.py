@@ -29,10 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.checksum import crc32c_hex
 from shared.codec import (
     FORMAT_VERSION,
     c_contiguous,
-    crc32c_hex,
     hidden_codec,
     numcodecs_blosc,
     payload_dtype,

@@ -20,7 +20,8 @@ from shared.cache import (
     part_name,
     verify_part,
 )
-from shared.codec import CHUNK_ROWS, FORMATS, STORES, part_checksum, quantize_fp8
+from shared.checksum import part_checksum
+from shared.codec import CHUNK_ROWS, FORMATS, STORES, quantize_fp8
 
 K, H, VOCAB = 3, 64, 300
 LENGTHS = [5, 64, 70, 1, 130]

@@ -7,7 +7,8 @@ import pytest
 import zarr
 
 from shared.cache import layout_problems, open_part, verify_part
-from shared.codec import CHUNK_ROWS, part_checksum
+from shared.checksum import part_checksum
+from shared.codec import CHUNK_ROWS
 from tests.test_cache import LENGTHS, H, K, assert_matches, make_records, write_part
 
 

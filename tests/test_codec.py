@@ -9,16 +9,14 @@ import numpy as np
 import pytest
 import torch
 
+from shared.checksum import crc32c_file, crc32c_hex, part_checksum
 from shared.codec import (
     BLOSC,
     FP8_MAX,
     bf16_to_u16,
     codec_description,
-    crc32c_file,
-    crc32c_hex,
     dequantize_fp8,
     numcodecs_blosc,
-    part_checksum,
     quantize_fp8,
     u16_to_bf16,
 )
@@ -140,7 +138,7 @@ def test_crc32c_combine_equals_the_crc_of_the_concatenation():
 
     import crc32c
 
-    from shared.codec import crc32c_combine
+    from shared.checksum import crc32c_combine
 
     rnd = random.Random(0)
     for len_b in [0, 1, 7, 255, 256, 4097, 1 << 16, *(rnd.randint(0, 300_000) for _ in range(20))]:
@@ -149,7 +147,7 @@ def test_crc32c_combine_equals_the_crc_of_the_concatenation():
 
 
 def test_tree_file_sizes_lists_every_file_with_its_size(tmp_path):
-    from shared.codec import tree_file_sizes
+    from shared.checksum import tree_file_sizes
 
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "a" / "b" / "x").write_bytes(b"12345")
