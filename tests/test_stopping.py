@@ -93,14 +93,16 @@ def data_file(tmp_path_factory) -> Path:
     from tests.test_extract import chat
 
     path = tmp_path_factory.mktemp("data") / "chats.jsonl"
-    path.write_text("".join(json.dumps(chat(i)) + "\n" for i in range(24)))
+    # Enough rows that the forwards are still running when the first commit is seen: with a few
+    # dozen, a fast machine has submitted every part by then, and the run rightly ends complete.
+    path.write_text("".join(json.dumps(chat(i)) + "\n" for i in range(400)))
     return path
 
 
 def test_sigterm_stops_extract_between_parts(tmp_path, tiny_qwen3, data_file):
     out = tmp_path / "c"
     args = ["extract", "--out", str(out), "--target", str(tiny_qwen3), "--data", str(data_file)]
-    args += ["--gpus", "cpu", "--rows-per-part", "2", "--batch-tokens", "256", "--layers", "1"]
+    args += ["--gpus", "cpu", "--rows-per-part", "4", "--batch-tokens", "256", "--layers", "1"]
     proc = start(*args)
     read_until(proc, "committed part-")
     proc.send_signal(signal.SIGTERM)
