@@ -14,7 +14,9 @@
 # the distinct ones (the last HELD_OUT held out); extract bf16 (codec planes) and fp8 caches side by
 # side; codec and fp8-error reports; two drafters, same seed and steps, trained side by side;
 # train.compare; train.speculate of both on the held-out prompts.
-# BENCH_TINY=1: the same on the CPU with a handful of rows and steps (a check, not a figure).
+# BENCH_MODE=cpu: the same on a CPU at a size it can do in about an hour (about 1K conversations,
+# a 2-layer drafter, 600 steps of 1024 tokens): real figures, smaller than the GPU's.
+# BENCH_TINY=1 (or BENCH_MODE=tiny): a handful of rows and steps on the CPU (a check, not a figure).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SOURCE=${1:?usage: bash bench/real_target.sh SOURCE [WORK]}
@@ -26,15 +28,25 @@ if ! python3 -c "import gguf" 2>/dev/null && [ -n "$GGUF_WHEEL" ]; then
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-$PWD}
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
-if [ "${BENCH_TINY:-0}" = 1 ]; then
-  GPUS=cpu SEEDS=${SEEDS:-12} HELD_OUT=${HELD_OUT:-3} Q_TOKENS=24 A_TOKENS=16 BATCH=12
-  STEPS=${STEPS:-3} SPEC_TOKENS=16 TRAIN=(--drafter-layers 1 --num-anchors 8 --batch-tokens 512)
-  PARTS=(--rows-per-part 8)  # training holds a part out: at least two
-else
-  GPUS=${GPUS:-0} SEEDS=${SEEDS:-50500} HELD_OUT=${HELD_OUT:-32} Q_TOKENS=48
-  A_TOKENS=${A_TOKENS:-128} BATCH=${BATCH:-1024} STEPS=${STEPS:-1500} SPEC_TOKENS=96 TRAIN=()
-  PARTS=()
-fi
+MODE=${BENCH_MODE:-gpu}
+[ "${BENCH_TINY:-0}" = 1 ] && MODE=tiny
+EVAL=(--eval-parts 1)
+case $MODE in
+  tiny)
+    GPUS=cpu SEEDS=${SEEDS:-12} HELD_OUT=${HELD_OUT:-3} Q_TOKENS=24 A_TOKENS=16 BATCH=12
+    STEPS=${STEPS:-3} SPEC_TOKENS=16 TRAIN=(--drafter-layers 1 --num-anchors 8 --batch-tokens 512)
+    PARTS=(--rows-per-part 8) ;;  # training holds a part out: at least two
+  cpu)  # real figures a 2-core machine can produce in about an hour: ~1K conversations
+    GPUS=cpu SEEDS=${SEEDS:-800} HELD_OUT=${HELD_OUT:-32} Q_TOKENS=48 A_TOKENS=${A_TOKENS:-128}
+    BATCH=${BATCH:-64} STEPS=${STEPS:-600} SPEC_TOKENS=${SPEC_TOKENS:-64}
+    TRAIN=(--drafter-layers 2 --num-anchors 64 --batch-tokens 1024 --lr 2e-3)
+    EVAL=(--eval-fraction 0.02) PARTS=() ;;
+  gpu)
+    GPUS=${GPUS:-0} SEEDS=${SEEDS:-50500} HELD_OUT=${HELD_OUT:-32} Q_TOKENS=48
+    A_TOKENS=${A_TOKENS:-128} BATCH=${BATCH:-1024} STEPS=${STEPS:-1500} SPEC_TOKENS=96 TRAIN=()
+    PARTS=() ;;
+  *) echo "BENCH_MODE must be gpu, cpu or tiny, not $MODE" >&2; exit 2 ;;
+esac
 T=smollm2-135m-instruct
 LOG="$WORK/report.txt"
 : >"$LOG"
@@ -75,7 +87,7 @@ stage fp8_error python3 bench/fp8_error.py --bf16 "$WORK/bf16" --fp8 "$WORK/fp8"
 train() {  # train STORE
   rm -rf "$WORK/run-$1"
   python3 -m train --data "$WORK/$1" --out "$WORK/run-$1" --gpus "$GPUS" --steps "$STEPS" \
-    --seed 0 --eval-parts 1 --checkpoint-every "$STEPS" "${TRAIN[@]}"
+    --seed 0 "${EVAL[@]}" --checkpoint-every "$STEPS" "${TRAIN[@]}"
 }
 stage train both train bf16 -- train fp8
 stage compare python3 -m train.compare "$WORK/run-bf16" "$WORK/run-fp8" --out "$WORK/compare.md"

@@ -1,7 +1,9 @@
 """DFlash2 drafter: no-op start equals DFlash, convolution taps stay in their block, and the
 forward and selector walk equal z-lab's reference `DFlash2DraftModel` on our export."""
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from train.dflash2 import (
     init_dflash2_weights,
     is_added_parameter,
 )
+from train.drafter_config import DrafterConfig
 from train.drafters import build_drafter
 from train.export import export_drafter, export_keys, export_shapes, load_export
 from train.mask import build_masks
@@ -260,3 +263,57 @@ def test_flex_forward_equals_sdpa_forward(causal):
                 context, noise, ctx_pos, block_pos, masks, attention=attention
             )
     torch.testing.assert_close(outs["flex"], outs["sdpa"], atol=1e-5, rtol=1e-5)
+
+
+def test_target_logit_transform_is_carried_and_decodes_as_the_reference(tmp_path):
+    """A target that scales and softcaps its logits (Granite, Gemma 2): DFlash2 takes both from
+    its config, DFlash does not, and the selector walk on the export equals the reference's."""
+    from tests.drafters import TINY_TARGET
+
+    target = {**TINY_TARGET, "logits_scaling": 4.0, "final_logit_softcapping": 3.0}
+    base = dict(num_layers=2, target_layer_ids=(1, 4, 6), block_size=4, mask_token_id=299)
+    dflash = DrafterConfig.from_target_config(target, **base)
+    assert (dflash.output_multiplier, dflash.final_logit_softcapping) == (None, None)
+    extra = dict(drafter_type="dflash2", selector_rank=8, selector_top_k=5)
+    cfg = DrafterConfig.from_target_config(target, **base, **extra)
+    assert (cfg.output_multiplier, cfg.final_logit_softcapping) == (0.25, 3.0)
+    given = DrafterConfig.from_target_config(target, **base, **extra, output_multiplier=0.5)
+    assert given.output_multiplier == 0.5
+    export_drafter(trained_like(cfg), cfg, tmp_path / "export")
+    dflash_config = json.loads((tmp_path / "export" / "config.json").read_text())["dflash_config"]
+    assert (dflash_config["output_multiplier"], dflash_config["final_logit_softcapping"]) == (
+        0.25,
+        3.0,
+    )
+    ref = reference_model(tmp_path / "export")
+    ours, loaded_cfg = load_export(tmp_path / "export")
+    assert loaded_cfg == cfg
+    lm_head = torch.randn(300, 64, generator=torch.Generator().manual_seed(2))
+    head = nn.Linear(64, 300, bias=False)
+    head.weight.data.copy_(lm_head)
+    plain = DFlash2Drafter(
+        dataclasses.replace(cfg, output_multiplier=None, final_logit_softcapping=None)
+    )
+    plain.load_state_dict(ours.state_dict())
+    differs = 0
+    for seed in range(6):
+        context, noise = inputs(cfg, seed=seed)
+        with torch.no_grad():
+            hidden = single_block(ours.eval(), context, noise)[:, 1:]
+            first = torch.tensor([11 + seed])
+            ref_path, _, _ = ref.propose(hidden, first, head, 0.0)
+            path = ours.propose(hidden, lm_head, first)
+            assert path.tolist() == ref_path.tolist()
+            differs += int((path != plain.eval().propose(hidden, lm_head, first)).sum())
+    assert differs > 0  # the transform changes what the selector picks
+
+
+def test_logit_options_are_for_dflash2_only():
+    from train.config import TrainConfig
+
+    with pytest.raises(
+        ValueError, match="final_logit_softcapping: applies to --drafter-type dflash2"
+    ):
+        TrainConfig(data=Path("d"), out=Path("o"), final_logit_softcapping=30.0)
+    with pytest.raises(ValueError, match="output_multiplier: must be > 0"):
+        TrainConfig(data=Path("d"), out=Path("o"), drafter_type="dflash2", output_multiplier=0.0)

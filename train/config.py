@@ -112,6 +112,13 @@ class TrainConfig:
     conv_group_size: int = option(16, help="dflash2: channels per dynamic-kernel group")
     selector_rank: int = option(256, help="dflash2: rank of the candidate selector")
     selector_top_k: int = option(16, help="dflash2: candidates the selector rescores")
+    output_multiplier: float | None = option(
+        None,
+        help="dflash2: scale of the drafter's logits (default the target's logit scale, if any)",
+    )
+    final_logit_softcapping: float | None = option(
+        None, help="dflash2: tanh softcap of the drafter's logits (default the target's, if any)"
+    )
     selector_weight: float = option(1.0, help="dflash2: weight alpha of the selector's CE")
     selector_warmup: float = option(
         0.0, help="dflash2: fraction of steps with the selector's CE off (alpha 0)"
@@ -257,6 +264,14 @@ class TrainConfig:
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             _check(getattr(self, name) >= 1, name, "must be >= 1")
         _check(self.selector_weight >= 0, "selector_weight", "must be >= 0")
+        for name in ("output_multiplier", "final_logit_softcapping"):
+            value = getattr(self, name)
+            _check(value is None or value > 0, name, "must be > 0")
+            _check(
+                value is None or self.drafter_type == "dflash2",
+                name,
+                "applies to --drafter-type dflash2 only (a DFlash drafter's logits are lm_head's)",
+            )
         for name in ("selector_warmup", "selector_ramp"):
             _check(0 <= getattr(self, name) <= 1, name, "must be in [0, 1]")
         _check(

@@ -164,9 +164,11 @@ class DrafterConfig:
         multimodal rope sections are not carried over.
         A DFlash2 drafter without explicit layer types takes the published DFlash2 attention:
         every layer sliding (window 2048 unless given), non-causal unless `is_causal` says
-        otherwise; `dflash2_fields` are the DFlash2 fields (conv_kernel_size, selector_top_k...).
+        otherwise; `dflash2_fields` are the DFlash2 fields (conv_kernel_size, selector_top_k...),
+        and its logit transform is the target's (`target_logit_transform`) unless they set it.
         """
         if drafter_type == "dflash2":
+            dflash2_fields = {**target_logit_transform(target_cfg), **dflash2_fields}
             if layer_types is None:
                 layer_types = ("sliding_attention",) * num_layers
                 sliding_window = sliding_window or DFLASH2_SLIDING_WINDOW
@@ -215,6 +217,25 @@ class DrafterConfig:
             drafter_type=drafter_type,
             **dflash2_fields,
         )
+
+
+def target_logit_transform(target_cfg: dict[str, Any]) -> dict[str, float]:
+    """The target's own transform of its logits, as DFlash2's fields: `output_multiplier` from
+    a logit scale (Cohere's `logit_scale` multiplies, Granite's `logits_scaling` divides) and
+    `final_logit_softcapping` (Gemma 2). Empty for Qwen3, Qwen3.5/3.6 and Llama.
+
+    >>> target_logit_transform({"final_logit_softcapping": 30.0, "logits_scaling": 8.0})
+    {'output_multiplier': 0.125, 'final_logit_softcapping': 30.0}
+    """
+    text = target_cfg.get("text_config") or target_cfg
+    out: dict[str, float] = {}
+    if text.get("logit_scale") not in (None, 1, 1.0):
+        out["output_multiplier"] = float(text["logit_scale"])
+    if text.get("logits_scaling") not in (None, 1, 1.0):
+        out["output_multiplier"] = 1.0 / float(text["logits_scaling"])
+    if text.get("final_logit_softcapping") is not None:
+        out["final_logit_softcapping"] = float(text["final_logit_softcapping"])
+    return out
 
 
 def is_qwen35(target_cfg: dict[str, Any]) -> bool:

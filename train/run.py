@@ -268,12 +268,17 @@ def _drafter_config(
     return drafter, hidden
 
 
-def dflash2_fields(cfg: TrainConfig) -> dict[str, int]:
-    """The DFlash2 fields of the drafter config (none for a DFlash drafter)."""
+def dflash2_fields(cfg: TrainConfig) -> dict[str, int | float]:
+    """The DFlash2 fields of the drafter config (none for a DFlash drafter); the logit
+    transform only where given (else the target's, see `target_logit_transform`)."""
     if cfg.drafter_type != "dflash2":
         return {}
     names = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-    return {name: getattr(cfg, name) for name in names}
+    fields: dict[str, int | float] = {name: getattr(cfg, name) for name in names}
+    for name in ("output_multiplier", "final_logit_softcapping"):
+        if getattr(cfg, name) is not None:
+            fields[name] = getattr(cfg, name)
+    return fields
 
 
 def _embedding_rows(cache: Path, manifest: Manifest, problems: list[str]) -> int | None:
