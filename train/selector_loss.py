@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 from train.dflash2 import CandidateSelector, transform_logits
 from train.drafter_config import DrafterConfig
 from train.loss import acceptance_stats
+from train.selector_fused import FusedSelectorCE
 
 
 @dataclass(frozen=True)
@@ -128,41 +129,6 @@ def _chunk(
     )
 
 
-class _FusedSelectorCE(torch.autograd.Function):
-    """Forward runs each chunk's loss and its gradients (hidden rows and selector parameters)
-    at once, with a local autograd pass; backward only scales them: no logits recompute."""
-
-    @staticmethod
-    def forward(ctx, hidden_NH: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
-        *params, spec = args
-        dhidden_NH = torch.empty_like(hidden_NH)
-        dparams = [torch.zeros_like(p) for p in params]
-        sums, correct, selected = _zeros(hidden_NH, 4), [], []
-        for rows, chunk_args in _chunks(hidden_NH, spec):
-            with torch.enable_grad():
-                h_nH = chunk_args[0].detach().requires_grad_()
-                out = _chunk(h_nH, *chunk_args[1:])
-                loss = out[0] + spec["alpha"] * out[1]
-                grads = torch.autograd.grad(loss, [h_nH, *params], allow_unused=True)
-            dhidden_NH[rows] = grads[0]
-            for total, grad in zip(dparams, grads[1:], strict=True):
-                if grad is not None:
-                    total += grad
-            parts = (loss, *out[:3])
-            sums = [total + part.detach() for total, part in zip(sums, parts, strict=True)]
-            correct.append(out[3])
-            selected.append(out[4])
-        ctx.save_for_backward(dhidden_NH, *dparams)
-        flags = _cat(correct, hidden_NH), _cat(selected, hidden_NH)
-        ctx.mark_non_differentiable(*sums[1:], *flags)
-        return (*sums, *flags)
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor, *_unused: Any):
-        dhidden_NH, *dparams = ctx.saved_tensors
-        return grad_loss * dhidden_NH, *(grad_loss * d for d in dparams), None
-
-
 def _zeros(like: torch.Tensor, n: int) -> list[torch.Tensor]:
     return [like.new_zeros((), dtype=torch.float32) for _ in range(n)]
 
@@ -202,13 +168,15 @@ def selector_chunked_ce(
     alpha: float = 1.0,
     checkpoint: bool = True,
     fused: bool = False,
+    compiled: bool = False,
     stop_gradient: bool = False,
 ) -> SelectorCE:
     """CE_base and CE_sel sums over rows in chunks of `chunk_rows` (see the module docstring).
 
-    `fused` (with grad) forms each chunk's gradients in the forward, so nothing is kept or
-    recomputed but d(hidden) [N, H] and the selector's parameter gradients; its terms come back
-    detached, `loss` alone carries the gradient. Else, with `checkpoint`, each chunk runs under
+    `fused` (with grad) forms each chunk's gradients in the forward (train/selector_fused.py),
+    so nothing is kept or recomputed but d(hidden) [N, H] and the selector's parameter
+    gradients; its terms come back detached, `loss` alone carries the gradient; `compiled` runs
+    its [n, V] part through torch.compile. Else, with `checkpoint`, each chunk runs under
     non-reentrant activation checkpointing (its logits recomputed in backward). `stop_gradient`
     keeps the selector term out of the backbone: its gradient then reaches only the selector's
     own parameters. The lm_head is frozen: its gradient is never formed.
@@ -229,8 +197,18 @@ def selector_chunked_ce(
     )
     grad = torch.is_grad_enabled() and hidden_NH.requires_grad
     if fused and grad:
+        device_type = hidden_NH.device.type
+        autocast_on = torch.is_autocast_enabled(device_type)
+        spec.update(
+            compiled=compiled,
+            compute_dtype=torch.get_autocast_dtype(device_type) if autocast_on else None,
+            top_k=selector.top_k,
+            multiplier=cfg.output_multiplier,
+            softcap=cfg.final_logit_softcapping,
+            targets_N=targets_N.detach(),
+        )
         params = tuple(selector.parameters())
-        *sums, correct_N, selected_N = _FusedSelectorCE.apply(hidden_NH, *params, spec)
+        *sums, correct_N, selected_N = FusedSelectorCE.apply(hidden_NH, *params, spec)
         return SelectorCE(*sums, weights_N.sum(), correct_N, selected_N)
     sums, correct, selected = _zeros(hidden_NH, 3), [], []
     for _, args in _chunks(hidden_NH, spec):
@@ -258,6 +236,7 @@ def selector_step_terms(
     chunk_rows: int,
     checkpoint: bool,
     fused: bool = False,
+    compiled: bool = False,
     options: SelectorLoss,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """(sum w * CE_base + alpha * sum w * [gold in C] * CE_sel, sum w, stats) of one micro-batch.
@@ -278,6 +257,7 @@ def selector_step_terms(
         alpha=options.alpha,
         checkpoint=checkpoint,
         fused=fused,
+        compiled=compiled,
         stop_gradient=options.stop_gradient,
     )
     size = dict(block_size=cfg.block_size)

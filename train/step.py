@@ -207,7 +207,8 @@ def anchored_loss(
         weighted_sum, weight_total, stats = selector_step_terms(
             hidden_BQH, lm_head_weight_VH, targets_BQ, w_BQ, keep_BN,
             _unwrap(drafter).candidate_selector, cfg, chunk_rows=chunk_rows,
-            checkpoint=grad_ckpt != "none", fused=ce == "fused", options=selector or SelectorLoss(),
+            checkpoint=grad_ckpt != "none", fused=ce == "fused", compiled=compile_ce,
+            options=selector or SelectorLoss(),
         )  # fmt: skip
         return StepOut(weighted_sum=weighted_sum, weight_total=weight_total, stats=stats)
     ce_args = (hidden_BQH.flatten(0, 1), lm_head_weight_VH, targets_BQ.flatten(), w_BQ.flatten())
