@@ -12,9 +12,10 @@
 # WORK (default bench-out/real) receives everything; the reports also go to $OUT if it is set.
 # Stages, each timed: materialize; the model writes questions from SEEDS seed chats; it answers
 # the distinct ones (the last HELD_OUT held out); extract bf16 (codec planes) and fp8 caches side by
-# side; codec and fp8-error reports; two drafters, same seed and steps, trained side by side;
-# train.compare; train.speculate of both on the held-out prompts.
-# BENCH_MODE=cpu: the same on a CPU at a size it can do in about an hour (about 1K conversations,
+# side; codec and fp8-error reports; two DFlash drafters, same seed and steps, on the two caches
+# side by side, and a DFlash2 one on the bf16 cache; train.compare; train.speculate of the three
+# on the held-out prompts.
+# BENCH_MODE=cpu: the same on a CPU at a size it can do in about an hour (about 500 conversations,
 # a 2-layer drafter, 600 steps of 1024 tokens): real figures, smaller than the GPU's.
 # BENCH_TINY=1 (or BENCH_MODE=tiny): a handful of rows and steps on the CPU (a check, not a figure).
 set -euo pipefail
@@ -84,19 +85,25 @@ stage extract both extract bf16 -- extract fp8
 stage codec python3 bench/codec_bench.py --cache "$WORK/bf16" --max-samples 4000
 stage fp8_error python3 bench/fp8_error.py --bf16 "$WORK/bf16" --fp8 "$WORK/fp8" \
   --json "$WORK/fp8_error.json"
-train() {  # train STORE
-  rm -rf "$WORK/run-$1"
-  python3 -m train --data "$WORK/$1" --out "$WORK/run-$1" --gpus "$GPUS" --steps "$STEPS" \
-    --seed 0 "${EVAL[@]}" --checkpoint-every "$STEPS" "${TRAIN[@]}"
+train() {  # train STORE NAME [OPTION...]: a drafter on one cache, into run-NAME
+  local store=$1 name=$2
+  shift 2
+  rm -rf "$WORK/run-$name"
+  python3 -m train --data "$WORK/$store" --out "$WORK/run-$name" --gpus "$GPUS" --steps "$STEPS" \
+    --seed 0 "${EVAL[@]}" --checkpoint-every "$STEPS" "${TRAIN[@]}" "$@"
 }
-stage train both train bf16 -- train fp8
-stage compare python3 -m train.compare "$WORK/run-bf16" "$WORK/run-fp8" --out "$WORK/compare.md"
-speculate() {  # speculate STORE
+stage train both train bf16 bf16 -- train fp8 fp8
+# The ablation on the same cache, same seed, steps and options: DFlash2 (its published defaults).
+stage train_dflash2 train bf16 dflash2 --drafter-type dflash2
+stage compare python3 -m train.compare "$WORK/run-bf16" "$WORK/run-fp8" "$WORK/run-dflash2" \
+  --out "$WORK/compare.md"
+speculate() {  # speculate NAME
   python3 -m train.speculate --target $T --drafter "$WORK/run-$1/export" \
     --prompts "$WORK/held_out.json" --max-new-tokens $SPEC_TOKENS --json >"$WORK/spec-$1.txt"
   echo "$1: $(grep -v '^{' "$WORK/spec-$1.txt" | tail -1)"
 }
 stage speculate both speculate bf16 -- speculate fp8
+stage speculate_dflash2 speculate dflash2
 echo "rows: $(wc -l <"$WORK/data.jsonl") conversations, held-out prompts: $HELD_OUT" | tee -a "$LOG"
 if [ -n "${OUT:-}" ]; then
   cp "$LOG" "$WORK"/compare.md "$WORK"/fp8_error.json "$WORK"/spec-*.txt "$OUT"/
