@@ -16,7 +16,8 @@
 # side by side, and a DFlash2 one on the bf16 cache; train.compare; train.speculate of the three
 # on the held-out prompts.
 # BENCH_MODE=cpu: the same on a CPU at a size it can do in about an hour (about 500 conversations,
-# a 2-layer drafter, 600 steps of 1024 tokens): real figures, smaller than the GPU's.
+# a 2-layer drafter, 400 steps of 1024 tokens): real figures, smaller than the GPU's.
+# BENCH_FROM=STAGE: start at that stage, reusing what the earlier ones left in WORK.
 # BENCH_TINY=1 (or BENCH_MODE=tiny): a handful of rows and steps on the CPU (a check, not a figure).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +40,7 @@ case $MODE in
     PARTS=(--rows-per-part 8) ;;  # training holds a part out: at least two
   cpu)  # real figures a 2-core machine can produce in about an hour: ~1K conversations
     GPUS=cpu SEEDS=${SEEDS:-800} HELD_OUT=${HELD_OUT:-32} Q_TOKENS=48 A_TOKENS=${A_TOKENS:-128}
-    BATCH=${BATCH:-64} STEPS=${STEPS:-600} SPEC_TOKENS=${SPEC_TOKENS:-64}
+    BATCH=${BATCH:-64} STEPS=${STEPS:-400} SPEC_TOKENS=${SPEC_TOKENS:-64}
     TRAIN=(--drafter-layers 2 --num-anchors 64 --batch-tokens 1024 --lr 2e-3)
     EVAL=(--eval-fraction 0.02) PARTS=() ;;
   gpu)
@@ -50,10 +51,16 @@ case $MODE in
 esac
 T=smollm2-135m-instruct
 LOG="$WORK/report.txt"
-: >"$LOG"
+[ -n "${BENCH_FROM:-}" ] || : >"$LOG"
+FROM=${BENCH_FROM:-}  # a stage's name: skip the stages before it (their outputs are in WORK)
 stage() {  # stage NAME COMMAND...: run, append its output to the report, time it
   local name=$1 start=$SECONDS
   shift
+  if [ -n "$FROM" ] && [ "$name" != "$FROM" ]; then
+    echo "== $name: skipped (BENCH_FROM=$FROM)" | tee -a "$LOG"
+    return
+  fi
+  FROM=
   echo "== $name" | tee -a "$LOG"
   "$@" 2>"$WORK/$name.err" | tee -a "$LOG" || { tail -n 30 "$WORK/$name.err"; exit 1; }
   echo "-- $name: $((SECONDS - start)) s" | tee -a "$LOG"

@@ -30,6 +30,10 @@ import click
 from shared.fsio import atomic_write_text
 
 DEMO_PROMPTS = Path(__file__).parent / "data" / "demo_prompts.json"
+# What `BENCH_MODE=cpu bash bench/real_target.sh` wrote with smollm2-135m-instruct (800 seeds):
+# its questions, answered by it (at most 128 tokens), and the 32 prompts it held out.
+REAL_CHATS = Path(__file__).parent / "data" / "smollm2_chats.jsonl"
+REAL_HELD_OUT = Path(__file__).parent / "data" / "smollm2_held_out.json"
 SEEDS = Path(__file__).parent / "data" / "prompt_seeds.json"  # topics, kinds, askers
 _QUESTION = re.compile(r"^[^\n]{8,300}\?$")
 _QUOTED = re.compile(r'"([^"\n]{8,300}\?)"')

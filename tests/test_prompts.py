@@ -6,7 +6,15 @@ import json
 
 from click.testing import CliRunner
 
-from extract.prompts import SEEDS, clean_question, main, max_seeds, seed_rows, unique_prompts
+from extract.prompts import (
+    SEEDS,
+    clean_question,
+    main,
+    max_seeds,
+    normalized,
+    seed_rows,
+    unique_prompts,
+)
 
 
 def test_seed_rows_are_distinct_and_cover_every_topic_early():
@@ -57,3 +65,19 @@ def test_chats_holds_the_last_prompts_out(tmp_path):
     test = json.loads(held.read_text())
     assert len(train) + len(test) == 8 + 30 and len(test) == 5  # 8 demo prompts first
     assert not set(train) & set(test) and test[-1] == "How does thing number 29 work?"
+
+
+def test_shipped_real_chats_are_answered_distinct_and_disjoint_from_the_held_out():
+    """The real model's data set in the package: every row one question and its non-empty
+    answer, no prompt twice, none of the held-out prompts among them (a leak would inflate tau)."""
+    from extract.prompts import REAL_CHATS, REAL_HELD_OUT
+
+    rows = [json.loads(line) for line in REAL_CHATS.read_text().splitlines()]
+    held_out = json.loads(REAL_HELD_OUT.read_text())
+    assert len(rows) >= 300 and len(held_out) >= 30
+    roles = {tuple(m["role"] for m in r["messages"]) for r in rows}
+    assert roles == {("user", "assistant")}
+    assert all(r["messages"][1]["content"].strip() for r in rows)
+    keys = [normalized(r["messages"][0]["content"]) for r in rows]  # the dedup's own key
+    assert len(set(keys)) == len(keys)
+    assert not set(keys) & {normalized(p) for p in held_out}
