@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,10 +14,11 @@ import torch
 
 from extract.batching import length_order, make_batches
 from extract.capture import LayerCapture
-from extract.data import Rejected, RowIndex, Tokenized, iter_rows
+from extract.data import Rejected, RowIndex, Tokenized
 from extract.disk import disk_full_message
 from extract.sink import Staging, WriterPool
 from extract.target import load_target
+from extract.units import reader_reading_ahead, run_units
 from shared.cache import open_part_writer, part_name
 from shared.codec import quantize_fp8
 from shared.dist import RankInfo, processes_on_this_host, usable_cpus
@@ -201,6 +202,7 @@ def rank_main(info: RankInfo, job: Job) -> None:
         torch.set_num_threads(max(1, torch.get_num_threads() // info.world_size))
     mine = job.units[info.rank :: info.world_size]
     tokenizer = AutoTokenizer.from_pretrained(job.target)
+    read = reader_reading_ahead(job, tokenizer, mine)
     model = load_target(job.target, device=info.device, last_layer=max(job.layer_ids))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     capture = LayerCapture(model, job.layer_ids, pad_id=pad)
@@ -224,7 +226,7 @@ def rank_main(info: RankInfo, job: Job) -> None:
                 done = run_units(
                     pipeline,
                     mine,
-                    read=lambda unit: _read_unit(job, tokenizer, unit),
+                    read=read,
                     after_part=bar.refresh if bar is not None else None,
                     stop=stop,
                 )
@@ -260,55 +262,6 @@ def _report_rate(rank: int, tokens: int, seconds: float, forwards: float) -> Non
         forwards,
         seconds - forwards,
     )
-
-
-def run_units(
-    pipeline: PartPipeline,
-    units: Sequence[int],
-    *,
-    read: Callable[[int], tuple[list[Tokenized], list[Rejected]]],
-    after_part: Callable[[], None] | None = None,
-    stop: StopRequest | None = None,
-) -> int:
-    """`units` through `pipeline`, in order; returns how many were submitted (fewer than all
-    when `stop` was requested: the part read ahead is then discarded, never half-committed).
-    Reading and tokenizing a unit's rows (`read`) and opening its part run on a reader
-    thread, one unit ahead: on the thread that feeds the device they would leave the GPU idle
-    at every part boundary."""
-
-    def prepare(unit: int) -> OpenPart:
-        return pipeline.open(unit, *read(unit))
-
-    reader = ThreadPoolExecutor(1, thread_name_prefix="read")
-    submitted = 0
-    try:
-        ahead = reader.submit(prepare, units[0]) if units else None
-        for k in range(len(units)):
-            part = ahead.result()
-            if stop is not None and stop.requested:
-                part.writer.abort()
-                break
-            if k + 1 < len(units):
-                ahead = reader.submit(prepare, units[k + 1])
-            pipeline.submit(part)
-            submitted += 1
-            if after_part is not None:
-                after_part()
-    finally:
-        reader.shutdown(wait=True, cancel_futures=True)
-    return submitted
-
-
-def _read_unit(job: Job, tokenizer, unit: int) -> tuple[list[Tokenized], list[Rejected]]:  # noqa: ANN001
-    """The unit's source rows, tokenized: (kept samples, rejected rows), in row order. The
-    job's row index lets the reader seek near the unit's first row instead of reading every
-    line before it (which made a whole run's reading quadratic in the dataset's rows)."""
-    rows = job.unit_rows(unit)
-    items = list(
-        iter_rows(list(job.files), tokenizer, max_length=job.max_length, rows=rows, index=job.index)
-    )
-    kept = [x for x in items if isinstance(x, Tokenized)]
-    return kept, [x for x in items if isinstance(x, Rejected)]
 
 
 def _device_payload(packed: torch.Tensor, store: str) -> dict[str, torch.Tensor]:
