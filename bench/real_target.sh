@@ -40,7 +40,7 @@ case $MODE in
     PARTS=(--rows-per-part 8) ;;  # training holds a part out: at least two
   cpu)  # real figures a 2-core machine can produce in about an hour: ~1K conversations
     GPUS=cpu SEEDS=${SEEDS:-800} HELD_OUT=${HELD_OUT:-32} Q_TOKENS=48 A_TOKENS=${A_TOKENS:-128}
-    BATCH=${BATCH:-64} STEPS=${STEPS:-400} SPEC_TOKENS=${SPEC_TOKENS:-64}
+    BATCH=${BATCH:-64} STEPS=${STEPS:-400} SPEC_TOKENS=${SPEC_TOKENS:-32}
     TRAIN=(--drafter-layers 2 --num-anchors 64 --batch-tokens 1024 --lr 2e-3)
     EVAL=(--eval-fraction 0.02) PARTS=() ;;
   gpu)
@@ -74,8 +74,15 @@ both() {  # both CMD_A -- CMD_B: two commands side by side on the device, both m
   for x in "$@"; do
     if [ "$x" = "--" ]; then in_b=1; elif [ $in_b = 0 ]; then a+=("$x"); else b+=("$x"); fi
   done
-  "${a[@]}" & local pid=$!
-  "${b[@]}"
+  # On the CPU each gets half the cores: two processes of as many threads as cores spin against
+  # each other in their thread pools (a speculative decoding step then took about 10x longer).
+  if [ "$GPUS" = cpu ]; then
+    (export OMP_NUM_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 )); "${a[@]}") & local pid=$!
+    (export OMP_NUM_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 )); "${b[@]}")
+  else
+    "${a[@]}" & local pid=$!
+    "${b[@]}"
+  fi
   wait $pid
 }
 stage materialize python3 -m extract.models $T --source "$SOURCE"
