@@ -15,7 +15,7 @@
 # side; codec and fp8-error reports; two DFlash drafters, same seed and steps, on the two caches
 # side by side, and a DFlash2 one on the bf16 cache; train.compare; train.speculate of the three
 # on the held-out prompts.
-# BENCH_MODE=cpu: the same on a CPU at a size it can do in about an hour (about 500 conversations,
+# BENCH_MODE=cpu: the same on a CPU at a size it can do in about 90 minutes (about 500 conversations,
 # a 2-layer drafter, 400 steps of 1024 tokens): real figures, smaller than the GPU's.
 # BENCH_FROM=STAGE: start at that stage, reusing what the earlier ones left in WORK.
 # BENCH_TINY=1 (or BENCH_MODE=tiny): a handful of rows and steps on the CPU (a check, not a figure).
