@@ -92,3 +92,22 @@ def test_vllm_serves_the_export_losslessly_with_our_acceptance(two_token_pair):
         assert prompt["ours_full_blocks"] == prompt["vllm"]
     assert engine["reported"] == pytest.approx(engine["unclipped"])
     assert summary["ours"]["unclipped"] == pytest.approx(engine["unclipped"])
+
+
+def test_a_named_target_reaches_vllm_as_its_folder(tmp_path, monkeypatch):
+    """vLLM takes a bare name for a hub repository id (and fails offline): the check resolves a
+    named target to its materialized folder once, for both sides; a folder stays as given."""
+    from shared.models import SOURCE_FILE, materialized_path
+    from train.serve_check import ServeCheckConfig, resolved
+    from train.speculate import SpeculateError
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    cfg = ServeCheckConfig(target="smollm2-135m-instruct", drafter=tmp_path, prompts=tmp_path)
+    with pytest.raises(SpeculateError, match="python -m extract.models smollm2-135m-instruct"):
+        resolved(cfg)
+    folder = materialized_path("smollm2-135m-instruct")
+    folder.mkdir(parents=True)
+    (folder / SOURCE_FILE).write_text("{}")
+    assert resolved(cfg).target == str(folder)
+    plain = ServeCheckConfig(target=str(tmp_path / "t"), drafter=tmp_path, prompts=tmp_path)
+    assert resolved(plain) == plain

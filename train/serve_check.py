@@ -21,6 +21,7 @@ vLLM runs in its own process tree (engine core); ours runs first, in this proces
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -36,6 +37,7 @@ import click
 
 from shared.cli import build, click_options, option
 from shared.logs import setup_logging
+from shared.models import resolve_target_name
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,10 @@ CPU_KV_CACHE_BYTES = 1 << 30
 @dataclass(frozen=True, kw_only=True)
 class ServeCheckConfig:
     engine: str = option("vllm", choices=ENGINES, help="serving engine to check the export in")
-    target: str = option(help="target model folder (Hugging Face format, with its tokenizer)")
+    target: str = option(
+        help="target model folder (Hugging Face format, with its tokenizer), or a named real "
+        "target (smollm2-135m-instruct)"
+    )
     drafter: Path = option(help="exported drafter folder, e.g. runs/NAME/export")
     prompts: Path = option(help="JSON list of prompts (as `python -m train.speculate` takes them)")
     max_new_tokens: int = option(64, help="tokens to generate per prompt (fewer at eos)")
@@ -249,6 +254,17 @@ def format_report(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def resolved(cfg: ServeCheckConfig) -> ServeCheckConfig:
+    """`cfg` with a named target (`smollm2-135m-instruct`) replaced by its materialized folder:
+    vLLM would take the name for a hub repository id, and both sides must load the same folder."""
+    from train.speculate import SpeculateError
+
+    try:
+        return dataclasses.replace(cfg, target=resolve_target_name(cfg.target))
+    except ValueError as e:
+        raise SpeculateError(str(e)) from None
+
+
 def check(cfg: ServeCheckConfig) -> dict[str, Any]:
     ours = our_decoding(cfg)
     dtype = ours["dtype"]
@@ -287,7 +303,7 @@ def main(**kwargs: Any) -> None:
         )
         sys.exit(NOT_INSTALLED)
     try:
-        summary = check(cfg)
+        summary = check(resolved(cfg))
     except SpeculateError as e:
         raise click.ClickException(str(e)) from None
     click.echo(format_report(summary))
