@@ -118,11 +118,17 @@ class DFlash2Layer(DrafterLayer):
 
 def transform_logits(logits: torch.Tensor, cfg: DrafterConfig) -> torch.Tensor:
     """The target's own logit transform, when it has one: scale, then tanh softcap."""
-    if cfg.output_multiplier is not None:
-        logits = logits * cfg.output_multiplier
-    if cfg.final_logit_softcapping is not None:
-        cap = cfg.final_logit_softcapping
-        logits = torch.tanh(logits / cap) * cap
+    return scale_and_softcap(logits, cfg.output_multiplier, cfg.final_logit_softcapping)
+
+
+def scale_and_softcap(
+    logits: torch.Tensor, multiplier: float | None, softcap: float | None
+) -> torch.Tensor:
+    """softcap * tanh(multiplier * logits / softcap), each step only where given."""
+    if multiplier is not None:
+        logits = logits * multiplier
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     return logits
 
 

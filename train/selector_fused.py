@@ -22,15 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from train.dflash2 import CandidateSelector
-
-
-def _transform(z: torch.Tensor, multiplier: float | None, softcap: float | None) -> torch.Tensor:
-    if multiplier is not None:
-        z = z * multiplier
-    if softcap is not None:
-        z = torch.tanh(z / softcap) * softcap
-    return z
+from train.dflash2 import CandidateSelector, scale_and_softcap
 
 
 def _transform_slope(
@@ -57,7 +49,7 @@ def unary_chunk(
     """(sum w * CE_base, argmax-correct [n], unary top-K values [n, K] and ids [n, K],
     d(sum w * CE_base)/dz [n, V] in the logits' dtype) of one chunk; z = hidden @ W^T."""
     z_nV = F.linear(hidden_nH, lm_head_weight_VH)
-    l_nV = _transform(z_nV, multiplier, softcap)
+    l_nV = scale_and_softcap(z_nV, multiplier, softcap)
     logp_nV = torch.log_softmax(l_nV.float(), dim=-1)
     ce_n = -logp_nV.gather(1, targets_n[:, None]).squeeze(1)
     correct_n = l_nV.argmax(dim=-1) == targets_n
