@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tests.inductor import compile_problem
 from train.loss import chunked_ce, fused_chunked_ce
 
 ROWS, HIDDEN, VOCAB, CHUNK = 37, 16, 50, 8  # 37 = 4 * 8 + 5: the last chunk is short
@@ -94,16 +95,8 @@ def test_non_leaf_hidden_passes_its_grad_on():
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-5)
 
 
-def _compile_works() -> str | None:
-    try:
-        torch.compile(lambda t: t.exp().sum(), dynamic=False, fullgraph=True)(torch.ones(3))
-    except Exception as err:  # any failure means no working Inductor backend here
-        return f"torch.compile does not work here: {type(err).__name__}: {err}"[:300]
-    return None
-
-
 def test_compiled_equals_eager_including_the_short_last_chunk():
-    reason = _compile_works()
+    reason = compile_problem()
     if reason:
         pytest.skip(reason)
     hidden, head, targets, weights = _inputs()

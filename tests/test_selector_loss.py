@@ -11,6 +11,7 @@ import torch
 import train.dflash2
 import train.selector_loss
 from tests.drafters import tiny_drafter_config
+from tests.inductor import compile_problem
 from train.dflash2 import CandidateSelector, DFlash2Drafter, init_dflash2_weights
 from train.selector_loss import (
     SelectorLoss,
@@ -158,7 +159,7 @@ def test_fused_equals_checkpointed_loss_and_gradients(transform, compiled):
     """The fused path (hand-derived [n, V] gradients, the selector's by local autograd) against
     autograd through the whole chunk; compiled, with a padded short last chunk (16 rows in
     chunks of 5); with a logit scale and softcap, whose slope both terms go through."""
-    if compiled and (reason := _compile_works()):
+    if compiled and (reason := compile_problem()):
         pytest.skip(reason)
     cfg = tiny_drafter_config(
         drafter_type="dflash2", selector_rank=8, selector_top_k=150, conv_group_size=16
@@ -195,11 +196,3 @@ def test_fused_equals_checkpointed_loss_and_gradients(transform, compiled):
         for a, b in zip(grads_a, grads_b, strict=True):
             assert a is None or a.abs().sum() > 0
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-
-
-def _compile_works() -> str | None:
-    try:
-        torch.compile(lambda t: t.exp().sum(), dynamic=False, fullgraph=True)(torch.ones(3))
-    except Exception as err:  # any failure means no working Inductor backend here
-        return f"torch.compile does not work here: {type(err).__name__}: {err}"[:300]
-    return None
