@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.cli import option
-from train.drafter_config import DRAFTER_TYPES
+from train.drafter_config import DFLASH2_FIELDS, DRAFTER_TYPES, LOGIT_FIELDS
 
 ATTENTIONS = ("flex", "sdpa")
 COMPILE_MODES = ("none", "flex", "model")
@@ -261,10 +261,10 @@ class TrainConfig:
             "sample",
         )
         _check(self.ce_chunk_blocks >= 1, "ce_chunk_blocks", "must be >= 1")
-        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        for name in DFLASH2_FIELDS:
             _check(getattr(self, name) >= 1, name, "must be >= 1")
         _check(self.selector_weight >= 0, "selector_weight", "must be >= 0")
-        for name in ("output_multiplier", "final_logit_softcapping"):
+        for name in LOGIT_FIELDS:
             value = getattr(self, name)
             _check(value is None or value > 0, name, "must be > 0")
             _check(

@@ -34,6 +34,11 @@ _POSITIVE_FIELDS = (
 )
 
 
+# The DFlash2 fields of a drafter config, and its logit transform (set only when used).
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+LOGIT_FIELDS = ("output_multiplier", "final_logit_softcapping")
+
+
 @dataclass(frozen=True)
 class DrafterConfig:
     """Sizes of a DFlash drafter; `from_target_config` derives them from a target config.json."""
@@ -104,7 +109,7 @@ class DrafterConfig:
             raise ValueError("sliding_window must be a positive int when a layer slides")
         if self.drafter_type not in DRAFTER_TYPES:
             raise ValueError(f"drafter_type must be one of {DRAFTER_TYPES}: {self.drafter_type!r}")
-        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        for name in DFLASH2_FIELDS:
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.hidden_size % self.conv_group_size:

@@ -23,7 +23,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shared.fsio import public_modes, replace_dir
-from train.drafter_config import DrafterConfig, rope_fields_from_hf
+from train.drafter_config import (
+    DFLASH2_FIELDS,
+    LOGIT_FIELDS,
+    DrafterConfig,
+    rope_fields_from_hf,
+)
 from train.drafters import build_drafter
 from train.model import DFlashDrafter
 
@@ -65,8 +70,6 @@ _SELECTOR_KEYS = tuple(
     f"candidate_selector.{key}"
     for key in ("hidden_projection.weight", "predecessor_codebook", "successor_codebook")
 )
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-_LOGIT_FIELDS = ("output_multiplier", "final_logit_softcapping")
 
 
 def export_keys(cfg: DrafterConfig) -> tuple[str, ...]:
@@ -186,7 +189,7 @@ def hf_config(cfg: DrafterConfig) -> dict[str, Any]:
         del out["block_size"]
         out["dflash_config"] = {"block_size": cfg.block_size, **out["dflash_config"]}
         out["dflash_config"].update({name: getattr(cfg, name) for name in DFLASH2_FIELDS})
-        for name in _LOGIT_FIELDS:
+        for name in LOGIT_FIELDS:
             if getattr(cfg, name) is not None:
                 out["dflash_config"][name] = getattr(cfg, name)
     return out
@@ -199,7 +202,7 @@ def config_from_hf(data: dict[str, Any]) -> DrafterConfig:
     extra: dict[str, Any] = {}
     if dflash2:
         extra = {name: int(dflash[name]) for name in DFLASH2_FIELDS if name in dflash}
-        extra.update({name: float(dflash[name]) for name in _LOGIT_FIELDS if name in dflash})
+        extra.update({name: float(dflash[name]) for name in LOGIT_FIELDS if name in dflash})
     heads = int(data["num_attention_heads"])
     num_layers = int(data["num_hidden_layers"])
     rope_theta, rope_scaling = rope_fields_from_hf(data)

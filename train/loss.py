@@ -133,10 +133,10 @@ def _fused_ce_loop(
         if compute_dtype is not None:
             hidden_nH = hidden_nH.to(compute_dtype)
         n = hidden_nH.shape[0]
-        if compiled and n < chunk_rows:
-            pad = chunk_rows - n
-            hidden_nH = F.pad(hidden_nH, (0, 0, 0, pad))
-            targets_n, weights_n = F.pad(targets_n, (0, pad)), F.pad(weights_n, (0, pad))
+        if compiled:
+            hidden_nH, targets_n, weights_n = padded_chunk(
+                hidden_nH, targets_n, weights_n, chunk_rows
+            )
         with torch.autocast(hidden_NH.device.type, enabled=False):
             part, correct_n, dhidden_nH = body(
                 hidden_nH, lm_head_weight_VH, targets_n, weights_n, need_grad
@@ -146,6 +146,25 @@ def _fused_ce_loop(
         if dhidden_NH is not None:
             dhidden_NH[rows] = dhidden_nH[:n]
     return total, correct_N, dhidden_NH
+
+
+def padded_chunk(
+    hidden_nH: torch.Tensor, targets_n: torch.Tensor, weights_n: torch.Tensor, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chunk of fewer than `rows` rows padded with zero-weight rows (target 0) to `rows`, so
+    that one compiled graph serves every chunk; a full chunk as it is."""
+    pad = rows - hidden_nH.shape[0]
+    if pad <= 0:
+        return hidden_nH, targets_n, weights_n
+    hidden_nH = F.pad(hidden_nH, (0, 0, 0, pad))
+    return hidden_nH, F.pad(targets_n, (0, pad)), F.pad(weights_n, (0, pad))
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The autocast dtype where autocast is on for `device_type`, else None."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
 
 
 class _FusedCE(torch.autograd.Function):
@@ -208,12 +227,10 @@ def fused_chunked_ce(
             "use chunked_ce to train the lm_head"
         )
     weights_N, targets_N = weights_N.detach().float(), targets_N.detach()
-    device_type = hidden_NH.device.type
-    autocast_on = torch.is_autocast_enabled(device_type)
     options = {
         "chunk_rows": chunk_rows,
         "compiled": compiled,
-        "compute_dtype": torch.get_autocast_dtype(device_type) if autocast_on else None,
+        "compute_dtype": autocast_dtype(hidden_NH.device.type),
     }
     if torch.is_grad_enabled() and hidden_NH.requires_grad:
         total, correct_N = _FusedCE.apply(

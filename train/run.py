@@ -44,7 +44,7 @@ from train.anchors import default_gamma
 from train.checkpoint import list_checkpoints, read_meta, resolve_resume
 from train.config import TrainConfig, config_changes
 from train.data import layer_positions, load_catalog
-from train.drafter_config import DrafterConfig
+from train.drafter_config import DFLASH2_FIELDS, LOGIT_FIELDS, DrafterConfig
 from train.loop import EXPORT_DIR, train_rank
 from train.plan import PlanSpec, holdout_lengths, plan_rows
 from train.prepared import Prepared
@@ -273,9 +273,8 @@ def dflash2_fields(cfg: TrainConfig) -> dict[str, int | float]:
     transform only where given (else the target's, see `target_logit_transform`)."""
     if cfg.drafter_type != "dflash2":
         return {}
-    names = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-    fields: dict[str, int | float] = {name: getattr(cfg, name) for name in names}
-    for name in ("output_multiplier", "final_logit_softcapping"):
+    fields: dict[str, int | float] = {name: getattr(cfg, name) for name in DFLASH2_FIELDS}
+    for name in LOGIT_FIELDS:
         if getattr(cfg, name) is not None:
             fields[name] = getattr(cfg, name)
     return fields

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from train.dflash2 import CandidateSelector, scale_and_softcap
+from train.loss import padded_chunk
 
 
 def _transform_slope(
@@ -68,7 +69,7 @@ def compiled_unary_chunk():  # noqa: ANN201
     return torch.compile(unary_chunk, dynamic=False, fullgraph=True)
 
 
-def selector_chunk(
+def selector_term(
     hidden_nH: torch.Tensor,
     unary_nK: torch.Tensor,
     cand_nK: torch.Tensor,
@@ -76,22 +77,17 @@ def selector_chunk(
     predecessors_n: torch.Tensor,
     weights_n: torch.Tensor,
     selector: CandidateSelector,
-    stop_gradient: bool,
-) -> tuple[torch.Tensor, ...]:
-    """The selector's term of one chunk, with grad: (sum w [gold in C] CE_sel, sum w [gold in C],
-    selected-correct [n], then the tensors it was differentiated against: hidden rows and unary
-    scores (none with `stop_gradient`), then the selector's parameters)."""
-    train_backbone = not stop_gradient
-    h_nH = hidden_nH.detach().requires_grad_(train_backbone)
-    unary = unary_nK.detach().float().requires_grad_(train_backbone)
-    scores_nK = selector.scores(h_nH, unary, cand_nK, predecessors_n).float()
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum w [gold in C] CE_sel, sum w [gold in C], selected-correct [n]) of one chunk, given
+    its unary top-K values and ids: the K-way CE of the selector's scores, label = the data
+    token's index among the candidates, counted only where it is one of them."""
+    scores_nK = selector.scores(hidden_nH, unary_nK.float(), cand_nK, predecessors_n).float()
     hit_nK = cand_nK == targets_n[:, None]
     sel_w_n = weights_n * hit_nK.any(dim=-1)
     sel_ce_n = F.cross_entropy(scores_nK, hit_nK.int().argmax(dim=-1), reduction="none")
     with torch.no_grad():
         chosen_n = cand_nK.gather(1, scores_nK.argmax(dim=-1, keepdim=True))[:, 0]
-    inputs = ([h_nH, unary] if train_backbone else []) + list(selector.parameters())
-    return (sel_ce_n * sel_w_n).sum(), sel_w_n.sum(), chosen_n == targets_n, inputs
+    return (sel_ce_n * sel_w_n).sum(), sel_w_n.sum(), chosen_n == targets_n
 
 
 class FusedSelectorCE(torch.autograd.Function):
@@ -113,20 +109,24 @@ class FusedSelectorCE(torch.autograd.Function):
         correct_N = torch.empty(num_rows, dtype=torch.bool, device=hidden_NH.device)
         selected_N = torch.empty_like(correct_N)
         for rows, ce_sum, correct_n, unary_nK, cand_nK, dz_nV in _unary_chunks(hidden_NH, spec):
-            n = correct_n.shape[0]
+            # The selector's term by a local autograd pass against the hidden rows and the unary
+            # scores (neither with stop_gradient) and the selector's parameters.
+            train_backbone = not spec["stop_gradient"]
+            h_nH = hidden_NH[rows].detach().requires_grad_(train_backbone)
+            unary = unary_nK.detach().float().requires_grad_(train_backbone)
+            inputs = ([h_nH, unary] if train_backbone else []) + list(params)
             with torch.enable_grad():
-                sel_sum, sel_w, selected_n, inputs = selector_chunk(
-                    hidden_NH[rows], unary_nK, cand_nK, spec["targets_N"][rows],
-                    spec["predecessors_N"][rows], spec["weights_N"][rows], spec["selector"],
-                    spec["stop_gradient"],
+                sel_sum, sel_w, selected_n = selector_term(
+                    h_nH, unary, cand_nK, spec["targets_N"][rows], spec["predecessors_N"][rows],
+                    spec["weights_N"][rows], spec["selector"],
                 )  # fmt: skip
                 grads = torch.autograd.grad(spec["alpha"] * sel_sum, inputs, allow_unused=True)
-            if not spec["stop_gradient"]:
+            if train_backbone:
                 dh_sel, dunary, grads = grads[0], grads[1], grads[2:]
                 slope = _transform_slope(unary_nK, spec["multiplier"], spec["softcap"])
                 dz_nV.scatter_add_(1, cand_nK, (dunary * slope).to(dz_nV.dtype))
             dhidden = dz_nV @ spec["lm_head_weight_VH"]
-            if not spec["stop_gradient"]:
+            if train_backbone:
                 dhidden = dhidden + dh_sel.to(dhidden.dtype)
             dhidden_NH[rows] = dhidden.to(dhidden_NH.dtype)
             for total, grad in zip(dparams, grads, strict=True):
@@ -135,7 +135,7 @@ class FusedSelectorCE(torch.autograd.Function):
             loss = ce_sum + spec["alpha"] * sel_sum.detach()
             parts = (loss, ce_sum, sel_sum.detach(), sel_w.detach())
             sums = [total + part for total, part in zip(sums, parts, strict=True)]
-            correct_N[rows], selected_N[rows] = correct_n[:n], selected_n
+            correct_N[rows], selected_N[rows] = correct_n, selected_n
         ctx.save_for_backward(dhidden_NH, *dparams)
         ctx.mark_non_differentiable(*sums[1:], correct_N, selected_N)
         return (*sums, correct_N, selected_N)
@@ -159,10 +159,10 @@ def _unary_chunks(hidden_NH: torch.Tensor, spec: dict[str, Any]):
         hidden_nH = hidden_NH[rows] if dtype is None else hidden_NH[rows].to(dtype)
         targets_n, weights_n = spec["targets_N"][rows], spec["weights_N"][rows]
         n = hidden_nH.shape[0]
-        if spec["compiled"] and n < chunk_rows:
-            pad = chunk_rows - n
-            hidden_nH = F.pad(hidden_nH, (0, 0, 0, pad))
-            targets_n, weights_n = F.pad(targets_n, (0, pad)), F.pad(weights_n, (0, pad))
+        if spec["compiled"]:
+            hidden_nH, targets_n, weights_n = padded_chunk(
+                hidden_nH, targets_n, weights_n, chunk_rows
+            )
         with torch.autocast(hidden_NH.device.type, enabled=False):
             ce_sum, correct_n, unary_nK, cand_nK, dz_nV = body(
                 hidden_nH, weight_VH, targets_n, weights_n,

@@ -24,8 +24,8 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from train.dflash2 import CandidateSelector, transform_logits
 from train.drafter_config import DrafterConfig
-from train.loss import acceptance_stats
-from train.selector_fused import FusedSelectorCE
+from train.loss import acceptance_stats, autocast_dtype
+from train.selector_fused import FusedSelectorCE, selector_term
 
 
 @dataclass(frozen=True)
@@ -113,20 +113,12 @@ def _chunk(
     sel_hidden_nH = hidden_nH
     if stop_gradient:  # the selector term then trains the selector only
         unary_nK, sel_hidden_nH = unary_nK.detach(), hidden_nH.detach()
-    scores_nK = selector.scores(sel_hidden_nH, unary_nK.float(), cand_nK, predecessors_n).float()
-    hit_nK = cand_nK == targets_n[:, None]
-    sel_w_n = weights_n * hit_nK.any(dim=-1)
-    sel_ce_n = F.cross_entropy(scores_nK, hit_nK.int().argmax(dim=-1), reduction="none")
+    sel_sum, sel_w, selected_n = selector_term(
+        sel_hidden_nH, unary_nK, cand_nK, targets_n, predecessors_n, weights_n, selector
+    )
     with torch.no_grad():
         correct_n = logits_nV.argmax(dim=-1) == targets_n
-        chosen_n = cand_nK.gather(1, scores_nK.argmax(dim=-1, keepdim=True))[:, 0]
-    return (
-        (ce_n * weights_n).sum(),
-        (sel_ce_n * sel_w_n).sum(),
-        sel_w_n.sum(),
-        correct_n,
-        (chosen_n == targets_n),
-    )
+    return (ce_n * weights_n).sum(), sel_sum, sel_w, correct_n, selected_n
 
 
 def _zeros(like: torch.Tensor, n: int) -> list[torch.Tensor]:
@@ -197,15 +189,12 @@ def selector_chunked_ce(
     )
     grad = torch.is_grad_enabled() and hidden_NH.requires_grad
     if fused and grad:
-        device_type = hidden_NH.device.type
-        autocast_on = torch.is_autocast_enabled(device_type)
         spec.update(
             compiled=compiled,
-            compute_dtype=torch.get_autocast_dtype(device_type) if autocast_on else None,
+            compute_dtype=autocast_dtype(hidden_NH.device.type),
             top_k=selector.top_k,
             multiplier=cfg.output_multiplier,
             softcap=cfg.final_logit_softcapping,
-            targets_N=targets_N.detach(),
         )
         params = tuple(selector.parameters())
         *sums, correct_N, selected_N = FusedSelectorCE.apply(hidden_NH, *params, spec)
