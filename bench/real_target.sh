@@ -15,8 +15,8 @@
 # side; codec and fp8-error reports; two DFlash drafters, same seed and steps, on the two caches
 # side by side, and a DFlash2 one on the bf16 cache; train.compare; train.speculate of the three
 # on the held-out prompts.
-# BENCH_MODE=cpu: the same on a CPU at a size it can do in about 90 minutes (about 500 conversations,
-# a 2-layer drafter, 400 steps of 1024 tokens): real figures, smaller than the GPU's.
+# BENCH_MODE=cpu: the same on a CPU at a size it can do in about 90 minutes (about 500
+# conversations, a 2-layer drafter, 400 steps of 1024 tokens): real figures, smaller than the GPU's.
 # BENCH_FROM=STAGE: start at that stage, reusing what the earlier ones left in WORK.
 # BENCH_TINY=1 (or BENCH_MODE=tiny): a handful of rows and steps on the CPU (a check, not a figure).
 set -euo pipefail
@@ -74,16 +74,18 @@ both() {  # both CMD_A -- CMD_B: two commands side by side on the device, both m
   for x in "$@"; do
     if [ "$x" = "--" ]; then in_b=1; elif [ $in_b = 0 ]; then a+=("$x"); else b+=("$x"); fi
   done
-  # On the CPU each gets half the cores: two processes of as many threads as cores spin against
-  # each other in their thread pools (a speculative decoding step then took about 10x longer).
-  if [ "$GPUS" = cpu ]; then
-    (export OMP_NUM_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 )); "${a[@]}") & local pid=$!
-    (export OMP_NUM_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 )); "${b[@]}")
-  else
-    "${a[@]}" & local pid=$!
-    "${b[@]}"
-  fi
+  halved "${a[@]}" & local pid=$!
+  halved "${b[@]}"
   wait $pid
+}
+halved() {  # halved CMD...: on the CPU, CMD with half the cores: two processes of as many
+  # threads as cores spin against each other in their thread pools (decoding ran several times
+  # slower); elsewhere CMD as it is
+  if [ "$GPUS" = cpu ]; then
+    OMP_NUM_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 )) "$@"
+  else
+    "$@"
+  fi
 }
 stage materialize python3 -m extract.models $T --source "$SOURCE"
 stage seeds python3 -m extract.prompts seeds --out "$WORK/seeds.jsonl" --count "$SEEDS"
