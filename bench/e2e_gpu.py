@@ -144,12 +144,16 @@ def command(args: list[str], log: Path, env: dict[str, str]) -> float:
     return seconds
 
 
-def extraction_rate(log: Path) -> tuple[int, float]:
-    """(tokens, seconds) from extract's per-rank line (target loading excluded)."""
-    m = re.search(r"(\d+) tokens extracted in ([\d.]+) s", log.read_text())
+def extraction_rate(log: Path) -> tuple[int, float, float]:
+    """(tokens, seconds, seconds until the last forward ended) from extract's per-rank line
+    (target loading excluded)."""
+    m = re.search(
+        r"(\d+) tokens extracted in ([\d.]+) s .*?the forwards ended at ([\d.]+) s",
+        log.read_text(),
+    )
     if not m:
         raise SystemExit(f"no extraction rate in {log}")
-    return int(m.group(1)), float(m.group(2))
+    return int(m.group(1)), float(m.group(2)), float(m.group(3))
 
 
 def training_figures(run: Path, skip_steps: int) -> dict[str, Any]:
@@ -188,6 +192,7 @@ def main() -> None:
     p.add_argument("--gpus", default="0", help="the product's --gpus (cpu for a CPU check)")
     p.add_argument("--work", type=Path, default=Path("/tmp/e2e"))
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--logs", type=Path, default=None, help="also copy the commands' logs here")
     p.add_argument("--bench-steps", type=int, default=15)
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     args = p.parse_args()
@@ -211,7 +216,7 @@ def main() -> None:
          "--data", str(work / "rows.jsonl"), "--out", str(shards)],
         work / "extract.log", env,
     )  # fmt: skip
-    tokens, extract_s = extraction_rate(work / "extract.log")
+    tokens, extract_s, forwards_s = extraction_rate(work / "extract.log")
     times["verify"] = command([py, "-m", "extract.verify", str(shards)], work / "verify.log", env)
     manifest = json.loads((shards / "manifest.json").read_text())
     shutil.rmtree(work / "target")  # the trainer never reads it; the disk is needed for runs
@@ -249,6 +254,9 @@ def main() -> None:
         "plain_forward_tok_s": plain["tok_s"],
         "extract_tok_s": tokens / extract_s,
         "extract_ratio": (tokens / extract_s) / plain["tok_s"],
+        # The clock stopped at the last forward: what the final writes and commit cost apart.
+        "extract_forwards_s": forwards_s,
+        "extract_ratio_until_last_forward": (tokens / forwards_s) / plain["tok_s"],
         "stored_bytes_per_token": stored / tokens,
         "train": train,
         "train_settings": {
@@ -275,6 +283,10 @@ def main() -> None:
         for path in work.iterdir():
             if path.suffix != ".log":
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
+        for log in work.glob("*.log"):
+            shutil.copy2(log, args.logs / f"{args.shape}-{log.name}")
     print_table(result)
 
 
@@ -288,6 +300,11 @@ def print_table(r: dict[str, Any]) -> None:
             "extract tok/s vs plain forward",
             f"{r['extract_tok_s']:,.0f} vs "
             f"{r['plain_forward_tok_s']:,.0f} = {r['extract_ratio']:.3f}",
+        ),  # fmt: skip
+        (
+            "  until the last forward / then",
+            f"{r['extract_ratio_until_last_forward']:.3f} / "
+            f"{r['tokens'] / r['extract_tok_s'] - r['extract_forwards_s']:.1f} s more",
         ),  # fmt: skip
         ("stored bytes/token", f"{r['stored_bytes_per_token']:,.0f}"),
         ("train steps, settings", f"{t['steps']}, {r['train_settings']}"),
