@@ -5,7 +5,8 @@ import math
 
 import torch
 
-from train.metrics import MetricsWriter, StatSums, summarise
+from train.metrics import MetricsWriter, StatSums, json_line, summarise
+from train.summary import format_summary
 
 
 def test_sums_give_weighted_loss_tau_and_accuracy_per_offset():
@@ -57,3 +58,28 @@ def test_rewind_drops_records_after_the_checkpoint(tmp_path):
     MetricsWriter(tmp_path, enabled=True).rewind(2)
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2]
+
+
+def test_empty_windows_are_strict_json_nulls_that_the_readers_take(tmp_path):
+    # A DFlash2 log window where no data token was a candidate: selector_ce has no weight.
+    writer = MetricsWriter(tmp_path, enabled=True)
+    nan = math.nan
+    writer.write({"kind": "train", "step": 1, "loss": 2.0, "tau": nan, "selector_ce": nan,
+                  "acc": [0.5, nan]})  # fmt: skip
+    writer.write({"kind": "train", "step": 2, "loss": 1.5, "tau": 1.25, "selector_ce": 0.7,
+                  "acc": [0.5, 0.25]})  # fmt: skip
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+
+    def strict(token):
+        raise ValueError(f"non-standard JSON number {token}")
+
+    first = json.loads(lines[0], parse_constant=strict)
+    assert first["selector_ce"] is None and first["tau"] is None and first["acc"] == [0.5, None]
+    reread = MetricsWriter(tmp_path, enabled=True)  # rewind re-reads the file: nulls come back
+    reread.rewind(1)
+    reread.close()  # plots a history holding nulls, when matplotlib is installed
+    summary = format_summary(tmp_path, export=tmp_path / "export", seconds=1.0)
+    assert "loss 2.0000, tau n/a" in summary
+    assert json_line({"grad_norm": math.inf, "nested": {"x": [nan, 1]}}) == (
+        '{"grad_norm": null, "nested": {"x": [null, 1]}}'
+    )

@@ -147,7 +147,7 @@ class MetricsWriter:
             return
         self.history.append(record)
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json_line(record) + "\n")
         if self.tb is not None:
             prefix = "eval/" if record.get("kind") == "eval" else "train/"
             for key, value in record.items():
@@ -165,6 +165,26 @@ class MetricsWriter:
         if self.tb is not None:
             self.tb.close()
         plot_metrics(self.history, self.run_dir / PLOTS_DIR)
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """One metrics.jsonl line, strict JSON: a figure with nothing to average in its window (NaN,
+    e.g. `selector_ce` when no data token was a candidate) is written as null.
+
+    >>> json_line({"step": 3, "loss": 1.5, "selector_ce": math.nan, "acc": [0.5, math.nan]})
+    '{"step": 3, "loss": 1.5, "selector_ce": null, "acc": [0.5, null]}'
+    """
+    return json.dumps(_finite_or_none(record), allow_nan=False)
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_none(v) for v in value]
+    return value
 
 
 def plot_metrics(history: list[dict[str, Any]], out_dir: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,11 @@ def _read(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _fig(value: float | None, spec: str) -> str:
+    """A logged figure, or n/a where its window had nothing to average (null in the file)."""
+    return "n/a" if value is None or math.isnan(value) else format(value, spec)
+
+
 def format_summary(out: Path, *, export: Path, seconds: float) -> str:
     """Steps, time, the last train and eval loss and tau, and where the outputs are."""
     out = Path(out)
@@ -37,11 +43,14 @@ def format_summary(out: Path, *, export: Path, seconds: float) -> str:
         ("time", f"{seconds:,.1f} s this run"),
         (
             "train (last log)",
-            f"loss {train['loss']:.4f}, tau {train['tau']:.3f}" if train else "no log step",
+            f"loss {_fig(train['loss'], '.4f')}, tau {_fig(train['tau'], '.3f')}"
+            if train
+            else "no log step",
         ),
         (
             "eval (held out)",
-            f"loss {evals['loss']:.4f}, tau {evals['tau']:.3f} at step {evals['step']:,}"
+            f"loss {_fig(evals['loss'], '.4f')}, tau {_fig(evals['tau'], '.3f')} "
+            f"at step {evals['step']:,}"
             if evals
             else "no held-out parts (--eval-parts, --eval-fraction)",
         ),
