@@ -11,6 +11,8 @@ torch ops (dispatch cost only) for --seconds, alone and then while N writer thre
 parts of random bf16 states [rows, K=5, H=4096] (`shared.cache.open_part_writer`, the
 extraction writer) as fast as they can. Prints ops/s alone and with writers (their ratio: 1.0
 means the writers cost the launcher nothing) and the raw GB/s the writers delivered meanwhile.
+--staged planes (the default) hands the writers bf16 planes split beforehand, as extraction
+stages them for zarr parts; --staged values gives them the bf16 values (split on the host).
 On a machine with few cores the launcher also competes for cores: compare code versions or
 settings on the same machine, not figures across machines.
 """
@@ -63,7 +65,7 @@ def writer_loop(root: Path, payloads: list[torch.Tensor], stop: threading.Event,
                          loss_mask=np.ones(rows, np.uint8), hidden=payload)  # fmt: skip
             writer.commit()
         shutil.rmtree(writer.final, ignore_errors=True)
-        written[me] += payload.numel() * payload.element_size()
+        written[me] += rows * K * H * 2  # raw bf16 bytes, staged as values or as planes
         n += 1
 
 
@@ -99,19 +101,27 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--codec", choices=("planes", "blosc"), default=codec.BF16_CODEC,
                    help="the bf16 codec the writers use")  # fmt: skip
+    p.add_argument("--staged", choices=("planes", "values"), default="planes",
+                   help="what the writers get: bf16 planes split beforehand, as extraction "
+                   "stages them for zarr parts, or the bf16 values")  # fmt: skip
     args = p.parse_args()
     codec.BF16_CODEC = args.codec  # read at each part's opening (shared.codec.hidden_codec)
+    if args.staged == "planes" and args.codec != "planes":
+        p.error("--staged planes needs --codec planes")
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     torch.set_num_threads(1)
     # Layer-major like extraction's staging buffers: each sample is a [rows, K, H] view of
     # [K, rows, H] memory, so one layer's rows are contiguous.
-    payloads = [
-        torch.randn(K, args.rows, H, generator=torch.Generator().manual_seed(i))
-        .bfloat16()
-        .transpose(0, 1)
-        for i in range(2)
-    ]
+    payloads = []
+    for i in range(2):
+        h = torch.randn(K, args.rows, H, generator=torch.Generator().manual_seed(i)).bfloat16()
+        if args.staged == "planes":  # split where extraction splits them: before staging
+            planes = codec.split_planes(h)
+            e, sm = (x.transpose(0, 1) for x in (planes.exponent, planes.sign_mantissa))
+            payloads.append(codec.Bf16Planes(e, sm))
+        else:
+            payloads.append(h.transpose(0, 1))
     launch_ops(0.5)  # warm-up
     results = []
     for threads in [int(t) for t in args.threads.split(",")]:
@@ -138,6 +148,7 @@ def main() -> None:
             f"writers {raw_gb_s:.2f} GB/s raw"
         )
     res = {"bench": "gil", "switch_interval_s": sys.getswitchinterval(), "rows": args.rows,
+           "codec": args.codec, "staged": args.staged,
            "runs": results}  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))

@@ -20,7 +20,7 @@ from extract.sink import Staging, WriterPool
 from extract.target import load_target
 from extract.units import reader_reading_ahead, run_units
 from shared.cache import open_part_writer, part_name
-from shared.codec import quantize_fp8
+from shared.codec import Bf16Planes, hidden_codec, quantize_fp8, split_planes
 from shared.dist import RankInfo, processes_on_this_host, usable_cpus
 from shared.logs import setup_logging
 from shared.manifest import (
@@ -148,7 +148,7 @@ class PartPipeline:
         for batch in make_batches(lengths, batch_tokens=job.batch_tokens):
             packed = self.capture.run([kept[i].input_ids for i in batch], device=self.device)
             host, release = self.staging.stage(
-                _device_payload(packed, job.store), tokens=packed.shape[0]
+                _device_payload(packed, job.store, job.format), tokens=packed.shape[0]
             )
             countdown, start = _Countdown(len(batch), release), 0
             for n in batch:  # one task per sample: a batch's samples compress in parallel
@@ -264,13 +264,20 @@ def _report_rate(rank: int, tokens: int, seconds: float, forwards: float) -> Non
     )
 
 
-def _device_payload(packed: torch.Tensor, store: str) -> dict[str, torch.Tensor]:
+def _device_payload(packed: torch.Tensor, store: str, fmt: str) -> dict[str, torch.Tensor]:
     """What is staged to the host: layer-major payload [K, N, H] (one layer's rows contiguous,
-    see LayerCapture) and, for fp8, the scales [N, K]."""
+    see LayerCapture) and, for fp8, the scales [N, K]. bf16 for zarr parts goes as its two
+    `planes` byte planes, split on the device (`shared.codec.split_planes`): as many bytes as
+    the bf16 values, and the writer threads, which share the host's cores and its GIL with the
+    thread launching the forwards, only compress."""
     if store == "fp8":
         q, scale = quantize_fp8(packed)
         return {"q": q.transpose(0, 1).contiguous(), "scale": scale.contiguous()}
-    return {"hidden": packed.transpose(0, 1).to(torch.bfloat16).contiguous()}
+    hidden = packed.transpose(0, 1).to(torch.bfloat16)
+    if fmt == "zarr" and hidden_codec(store) == "planes":
+        planes = split_planes(hidden)
+        return {"exponent": planes.exponent, "sign_mantissa": planes.sign_mantissa}
+    return {"hidden": hidden.contiguous()}
 
 
 def _hidden(capture: LayerCapture) -> int:
@@ -299,6 +306,9 @@ def _write_sample(writer, n: int, row: Tokenized, host: dict, rows: slice, count
         # [L, K, H] views of the layer-major buffers: the writers take them without a copy.
         if "q" in host:
             hidden = (host["q"][:, rows].transpose(0, 1), host["scale"][rows])
+        elif "exponent" in host:
+            e, sm = (host[name][:, rows].transpose(0, 1) for name in ("exponent", "sign_mantissa"))
+            hidden = Bf16Planes(e, sm)
         else:
             hidden = host["hidden"][:, rows].transpose(0, 1)
         writer.write(

@@ -14,6 +14,7 @@ is imported; we set it here too so the webdataset path does not depend on import
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numcodecs.blosc
 import numpy as np
@@ -45,6 +46,8 @@ STORES = ("bf16", "fp8")
 FORMATS = ("zarr", "wds")
 # Largest finite float8 e4m3fn magnitude: scale = amax / FP8_MAX maps each row onto the full range.
 FP8_MAX = 448.0
+# Values per step of `split_planes` (its int16 temporaries: 128 MiB each).
+SPLIT_ELEMENTS = 1 << 26
 
 numcodecs.blosc.use_threads = False
 numcodecs.blosc.set_nthreads(1)
@@ -54,7 +57,31 @@ _SHUFFLE_IDS = {
     "shuffle": Blosc.SHUFFLE,
     "bitshuffle": Blosc.BITSHUFFLE,
 }
-HiddenInput = torch.Tensor | tuple[torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]
+
+
+@dataclass(frozen=True)
+class Bf16Planes:
+    """A bf16 payload already split into the two byte planes of the `planes` codec (uint8
+    arrays or tensors of one shape; `split_planes` makes them, on the device): the writers then
+    only compress, with no pass over the values on the host."""
+
+    exponent: np.ndarray | torch.Tensor
+    sign_mantissa: np.ndarray | torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.exponent.shape)
+
+    def __len__(self) -> int:
+        return len(self.exponent)
+
+    def __getitem__(self, index) -> Bf16Planes:  # noqa: ANN001
+        return Bf16Planes(self.exponent[index], self.sign_mantissa[index])
+
+
+HiddenInput = (
+    torch.Tensor | Bf16Planes | tuple[torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]
+)
 
 
 def check_store(store: str) -> None:
@@ -144,26 +171,78 @@ def planes_compress(a: np.ndarray) -> bytes:
     and zstd then codes both streams with one Huffman table. Here the exponent is one stream
     (activations use few exponents: about 3 bits of entropy on a real target) and sign+mantissa
     the other, each its own Blosc frame with its own tables. Layout: uint32 little-endian size of
-    the exponent frame, the exponent frame, the sign+mantissa frame.
+    the exponent frame, the exponent frame, the sign+mantissa frame (`planes_frames` gives the
+    three pieces without joining them).
 
     >>> a = np.array([0x3F80, 0xC000, 0x0001, 0xFFFF], np.uint16)
     >>> np.array_equal(planes_decompress(planes_compress(a)), a)
     True
     """
-    if a.size == 0:  # Blosc does not decode an empty frame
-        return bytes(4)
+    return b"".join(planes_frames(a))
+
+
+def planes_frames(x: np.ndarray | Bf16Planes) -> list[bytes]:
+    """The `planes` encoding of bf16 bits (uint16) or of their planes (`Bf16Planes`, numpy), as
+    its three consecutive pieces: size, exponent frame, sign+mantissa frame. Written as they are
+    (os.writev) they need no joined copy, which would hold the GIL."""
+    if not isinstance(x, Bf16Planes):
+        x = _split_planes_host(x)
+    exponent = c_contiguous(x.exponent).reshape(-1)
+    if exponent.size == 0:  # Blosc does not decode an empty frame
+        return [bytes(4)]
+    e = _planes_blosc(exponent, PLANES_BLOSC["exponent"])
+    sm = _planes_blosc(c_contiguous(x.sign_mantissa).reshape(-1), PLANES_BLOSC["sign_mantissa"])
+    return [len(e).to_bytes(4, "little"), e, sm]
+
+
+def _split_planes_host(a: np.ndarray) -> Bf16Planes:
     # uint16 ops then a wrapping cast: several times faster than ops on strided uint8 views.
     flat = c_contiguous(a).reshape(-1)
     exponent = (flat >> 7).astype(np.uint8)  # the cast drops the sign (bit 8 after the shift)
     sign_mantissa = flat & 0x807F
     sign_mantissa |= sign_mantissa >> 8
-    sign_mantissa = sign_mantissa.astype(np.uint8)
-    e = _planes_blosc(exponent, PLANES_BLOSC["exponent"])
-    return (
-        len(e).to_bytes(4, "little")
-        + e
-        + _planes_blosc(sign_mantissa, PLANES_BLOSC["sign_mantissa"])
-    )
+    return Bf16Planes(exponent, sign_mantissa.astype(np.uint8))
+
+
+def split_planes(h: torch.Tensor) -> Bf16Planes:
+    """A bf16 tensor's two `planes` byte planes, computed where it lives (on a GPU, a few
+    elementwise kernels instead of several host passes under the writers' threads): exponent =
+    bits 7..14, sign+mantissa = bit 15 then bits 0..6; uint8 tensors of h's shape, contiguous.
+    Bit-equal to the host split (`planes_frames` of the uint16 bits); SPLIT_ELEMENTS values at a
+    time, so the int16 temporaries stay small.
+
+    >>> p = split_planes(torch.tensor([1.0, -2.0], dtype=torch.bfloat16))
+    >>> p.exponent.tolist(), p.sign_mantissa.tolist()
+    ([127, 128], [0, 128])
+    """
+    if h.dtype != torch.bfloat16:
+        raise TypeError(f"expected a bfloat16 tensor, got {h.dtype}")
+    bits = h.contiguous().view(torch.int16).reshape(-1)
+    exponent = torch.empty(bits.shape, dtype=torch.uint8, device=h.device)
+    sign_mantissa = torch.empty_like(exponent)
+    for start in range(0, bits.numel(), SPLIT_ELEMENTS):
+        b = bits[start : start + SPLIT_ELEMENTS]
+        exponent[start : start + SPLIT_ELEMENTS].copy_(b >> 7)  # int16 -> uint8: the low byte
+        sm = (b >> 8).bitwise_and_(0x80).bitwise_or_(b & 0x7F)
+        sign_mantissa[start : start + SPLIT_ELEMENTS].copy_(sm)
+    return Bf16Planes(exponent.view(h.shape), sign_mantissa.view(h.shape))
+
+
+def merge_planes(p: Bf16Planes) -> np.ndarray:
+    """The uint16 bf16 bits of numpy planes (inverse of the split), C-contiguous, p's shape."""
+    exponent, sm = (c_contiguous(np.asarray(x)) for x in (p.exponent, p.sign_mantissa))
+    out = np.empty(exponent.shape, np.uint16)
+    _merge_into(exponent.reshape(-1), sm.reshape(-1), out.reshape(-1))
+    return out
+
+
+def _merge_into(exponent: np.ndarray, sign_mantissa: np.ndarray, flat: np.ndarray) -> None:
+    np.left_shift(exponent, 7, out=flat, dtype=np.uint16)
+    sm = sign_mantissa.astype(np.uint16)
+    flat |= sm & 0x7F
+    sm &= 0x80
+    sm <<= 8
+    flat |= sm
 
 
 def planes_decompress(buf: bytes | memoryview, out: np.ndarray | None = None) -> np.ndarray:
@@ -182,13 +261,7 @@ def planes_decompress(buf: bytes | memoryview, out: np.ndarray | None = None) ->
         out = np.empty(exponent.size, np.uint16)
     if out.size != exponent.size or sign_mantissa.size != exponent.size:
         raise ValueError(f"planes payload of {exponent.size} values, expected {out.size}")
-    flat = out.reshape(-1)
-    np.left_shift(exponent, 7, out=flat, dtype=np.uint16)
-    sm = sign_mantissa.astype(np.uint16)
-    flat |= sm & 0x7F
-    sm &= 0x80
-    sm <<= 8
-    flat |= sm
+    _merge_into(exponent, sign_mantissa, out.reshape(-1))
     return out
 
 
@@ -240,15 +313,24 @@ def dequantize_fp8(
 
 def encode_hidden(
     hidden: HiddenInput, store: str, shape: tuple[int, int, int]
-) -> tuple[np.ndarray, np.ndarray | None]:
+) -> tuple[np.ndarray | Bf16Planes, np.ndarray | None]:
     """The stored payload of one sample: (uint16 or uint8 [L, K, H], float32 scale [L, K] or None).
 
     The payload keeps the input's strides (a layer-major [L, K, H] view stays one, see
     `extract.capture.LayerCapture`); writers that need C order call `c_contiguous`.
 
-    bf16 takes a bf16 tensor; fp8 takes a bf16/float tensor (quantised here, on its device) or
-    an already quantised ``(q uint8 [L, K, H], scale float32 [L, K])``.
+    bf16 takes a bf16 tensor or its planes (`Bf16Planes`, from `split_planes`: the payload is
+    then a `Bf16Planes` of numpy uint8 [L, K, H]); fp8 takes a bf16/float tensor (quantised
+    here, on its device) or an already quantised ``(q uint8 [L, K, H], scale float32 [L, K])``.
     """
+    if isinstance(hidden, Bf16Planes):
+        if store != "bf16":
+            raise TypeError("bf16 planes are only accepted by store 'bf16'")
+        planes = Bf16Planes(*(host_array(x) for x in (hidden.exponent, hidden.sign_mantissa)))
+        for name, x in (("exponent", planes.exponent), ("sign_mantissa", planes.sign_mantissa)):
+            if x.shape != shape or x.dtype != np.uint8:
+                raise ValueError(f"{name} plane must be uint8 {shape}, got {x.dtype} {x.shape}")
+        return planes, None
     if isinstance(hidden, tuple):
         if store != "fp8":
             raise TypeError("a (q, scale) tuple is only accepted by store 'fp8'")

@@ -32,8 +32,10 @@ import numpy as np
 from shared.checksum import crc32c_hex
 from shared.codec import (
     FORMAT_VERSION,
+    Bf16Planes,
     c_contiguous,
     hidden_codec,
+    merge_planes,
     numcodecs_blosc,
     payload_dtype,
     planes_compress,
@@ -132,6 +134,8 @@ class WdsPartWriter(PartWriter):
 
     def _store(self, n, sample_index, ids, mask, payload, scale) -> None:  # noqa: ANN001
         key = sample_key(sample_index)
+        if isinstance(payload, Bf16Planes):  # its frames and checksum are of the uint16 bits
+            payload = merge_planes(payload)
         payload = c_contiguous(payload)  # the tar stores [L, K, H] in C order
         codec = hidden_codec(self.store)
         frames = compress_payload(payload, codec)  # outside the lock: the expensive part

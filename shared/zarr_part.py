@@ -38,6 +38,7 @@ from zarr.core.buffer import Buffer
 from shared.codec import (
     CHUNK_ROWS,
     FORMAT_VERSION,
+    Bf16Planes,
     blosc_compressor,
     blosc_settings,
     c_contiguous,
@@ -45,6 +46,7 @@ from shared.codec import (
     payload_dtype,
     planes_compress,
     planes_decompress,
+    planes_frames,
     torch_bits,
 )
 from shared.fsio import start_writeback, sync_tree
@@ -108,28 +110,35 @@ def hidden_compressors(store: str) -> list:
     return zarr_compressors(payload_dtype(store).itemsize)
 
 
-def hidden_compressor(store: str) -> Callable[[np.ndarray], bytes]:
-    """The function compressing one inner chunk of `hidden` as `hidden_compressors` declares."""
+def hidden_compressor(store: str) -> Callable[[np.ndarray | Bf16Planes], list[bytes]]:
+    """The function encoding one inner chunk of `hidden` ([CHUNK_ROWS, H]: the store's bits, or
+    bf16 planes) as `hidden_compressors` declares, as buffers to write one after another."""
     if hidden_codec(store) == "planes":
-        return planes_compress
-    return blosc_compressor(payload_dtype(store).itemsize)
+        return planes_frames
+    blosc = blosc_compressor(payload_dtype(store).itemsize)
+    return lambda block: [blosc(c_contiguous(block))]
 
 
-def shard_buffers(block: np.ndarray, compress: Callable[[np.ndarray], bytes]) -> list[bytes]:
-    """The file of one ``hidden`` shard ([CHUNK_ROWS, K, H] rows, little-endian) as its zarr
-    metadata declares, as consecutive buffers: per layer an inner chunk bytes -> Blosc
-    (`compress`, from `shared.codec.blosc_compressor`) -> crc32c, then the shard index (uint64
-    offset and size per inner chunk, little-endian) and its crc32c (zarr v3 ``sharding_indexed``,
-    index at the end). Runs in the calling thread; Blosc and crc32c release the GIL, the Python
-    around them is kept short (it holds the GIL, which the thread launching the forward pass
-    waits for), and the buffers are never joined (a copy under the GIL): write them with
-    ``write_buffers``."""
+def shard_buffers(
+    block: np.ndarray | Bf16Planes, compress: Callable[[np.ndarray | Bf16Planes], list[bytes]]
+) -> list[bytes]:
+    """The file of one ``hidden`` shard ([CHUNK_ROWS, K, H] rows, little-endian, or their bf16
+    planes) as its zarr metadata declares, as consecutive buffers: per layer an inner chunk
+    bytes -> its codec (`compress`, from `hidden_compressor`) -> crc32c, then the shard index
+    (uint64 offset and size per inner chunk, little-endian) and its crc32c (zarr v3
+    ``sharding_indexed``, index at the end). Runs in the calling thread; Blosc and crc32c release
+    the GIL, the Python around them is kept short (it holds the GIL, which the thread launching
+    the forward pass waits for), and the buffers are never joined (a copy under the GIL): write
+    them with ``write_buffers``."""
     out, index, offset = [], [], 0
     for k in range(block.shape[1]):
-        data = compress(c_contiguous(block[:, k]))  # no copy for a layer-major block
-        out += [data, crc32c.crc32c(data).to_bytes(4, "little")]
-        index += [offset, len(data) + 4]
-        offset += len(data) + 4
+        pieces = compress(block[:, k])  # no copy for a layer-major block
+        size, crc = 0, 0
+        for piece in pieces:
+            size, crc = size + len(piece), crc32c.crc32c(piece, crc)
+        out += [*pieces, crc.to_bytes(4, "little")]
+        index += [offset, size + 4]
+        offset += size + 4
     index_bytes = struct.pack(f"<{len(index)}Q", *index)
     return out + [index_bytes, crc32c.crc32c(index_bytes).to_bytes(4, "little")]
 
@@ -160,10 +169,13 @@ def write_buffers(path: Path | str, buffers: list[bytes]) -> tuple[int, int]:
     return size, crc
 
 
-def _zero_padded(block: np.ndarray) -> np.ndarray:
+def _zero_padded(block: np.ndarray | Bf16Planes) -> np.ndarray | Bf16Planes:
     """[n, K, H] -> [CHUNK_ROWS, K, H], zero rows after the n given: a view of layer-major
     memory (each layer's rows contiguous, as `shard_buffers` wants), copied by torch, which
-    releases the GIL (numpy's strided copy holds it)."""
+    releases the GIL (numpy's strided copy holds it). Planes are padded each (a zero bf16 has
+    zero planes)."""
+    if isinstance(block, Bf16Planes):
+        return Bf16Planes(_zero_padded(block.exponent), _zero_padded(block.sign_mantissa))
     n, layers, hidden = block.shape
     out = np.zeros((layers, CHUNK_ROWS, hidden), block.dtype)
     torch_bits(out)[:, :n].copy_(torch_bits(block).transpose(0, 1))
@@ -203,7 +215,8 @@ class ZarrPartWriter(PartWriter):
     def _store(self, n, sample_index, ids, mask, payload, scale) -> None:  # noqa: ANN001
         start, stop, length = int(self.offsets[n]), int(self.offsets[n + 1]), len(ids)
         compress = hidden_compressor(self.store)
-        payload = payload.astype(payload.dtype.newbyteorder("<"), copy=False)  # as stored
+        if not isinstance(payload, Bf16Planes):  # planes are bytes: no byte order
+            payload = payload.astype(payload.dtype.newbyteorder("<"), copy=False)  # as stored
         for row in range(0, stop - start, CHUNK_ROWS):
             block = payload[row : row + CHUNK_ROWS]
             if len(block) < CHUNK_ROWS:  # the sample's last shard: zero rows up to the boundary

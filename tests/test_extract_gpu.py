@@ -39,3 +39,14 @@ def test_cuda_extraction_stores_the_forward_states(tmp_path, tiny_qwen3, data_fi
         else:  # e4m3 with a scale per token and layer: 3 mantissa bits of each row's range
             bound = 0.0625 * ref.abs().amax(-1, keepdim=True) + 2e-2
             assert ((got - ref).abs() <= bound).all()
+
+
+def test_planes_split_on_cuda_equals_the_cpu_split():
+    """The bf16 planes staged from the device (`shared.codec.split_planes` on CUDA) are the
+    CPU's, bit for bit, on every bf16 pattern."""
+    from shared.codec import split_planes
+
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    cpu, cuda = split_planes(every), split_planes(every.cuda())
+    assert torch.equal(cuda.exponent.cpu(), cpu.exponent)
+    assert torch.equal(cuda.sign_mantissa.cpu(), cpu.sign_mantissa)
