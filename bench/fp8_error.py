@@ -25,13 +25,16 @@ from shared.manifest import read_manifest  # noqa: E402
 MASSIVE = 20.0  # a token is massive when its max |h| exceeds this many times the median's
 
 
-def samples(cache: Path, max_samples: int) -> dict[int, torch.Tensor]:
+def samples(cache: Path, max_samples: int, rows: set[int] | None = None) -> dict[int, torch.Tensor]:
+    """States of the first `max_samples` samples by source row, or of those among `rows` (the
+    parts are read in order until all are found: not the whole cache)."""
     out: dict[int, torch.Tensor] = {}
     for rec in read_manifest(cache).parts:
         for s in open_part(cache / rec.name).iter_samples():
-            if len(out) == max_samples:
+            if len(out) == (max_samples if rows is None else len(rows)):
                 return out
-            out[s.sample_index] = s.hidden_tensor("cpu").float()  # [T, K, H]
+            if rows is None or s.sample_index in rows:
+                out[s.sample_index] = s.hidden_tensor("cpu").float()  # [T, K, H]
     return out
 
 
@@ -61,7 +64,8 @@ def main() -> None:
     layers = read_manifest(args.bf16).layer_ids
     if read_manifest(args.fp8).layer_ids != layers:
         raise SystemExit("the two caches hold different layers")
-    ref, got = samples(args.bf16, args.max_samples), samples(args.fp8, -1)
+    ref = samples(args.bf16, args.max_samples)
+    got = samples(args.fp8, len(ref), rows=set(ref))
     rows = sorted(set(ref) & set(got))
     if not rows:
         raise SystemExit("no source row is in both caches")

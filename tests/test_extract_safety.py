@@ -243,3 +243,25 @@ def test_every_row_rejected_is_not_a_complete_cache(tmp_path, tiny_qwen3):
         extract(tmp_path / "c", tiny_qwen3, bad)
     assert f"{bad}:1:" in str(e.value) and f"{bad}:2:" in str(e.value)
     assert not read_manifest(tmp_path / "c").complete
+
+
+def test_parts_checked_on_several_threads_report_as_on_one(tmp_path, tiny_qwen3, data_file):
+    """`extract.verify` checks parts side by side; what it finds, and its order, do not change."""
+    from extract.verify import check_parts
+
+    cache = tmp_path / "c"
+    extract(cache, tiny_qwen3, data_file, rows_per_part=2)
+    m = read_manifest(cache)
+    names = [p.name for p in m.parts]
+    assert len(names) >= 4 and check_parts(cache, m, threads=4) == []
+    shutil.rmtree(cache / names[-1])
+    victim = max(
+        (p for p in (cache / names[1]).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
+    )
+    _flip(victim)
+    found = check_parts(cache, m, threads=4)
+    assert found == check_parts(cache, m, threads=1)
+    assert {p.split(":", 1)[0] for p in found} == {names[1], names[-1]}
+    assert found[0].startswith(names[1]) and found[-1] == (
+        f"{names[-1]}: listed in the manifest but missing on disk"
+    )
