@@ -22,6 +22,7 @@
 # seeds) and fp8_error had not ended 80 s later: calls of under 10 minutes each are
 # BENCH_UNTIL=codec, then BENCH_FROM=fp8_error BENCH_UNTIL=train, and so on, on the same machine
 # (WORK must still be there).
+# BENCH_SKIP=STAGE[,STAGE...]: leave those stages out (e.g. codec, already measured).
 # BENCH_TINY=1 (or BENCH_MODE=tiny): a handful of rows and steps on the CPU (a check, not a figure).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -70,6 +71,10 @@ stage() {  # stage NAME COMMAND...: run, append its output to the report, time i
     return
   fi
   FROM=
+  if [[ " ${BENCH_SKIP//,/ } " == *" $name "* ]]; then
+    echo "== $name: skipped (BENCH_SKIP)" | tee -a "$LOG"
+    return
+  fi
   echo "== $name" | tee -a "$LOG"
   "$@" 2>"$WORK/$name.err" | tee -a "$LOG" || { tail -n 30 "$WORK/$name.err"; exit 1; }
   echo "-- $name: $((SECONDS - start)) s" | tee -a "$LOG"
