@@ -116,7 +116,10 @@ def main() -> None:
 def seeds(out: Path, count: int) -> None:
     """Write prompt-writing chats for `python -m extract.regenerate`."""
     if not 1 <= count <= max_seeds():
-        raise click.BadParameter(f"1 .. {max_seeds()}", param_hint="--count")
+        raise click.BadParameter(
+            f"{count} is not in 1 .. {max_seeds()}, the topics x kinds x askers of {SEEDS.name}",
+            param_hint="--count",
+        )
     atomic_write_text(out, _jsonl(seed_rows(count)))
     click.echo(f"{count} seed chats -> {out}")
 
