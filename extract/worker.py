@@ -158,9 +158,7 @@ class PartPipeline:
                 )
                 start = rows_n.stop
             self.counters.add(  # done_rows: the bar moves per batch, not per part
-                tokens=packed.shape[0],
-                raw_bytes=packed.shape[0] * packed[0].numel() * 2,
-                done_rows=len(batch),
+                tokens=packed.shape[0], done_rows=len(batch)
             )
             self.writers.check()
         self.commits.append(self.committer.submit(_commit, part, job, futures, self.counters))
@@ -353,6 +351,9 @@ def _commit(part: OpenPart, job: Job, futures: list[Future], counters: RankCount
         done_rows=len(rejected),  # the kept ones were counted per forward batch
         parts=1,
         stored_bytes=stats.nbytes,
+        # bf16 bytes of the same tokens: the bar's ratio compares committed parts only (raw
+        # bytes counted per batch against bytes stored per part showed 2.5 for a 1.45 cache)
+        stored_raw_bytes=stats.tokens * writer.num_layers * writer.hidden_size * 2,
         kept=len(kept),
         rejected=len(rejected),
     )

@@ -188,7 +188,7 @@ class SummedBar:
             counts = read_counters(self.folder)
             self.bar.n = int(counts.get(self.unit_key, 0))
             elapsed = max(time.monotonic() - self.start, 1e-6)
-            raw, stored = counts.get("raw_bytes", 0), counts.get("stored_bytes", 0)
+            raw, stored = counts.get("stored_raw_bytes", 0), counts.get("stored_bytes", 0)
             self.bar.set_postfix_str(
                 f"{counts.get('tokens', 0) / elapsed:,.0f} tok/s, "
                 f"{stored / elapsed / 1e6:,.1f} MB/s written, "
