@@ -4,7 +4,9 @@
 
 Reads the cache's bf16 samples (any codec), cuts them as the zarr writer does (64 rows of one
 layer, a sample's last chunk zero-padded), and for Blosc zstd-1 byte shuffle (the codec before
-`planes`) and `planes` (`shared.codec.planes_compress`) prints the stored bytes against the raw
+`planes`), `planes` (`shared.codec.planes_compress`: exponent bytes as a zstd frame) and
+`planes-blosc-exp` (the same planes with the exponent bytes through Blosc zstd-1, as `planes`
+caches were written before) prints the stored bytes against the raw
 bf16 bytes of the real tokens, overall and per layer, and compress / decompress throughput of
 one thread (raw token bytes per second), after checking every chunk decodes bit for bit.
 """
@@ -22,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shared import codec  # noqa: E402
 from shared.cache import open_part  # noqa: E402
 from shared.codec import CHUNK_ROWS, blosc_compressor, planes_compress, planes_decompress  # noqa: E402
 from shared.manifest import read_manifest  # noqa: E402
@@ -64,6 +67,14 @@ def measure(chunks: list[np.ndarray], compress, decompress) -> tuple[int, float,
     return sum(len(b) for b in blobs), enc, dec
 
 
+def planes_blosc_exponent(a: np.ndarray) -> bytes:
+    """`planes` as written before its exponent frame was zstd: Blosc zstd-1 (PLANES_BLOSC)."""
+    planes = codec._split_planes_host(a)
+    e = codec._planes_blosc(planes.exponent, codec.PLANES_BLOSC["exponent"])
+    sm = codec._planes_blosc(planes.sign_mantissa, codec.PLANES_BLOSC["sign_mantissa"])
+    return len(e).to_bytes(4, "little") + e + sm
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--cache", type=Path, required=True)
@@ -75,6 +86,7 @@ def main() -> None:
     codecs = {
         "blosc zstd-1 shuffle": (blosc_compressor(2), numcodecs.blosc.decompress),
         "planes": (planes_compress, lambda b: planes_decompress(b).view(np.uint8)),
+        "planes-blosc-exp": (planes_blosc_exponent, lambda b: planes_decompress(b).view(np.uint8)),
     }
     per_token = raw / len(layers) / 2 / chunks[0][0].shape[1]  # tokens
     print(f"{args.cache}: {int(per_token):,} tokens, layers {list(layers)}, raw {raw / 1e6:.1f} MB")

@@ -120,7 +120,10 @@ def test_part_checksum_of_a_folder_sees_content_names_and_files(tmp_path):
 def test_codec_description_and_blosc_settings():
     bf16, fp8 = codec_description("bf16"), codec_description("fp8")
     assert bf16["compressor"]["id"] == "planes" and fp8["compressor"]["typesize"] == 1
-    assert bf16["compressor"]["planes"]["exponent"]["cname"] == BLOSC["cname"] == "zstd"
+    exponent = bf16["compressor"]["planes"]["exponent"]
+    assert exponent["id"] == "zstd" and exponent["strategy"] == "fast"
+    assert bf16["compressor"]["planes"]["sign_mantissa"]["cname"] == "lz4"
+    assert BLOSC["cname"] == "zstd"
     assert fp8["compressor"]["cname"] == "zstd"
     assert fp8["scale"] and bf16["scale"] is None
     assert json.loads(json.dumps(bf16)) == bf16

@@ -113,3 +113,33 @@ def test_planes_are_refused_where_they_do_not_fit(tmp_path):
         codec.encode_hidden(p, "fp8", shape)
     with pytest.raises(ValueError, match="exponent plane must be uint8"):
         codec.encode_hidden(codec.Bf16Planes(p.exponent[1:], p.sign_mantissa), "bf16", shape)
+
+
+def _blosc_exponent(plane: np.ndarray) -> bytes:  # how `planes` caches were written before zstd
+    return codec._planes_blosc(plane, codec.PLANES_BLOSC["exponent"])
+
+
+@pytest.mark.parametrize("fmt", ["zarr", "wds"])
+def test_planes_parts_with_blosc_exponent_frames_still_read(tmp_path, monkeypatch, fmt):
+    records = make_records()
+    monkeypatch.setattr(codec, "exponent_frame", _blosc_exponent)
+    write_part(tmp_path / "old", 0, records, fmt=fmt, store="bf16")
+    monkeypatch.undo()
+    write_part(tmp_path / "new", 0, records, fmt=fmt, store="bf16")
+    for cache in ("old", "new"):
+        reader = open_part(next((tmp_path / cache).glob("part-000000*")))
+        for n, r in enumerate(records):
+            assert_matches(reader.read(n) if fmt == "zarr" else list(reader)[n], r, "bf16")
+
+
+def test_exponent_frames_are_zstd_and_smaller_than_blosc_on_activation_like_values():
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(64, 576, generator=g) * 0.5
+    h[:, [3, 77]] *= 2000
+    planes = codec.split_planes(h.to(torch.bfloat16))
+    exponent = planes.exponent.numpy().reshape(-1)
+    frame = codec.exponent_frame(exponent)
+    assert frame[:4] == codec.ZSTD_MAGIC
+    assert len(frame) < len(_blosc_exponent(exponent))
+    every = np.arange(1 << 16, dtype=np.uint16)
+    assert planes_compress(every)[4:8] == codec.ZSTD_MAGIC
