@@ -144,16 +144,21 @@ def command(args: list[str], log: Path, env: dict[str, str]) -> float:
     return seconds
 
 
-def extraction_rate(log: Path) -> tuple[int, float, float]:
-    """(tokens, seconds, seconds until the last forward ended) from extract's per-rank line
-    (target loading excluded)."""
-    m = re.search(
-        r"(\d+) tokens extracted in ([\d.]+) s .*?the forwards ended at ([\d.]+) s",
-        log.read_text(),
-    )
+def extraction_rate(log: Path) -> tuple[int, float, float, float | None]:
+    """(tokens, seconds, seconds until the last forward ended, seconds the device waited for a
+    free staging buffer, i.e. for the writers) from extract's per-rank lines (target loading
+    excluded)."""
+    text = log.read_text()
+    m = re.search(r"(\d+) tokens extracted in ([\d.]+) s .*?the forwards ended at ([\d.]+) s", text)
     if not m:
         raise SystemExit(f"no extraction rate in {log}")
-    return int(m.group(1)), float(m.group(2)), float(m.group(3))
+    waited = re.search(r"the device waited ([\d.]+) s of [\d.]+ s for a free staging buffer", text)
+    return (
+        int(m.group(1)),
+        float(m.group(2)),
+        float(m.group(3)),
+        float(waited.group(1)) if waited else None,
+    )
 
 
 def training_figures(run: Path, skip_steps: int) -> dict[str, Any]:
@@ -216,7 +221,7 @@ def main() -> None:
          "--data", str(work / "rows.jsonl"), "--out", str(shards)],
         work / "extract.log", env,
     )  # fmt: skip
-    tokens, extract_s, forwards_s = extraction_rate(work / "extract.log")
+    tokens, extract_s, forwards_s, staging_wait_s = extraction_rate(work / "extract.log")
     times["verify"] = command([py, "-m", "extract.verify", str(shards)], work / "verify.log", env)
     manifest = json.loads((shards / "manifest.json").read_text())
     shutil.rmtree(work / "target")  # the trainer never reads it; the disk is needed for runs
@@ -257,6 +262,7 @@ def main() -> None:
         "extract_ratio": (tokens / extract_s) / plain["tok_s"],
         # The clock stopped at the last forward: what the final writes and commit cost apart.
         "extract_forwards_s": forwards_s,
+        "extract_staging_wait_s": staging_wait_s,
         "extract_ratio_until_last_forward": (tokens / forwards_s) / plain["tok_s"],
         "stored_bytes_per_token": stored / tokens,
         "train": train,
@@ -306,6 +312,12 @@ def print_table(r: dict[str, Any]) -> None:
             "  until the last forward / then",
             f"{r['extract_ratio_until_last_forward']:.3f} / "
             f"{r['extract_s'] - r['extract_forwards_s']:.1f} s more",
+        ),  # fmt: skip
+        (
+            "  device waiting for the writers",
+            "n/a"
+            if r["extract_staging_wait_s"] is None
+            else f"{r['extract_staging_wait_s']:.1f} s of {r['extract_s']:.1f} s",
         ),  # fmt: skip
         ("stored bytes/token", f"{r['stored_bytes_per_token']:,.0f}"),
         ("train steps, settings", f"{t['steps']}, {r['train_settings']}"),
