@@ -54,7 +54,7 @@ case $MODE in
     # 50,500 seeds (then all there were) gave 19,923 distinct questions on an H200 (2026-12-01):
     # 60K (of 64,640) for 20K+ chats.
     GPUS=${GPUS:-0} SEEDS=${SEEDS:-60000} HELD_OUT=${HELD_OUT:-32} Q_TOKENS=48
-    A_TOKENS=${A_TOKENS:-128} BATCH=${BATCH:-1024} STEPS=${STEPS:-1500} SPEC_TOKENS=96 TRAIN=()
+    A_TOKENS=${A_TOKENS:-128} BATCH=${BATCH:-1024} STEPS=${STEPS:-800} SPEC_TOKENS=96 TRAIN=()
     PARTS=() ;;
   *) echo "BENCH_MODE must be gpu, cpu or tiny, not $MODE" >&2; exit 2 ;;
 esac
