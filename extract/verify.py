@@ -39,15 +39,18 @@ TOLERANCE = {"bf16": 2e-2, "fp8": 8e-2}
 def check_parts(cache: Path, manifest: Manifest, threads: int | None = None) -> list[str]:
     """Checksums, decodability and counts of every listed part, in the manifest's order.
 
-    Parts are checked on `threads` threads at once (default: the usable cores): the work is
-    reading files, crc32c and decompression, which release the GIL, so a large cache is
-    checked at the disk's or the cores' speed rather than one core's."""
+    Parts are checked on `threads` threads at once (default: the usable cores), and the chunks
+    of each part on the cores left over (a cache of few large parts): the work is reading files,
+    crc32c and decompression, which release the GIL, so a large cache is checked at the disk's
+    or the cores' speed rather than one core's."""
     parts = manifest.parts
-    threads = max(1, min(len(parts), threads or usable_cpus()))
+    cores = threads or usable_cpus()
+    threads = max(1, min(len(parts), cores))
+    shard_threads = max(1, cores // threads)  # few large parts: their chunks side by side
     done, lock = [0], threading.Lock()
 
     def one(rec: PartRecord) -> list[str]:
-        problems = _check_part(cache, rec)
+        problems = _check_part(cache, rec, shard_threads)
         with lock:
             done[0] += 1
             if done[0] % max(1, len(parts) // 10) == 0 or done[0] == len(parts):
@@ -58,11 +61,11 @@ def check_parts(cache: Path, manifest: Manifest, threads: int | None = None) -> 
         return [p for problems in pool.map(one, parts) for p in problems]
 
 
-def _check_part(cache: Path, rec: PartRecord) -> list[str]:
+def _check_part(cache: Path, rec: PartRecord, shard_threads: int) -> list[str]:
     path = cache / rec.name
     if not path.exists():
         return [f"{rec.name}: listed in the manifest but missing on disk"]
-    problems = [f"{rec.name}: {p}" for p in verify_part(path, rec.checksum)]
+    problems = [f"{rec.name}: {p}" for p in verify_part(path, rec.checksum, threads=shard_threads)]
     try:
         reader = open_part(path)
     except (OSError, ValueError, KeyError) as e:

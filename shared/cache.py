@@ -64,9 +64,10 @@ def open_part(path: Path) -> PartReader:
     raise FileNotFoundError(f"{path}: not a part folder or .tar file")
 
 
-def verify_part(path: Path, expected_checksum: str | None = None) -> list[str]:
+def verify_part(path: Path, expected_checksum: str | None = None, *, threads: int = 1) -> list[str]:
     """Problems found in a part (empty if fine): checksum, decodability of every chunk or
-    member (crc32c), layout consistency."""
+    member (crc32c), layout consistency; a zarr part's chunks are checked on `threads`
+    threads."""
     path = Path(path)
     if not path.exists():
         return [f"{path}: missing"]
@@ -76,7 +77,7 @@ def verify_part(path: Path, expected_checksum: str | None = None) -> list[str]:
         if actual != expected_checksum:
             problems.append(f"checksum {actual} != expected {expected_checksum}")
     if path.is_dir():
-        problems += verify_zarr(path)
+        problems += verify_zarr(path, threads=threads)
     else:
         problems += verify_wds(path)
     return problems

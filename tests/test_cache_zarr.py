@@ -134,3 +134,39 @@ def test_commit_checksum_from_written_files_equals_a_full_read(part):
     rel = shard_file(path, 0).relative_to(path).as_posix()
     stale = {rel: (shard_file(path, 0).stat().st_size + 1, 0)}
     assert part_checksum(path, stale) == stats.checksum
+
+
+@pytest.mark.parametrize("store", ["bf16", "fp8"])
+def test_every_shard_is_checked_directly_on_any_number_of_threads(tmp_path, store):
+    """verify_zarr checks each shard's index and chunks itself (zarr reads the first and last):
+    a damaged index, chunk or file length anywhere is found, the same on 1 and 4 threads."""
+    from shared.zarr_part import verify_zarr
+
+    write_part(tmp_path, 0, make_records(), fmt="zarr", store=store)
+    path = tmp_path / "part-000000"
+    assert verify_zarr(path, threads=4) == []
+    middle = int(open_part(path).offsets[2])
+    index_shard, chunk_shard = shard_file(path, middle), shard_file(path, middle + CHUNK_ROWS)
+    flip_byte(index_shard, index_shard.stat().st_size - 10)  # inside the index
+    offset, nbytes = inner_chunk_range(chunk_shard, layer=K - 1)
+    flip_byte(chunk_shard, offset + nbytes // 2)
+    found = verify_zarr(path, threads=4)
+    assert found == verify_zarr(path, threads=1)
+    rows = [f"hidden rows {r}..{r + CHUNK_ROWS}" for r in (middle, middle + CHUNK_ROWS)]
+    assert found == [f"{rows[0]}: the shard index fails its crc32c checksum",
+                     f"{rows[1]}: layer {K - 1}'s chunk fails its crc32c checksum"]  # fmt: skip
+    last = shard_file(path, int(open_part(path).offsets[-1]) - 1)
+    last.write_bytes(last.read_bytes()[:50])
+    assert any("shorter than its index" in p for p in verify_zarr(path))
+
+
+def test_a_layout_other_than_ours_is_decoded_through_zarr(part, monkeypatch):
+    from shared import zarr_part
+
+    path, _, _ = part
+    monkeypatch.setattr(zarr_part, "_inner_codec", lambda *a: None)
+    assert zarr_part.verify_zarr(path) == []
+    shard = shard_file(path, row=0)
+    offset, nbytes = inner_chunk_range(shard, layer=1)
+    flip_byte(shard, offset + nbytes // 2)
+    assert any(p.startswith("hidden rows 0..1024") for p in zarr_part.verify_zarr(path))
