@@ -191,9 +191,8 @@ def planes_compress(a: np.ndarray) -> bytes:
     and zstd then codes both streams with one Huffman table. Here the exponent is one stream
     (activations use few exponents: about 3 bits of entropy on a real target), a zstd frame
     (`exponent_frame`), and sign+mantissa the other, a Blosc lz4 frame. Layout: uint32
-    little-endian size of
-    the exponent frame, the exponent frame, the sign+mantissa frame (`planes_frames` gives the
-    three pieces without joining them).
+    little-endian size of the exponent frame, the exponent frame, the sign+mantissa frame
+    (`planes_frames` gives the three pieces without joining them).
 
     >>> a = np.array([0x3F80, 0xC000, 0x0001, 0xFFFF], np.uint16)
     >>> np.array_equal(planes_decompress(planes_compress(a)), a)
