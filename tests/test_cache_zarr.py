@@ -170,3 +170,30 @@ def test_a_layout_other_than_ours_is_decoded_through_zarr(part, monkeypatch):
     offset, nbytes = inner_chunk_range(shard, layer=1)
     flip_byte(shard, offset + nbytes // 2)
     assert any(p.startswith("hidden rows 0..1024") for p in zarr_part.verify_zarr(path))
+
+
+@pytest.mark.parametrize("store", ["bf16", "fp8"])
+def test_direct_shard_reads_equal_zarr_reads(tmp_path, store):
+    """The reader decodes our shards itself (`ShardFiles`); every sample and layer subset equals
+    zarr's own read of the same rows."""
+    write_part(tmp_path, 0, make_records(), fmt="zarr", store=store)
+    path = tmp_path / "part-000000"
+    reader = open_part(path)
+    assert reader._shards is not None  # the direct path is the one under test
+    hidden = zarr.open_group(path, mode="r")["hidden"]
+    for n in range(reader.num_samples):
+        start = int(reader.offsets[n])
+        rows = slice(start, start + int(reader.lengths[n]))
+        for layers in (None, [2, 0], [K - 1]):
+            got = reader.read(n, layers=layers).hidden
+            want = hidden[rows] if layers is None else hidden.oindex[rows, layers]
+            assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def test_a_missing_shard_is_an_error_not_zeros(part):
+    path, _, _ = part
+    reader = open_part(path)
+    shard_file(path, row=int(reader.offsets[1])).unlink()
+    reader.read(0)
+    with pytest.raises(FileNotFoundError):
+        reader.read(1)
