@@ -4,7 +4,7 @@
 
 Reads the cache's bf16 samples (any codec), cuts them as the zarr writer does (64 rows of one
 layer, a sample's last chunk zero-padded), and for Blosc zstd-1 byte shuffle (the codec before
-`planes`), `planes` (`shared.codec.planes_compress`: exponent bytes as a zstd frame) and
+`planes`), `planes` (`shared.planes.planes_compress`: exponent bytes as a zstd frame) and
 `planes-blosc-exp` (the same planes with the exponent bytes through Blosc zstd-1, as `planes`
 caches were written before) prints the stored bytes against the raw
 bf16 bytes of the real tokens, overall and per layer, and compress / decompress throughput of
@@ -24,10 +24,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared import codec  # noqa: E402
+from shared import codec, planes  # noqa: E402
 from shared.cache import open_part  # noqa: E402
-from shared.codec import CHUNK_ROWS, blosc_compressor, planes_compress, planes_decompress  # noqa: E402
+from shared.codec import CHUNK_ROWS, blosc_compressor  # noqa: E402
 from shared.manifest import read_manifest  # noqa: E402
+from shared.planes import planes_compress, planes_decompress  # noqa: E402
 
 
 def layer_chunks(cache: Path, max_samples: int) -> tuple[list[list[np.ndarray]], int]:
@@ -69,9 +70,9 @@ def measure(chunks: list[np.ndarray], compress, decompress) -> tuple[int, float,
 
 def planes_blosc_exponent(a: np.ndarray) -> bytes:
     """`planes` as written before its exponent frame was zstd: Blosc zstd-1 (PLANES_BLOSC)."""
-    planes = codec._split_planes_host(a)
-    e = codec._planes_blosc(planes.exponent, codec.PLANES_BLOSC["exponent"])
-    sm = codec._planes_blosc(planes.sign_mantissa, codec.PLANES_BLOSC["sign_mantissa"])
+    p = planes._split_planes_host(a)
+    e = planes._planes_blosc(p.exponent, codec.PLANES_BLOSC["exponent"])
+    sm = planes._planes_blosc(p.sign_mantissa, codec.PLANES_BLOSC["sign_mantissa"])
     return len(e).to_bytes(4, "little") + e + sm
 
 

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared import codec  # noqa: E402
 from shared.cache import open_part_writer  # noqa: E402
+from shared.planes import split_planes  # noqa: E402
 
 K, H = 5, 4096
 
@@ -117,7 +118,7 @@ def main() -> None:
     for i in range(2):
         h = torch.randn(K, args.rows, H, generator=torch.Generator().manual_seed(i)).bfloat16()
         if args.staged == "planes":  # split where extraction splits them: before staging
-            planes = codec.split_planes(h)
+            planes = split_planes(h)
             e, sm = (x.transpose(0, 1) for x in (planes.exponent, planes.sign_mantissa))
             payloads.append(codec.Bf16Planes(e, sm))
         else:

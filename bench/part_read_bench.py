@@ -4,7 +4,7 @@
 
 Reads every sample of every part (`shared.cache.open_part(...).read`, what the loader workers
 do), all layers or `--layers` (positions in the cache's layer list), once with the reader's own
-shard decoding (`shared.zarr_part.ShardFiles`) and once through zarr, alternating, and prints
+shard decoding (`shared.zarr_shards.ShardFiles`) and once through zarr, alternating, and prints
 the raw payload GB/s of each (the best of `--repeats`) and their ratio. The files come from the
 page cache after the first pass: this measures decoding CPU, not the disk.
 """

@@ -20,7 +20,7 @@ from extract.sink import Staging, WriterPool
 from extract.target import load_target
 from extract.units import reader_reading_ahead, run_units
 from shared.cache import open_part_writer, part_name
-from shared.codec import Bf16Planes, hidden_codec, quantize_fp8, split_planes
+from shared.codec import Bf16Planes, hidden_codec, quantize_fp8
 from shared.dist import RankInfo, processes_on_this_host, usable_cpus
 from shared.logs import setup_logging
 from shared.manifest import (
@@ -29,6 +29,7 @@ from shared.manifest import (
     RejectedRow,
     update_manifest,
 )
+from shared.planes import split_planes
 from shared.progress import RankCounters, SummedBar
 from shared.stopping import Stopped, StopRequest
 
@@ -265,7 +266,7 @@ def _report_rate(rank: int, tokens: int, seconds: float, forwards: float) -> Non
 def _device_payload(packed: torch.Tensor, store: str, fmt: str) -> dict[str, torch.Tensor]:
     """What is staged to the host: layer-major payload [K, N, H] (one layer's rows contiguous,
     see LayerCapture) and, for fp8, the scales [N, K]. bf16 for zarr parts goes as its two
-    `planes` byte planes, split on the device (`shared.codec.split_planes`): as many bytes as
+    `planes` byte planes, split on the device (`shared.planes.split_planes`): as many bytes as
     the bf16 values, and the writer threads, which share the host's cores and its GIL with the
     thread launching the forwards, only compress."""
     if store == "fp8":

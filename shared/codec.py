@@ -1,8 +1,9 @@
 """Codec settings and value transforms of the hidden-state cache (format version 1).
 
 Everything here is independent of the container (zarr folder or webdataset tar): the Blosc
-settings, the bf16 <-> uint16 views, the fp8 e4m3 quantisation with one scale per token per
-layer (checksums: ``shared/checksum.py``).
+settings (those of the bf16 `planes` codec too; its code: ``shared/planes.py``), the bf16 <->
+uint16 views, the fp8 e4m3 quantisation with one scale per token per layer (checksums:
+``shared/checksum.py``).
 
 Blosc threading: we compress from our own writer threads (and zarr from its worker pool), so
 Blosc's internal threads stay off. With ``use_threads = False`` numcodecs calls
@@ -13,12 +14,10 @@ is imported; we set it here too so the webdataset path does not depend on import
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numcodecs.blosc
-import numcodecs.zstd
 import numpy as np
 import torch
 from numcodecs import Blosc
@@ -29,7 +28,7 @@ CHUNK_ROWS = 64
 # Measured on synthetic bf16 activations (DESIGN.md section 3): zstd-1 with byte shuffle beats
 # bitshuffle, lz4 and an automatic blocksize. typesize is 1 for fp8 payloads.
 BLOSC = dict(cname="zstd", clevel=1, shuffle="shuffle", typesize=2, blocksize=1 << 20)
-# bf16 payloads: "planes" (`planes_compress`: the exponent bytes apart from sign+mantissa;
+# bf16 payloads: "planes" (`shared.planes`: the exponent bytes apart from sign+mantissa;
 # `bench/codec_bench.py` on SmolLM2-135M-Instruct's states of 240 shipped chats: 0.680 of raw
 # bf16 against 0.787 for Blosc's byte shuffle); "blosc" for caches written before it (their
 # parts say so, and read as before).
@@ -63,8 +62,6 @@ STORES = ("bf16", "fp8")
 FORMATS = ("zarr", "wds")
 # Largest finite float8 e4m3fn magnitude: scale = amax / FP8_MAX maps each row onto the full range.
 FP8_MAX = 448.0
-# Values per step of `split_planes` (its int16 temporaries: 128 MiB each).
-SPLIT_ELEMENTS = 1 << 26
 
 numcodecs.blosc.use_threads = False
 numcodecs.blosc.set_nthreads(1)
@@ -79,8 +76,8 @@ _SHUFFLE_IDS = {
 @dataclass(frozen=True)
 class Bf16Planes:
     """A bf16 payload already split into the two byte planes of the `planes` codec (uint8
-    arrays or tensors of one shape; `split_planes` makes them, on the device): the writers then
-    only compress, with no pass over the values on the host."""
+    arrays or tensors of one shape; `shared.planes.split_planes` makes them, on the device):
+    the writers then only compress, with no pass over the values on the host."""
 
     exponent: np.ndarray | torch.Tensor
     sign_mantissa: np.ndarray | torch.Tensor
@@ -182,145 +179,6 @@ def codec_description(store: str) -> dict:
     }
 
 
-def planes_compress(a: np.ndarray) -> bytes:
-    """bf16 bit patterns -> the `planes` encoding: exponent bytes and sign+mantissa bytes, each
-    compressed alone.
-
-    A bf16 is sign (1 bit), exponent (8), mantissa (7): Blosc's byte shuffle puts the sign and 7
-    exponent bits in one byte stream and the last exponent bit with the mantissa in the other,
-    and zstd then codes both streams with one Huffman table. Here the exponent is one stream
-    (activations use few exponents: about 3 bits of entropy on a real target), a zstd frame
-    (`exponent_frame`), and sign+mantissa the other, a Blosc lz4 frame. Layout: uint32
-    little-endian size of the exponent frame, the exponent frame, the sign+mantissa frame
-    (`planes_frames` gives the three pieces without joining them).
-
-    >>> a = np.array([0x3F80, 0xC000, 0x0001, 0xFFFF], np.uint16)
-    >>> np.array_equal(planes_decompress(planes_compress(a)), a)
-    True
-    """
-    return b"".join(planes_frames(a))
-
-
-def planes_frames(x: np.ndarray | Bf16Planes) -> list[bytes]:
-    """The `planes` encoding of bf16 bits (uint16) or of their planes (`Bf16Planes`, numpy), as
-    its three consecutive pieces: size, exponent frame, sign+mantissa frame. Written as they are
-    (os.writev) they need no joined copy, which would hold the GIL."""
-    if not isinstance(x, Bf16Planes):
-        x = _split_planes_host(x)
-    exponent = c_contiguous(x.exponent).reshape(-1)
-    if exponent.size == 0:  # Blosc does not decode an empty frame
-        return [bytes(4)]
-    e = exponent_frame(exponent)
-    sm = _planes_blosc(c_contiguous(x.sign_mantissa).reshape(-1), PLANES_BLOSC["sign_mantissa"])
-    return [len(e).to_bytes(4, "little"), e, sm]
-
-
-_zstd = threading.local()  # a zstd compressor per thread: one is not safe to share
-
-
-def exponent_frame(plane: np.ndarray) -> bytes:
-    """The exponent bytes as a zstd frame (PLANES_EXPONENT_ZSTD; python-zstandard releases the
-    GIL while it compresses, so N writer threads use N cores)."""
-    cctx = getattr(_zstd, "cctx", None)
-    if cctx is None:
-        try:
-            import zstandard
-        except ImportError as e:  # a dependency of the package; named for a bare environment
-            raise ImportError(
-                "writing bf16 states needs the zstandard package: pip install zstandard"
-            ) from e
-        settings = dict(PLANES_EXPONENT_ZSTD)
-        strategy = getattr(zstandard, f"STRATEGY_{settings.pop('strategy').upper()}")
-        params = zstandard.ZstdCompressionParameters(  # the content size lets any reader
-            strategy=strategy, write_content_size=True, write_checksum=False, **settings
-        )  # size its output (the chunk is crc32c-checked by zarr)
-        cctx = _zstd.cctx = zstandard.ZstdCompressor(compression_params=params)
-    return cctx.compress(plane)
-
-
-def _exponent_bytes(frame: memoryview) -> bytes:
-    """Decode an exponent frame: zstd, or Blosc in caches written before zstd."""
-    if bytes(frame[:4]) == ZSTD_MAGIC:
-        return numcodecs.zstd.decompress(frame)
-    return numcodecs.blosc.decompress(frame)
-
-
-def _split_planes_host(a: np.ndarray) -> Bf16Planes:
-    # uint16 ops then a wrapping cast: several times faster than ops on strided uint8 views.
-    flat = c_contiguous(a).reshape(-1)
-    exponent = (flat >> 7).astype(np.uint8)  # the cast drops the sign (bit 8 after the shift)
-    sign_mantissa = flat & 0x807F
-    sign_mantissa |= sign_mantissa >> 8
-    return Bf16Planes(exponent, sign_mantissa.astype(np.uint8))
-
-
-def split_planes(h: torch.Tensor) -> Bf16Planes:
-    """A bf16 tensor's two `planes` byte planes, computed where it lives (on a GPU, a few
-    elementwise kernels instead of several host passes under the writers' threads): exponent =
-    bits 7..14, sign+mantissa = bit 15 then bits 0..6; uint8 tensors of h's shape, contiguous.
-    Bit-equal to the host split (`planes_frames` of the uint16 bits); SPLIT_ELEMENTS values at a
-    time, so the int16 temporaries stay small.
-
-    >>> p = split_planes(torch.tensor([1.0, -2.0], dtype=torch.bfloat16))
-    >>> p.exponent.tolist(), p.sign_mantissa.tolist()
-    ([127, 128], [0, 128])
-    """
-    if h.dtype != torch.bfloat16:
-        raise TypeError(f"expected a bfloat16 tensor, got {h.dtype}")
-    bits = h.contiguous().view(torch.int16).reshape(-1)
-    exponent = torch.empty(bits.shape, dtype=torch.uint8, device=h.device)
-    sign_mantissa = torch.empty_like(exponent)
-    for start in range(0, bits.numel(), SPLIT_ELEMENTS):
-        b = bits[start : start + SPLIT_ELEMENTS]
-        exponent[start : start + SPLIT_ELEMENTS].copy_(b >> 7)  # int16 -> uint8: the low byte
-        sm = (b >> 8).bitwise_and_(0x80).bitwise_or_(b & 0x7F)
-        sign_mantissa[start : start + SPLIT_ELEMENTS].copy_(sm)
-    return Bf16Planes(exponent.view(h.shape), sign_mantissa.view(h.shape))
-
-
-def merge_planes(p: Bf16Planes) -> np.ndarray:
-    """The uint16 bf16 bits of numpy planes (inverse of the split), C-contiguous, p's shape."""
-    exponent, sm = (c_contiguous(np.asarray(x)) for x in (p.exponent, p.sign_mantissa))
-    out = np.empty(exponent.shape, np.uint16)
-    _merge_into(exponent.reshape(-1), sm.reshape(-1), out.reshape(-1))
-    return out
-
-
-def _merge_into(exponent: np.ndarray, sign_mantissa: np.ndarray, flat: np.ndarray) -> None:
-    np.left_shift(exponent, 7, out=flat, dtype=np.uint16)
-    sm = sign_mantissa.astype(np.uint16)
-    flat |= sm & 0x7F
-    sm &= 0x80
-    sm <<= 8
-    flat |= sm
-
-
-def planes_decompress(buf: bytes | memoryview, out: np.ndarray | None = None) -> np.ndarray:
-    """Inverse of planes_compress: uint16 [N] (written into `out`, C-contiguous uint16, if
-    given)."""
-    view = memoryview(buf)
-    n = int.from_bytes(view[:4], "little")
-    if n == 0:
-        empty = np.empty(0, np.uint16) if out is None else out
-        if empty.size:
-            raise ValueError(f"planes payload of 0 values, expected {empty.size}")
-        return empty
-    exponent = np.frombuffer(_exponent_bytes(view[4 : 4 + n]), np.uint8)
-    sign_mantissa = np.frombuffer(numcodecs.blosc.decompress(view[4 + n :]), np.uint8)
-    if out is None:
-        out = np.empty(exponent.size, np.uint16)
-    if out.size != exponent.size or sign_mantissa.size != exponent.size:
-        raise ValueError(f"planes payload of {exponent.size} values, expected {out.size}")
-    _merge_into(exponent, sign_mantissa, out.reshape(-1))
-    return out
-
-
-def _planes_blosc(plane: np.ndarray, s: dict) -> bytes:
-    return numcodecs.blosc.compress(
-        plane, s["cname"].encode(), s["clevel"], Blosc.NOSHUFFLE, s["blocksize"], 1
-    )
-
-
 def bf16_to_u16(t: torch.Tensor) -> np.ndarray:
     """The uint16 bit patterns of a bf16 tensor, as a C-contiguous numpy view of its CPU copy."""
     return _bf16_bits(t.contiguous())
@@ -369,9 +227,10 @@ def encode_hidden(
     The payload keeps the input's strides (a layer-major [L, K, H] view stays one, see
     `extract.capture.LayerCapture`); writers that need C order call `c_contiguous`.
 
-    bf16 takes a bf16 tensor or its planes (`Bf16Planes`, from `split_planes`: the payload is
-    then a `Bf16Planes` of numpy uint8 [L, K, H]); fp8 takes a bf16/float tensor (quantised
-    here, on its device) or an already quantised ``(q uint8 [L, K, H], scale float32 [L, K])``.
+    bf16 takes a bf16 tensor or its planes (`Bf16Planes`, from `shared.planes.split_planes`:
+    the payload is then a `Bf16Planes` of numpy uint8 [L, K, H]); fp8 takes a bf16/float tensor
+    (quantised here, on its device) or an already quantised ``(q uint8 [L, K, H], scale float32
+    [L, K])``.
     """
     if isinstance(hidden, Bf16Planes):
         if store != "bf16":

@@ -35,14 +35,12 @@ from shared.codec import (
     Bf16Planes,
     c_contiguous,
     hidden_codec,
-    merge_planes,
     numcodecs_blosc,
     payload_dtype,
-    planes_compress,
-    planes_decompress,
 )
 from shared.fsio import start_writeback
 from shared.part import PartReader, PartWriter, Sample
+from shared.planes import merge_planes, planes_compress, planes_decompress
 
 PART_MEMBER = "__part__"
 # Blosc takes at most ~2 GiB per call; a long sample is stored as several frames.
@@ -62,7 +60,7 @@ def required_exts(store: str) -> frozenset[str]:
 
 def compress_payload(payload: np.ndarray, codec: str = "blosc") -> list[bytes]:
     """Frames of a C-contiguous array's bytes: Blosc (cache settings, typesize = itemsize) or,
-    for bf16 bits, `planes` (`shared.codec.planes_compress`)."""
+    for bf16 bits, `planes` (`shared.planes.planes_compress`)."""
     if codec == "planes":
         flat = c_contiguous(payload).reshape(-1)
         step = FRAME_BYTES // 2

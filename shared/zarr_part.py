@@ -11,10 +11,9 @@ arrays at commit and does all reading. Blosc (one internal thread, ``shared/code
 crc32c release the GIL, so N writer threads compress on N cores. Writing through zarr's Array API
 instead funnels every chunk through zarr's single event-loop thread (the codecs run on its worker
 pool via ``asyncio.to_thread``, but scheduling, crc32c and shard assembly do not). The part is
-made durable at its commit with one syncfs (``shared.fsio.sync_tree``). ``verify_zarr`` checks
-the shards it wrote directly (index, crc32c and decoding of every inner chunk, on threads),
-several times faster than decoding them through zarr, which still reads the first and last
-shard. Reading our shards,
+made durable at its commit with one syncfs (``shared.fsio.sync_tree``). The reader and
+``verify_zarr`` read these shards directly (``shared/zarr_shards.py``); zarr still reads each
+part's first and last shard in verification. Reading our shards,
 per-layer oindex reads, crc32c detection and nchunks_initialized behave the same on zarr 3.1.6
 and 3.4.2. Writer throughput against plain Blosc: ``python bench/write_bench.py``.
 """
@@ -22,7 +21,6 @@ and 3.4.2. Writer throughput against plain Blosc: ``python bench/write_bench.py`
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import struct
@@ -33,7 +31,6 @@ from functools import partial
 from pathlib import Path
 
 import crc32c
-import numcodecs.blosc
 import numpy as np
 import zarr
 import zarr.registry
@@ -51,13 +48,12 @@ from shared.codec import (
     c_contiguous,
     hidden_codec,
     payload_dtype,
-    planes_compress,
-    planes_decompress,
-    planes_frames,
     torch_bits,
 )
 from shared.fsio import start_writeback, sync_tree
 from shared.part import PartReader, PartWriter, Sample, aligned_offsets, layout_problems
+from shared.planes import planes_compress, planes_decompress, planes_frames
+from shared.zarr_shards import PLANES_CODEC_NAME, ShardFiles, inner_codec, shard_problems
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +72,7 @@ def zarr_compressors(typesize: int) -> list:
 
 @dataclass(frozen=True)
 class PlanesCodec(BytesBytesCodec):
-    """zarr's side of `shared.codec.planes_compress` (bf16 chunks), registered by name, so zarr
+    """zarr's side of `shared.planes.planes_compress` (bf16 chunks), registered by name, so zarr
     reads such chunks like any other; `hidden` arrays written before it name Blosc instead."""
 
     is_fixed_size = False
@@ -106,7 +102,6 @@ class PlanesCodec(BytesBytesCodec):
         raise NotImplementedError
 
 
-PLANES_CODEC_NAME = "dflash_offline.planes"
 zarr.registry.register_codec(PLANES_CODEC_NAME, PlanesCodec)
 
 
@@ -305,7 +300,7 @@ class ZarrPartReader(PartReader):
         self._hidden = group["hidden"]
         # Our own shard layout is read directly (`ShardFiles`): several times less CPU a token
         # than through zarr; any other layout through zarr.
-        inner = _inner_codec(Path(path, "hidden", "zarr.json"), self.num_layers, self.hidden_size)
+        inner = inner_codec(Path(path, "hidden", "zarr.json"), self.num_layers, self.hidden_size)
         self._shards = (
             None
             if inner is None
@@ -377,7 +372,7 @@ def verify_zarr(path: Path, threads: int = 1) -> list[str]:
         problems += layout_problems(small["offsets"], small["lengths"], T)
     if hidden.nchunks_initialized != hidden.nchunks:
         problems.append(f"hidden has {hidden.nchunks_initialized} of {hidden.nchunks} chunks")
-    inner = _inner_codec(path / "hidden" / "zarr.json", K, H)
+    inner = inner_codec(path / "hidden" / "zarr.json", K, H)
     if inner is None:  # not the layout `shard_buffers` writes: decode everything through zarr
         step = CHUNK_ROWS * 16
         for start in range(0, T, step):
@@ -398,123 +393,7 @@ def verify_zarr(path: Path, threads: int = 1) -> list[str]:
         shard_files = ShardFiles(path, attrs.get("store"), inner, K, H)
     except ValueError as e:
         return [*problems, f"store: {e}"]
-    check = partial(_shard_problems, shard_files)
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="verify-shards") as pool:
-        for found in pool.map(check, shards):
-            problems += [p for p in found if p not in problems]
+        for found in pool.map(partial(shard_problems, shard_files), shards):
+            problems += found
     return problems
-
-
-def _inner_codec(meta: Path, K: int, H: int) -> str | None:
-    """'planes' or 'blosc' when the hidden array's metadata is the layout `shard_buffers` writes
-    (shards [CHUNK_ROWS, K, H] of inner chunks [CHUNK_ROWS, 1, H], bytes -> codec -> crc32c,
-    index at the end with crc32c, '/' keys); None otherwise."""
-    try:
-        m = json.loads(meta.read_text())
-        (shard,) = m["codecs"]
-        cfg = shard["configuration"]
-        names = [c["name"] for c in cfg["codecs"]]
-        index = [c["name"] for c in cfg["index_codecs"]]
-        layout_ok = (
-            shard["name"] == "sharding_indexed"
-            and m["chunk_grid"]["configuration"]["chunk_shape"] == [CHUNK_ROWS, K, H]
-            and cfg["chunk_shape"] == [CHUNK_ROWS, 1, H]
-            and cfg.get("index_location", "end") == "end"
-            and index == ["bytes", "crc32c"]
-            and m["chunk_key_encoding"]["configuration"]["separator"] == "/"
-            and names[0] == "bytes"
-            and names[-1] == "crc32c"
-            and len(names) == 3
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if not layout_ok:
-        return None
-    return {PLANES_CODEC_NAME: "planes", "blosc": "blosc"}.get(names[1])
-
-
-def _shard_problems(shards: ShardFiles, i: int) -> list[str]:
-    """Problems of shard file i of `hidden` (rows i*CHUNK_ROWS ..); a missing file is none here
-    (zarr's fill value; `nchunks_initialized` reports it)."""
-    try:
-        shards.chunks(i, range(shards.num_layers))
-    except FileNotFoundError:
-        return []
-    except (OSError, ShardError) as e:
-        reason = e.reason if isinstance(e, ShardError) else f"{type(e).__name__}: {e}"
-        return [f"hidden rows {i * CHUNK_ROWS}..{(i + 1) * CHUNK_ROWS}: {reason}"]
-    return []
-
-
-class ShardError(ValueError):
-    """A hidden shard file fails a check: `reason` says which, the message names the file."""
-
-    def __init__(self, file: str, reason: str):
-        super().__init__(f"{file}: {reason} (python -m extract.verify finds every such part)")
-        self.reason = reason
-
-
-class ShardFiles:
-    """Direct reads of the hidden shards `shard_buffers` writes, as zarr would read them: per
-    shard the index (its crc32c checked), then only the requested layers' inner chunks, each
-    crc32c-checked and decoded with the part's codec (`_inner_codec`) to [CHUNK_ROWS, H]. Plain
-    preads of one file, no event loop: several times less CPU than zarr's read path."""
-
-    def __init__(self, path: Path, store: str, inner: str, num_layers: int, hidden_size: int):
-        self.root, self.inner = f"{path}/hidden/c", inner
-        self.dtype, self.num_layers, self.hidden_size = (
-            payload_dtype(store),
-            num_layers,
-            hidden_size,
-        )
-
-    def read(self, rows: slice, layers: Sequence[int]) -> np.ndarray:
-        """[rows, len(layers), H] of the payload; raises ShardError, or FileNotFoundError for a
-        missing shard (zarr would return zeros: a part that misses one is damaged)."""
-        start, stop = int(rows.start), int(rows.stop)
-        out = np.empty((stop - start, len(layers), self.hidden_size), self.dtype)
-        for shard in range(start // CHUNK_ROWS, -(-stop // CHUNK_ROWS)):
-            first = shard * CHUNK_ROWS
-            lo, hi = max(start, first), min(stop, first + CHUNK_ROWS)
-            for j, values in enumerate(self.chunks(shard, layers)):
-                out[lo - start : hi - start, j] = values[lo - first : hi - first]
-        return out
-
-    def chunks(self, shard: int, layers: Sequence[int]) -> list[np.ndarray]:
-        """The decoded [CHUNK_ROWS, H] chunks of `layers` in shard file `shard`."""
-        file = f"{self.root}/{shard}/0/0"
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            size, n_index = os.fstat(fd).st_size, 16 * self.num_layers
-            if size < n_index + 4:
-                raise ShardError(file, f"shard of {size} bytes, shorter than its index")
-            tail = os.pread(fd, n_index + 4, size - n_index - 4)
-            if crc32c.crc32c(tail[:-4]) != int.from_bytes(tail[-4:], "little"):
-                raise ShardError(file, "the shard index fails its crc32c checksum")
-            entries = struct.unpack(f"<{2 * self.num_layers}Q", tail[:-4])
-            return [self._chunk(fd, file, k, entries, size - n_index - 4) for k in layers]
-        finally:
-            os.close(fd)
-
-    def _chunk(self, fd: int, file: str, k: int, entries: tuple, end: int) -> np.ndarray:
-        offset, size = entries[2 * k], entries[2 * k + 1]
-        if offset == size == (1 << 64) - 1:
-            raise ShardError(file, f"layer {k}'s chunk is missing from its shard")
-        if size < 4 or offset + size > end:
-            raise ShardError(file, f"layer {k}'s chunk lies outside its shard")
-        data = os.pread(fd, size, offset)
-        chunk = memoryview(data)[:-4]
-        if len(data) != size or crc32c.crc32c(chunk) != int.from_bytes(data[-4:], "little"):
-            raise ShardError(file, f"layer {k}'s chunk fails its crc32c checksum")
-        try:
-            if self.inner == "planes":
-                values = planes_decompress(chunk)
-            else:
-                values = np.frombuffer(numcodecs.blosc.decompress(chunk), self.dtype)
-        except Exception as e:  # whatever the codec raises, named as a damaged chunk
-            raise ShardError(
-                file, f"layer {k}'s chunk does not decode: {type(e).__name__}: {e}"
-            ) from e
-        if values.size != CHUNK_ROWS * self.hidden_size:
-            raise ShardError(file, f"layer {k}'s chunk decodes to the wrong size")
-        return values.reshape(CHUNK_ROWS, self.hidden_size)

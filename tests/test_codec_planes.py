@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from shared import codec
+from shared import codec, planes
 from shared.cache import open_part
-from shared.codec import blosc_compressor, planes_compress, planes_decompress
+from shared.codec import blosc_compressor
+from shared.planes import planes_compress, planes_decompress
 from tests.test_cache import assert_matches, make_records, write_part
 
 
@@ -43,10 +44,10 @@ def test_planes_beat_byte_shuffle_on_activation_like_values():
     assert len(planes_compress(a)) < 0.95 * len(blosc_compressor(2)(a))
 
 
-@pytest.mark.parametrize("fmt", ["zarr", "wds"])
-def test_parts_written_with_blosc_still_read(tmp_path, monkeypatch, fmt):
+def _old_and_new_parts_read(tmp_path, monkeypatch, fmt: str) -> None:
+    """A part written under the monkeypatched (earlier) codec, then the patch undone and one
+    written with today's: both read back bit for bit, in tmp_path/old and tmp_path/new."""
     records = make_records()
-    monkeypatch.setattr(codec, "BF16_CODEC", "blosc")
     write_part(tmp_path / "old", 0, records, fmt=fmt, store="bf16")
     monkeypatch.undo()
     write_part(tmp_path / "new", 0, records, fmt=fmt, store="bf16")
@@ -54,6 +55,12 @@ def test_parts_written_with_blosc_still_read(tmp_path, monkeypatch, fmt):
         reader = open_part(next((tmp_path / cache).glob("part-000000*")))
         for n, r in enumerate(records):
             assert_matches(reader.read(n) if fmt == "zarr" else list(reader)[n], r, "bf16")
+
+
+@pytest.mark.parametrize("fmt", ["zarr", "wds"])
+def test_parts_written_with_blosc_still_read(tmp_path, monkeypatch, fmt):
+    monkeypatch.setattr(codec, "BF16_CODEC", "blosc")
+    _old_and_new_parts_read(tmp_path, monkeypatch, fmt)
     if fmt == "zarr":
         meta = [
             json.loads((tmp_path / c / "part-000000" / "hidden" / "zarr.json").read_text())
@@ -70,14 +77,14 @@ def _bits(t: torch.Tensor) -> np.ndarray:
 def test_split_planes_equals_the_host_split_on_every_bit_pattern(monkeypatch):
     every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     want = planes_compress(_bits(every))
-    monkeypatch.setattr(codec, "SPLIT_ELEMENTS", 1000)  # several steps, the last one short
+    monkeypatch.setattr(planes, "SPLIT_ELEMENTS", 1000)  # several steps, the last one short
     for shape in ((1 << 16,), (256, 16, 16)):
-        planes = codec.split_planes(every.reshape(shape))
-        assert planes.shape == shape and planes.exponent.dtype == torch.uint8
-        assert b"".join(codec.planes_frames(_numpy(planes))) == want
-        assert np.array_equal(codec.merge_planes(_numpy(planes)), _bits(every).reshape(shape))
+        split = planes.split_planes(every.reshape(shape))
+        assert split.shape == shape and split.exponent.dtype == torch.uint8
+        assert b"".join(planes.planes_frames(_numpy(split))) == want
+        assert np.array_equal(planes.merge_planes(_numpy(split)), _bits(every).reshape(shape))
     with pytest.raises(TypeError):
-        codec.split_planes(every.float())
+        planes.split_planes(every.float())
 
 
 def _numpy(p: codec.Bf16Planes) -> codec.Bf16Planes:
@@ -91,7 +98,7 @@ def test_parts_written_from_planes_equal_parts_written_from_values(tmp_path, fmt
     records = make_records()
     as_planes = []
     for r in records:
-        p = codec.split_planes(r.hidden.transpose(0, 1).contiguous())  # layer-major, as staged
+        p = planes.split_planes(r.hidden.transpose(0, 1).contiguous())  # layer-major, as staged
         e, sm = p.exponent.transpose(0, 1), p.sign_mantissa.transpose(0, 1)
         as_planes.append(replace(r, hidden=codec.Bf16Planes(e, sm)))
     threads = 3 if fmt == "zarr" else 1  # a tar's member order is the order of the writes
@@ -107,7 +114,7 @@ def test_parts_written_from_planes_equal_parts_written_from_values(tmp_path, fmt
 
 def test_planes_are_refused_where_they_do_not_fit(tmp_path):
     r = make_records()[0]
-    p = codec.split_planes(r.hidden)
+    p = planes.split_planes(r.hidden)
     shape = tuple(r.hidden.shape)
     with pytest.raises(TypeError, match="only accepted by store 'bf16'"):
         codec.encode_hidden(p, "fp8", shape)
@@ -116,29 +123,22 @@ def test_planes_are_refused_where_they_do_not_fit(tmp_path):
 
 
 def _blosc_exponent(plane: np.ndarray) -> bytes:  # how `planes` caches were written before zstd
-    return codec._planes_blosc(plane, codec.PLANES_BLOSC["exponent"])
+    return planes._planes_blosc(plane, codec.PLANES_BLOSC["exponent"])
 
 
 @pytest.mark.parametrize("fmt", ["zarr", "wds"])
 def test_planes_parts_with_blosc_exponent_frames_still_read(tmp_path, monkeypatch, fmt):
-    records = make_records()
-    monkeypatch.setattr(codec, "exponent_frame", _blosc_exponent)
-    write_part(tmp_path / "old", 0, records, fmt=fmt, store="bf16")
-    monkeypatch.undo()
-    write_part(tmp_path / "new", 0, records, fmt=fmt, store="bf16")
-    for cache in ("old", "new"):
-        reader = open_part(next((tmp_path / cache).glob("part-000000*")))
-        for n, r in enumerate(records):
-            assert_matches(reader.read(n) if fmt == "zarr" else list(reader)[n], r, "bf16")
+    monkeypatch.setattr(planes, "exponent_frame", _blosc_exponent)
+    _old_and_new_parts_read(tmp_path, monkeypatch, fmt)
 
 
 def test_exponent_frames_are_zstd_and_smaller_than_blosc_on_activation_like_values():
     g = torch.Generator().manual_seed(1)
     h = torch.randn(64, 576, generator=g) * 0.5
     h[:, [3, 77]] *= 2000
-    planes = codec.split_planes(h.to(torch.bfloat16))
-    exponent = planes.exponent.numpy().reshape(-1)
-    frame = codec.exponent_frame(exponent)
+    split = planes.split_planes(h.to(torch.bfloat16))
+    exponent = split.exponent.numpy().reshape(-1)
+    frame = planes.exponent_frame(exponent)
     assert frame[:4] == codec.ZSTD_MAGIC
     assert len(frame) < len(_blosc_exponent(exponent))
     every = np.arange(1 << 16, dtype=np.uint16)

@@ -42,9 +42,9 @@ def test_cuda_extraction_stores_the_forward_states(tmp_path, tiny_qwen3, data_fi
 
 
 def test_planes_split_on_cuda_equals_the_cpu_split():
-    """The bf16 planes staged from the device (`shared.codec.split_planes` on CUDA) are the
+    """The bf16 planes staged from the device (`shared.planes.split_planes` on CUDA) are the
     CPU's, bit for bit, on every bf16 pattern."""
-    from shared.codec import split_planes
+    from shared.planes import split_planes
 
     every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     cpu, cuda = split_planes(every), split_planes(every.cuda())

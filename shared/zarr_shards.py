@@ -1,0 +1,138 @@
+"""Direct reads and checks of the shard files of a zarr part's ``hidden`` array.
+
+``shared.zarr_part.shard_buffers`` writes each shard as zarr v3 ``sharding_indexed`` declares
+it (per layer an inner chunk: codec, then crc32c; the index at the end, with its crc32c). When a
+part's metadata is exactly that layout (`inner_codec`), the reader and the verifier read the
+files themselves (`ShardFiles`: plain preads, only the requested layers' chunks, every checksum
+checked): several times less CPU than zarr's read path (``python bench/part_read_bench.py``).
+Any other layout is read through zarr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+
+import crc32c
+import numcodecs.blosc
+import numpy as np
+
+from shared.codec import CHUNK_ROWS, payload_dtype
+from shared.planes import planes_decompress
+
+# The name under which the `planes` codec is registered with zarr (``shared.zarr_part``).
+PLANES_CODEC_NAME = "dflash_offline.planes"
+
+
+def inner_codec(meta: Path, K: int, H: int) -> str | None:
+    """'planes' or 'blosc' when the hidden array's metadata is the layout `shard_buffers` writes
+    (shards [CHUNK_ROWS, K, H] of inner chunks [CHUNK_ROWS, 1, H], bytes -> codec -> crc32c,
+    index at the end with crc32c, '/' keys); None otherwise."""
+    try:
+        m = json.loads(meta.read_text())
+        (shard,) = m["codecs"]
+        cfg = shard["configuration"]
+        names = [c["name"] for c in cfg["codecs"]]
+        index = [c["name"] for c in cfg["index_codecs"]]
+        layout_ok = (
+            shard["name"] == "sharding_indexed"
+            and m["chunk_grid"]["configuration"]["chunk_shape"] == [CHUNK_ROWS, K, H]
+            and cfg["chunk_shape"] == [CHUNK_ROWS, 1, H]
+            and cfg.get("index_location", "end") == "end"
+            and index == ["bytes", "crc32c"]
+            and m["chunk_key_encoding"]["configuration"]["separator"] == "/"
+            and names[0] == "bytes"
+            and names[-1] == "crc32c"
+            and len(names) == 3
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not layout_ok:
+        return None
+    return {PLANES_CODEC_NAME: "planes", "blosc": "blosc"}.get(names[1])
+
+
+def shard_problems(shards: ShardFiles, i: int) -> list[str]:
+    """Problems of shard file i of `hidden` (rows i*CHUNK_ROWS ..); a missing file is none here
+    (zarr's fill value; `nchunks_initialized` reports it)."""
+    try:
+        shards.chunks(i, range(shards.num_layers))
+    except FileNotFoundError:
+        return []
+    except (OSError, ShardError) as e:
+        reason = e.reason if isinstance(e, ShardError) else f"{type(e).__name__}: {e}"
+        return [f"hidden rows {i * CHUNK_ROWS}..{(i + 1) * CHUNK_ROWS}: {reason}"]
+    return []
+
+
+class ShardError(ValueError):
+    """A hidden shard file fails a check: `reason` says which, the message names the file."""
+
+    def __init__(self, file: str, reason: str):
+        super().__init__(f"{file}: {reason} (python -m extract.verify finds every such part)")
+        self.reason = reason
+
+
+class ShardFiles:
+    """Direct reads of the hidden shards `shard_buffers` writes, as zarr would read them: per
+    shard the index (its crc32c checked), then only the requested layers' inner chunks, each
+    crc32c-checked and decoded with the part's codec (`inner_codec`) to [CHUNK_ROWS, H]. Plain
+    preads of one file, no event loop: several times less CPU than zarr's read path."""
+
+    def __init__(self, path: Path, store: str, inner: str, num_layers: int, hidden_size: int):
+        self.root, self.inner, self.dtype = f"{path}/hidden/c", inner, payload_dtype(store)
+        self.num_layers, self.hidden_size = num_layers, hidden_size
+
+    def read(self, rows: slice, layers: Sequence[int]) -> np.ndarray:
+        """[rows, len(layers), H] of the payload; raises ShardError, or FileNotFoundError for a
+        missing shard (zarr would return zeros: a part that misses one is damaged)."""
+        start, stop = int(rows.start), int(rows.stop)
+        out = np.empty((stop - start, len(layers), self.hidden_size), self.dtype)
+        for shard in range(start // CHUNK_ROWS, -(-stop // CHUNK_ROWS)):
+            first = shard * CHUNK_ROWS
+            lo, hi = max(start, first), min(stop, first + CHUNK_ROWS)
+            for j, values in enumerate(self.chunks(shard, layers)):
+                out[lo - start : hi - start, j] = values[lo - first : hi - first]
+        return out
+
+    def chunks(self, shard: int, layers: Sequence[int]) -> list[np.ndarray]:
+        """The decoded [CHUNK_ROWS, H] chunks of `layers` in shard file `shard`."""
+        file = f"{self.root}/{shard}/0/0"
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            size, n_index = os.fstat(fd).st_size, 16 * self.num_layers
+            if size < n_index + 4:
+                raise ShardError(file, f"shard of {size} bytes, shorter than its index")
+            tail = os.pread(fd, n_index + 4, size - n_index - 4)
+            if crc32c.crc32c(tail[:-4]) != int.from_bytes(tail[-4:], "little"):
+                raise ShardError(file, "the shard index fails its crc32c checksum")
+            entries = struct.unpack(f"<{2 * self.num_layers}Q", tail[:-4])
+            return [self._chunk(fd, file, k, entries, size - n_index - 4) for k in layers]
+        finally:
+            os.close(fd)
+
+    def _chunk(self, fd: int, file: str, k: int, entries: tuple, end: int) -> np.ndarray:
+        offset, size = entries[2 * k], entries[2 * k + 1]
+        if offset == size == (1 << 64) - 1:
+            raise ShardError(file, f"layer {k}'s chunk is missing from its shard")
+        if size < 4 or offset + size > end:
+            raise ShardError(file, f"layer {k}'s chunk lies outside its shard")
+        data = os.pread(fd, size, offset)
+        chunk = memoryview(data)[:-4]
+        if len(data) != size or crc32c.crc32c(chunk) != int.from_bytes(data[-4:], "little"):
+            raise ShardError(file, f"layer {k}'s chunk fails its crc32c checksum")
+        try:
+            if self.inner == "planes":
+                values = planes_decompress(chunk)
+            else:
+                values = np.frombuffer(numcodecs.blosc.decompress(chunk), self.dtype)
+        except Exception as e:  # whatever the codec raises, named as a damaged chunk
+            raise ShardError(
+                file, f"layer {k}'s chunk does not decode: {type(e).__name__}: {e}"
+            ) from e
+        if values.size != CHUNK_ROWS * self.hidden_size:
+            raise ShardError(file, f"layer {k}'s chunk decodes to the wrong size")
+        return values.reshape(CHUNK_ROWS, self.hidden_size)
