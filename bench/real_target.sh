@@ -19,8 +19,8 @@
 # conversations, a 2-layer drafter, 400 steps of 1024 tokens): real figures, smaller than the GPU's.
 # BENCH_FROM=STAGE: start at that stage, reusing what the earlier ones left in WORK.
 # BENCH_UNTIL=STAGE: stop after that stage. On an H200 (50,500 seeds) materialize to answers
-# took about 5 minutes, extract to compare (codec skipped, 800 steps) 7, and the decoding more
-# than 3: calls of under 10 minutes each are BENCH_UNTIL=answers, then BENCH_FROM=extract
+# took about 5 minutes, extract to compare (codec skipped, 800 steps) 7, the decoding over
+# 173 s (unfinished): calls of under 10 minutes each are BENCH_UNTIL=answers, then BENCH_FROM=extract
 # BENCH_SKIP=codec BENCH_UNTIL=compare, then BENCH_FROM=speculate, on the same machine (WORK
 # must still be there; bench/README.md has the stage times).
 # BENCH_SKIP=STAGE[,STAGE...]: leave those stages out (e.g. codec, already measured).
