@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from shapes import hf_config  # noqa: E402
 
 from extract.config import ExtractConfig  # noqa: E402
+from extract.forward_clock import ForwardClock  # noqa: E402
 from extract.target import build_target_layer_ids  # noqa: E402
 
 
@@ -122,12 +123,26 @@ def plain_forward(target: Path, rows_path: Path, device: torch.device) -> dict[s
     body = model.get_decoder()
     masks = choose_masks(body)
     pure_forward(body, ordered, batches[:2], device, masks)  # warm-up
-    seconds = min(pure_forward(body, ordered, batches, device, masks) for _ in range(2))
+    clock = ForwardClock(body)
+    clock.take()
+    passes = []
+    for _ in range(2):
+        seconds = pure_forward(body, ordered, batches, device, masks)
+        passes.append((seconds, clock.take()))
+    clock.close()
+    seconds, times = min(passes, key=lambda p: p[0])
     tokens = sum(len(r.input_ids) for r in rows)
     del model, body
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tok_s": tokens / seconds,
+        "device_s": times.device_s,
+        "idle_s": times.idle_s,
+        "host_s": times.host_s,
+    }
 
 
 def command(args: list[str], log: Path, env: dict[str, str]) -> float:
@@ -159,6 +174,20 @@ def extraction_rate(log: Path) -> tuple[int, float, float, float | None]:
         float(m.group(3)),
         float(waited.group(1)) if waited else None,
     )
+
+
+def extraction_forwards(log: Path) -> dict[str, float] | None:
+    """extract's ForwardClock line: device seconds in the forwards (the first one's apart),
+    device idle between them, the launching thread's seconds inside them."""
+    m = re.search(
+        r"forwards on the device ([\d.]+) s \(the first ([\d.]+) s\), idle between them "
+        r"([\d.]+) s, the launching thread ([\d.]+) s",
+        log.read_text(),
+    )
+    if not m:
+        return None
+    names = ("device_s", "first_s", "idle_s", "host_s")
+    return dict(zip(names, map(float, m.groups()), strict=True))
 
 
 def training_figures(run: Path, skip_steps: int) -> dict[str, Any]:
@@ -200,6 +229,12 @@ def main() -> None:
     p.add_argument("--logs", type=Path, default=None, help="also copy the commands' logs here")
     p.add_argument("--bench-steps", type=int, default=15)
     p.add_argument("--keep", action="store_true", help="keep the work folder")
+    p.add_argument(
+        "--until",
+        choices=("extract", "train"),
+        default="train",
+        help="extract: stop after the extraction (its rows of the table only)",
+    )
     args = p.parse_args()
     cuda = args.gpus != "cpu"
     device = torch.device("cuda" if cuda else "cpu")
@@ -222,6 +257,31 @@ def main() -> None:
         work / "extract.log", env,
     )  # fmt: skip
     tokens, extract_s, forwards_s, staging_wait_s = extraction_rate(work / "extract.log")
+    result = {
+        "shape": args.shape,
+        "target_layers": cfg["num_hidden_layers"],
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "rows": len(lengths),
+        "tokens": tokens,
+        "lengths": {"min": min(lengths), "max": max(lengths), "at_max": lengths.count(3072)},
+        "plain_forward_tok_s": plain["tok_s"],
+        "plain_forward": plain,
+        "extract_s": extract_s,
+        "extract_tok_s": tokens / extract_s,
+        "extract_ratio": (tokens / extract_s) / plain["tok_s"],
+        # The clock stopped at the last forward: what the final writes and commit cost apart.
+        "extract_forwards_s": forwards_s,
+        "extract_staging_wait_s": staging_wait_s,
+        "extract_ratio_until_last_forward": (tokens / forwards_s) / plain["tok_s"],
+        "extract_forwards": extraction_forwards(work / "extract.log"),
+    }
+    if args.until == "extract":
+        manifest = json.loads((shards / "manifest.json").read_text())
+        result["stored_bytes_per_token"] = sum(r["nbytes"] for r in manifest["parts"]) / tokens
+        result["wall_s"] = times
+        finish(result, args, work)
+        return
     times["verify"] = command([py, "-m", "extract.verify", str(shards)], work / "verify.log", env)
     manifest = json.loads((shards / "manifest.json").read_text())
     shutil.rmtree(work / "target")  # the trainer never reads it; the disk is needed for runs
@@ -248,22 +308,7 @@ def main() -> None:
     )
     mfu = bench["mfu"] * bench["step_ms"] / train["step_ms"] if same_shape else None
     stored = sum(r["nbytes"] for r in manifest["parts"])
-    result = {
-        "shape": args.shape,
-        "target_layers": cfg["num_hidden_layers"],
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "torch": torch.__version__,
-        "rows": len(lengths),
-        "tokens": tokens,
-        "lengths": {"min": min(lengths), "max": max(lengths), "at_max": lengths.count(3072)},
-        "plain_forward_tok_s": plain["tok_s"],
-        "extract_s": extract_s,
-        "extract_tok_s": tokens / extract_s,
-        "extract_ratio": (tokens / extract_s) / plain["tok_s"],
-        # The clock stopped at the last forward: what the final writes and commit cost apart.
-        "extract_forwards_s": forwards_s,
-        "extract_staging_wait_s": staging_wait_s,
-        "extract_ratio_until_last_forward": (tokens / forwards_s) / plain["tok_s"],
+    result |= {
         "stored_bytes_per_token": stored / tokens,
         "train": train,
         "train_settings": {
@@ -284,9 +329,15 @@ def main() -> None:
         "mfu_bench_count": mfu,
         "wall_s": times,
     }
+    finish(result, args, work)
+
+
+def finish(result: dict[str, Any], args: argparse.Namespace, work: Path) -> None:
+    """Write --json, clear the work folder unless --keep (the logs stay), copy the logs to
+    --logs, print the table."""
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-    if not args.keep:  # the logs stay
+    if not args.keep:
         for path in work.iterdir():
             if path.suffix != ".log":
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -297,9 +348,18 @@ def main() -> None:
     print_table(result)
 
 
+def forward_split(r: dict[str, Any]) -> str:
+    """Device seconds in the forwards and idle between them, plain pass against extraction's."""
+    p, x = r["plain_forward"], r["extract_forwards"]
+    if x is None or not p["device_s"]:
+        return "n/a"
+    return (
+        f"plain {p['device_s']:.1f} (idle {p['idle_s']:.1f}) / extract {x['device_s']:.1f} "
+        f"(first {x['first_s']:.2f}, idle {x['idle_s']:.1f}; launching thread {x['host_s']:.1f})"
+    )
+
+
 def print_table(r: dict[str, Any]) -> None:
-    t, f = r["train"], r["fixed_shape"]
-    mfu = f"{100 * r['mfu_bench_count']:.1f}%" if r["mfu_bench_count"] is not None else "n/a"
     rows = [
         ("shape / target layers / device", f"{r['shape']} / {r['target_layers']} / {r['device']}"),
         ("rows, tokens (lengths)", f"{r['rows']:,}, {r['tokens']:,} ({r['lengths']})"),
@@ -319,7 +379,21 @@ def print_table(r: dict[str, Any]) -> None:
             if r["extract_staging_wait_s"] is None
             else f"{r['extract_staging_wait_s']:.1f} s of {r['extract_s']:.1f} s",
         ),  # fmt: skip
+        ("  device s in forwards", forward_split(r)),
         ("stored bytes/token", f"{r['stored_bytes_per_token']:,.0f}"),
+    ]
+    if "train" in r:
+        rows += training_rows(r)
+    rows.append(("wall seconds", json.dumps({k: round(v) for k, v in r["wall_s"].items()})))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+def training_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    t, f = r["train"], r["fixed_shape"]
+    mfu = f"{100 * r['mfu_bench_count']:.1f}%" if r["mfu_bench_count"] is not None else "n/a"
+    return [
         ("train steps, settings", f"{t['steps']}, {r['train_settings']}"),
         ("train context tok/s (steady)", f"{t['context_tok_s']:,.0f}"),
         ("train step / fixed-shape step", f"{t['step_ms']:.1f} / {f['step_ms']:.1f} ms"),
@@ -334,11 +408,7 @@ def print_table(r: dict[str, Any]) -> None:
         ("data wait", f"{100 * t['data_wait']:.2f}%"),
         ("loss first -> last, finite", f"{t['loss_first_last']}, {t['finite']}"),
         ("export written", str(r["export_written"])),
-        ("wall seconds", json.dumps({k: round(v) for k, v in r["wall_s"].items()})),
     ]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import shared.zarr_part  # noqa: E402
 from extract.batching import length_order, make_batches  # noqa: E402
 from extract.capture import DeviceInputs, LayerCapture, padded_inputs  # noqa: E402
 from extract.data import Tokenized  # noqa: E402
+from extract.forward_clock import ForwardClock  # noqa: E402
 from extract.masks import choose_masks, forward_kwargs  # noqa: E402
 from extract.target import build_target_layer_ids  # noqa: E402
 from extract.units import run_units  # noqa: E402
@@ -74,51 +75,6 @@ def synthetic_rows(tokens: int, vocab: int, seed: int) -> list[Tokenized]:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class CallClock:
-    """Host seconds spent inside `module`'s forward calls (queueing a batch's kernels: it grows
-    when other threads hold the GIL the launching thread needs) and, on CUDA, device seconds
-    from the start of each forward's first kernel to the end of its last (events on the
-    launching stream): their sum apart from the pass's wall time tells idle gaps between
-    forwards from slower forwards."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.seconds, self._start = 0.0, 0.0
-        self.cuda = next(module.parameters()).is_cuda
-        self._events: list[tuple] = []
-        self._handles = [
-            module.register_forward_pre_hook(lambda *_: self._begin()),
-            module.register_forward_hook(lambda *_: self._end()),
-        ]
-
-    def _event(self):  # noqa: ANN202
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def _begin(self) -> None:
-        self._start = time.perf_counter()
-        if self.cuda:
-            self._events.append((self._event(),))
-
-    def _end(self) -> None:
-        self.seconds += time.perf_counter() - self._start
-        if self.cuda:
-            self._events[-1] += (self._event(),)
-
-    def take(self) -> tuple[float, float]:
-        """(host seconds in forward calls, device seconds spanned by forwards) since the last
-        take (synchronises the device)."""
-        if self.cuda:
-            torch.cuda.synchronize()
-        span = sum(a.elapsed_time(b) for a, b in self._events) / 1e3
-        seconds, self.seconds, self._events = self.seconds, 0.0, []
-        return seconds, span
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
 
 
 def extraction_batches(rows, rows_per_part: int, batch_tokens: int) -> tuple[list, list[range]]:
@@ -265,7 +221,7 @@ def main() -> None:
     body = model.get_decoder()
     masks = choose_masks(body)  # as LayerCapture chooses them
     pure_forward(body, ordered, batches[:3], device, masks)  # warm-up
-    clock = CallClock(body)
+    clock = ForwardClock(body)
     t_a1 = pure_forward(body, ordered, batches, device, masks)
     launch_a1 = clock.take()
     capture = LayerCapture(model, layer_ids)
@@ -297,8 +253,9 @@ def main() -> None:
         "inputs": args.inputs,
         "masks": args.masks,
         "masks_used": sorted(masks) if masks else None,
-        "host_s_in_forward_calls": [launch_a1[0], launch_b[0], launch_a2[0]],
-        "device_s_spanned_by_forwards": [launch_a1[1], launch_b[1], launch_a2[1]],
+        "host_s_in_forward_calls": [t.host_s for t in (launch_a1, launch_b, launch_a2)],
+        "device_s_in_forwards": [t.device_s for t in (launch_a1, launch_b, launch_a2)],
+        "device_idle_s_between_forwards": [t.idle_s for t in (launch_a1, launch_b, launch_a2)],
         "forward_tok_s": tokens / min(t_a1, t_a2),
         "forward_s_before_after": [t_a1, t_a2],
         "extract_s": t_b,

@@ -16,6 +16,7 @@ from extract.batching import length_order, make_batches
 from extract.capture import LayerCapture
 from extract.data import Rejected, RowIndex, Tokenized
 from extract.disk import disk_full_message
+from extract.forward_clock import ForwardClock
 from extract.sink import Staging, WriterPool
 from extract.target import load_target
 from extract.units import reader_reading_ahead, run_units
@@ -213,6 +214,7 @@ def rank_main(info: RankInfo, job: Job) -> None:
         )
         counters.listener = bar.refresh
     threads = _threads(job, info)
+    clock = ForwardClock(capture.body)  # after LayerCapture's mask probe
     pipeline = PartPipeline(job, info.device, capture, threads=threads, counters=counters)
     log.info(
         "rank %d: %d units on %s, %d writer threads", info.rank, len(mine), info.device, threads
@@ -236,7 +238,9 @@ def rank_main(info: RankInfo, job: Job) -> None:
                 pipeline.close()
         tokens, seconds = counters.counts["tokens"], time.perf_counter() - start
         _report_rate(info.rank, tokens, seconds, forwards)
+        log.info("rank %d: %s", info.rank, clock.take().describe())
     finally:
+        clock.close()
         capture.close()
         counters.close()
         stop.restore()
