@@ -58,6 +58,11 @@ class ExtractConfig:
         help="Compression/write threads per process (0: the usable cores / processes, at most 8; "
         "more threads slow the forward loop down through the GIL).",
     )
+    switch_interval_ms: float = option(
+        5.0,
+        help="Python's GIL switch interval in the extract processes (ms; Python's default 5): "
+        "how long the thread launching the forwards can wait for a writer thread holding the GIL.",
+    )
     overwrite: bool = option(
         False,
         help="Replace a cache in --out made with other settings (only this tool's own files; "
@@ -74,6 +79,7 @@ class ExtractConfig:
             "batch_tokens": self.batch_tokens >= 2,
             "rows_per_part": self.rows_per_part >= 1,
             "writer_threads": self.writer_threads >= 0,
+            "switch_interval_ms": self.switch_interval_ms > 0,
             "max_rows": self.max_rows is None or self.max_rows >= 1,
         }
         for name, ok in checks.items():

@@ -326,6 +326,7 @@ def _run_locked(
         total_rows=planned.total_rows,
         units=pending,
         writer_threads=cfg.writer_threads,
+        switch_interval_s=cfg.switch_interval_ms / 1e3,
         progress_dir=cfg.out / PROGRESS_DIR,
         draw_bar=not spawned,
         verbose=cfg.verbose,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -60,6 +61,7 @@ class Job:
     progress_dir: Path
     draw_bar: bool  # rank 0 draws the bar itself (no launching parent to do it)
     verbose: bool = False
+    switch_interval_s: float = 0.005  # sys.setswitchinterval while this rank extracts
 
     def unit_rows(self, unit: int) -> range:
         first = unit * self.rows_per_part
@@ -220,6 +222,8 @@ def rank_main(info: RankInfo, job: Job) -> None:
         "rank %d: %d units on %s, %d writer threads", info.rank, len(mine), info.device, threads
     )
     stop = StopRequest().install("finishing the parts in progress, then stopping")
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(job.switch_interval_s)
     start = time.perf_counter()
     try:
         with disk_full_message(job):
@@ -240,6 +244,7 @@ def rank_main(info: RankInfo, job: Job) -> None:
         _report_rate(info.rank, tokens, seconds, forwards)
         log.info("rank %d: %s", info.rank, clock.take().describe())
     finally:
+        sys.setswitchinterval(switch_interval)
         clock.close()
         capture.close()
         counters.close()
