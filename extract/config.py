@@ -59,8 +59,8 @@ class ExtractConfig:
         "more threads slow the forward loop down through the GIL).",
     )
     switch_interval_ms: float = option(
-        5.0,
-        help="Python's GIL switch interval in the extract processes (ms; Python's default 5): "
+        1.0,
+        help="Python's GIL switch interval in the extract processes (ms; Python's own is 5): "
         "how long the thread launching the forwards can wait for a writer thread holding the GIL.",
     )
     overwrite: bool = option(

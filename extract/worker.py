@@ -61,7 +61,11 @@ class Job:
     progress_dir: Path
     draw_bar: bool  # rank 0 draws the bar itself (no launching parent to do it)
     verbose: bool = False
-    switch_interval_s: float = 0.005  # sys.setswitchinterval while this rank extracts
+    # sys.setswitchinterval while this rank extracts. Qwen3-8B shape, 1M long-tailed tokens, one
+    # H200 (bench/e2e_gpu.py, then the same `python -m extract` with --switch-interval-ms):
+    # 5 ms (Python's) 0.913-0.916 of the plain forward, 1 and 0.5 ms 0.932: the device idled
+    # 0.9-1.1 s between forwards instead of 1.6 s.
+    switch_interval_s: float = 0.001
 
     def unit_rows(self, unit: int) -> range:
         first = unit * self.rows_per_part
@@ -218,12 +222,17 @@ def rank_main(info: RankInfo, job: Job) -> None:
     threads = _threads(job, info)
     clock = ForwardClock(capture.body)  # after LayerCapture's mask probe
     pipeline = PartPipeline(job, info.device, capture, threads=threads, counters=counters)
-    log.info(
-        "rank %d: %d units on %s, %d writer threads", info.rank, len(mine), info.device, threads
-    )
     stop = StopRequest().install("finishing the parts in progress, then stopping")
     switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(job.switch_interval_s)
+    log.info(
+        "rank %d: %d units on %s, %d writer threads, GIL switch interval %g ms",
+        info.rank,
+        len(mine),
+        info.device,
+        threads,
+        sys.getswitchinterval() * 1e3,
+    )
     start = time.perf_counter()
     try:
         with disk_full_message(job):

@@ -113,6 +113,17 @@ def test_last_layer_is_stored_after_the_final_norm(tmp_path, data_file, kind, re
         torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
 
 
+def test_switch_interval_applies_while_extracting_then_is_restored(
+    tmp_path, qwen3, data_file, capfd
+):
+    before = sys.getswitchinterval()
+    extract(tmp_path / "cache", qwen3, data_file, max_rows=4, switch_interval_ms=0.5)
+    assert "GIL switch interval 0.5 ms" in capfd.readouterr().err
+    assert sys.getswitchinterval() == before
+    with pytest.raises(ValueError, match="--switch-interval-ms"):
+        ExtractConfig(out=tmp_path / "x", switch_interval_ms=0)
+
+
 def read_config_layers(target: Path) -> int:
     config = json.loads((target / "config.json").read_text())
     return (config.get("text_config") or config)["num_hidden_layers"]
