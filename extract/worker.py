@@ -22,7 +22,7 @@ from extract.sink import Staging, WriterPool
 from extract.target import load_target
 from extract.units import reader_reading_ahead, run_units
 from shared.cache import open_part_writer, part_name
-from shared.codec import Bf16Planes, hidden_codec, quantize_fp8
+from shared.codec import Bf16Planes, codec_description, hidden_codec, quantize_fp8
 from shared.dist import RankInfo, processes_on_this_host, usable_cpus
 from shared.logs import setup_logging
 from shared.manifest import (
@@ -356,7 +356,8 @@ def _commit(part: OpenPart, job: Job, futures: list[Future], counters: RankCount
             for r in rejected[:MAX_LISTED_REJECTS]
         ),
     )
-    update_manifest(job.out, lambda m: m.with_part(record))
+    codec = codec_description(job.store)
+    update_manifest(job.out, lambda m: m.with_part(record.with_codec(codec, m.codec)))
     log.info(
         "committed %s: %d rows kept, %d rejected, %d tokens, %.1f MB",
         record.name,

@@ -84,6 +84,14 @@ class PartRecord:
     stored_rows: int
     nbytes: int
     checksum: str
+    # The codec this part was written with where it differs from the manifest's `codec`: a part
+    # written on a resume by a version whose codec changed. None: the manifest's (older
+    # manifests have no such key). Readers go by each chunk's own frames either way.
+    codec: dict[str, Any] | None = None
+
+    def with_codec(self, codec: dict[str, Any], manifest_codec: dict[str, Any]) -> PartRecord:
+        """This record, naming `codec` where it is not the manifest's."""
+        return dataclasses.replace(self, codec=None if codec == manifest_codec else codec)
 
     @property
     def rows_read(self) -> int:

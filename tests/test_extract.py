@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -111,6 +112,30 @@ def test_last_layer_is_stored_after_the_final_norm(tmp_path, data_file, kind, re
         ref = reference_states(target, s.input_ids, m.layer_ids)
         got = s.hidden_tensor(torch.device("cpu")).float()
         torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+
+
+def test_a_part_written_with_another_codec_than_the_manifest_records_names_it(
+    tmp_path, qwen3, data_file
+):
+    """A resume by a version whose codec changed: the new part's record says which it used."""
+    import shutil
+
+    from shared.codec import codec_description
+    from shared.manifest import drop_parts, write_manifest
+
+    out = tmp_path / "cache"
+    first = extract(out, qwen3, data_file, max_rows=12)
+    assert len(first.parts) == 2 and all(p.codec is None for p in first.parts)
+    older = {**first.codec, "compressor": {"id": "blosc", "cname": "zstd", "clevel": 1}}
+    last = first.parts[-1].name
+    shutil.rmtree(out / last)
+    write_manifest(out, replace(drop_parts(first, {last}), codec=older))
+    resumed = extract(out, qwen3, data_file, max_rows=12)
+    assert resumed.complete and resumed.codec == older
+    records = {p.name: p for p in resumed.parts}
+    assert records[first.parts[0].name].codec is None
+    assert records[last].codec == codec_description("bf16")
+    assert read_manifest(out).parts == resumed.parts  # the JSON round trip keeps it
 
 
 def test_switch_interval_applies_while_extracting_then_is_restored(
