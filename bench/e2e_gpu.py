@@ -27,6 +27,7 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -190,6 +191,34 @@ def extraction_forwards(log: Path) -> dict[str, float] | None:
     return dict(zip(names, map(float, m.groups()), strict=True))
 
 
+def extract_variants(
+    args: argparse.Namespace, work: Path, plain_tok_s: float, env: dict[str, str]
+) -> list[dict[str, Any]]:
+    """`python -m extract` of the same rows with each of --also-extract's options added, into
+    a fresh cache each (deleted after, for the disk): ratio to the plain forward and the split."""
+    out, shards = [], work / "variant-shards"
+    for k, extra in enumerate(args.also_extract):
+        log = work / f"extract-variant{k}.log"
+        command(
+            [sys.executable, "-m", "extract", "--gpus", args.gpus, "--target",
+             str(work / "target"), "--data", str(work / "rows.jsonl"), "--out", str(shards),
+             *shlex.split(extra)],
+            log, env,
+        )  # fmt: skip
+        shutil.rmtree(shards)
+        tokens, seconds, forwards_s, waited = extraction_rate(log)
+        out.append(
+            {
+                "options": extra,
+                "ratio": tokens / seconds / plain_tok_s,
+                "ratio_until_last_forward": tokens / forwards_s / plain_tok_s,
+                "staging_wait_s": waited,
+                "forwards": extraction_forwards(log),
+            }
+        )
+    return out
+
+
 def training_figures(run: Path, skip_steps: int) -> dict[str, Any]:
     """Steady-state figures from metrics.jsonl: windows after `skip_steps`, weighted by steps."""
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -230,6 +259,14 @@ def main() -> None:
     p.add_argument("--bench-steps", type=int, default=15)
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument(
+        "--also-extract",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="after the default extraction, extract the same rows again with these extra "
+        "options (quoted, e.g. '--switch-interval-ms 5'; repeatable), each into a fresh cache",
+    )
+    p.add_argument(
         "--until",
         choices=("extract", "train"),
         default="train",
@@ -257,6 +294,7 @@ def main() -> None:
         work / "extract.log", env,
     )  # fmt: skip
     tokens, extract_s, forwards_s, staging_wait_s = extraction_rate(work / "extract.log")
+    variants = extract_variants(args, work, plain["tok_s"], env) if args.also_extract else []
     result = {
         "shape": args.shape,
         "target_layers": cfg["num_hidden_layers"],
@@ -275,6 +313,7 @@ def main() -> None:
         "extract_staging_wait_s": staging_wait_s,
         "extract_ratio_until_last_forward": (tokens / forwards_s) / plain["tok_s"],
         "extract_forwards": extraction_forwards(work / "extract.log"),
+        "extract_variants": variants,
     }
     if args.until == "extract":
         manifest = json.loads((shards / "manifest.json").read_text())
@@ -380,6 +419,14 @@ def print_table(r: dict[str, Any]) -> None:
             else f"{r['extract_staging_wait_s']:.1f} s of {r['extract_s']:.1f} s",
         ),  # fmt: skip
         ("  device s in forwards", forward_split(r)),
+        *(
+            (
+                f"  with {v['options']}",
+                f"{v['ratio']:.3f} ({v['ratio_until_last_forward']:.3f} until the last forward); "
+                + forward_split({**r, "extract_forwards": v["forwards"]}),
+            )
+            for v in r["extract_variants"]
+        ),
         ("stored bytes/token", f"{r['stored_bytes_per_token']:,.0f}"),
     ]
     if "train" in r:

@@ -270,8 +270,8 @@ def rank_main(info: RankInfo, job: Job) -> None:
 
 def _report_rate(rank: int, tokens: int, seconds: float, forwards: float) -> None:
     log.info(
-        "rank %d: %d tokens extracted in %.1f s (%.0f tok/s), target loading excluded; the "
-        "forwards ended at %.1f s, the last writes and commit took %.1f s",
+        "rank %d: %d tokens extracted in %.2f s (%.0f tok/s), target loading excluded; the "
+        "forwards ended at %.2f s, the last writes and commit took %.2f s",
         rank,
         tokens,
         seconds,
