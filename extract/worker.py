@@ -156,7 +156,7 @@ class PartPipeline:
         for batch in make_batches(lengths, batch_tokens=job.batch_tokens):
             packed = self.capture.run([kept[i].input_ids for i in batch], device=self.device)
             host, release = self.staging.stage(
-                _device_payload(packed, job.store, job.format), tokens=packed.shape[0]
+                device_payload(packed, job.store, job.format), tokens=packed.shape[0]
             )
             countdown, start = _Countdown(len(batch), release), 0
             for n in batch:  # one task per sample: a batch's samples compress in parallel
@@ -281,7 +281,7 @@ def _report_rate(rank: int, tokens: int, seconds: float, forwards: float) -> Non
     )
 
 
-def _device_payload(packed: torch.Tensor, store: str, fmt: str) -> dict[str, torch.Tensor]:
+def device_payload(packed: torch.Tensor, store: str, fmt: str) -> dict[str, torch.Tensor]:
     """What is staged to the host: layer-major payload [K, N, H] (one layer's rows contiguous,
     see LayerCapture) and, for fp8, the scales [N, K]. bf16 for zarr parts goes as its two
     `planes` byte planes, split on the device (`shared.planes.split_planes`): as many bytes as
