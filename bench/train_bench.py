@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import drafter_setup as ds  # noqa: E402  (also puts the project root on sys.path)
 
+from train import selector_fused  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
 from train.data import PartInfo  # noqa: E402
 from train.drafter_config import DrafterConfig  # noqa: E402
@@ -236,11 +237,13 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         "ce": trainer.cfg.ce,
         "ce_chunk_blocks": trainer.cfg.ce_chunk_blocks,
         "flex_options": trainer.model.layers[0].self_attn.flex_options,
+        "selector_topk_segments": selector_fused.TOPK_SEGMENTS,
         "is_default": all(
             getattr(trainer.cfg, k) == getattr(defaults, k)
             for k in ("attention", "compile", "grad_ckpt", "ce", "ce_chunk_blocks")
         )
-        and not args.flex_bwd,
+        and not args.flex_bwd
+        and selector_fused.TOPK_SEGMENTS is None,
         "batch": args.batch,
         "seq_len": args.seq_len,
         "anchors": args.anchors,
@@ -342,7 +345,15 @@ def main() -> None:
         default=0,
         help="after the timed steps, profile this many and list the kernels by device time",
     )
+    p.add_argument(
+        "--selector-topk-segments",
+        type=int,
+        default=None,
+        help="DFlash2's fused selector loss: the top-K through N row segments "
+        "(train.selector_fused.TOPK_SEGMENTS) instead of one topk over the vocabulary",
+    )
     args = ds.finish_args(p.parse_args())
+    selector_fused.TOPK_SEGMENTS = args.selector_topk_segments
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":

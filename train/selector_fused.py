@@ -38,6 +38,31 @@ def _transform_slope(
     return slope
 
 
+# None: the top-K of each row by one topk over the vocabulary. N: each row cut into N segments,
+# a top-K in each, then the top-K of those N * K (the same values; among equal values the ids
+# may differ). An option for bench/train_bench.py (--selector-topk-segments) to time against the
+# plain topk, which Inductor leaves to aten inside the compiled chunk; not measured yet.
+TOPK_SEGMENTS: int | None = None
+
+
+def segmented_topk(x_nV: torch.Tensor, k: int, segments: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of the k largest of each row, sorted, from a top-k within each of
+    `segments` equal segments of the row, then a top-k over those.
+
+    >>> x = torch.tensor([[0.0, 5.0, 1.0, 4.0, 3.0, 2.0]])
+    >>> [t.tolist() for t in segmented_topk(x, 2, 3)]
+    [[[5.0, 4.0]], [[1, 3]]]
+    """
+    n, v = x_nV.shape
+    if v % segments or v // segments < k:
+        raise ValueError(f"{segments} segments of a {v}-wide row cannot hold a top-{k} each")
+    width = v // segments
+    values_nSK, ids_nSK = x_nV.view(n, segments, width).topk(k, dim=-1)
+    offsets_S1 = torch.arange(segments, device=x_nV.device)[:, None] * width
+    top_nK, where_nK = values_nSK.reshape(n, -1).topk(k, dim=-1)
+    return top_nK, (ids_nSK + offsets_S1).reshape(n, -1).gather(1, where_nK)
+
+
 def unary_chunk(
     hidden_nH: torch.Tensor,
     lm_head_weight_VH: torch.Tensor,
@@ -54,7 +79,10 @@ def unary_chunk(
     logp_nV = torch.log_softmax(l_nV.float(), dim=-1)
     ce_n = -logp_nV.gather(1, targets_n[:, None]).squeeze(1)
     correct_n = l_nV.argmax(dim=-1) == targets_n
-    unary_nK, cand_nK = l_nV.topk(top_k, dim=-1)
+    if TOPK_SEGMENTS is None:
+        unary_nK, cand_nK = l_nV.topk(top_k, dim=-1)
+    else:
+        unary_nK, cand_nK = segmented_topk(l_nV, top_k, TOPK_SEGMENTS)
     dl_nV = logp_nV.exp_().mul_(weights_n[:, None])
     dl_nV.scatter_add_(1, targets_n[:, None], -weights_n[:, None])
     dz_nV = dl_nV
