@@ -179,10 +179,11 @@ def extraction_rate(log: Path) -> tuple[int, float, float, float | None]:
 
 def extraction_forwards(log: Path) -> dict[str, float] | None:
     """extract's ForwardClock line: device seconds in the forwards (the first one's apart),
-    device idle between them, the launching thread's seconds inside them."""
+    between them (idle, or the launching stream's work outside the forwards), the launching
+    thread's seconds inside them."""
     m = re.search(
-        r"forwards on the device ([\d.]+) s \(the first ([\d.]+) s\), idle between them "
-        r"([\d.]+) s, the launching thread ([\d.]+) s",
+        r"forwards on the device ([\d.]+) s \(the first ([\d.]+) s\), ([\d.]+) s between them, "
+        r"the launching thread ([\d.]+) s",
         log.read_text(),
     )
     if not m:
@@ -393,8 +394,8 @@ def forward_split(r: dict[str, Any]) -> str:
     if x is None or not p["device_s"]:
         return "n/a"
     return (
-        f"plain {p['device_s']:.1f} (idle {p['idle_s']:.1f}) / extract {x['device_s']:.1f} "
-        f"(first {x['first_s']:.2f}, idle {x['idle_s']:.1f}; launching thread {x['host_s']:.1f})"
+        f"plain {p['device_s']:.1f} ({p['idle_s']:.1f} between) / extract {x['device_s']:.1f} "
+        f"(first {x['first_s']:.2f}, {x['idle_s']:.1f} between; launching thread {x['host_s']:.1f})"
     )
 
 

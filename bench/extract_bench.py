@@ -213,13 +213,13 @@ def main() -> None:
     p.add_argument(
         "--switch-interval",
         type=float,
-        default=None,
-        help="sys.setswitchinterval for the run (seconds; Python's default is 0.005)",
+        default=Job.switch_interval_s,
+        help="sys.setswitchinterval for the run (seconds; default the product's, "
+        f"{Job.switch_interval_s}; Python's own is 0.005)",
     )
     args = p.parse_args()
     args.writer_threads = args.writer_threads or default_writer_threads(1)
-    if args.switch_interval is not None:
-        sys.setswitchinterval(args.switch_interval)
+    sys.setswitchinterval(args.switch_interval)
     shared.zarr_part.EARLY_WRITEBACK = args.writeback == "early"
     extract.capture.PINNED_INPUTS = args.inputs == "pinned"
     extract.masks.PREMADE_MASKS = args.masks == "premade"

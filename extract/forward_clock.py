@@ -29,7 +29,9 @@ class ForwardTimes:
 
     @property
     def idle_s(self) -> float:
-        """Device seconds between forwards (inside the span, outside every forward)."""
+        """Device seconds between forwards (inside the span, outside every forward): idle time,
+        plus what the launching stream runs between them (the next batch's input copy, the
+        captured states' device-side payload: milliseconds a batch)."""
         return max(0.0, self.span_s - self.device_s)
 
     def describe(self) -> str:
@@ -37,7 +39,7 @@ class ForwardTimes:
             return f"{self.forwards} forwards, the launching thread {self.host_s:.1f} s inside them"
         return (
             f"{self.forwards} forwards on the device {self.device_s:.1f} s (the first "
-            f"{self.first_device_s:.2f} s), idle between them {self.idle_s:.1f} s, the launching "
+            f"{self.first_device_s:.2f} s), {self.idle_s:.1f} s between them, the launching "
             f"thread {self.host_s:.1f} s inside them"
         )
 

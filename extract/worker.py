@@ -221,20 +221,20 @@ def rank_main(info: RankInfo, job: Job) -> None:
         counters.listener = bar.refresh
     threads = _threads(job, info)
     clock = ForwardClock(capture.body)  # after LayerCapture's mask probe
-    pipeline = PartPipeline(job, info.device, capture, threads=threads, counters=counters)
     stop = StopRequest().install("finishing the parts in progress, then stopping")
     switch_interval = sys.getswitchinterval()
-    sys.setswitchinterval(job.switch_interval_s)
-    log.info(
-        "rank %d: %d units on %s, %d writer threads, GIL switch interval %g ms",
-        info.rank,
-        len(mine),
-        info.device,
-        threads,
-        sys.getswitchinterval() * 1e3,
-    )
-    start = time.perf_counter()
     try:
+        pipeline = PartPipeline(job, info.device, capture, threads=threads, counters=counters)
+        sys.setswitchinterval(job.switch_interval_s)
+        log.info(
+            "rank %d: %d units on %s, %d writer threads, GIL switch interval %g ms",
+            info.rank,
+            len(mine),
+            info.device,
+            threads,
+            sys.getswitchinterval() * 1e3,
+        )
+        start = time.perf_counter()
         with disk_full_message(job):
             try:
                 done = run_units(

@@ -198,6 +198,9 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        for part in out["parts"]:  # the key only where a part has its own codec: older
+            if part["codec"] is None:  # versions of this tool read the rest as before
+                del part["codec"]
         out["totals"] = self.totals()
         return out
 

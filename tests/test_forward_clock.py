@@ -36,4 +36,4 @@ def test_device_seconds_and_idle_between_forwards():
     assert times.forwards == 2 and times.device_s > 0
     assert times.first_device_s < times.device_s
     assert times.span_s >= times.device_s and times.idle_s > 0.001
-    assert "idle between them" in times.describe()
+    assert "s between them" in times.describe()
