@@ -26,7 +26,6 @@ import json
 import math
 import os
 import random
-import re
 import shlex
 import shutil
 import subprocess
@@ -42,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
+from e2e_report import extraction_figures, print_table, training_figures  # noqa: E402
 from shapes import hf_config  # noqa: E402
 
 from extract.config import ExtractConfig  # noqa: E402
@@ -160,36 +160,12 @@ def command(args: list[str], log: Path, env: dict[str, str]) -> float:
     return seconds
 
 
-def extraction_rate(log: Path) -> tuple[int, float, float, float | None]:
-    """(tokens, seconds, seconds until the last forward ended, seconds the device waited for a
-    free staging buffer, i.e. for the writers) from extract's per-rank lines (target loading
-    excluded)."""
-    text = log.read_text()
-    m = re.search(r"(\d+) tokens extracted in ([\d.]+) s .*?the forwards ended at ([\d.]+) s", text)
-    if not m:
-        raise SystemExit(f"no extraction rate in {log}")
-    waited = re.search(r"the device waited ([\d.]+) s of [\d.]+ s for a free staging buffer", text)
-    return (
-        int(m.group(1)),
-        float(m.group(2)),
-        float(m.group(3)),
-        float(waited.group(1)) if waited else None,
-    )
-
-
-def extraction_forwards(log: Path) -> dict[str, float] | None:
-    """extract's ForwardClock line: device seconds in the forwards (the first one's apart),
-    between them (idle, or the launching stream's work outside the forwards), the launching
-    thread's seconds inside them."""
-    m = re.search(
-        r"forwards on the device ([\d.]+) s \(the first ([\d.]+) s\), ([\d.]+) s between them, "
-        r"the launching thread ([\d.]+) s",
-        log.read_text(),
-    )
-    if not m:
-        return None
-    names = ("device_s", "first_s", "idle_s", "host_s")
-    return dict(zip(names, map(float, m.groups()), strict=True))
+def extract_command(args: argparse.Namespace, work: Path, out: Path, extra: str = "") -> list:
+    """`python -m extract` of the run's target and rows into `out`, with `extra` options."""
+    return [
+        sys.executable, "-m", "extract", "--gpus", args.gpus, "--target", str(work / "target"),
+        "--data", str(work / "rows.jsonl"), "--out", str(out), *shlex.split(extra),
+    ]  # fmt: skip
 
 
 def extract_variants(
@@ -200,51 +176,12 @@ def extract_variants(
     out, shards = [], work / "variant-shards"
     for k, extra in enumerate(args.also_extract):
         log = work / f"extract-variant{k}.log"
-        command(
-            [sys.executable, "-m", "extract", "--gpus", args.gpus, "--target",
-             str(work / "target"), "--data", str(work / "rows.jsonl"), "--out", str(shards),
-             *shlex.split(extra)],
-            log, env,
-        )  # fmt: skip
+        command(extract_command(args, work, shards, extra), log, env)
         shutil.rmtree(shards)
-        tokens, seconds, forwards_s, waited = extraction_rate(log)
-        out.append(
-            {
-                "options": extra,
-                "ratio": tokens / seconds / plain_tok_s,
-                "ratio_until_last_forward": tokens / forwards_s / plain_tok_s,
-                "staging_wait_s": waited,
-                "forwards": extraction_forwards(log),
-            }
-        )
+        x = extraction_figures(log, plain_tok_s)
+        keys = ("ratio", "ratio_until_last_forward", "staging_wait_s", "forwards")
+        out.append({"options": extra, **{key: x[key] for key in keys}})
     return out
-
-
-def training_figures(run: Path, skip_steps: int) -> dict[str, Any]:
-    """Steady-state figures from metrics.jsonl: windows after `skip_steps`, weighted by steps."""
-    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if r["kind"] == "train"]
-    first = train[0]
-    steady = [r for r in train if r["step"] > skip_steps]
-    prev = {r["step"]: p["step"] for p, r in zip(train, train[1:], strict=False)}
-    steps = {r["step"]: r["step"] - prev.get(r["step"], 0) for r in steady}
-    total = sum(steps.values())
-    step_ms = sum(r["step_ms"] * steps[r["step"]] for r in steady) / total
-    tok_s = sum(r["tokens_per_s"] * r["step_ms"] * steps[r["step"]] for r in steady) / (
-        step_ms * total
-    )
-    return {
-        "steps": train[-1]["step"],
-        "first_step_s": first.get("first_step_s"),
-        "graphs_after_first_step": first["compiled_graphs"],
-        "graphs_at_end": train[-1]["compiled_graphs"],
-        "step_ms": step_ms,
-        "context_tok_s": tok_s,
-        "data_wait": sum(r["data_wait"] * steps[r["step"]] for r in steady) / total,
-        "peak_gpu_gb": max(r.get("peak_gpu_gb", 0) for r in train),
-        "loss_first_last": [first["loss"], train[-1]["loss"]],
-        "finite": all(math.isfinite(r["loss"]) for r in train),
-    }
 
 
 def main() -> None:
@@ -289,12 +226,10 @@ def main() -> None:
     write_rows(work / "rows.jsonl", lengths, cfg["vocab_size"] - 293, seed=0)
     plain = plain_forward(work / "target", work / "rows.jsonl", device)
     shards, run = work / "shards", work / "run"
-    times["extract"] = command(
-        [py, "-m", "extract", "--gpus", args.gpus, "--target", str(work / "target"),
-         "--data", str(work / "rows.jsonl"), "--out", str(shards)],
-        work / "extract.log", env,
-    )  # fmt: skip
-    tokens, extract_s, forwards_s, staging_wait_s = extraction_rate(work / "extract.log")
+    times["extract"] = command(extract_command(args, work, shards), work / "extract.log", env)
+    x = extraction_figures(work / "extract.log", plain["tok_s"])
+    tokens = x["tokens"]
+    manifest = json.loads((shards / "manifest.json").read_text())
     variants = extract_variants(args, work, plain["tok_s"], env) if args.also_extract else []
     result = {
         "shape": args.shape,
@@ -306,24 +241,21 @@ def main() -> None:
         "lengths": {"min": min(lengths), "max": max(lengths), "at_max": lengths.count(3072)},
         "plain_forward_tok_s": plain["tok_s"],
         "plain_forward": plain,
-        "extract_s": extract_s,
-        "extract_tok_s": tokens / extract_s,
-        "extract_ratio": (tokens / extract_s) / plain["tok_s"],
-        # The clock stopped at the last forward: what the final writes and commit cost apart.
-        "extract_forwards_s": forwards_s,
-        "extract_staging_wait_s": staging_wait_s,
-        "extract_ratio_until_last_forward": (tokens / forwards_s) / plain["tok_s"],
-        "extract_forwards": extraction_forwards(work / "extract.log"),
+        "extract_s": x["seconds"],
+        "extract_tok_s": x["tok_s"],
+        "extract_ratio": x["ratio"],
+        "extract_forwards_s": x["forwards_s"],
+        "extract_staging_wait_s": x["staging_wait_s"],
+        "extract_ratio_until_last_forward": x["ratio_until_last_forward"],
+        "extract_forwards": x["forwards"],
         "extract_variants": variants,
+        "stored_bytes_per_token": sum(r["nbytes"] for r in manifest["parts"]) / tokens,
     }
     if args.until == "extract":
-        manifest = json.loads((shards / "manifest.json").read_text())
-        result["stored_bytes_per_token"] = sum(r["nbytes"] for r in manifest["parts"]) / tokens
         result["wall_s"] = times
         finish(result, args, work)
         return
     times["verify"] = command([py, "-m", "extract.verify", str(shards)], work / "verify.log", env)
-    manifest = json.loads((shards / "manifest.json").read_text())
     shutil.rmtree(work / "target")  # the trainer never reads it; the disk is needed for runs
     times["train"] = command(
         [py, "-m", "train", "--gpus", args.gpus, "--data", str(shards), "--out", str(run),
@@ -347,9 +279,7 @@ def main() -> None:
         saved["train"]["num_anchors"],
     )
     mfu = bench["mfu"] * bench["step_ms"] / train["step_ms"] if same_shape else None
-    stored = sum(r["nbytes"] for r in manifest["parts"])
     result |= {
-        "stored_bytes_per_token": stored / tokens,
         "train": train,
         "train_settings": {
             k: saved["train"][k]
@@ -386,77 +316,6 @@ def finish(result: dict[str, Any], args: argparse.Namespace, work: Path) -> None
         for log in work.glob("*.log"):
             shutil.copy2(log, args.logs / f"{args.shape}-{log.name}")
     print_table(result)
-
-
-def forward_split(r: dict[str, Any]) -> str:
-    """Device seconds in the forwards and idle between them, plain pass against extraction's."""
-    p, x = r["plain_forward"], r["extract_forwards"]
-    if x is None or not p["device_s"]:
-        return "n/a"
-    return (
-        f"plain {p['device_s']:.1f} ({p['idle_s']:.1f} between) / extract {x['device_s']:.1f} "
-        f"(first {x['first_s']:.2f}, {x['idle_s']:.1f} between; launching thread {x['host_s']:.1f})"
-    )
-
-
-def print_table(r: dict[str, Any]) -> None:
-    rows = [
-        ("shape / target layers / device", f"{r['shape']} / {r['target_layers']} / {r['device']}"),
-        ("rows, tokens (lengths)", f"{r['rows']:,}, {r['tokens']:,} ({r['lengths']})"),
-        (
-            "extract tok/s vs plain forward",
-            f"{r['extract_tok_s']:,.0f} vs "
-            f"{r['plain_forward_tok_s']:,.0f} = {r['extract_ratio']:.3f}",
-        ),  # fmt: skip
-        (
-            "  until the last forward / then",
-            f"{r['extract_ratio_until_last_forward']:.3f} / "
-            f"{r['extract_s'] - r['extract_forwards_s']:.1f} s more",
-        ),  # fmt: skip
-        (
-            "  device waiting for the writers",
-            "n/a"
-            if r["extract_staging_wait_s"] is None
-            else f"{r['extract_staging_wait_s']:.1f} s of {r['extract_s']:.1f} s",
-        ),  # fmt: skip
-        ("  device s in forwards", forward_split(r)),
-        *(
-            (
-                f"  with {v['options']}",
-                f"{v['ratio']:.3f} ({v['ratio_until_last_forward']:.3f} until the last forward); "
-                + forward_split({**r, "extract_forwards": v["forwards"]}),
-            )
-            for v in r["extract_variants"]
-        ),
-        ("stored bytes/token", f"{r['stored_bytes_per_token']:,.0f}"),
-    ]
-    if "train" in r:
-        rows += training_rows(r)
-    rows.append(("wall seconds", json.dumps({k: round(v) for k, v in r["wall_s"].items()})))
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
-
-
-def training_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
-    t, f = r["train"], r["fixed_shape"]
-    mfu = f"{100 * r['mfu_bench_count']:.1f}%" if r["mfu_bench_count"] is not None else "n/a"
-    return [
-        ("train steps, settings", f"{t['steps']}, {r['train_settings']}"),
-        ("train context tok/s (steady)", f"{t['context_tok_s']:,.0f}"),
-        ("train step / fixed-shape step", f"{t['step_ms']:.1f} / {f['step_ms']:.1f} ms"),
-        ("context tok/s vs fixed shape", f"{r['tok_s_ratio_to_fixed_shape']:.3f}"),
-        ("MFU (bench's count)", mfu),
-        ("first step", f"{t['first_step_s']:.1f} s (fixed-shape bench {f['first_step_s']:.1f} s)"),
-        (
-            "compiled graphs: after step 1, at end",
-            f"{t['graphs_after_first_step']}, {t['graphs_at_end']}",
-        ),  # fmt: skip
-        ("peak GPU memory", f"{t['peak_gpu_gb']:.1f} GB"),
-        ("data wait", f"{100 * t['data_wait']:.2f}%"),
-        ("loss first -> last, finite", f"{t['loss_first_last']}, {t['finite']}"),
-        ("export written", str(r["export_written"])),
-    ]
 
 
 if __name__ == "__main__":

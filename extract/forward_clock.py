@@ -1,10 +1,10 @@
-"""Where an extraction's time goes: the device's time inside the target's forwards, its idle
-time between them, and the launching thread's time inside the forward calls.
+"""Where an extraction's time goes: the device's time inside the target's forwards, the time
+between them, and the launching thread's time inside the forward calls.
 
 Extraction is meant to run at the plain forward's speed. When it does not, these split the gap:
 forwards slower than the plain ones (device work added beside them) show as more device seconds
 a token; a device starved by its launching thread (other threads holding the GIL it needs for
-every kernel launch, or a read-back) shows as idle seconds between forwards, with the host's
+every kernel launch, or a read-back) shows as seconds between forwards, with the host's
 seconds inside the calls close to the wall time.
 """
 

@@ -63,8 +63,8 @@ class Job:
     verbose: bool = False
     # sys.setswitchinterval while this rank extracts. Qwen3-8B shape, 1M long-tailed tokens, one
     # H200 (bench/e2e_gpu.py, then the same `python -m extract` with --switch-interval-ms):
-    # 5 ms (Python's) 0.913-0.916 of the plain forward, 1 and 0.5 ms 0.932: the device idled
-    # 0.9-1.1 s between forwards instead of 1.6 s.
+    # 5 ms (Python's) 0.913-0.916 of the plain forward, 1 and 0.5 ms 0.932: 0.9-1.1 s of device
+    # time between forwards instead of 1.6 s (`extract.forward_clock`).
     switch_interval_s: float = 0.001
 
     def unit_rows(self, unit: int) -> range:

@@ -1,0 +1,160 @@
+"""What `bench/e2e_gpu.py` reads back from the product's logs and metrics, and its table.
+
+The extraction's figures come from `python -m extract`'s per-rank log lines (`extract.worker`:
+its rate, the staging wait, `extract.forward_clock`'s split); the training's from the run's
+`metrics.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+
+def extraction_rate(log: Path) -> tuple[int, float, float, float | None]:
+    """(tokens, seconds, seconds until the last forward ended, seconds the device waited for a
+    free staging buffer, i.e. for the writers) from extract's per-rank lines (target loading
+    excluded)."""
+    text = log.read_text()
+    m = re.search(r"(\d+) tokens extracted in ([\d.]+) s .*?the forwards ended at ([\d.]+) s", text)
+    if not m:
+        raise SystemExit(f"no extraction rate in {log}")
+    waited = re.search(r"the device waited ([\d.]+) s of [\d.]+ s for a free staging buffer", text)
+    return (
+        int(m.group(1)),
+        float(m.group(2)),
+        float(m.group(3)),
+        float(waited.group(1)) if waited else None,
+    )
+
+
+def extraction_forwards(log: Path) -> dict[str, float] | None:
+    """extract's ForwardClock line: device seconds in the forwards (the first one's apart),
+    between them (idle, or the launching stream's work outside the forwards), the launching
+    thread's seconds inside them."""
+    m = re.search(
+        r"forwards on the device ([\d.]+) s \(the first ([\d.]+) s\), ([\d.]+) s between them, "
+        r"the launching thread ([\d.]+) s",
+        log.read_text(),
+    )
+    if not m:
+        return None
+    names = ("device_s", "first_s", "idle_s", "host_s")
+    return dict(zip(names, map(float, m.groups()), strict=True))
+
+
+def extraction_figures(log: Path, plain_tok_s: float) -> dict[str, Any]:
+    """An extraction's figures from its log, its rates as fractions of the plain forward's."""
+    tokens, seconds, forwards_s, waited = extraction_rate(log)
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tok_s": tokens / seconds,
+        "ratio": tokens / seconds / plain_tok_s,
+        # The clock stopped at the last forward: what the final writes and commit cost apart.
+        "forwards_s": forwards_s,
+        "ratio_until_last_forward": tokens / forwards_s / plain_tok_s,
+        "staging_wait_s": waited,
+        "forwards": extraction_forwards(log),
+    }
+
+
+def training_figures(run: Path, skip_steps: int) -> dict[str, Any]:
+    """Steady-state figures from metrics.jsonl: windows after `skip_steps`, weighted by steps."""
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    first = train[0]
+    steady = [r for r in train if r["step"] > skip_steps]
+    prev = {r["step"]: p["step"] for p, r in zip(train, train[1:], strict=False)}
+    steps = {r["step"]: r["step"] - prev.get(r["step"], 0) for r in steady}
+    total = sum(steps.values())
+    step_ms = sum(r["step_ms"] * steps[r["step"]] for r in steady) / total
+    tok_s = sum(r["tokens_per_s"] * r["step_ms"] * steps[r["step"]] for r in steady) / (
+        step_ms * total
+    )
+    return {
+        "steps": train[-1]["step"],
+        "first_step_s": first.get("first_step_s"),
+        "graphs_after_first_step": first["compiled_graphs"],
+        "graphs_at_end": train[-1]["compiled_graphs"],
+        "step_ms": step_ms,
+        "context_tok_s": tok_s,
+        "data_wait": sum(r["data_wait"] * steps[r["step"]] for r in steady) / total,
+        "peak_gpu_gb": max(r.get("peak_gpu_gb", 0) for r in train),
+        "loss_first_last": [first["loss"], train[-1]["loss"]],
+        "finite": all(math.isfinite(r["loss"]) for r in train),
+    }
+
+
+def forward_split(r: dict[str, Any]) -> str:
+    """Device seconds in the forwards and idle between them, plain pass against extraction's."""
+    p, x = r["plain_forward"], r["extract_forwards"]
+    if x is None or not p["device_s"]:
+        return "n/a"
+    return (
+        f"plain {p['device_s']:.1f} ({p['idle_s']:.1f} between) / extract {x['device_s']:.1f} "
+        f"(first {x['first_s']:.2f}, {x['idle_s']:.1f} between; launching thread {x['host_s']:.1f})"
+    )
+
+
+def print_table(r: dict[str, Any]) -> None:
+    rows = [
+        ("shape / target layers / device", f"{r['shape']} / {r['target_layers']} / {r['device']}"),
+        ("rows, tokens (lengths)", f"{r['rows']:,}, {r['tokens']:,} ({r['lengths']})"),
+        (
+            "extract tok/s vs plain forward",
+            f"{r['extract_tok_s']:,.0f} vs "
+            f"{r['plain_forward_tok_s']:,.0f} = {r['extract_ratio']:.3f}",
+        ),  # fmt: skip
+        (
+            "  until the last forward / then",
+            f"{r['extract_ratio_until_last_forward']:.3f} / "
+            f"{r['extract_s'] - r['extract_forwards_s']:.1f} s more",
+        ),  # fmt: skip
+        (
+            "  device waiting for the writers",
+            "n/a"
+            if r["extract_staging_wait_s"] is None
+            else f"{r['extract_staging_wait_s']:.1f} s of {r['extract_s']:.1f} s",
+        ),  # fmt: skip
+        ("  device s in forwards", forward_split(r)),
+        *(
+            (
+                f"  with {v['options']}",
+                f"{v['ratio']:.3f} ({v['ratio_until_last_forward']:.3f} until the last forward); "
+                + forward_split({**r, "extract_forwards": v["forwards"]}),
+            )
+            for v in r["extract_variants"]
+        ),
+        ("stored bytes/token", f"{r['stored_bytes_per_token']:,.0f}"),
+    ]
+    if "train" in r:
+        rows += training_rows(r)
+    rows.append(("wall seconds", json.dumps({k: round(v) for k, v in r["wall_s"].items()})))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+def training_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    t, f = r["train"], r["fixed_shape"]
+    mfu = f"{100 * r['mfu_bench_count']:.1f}%" if r["mfu_bench_count"] is not None else "n/a"
+    return [
+        ("train steps, settings", f"{t['steps']}, {r['train_settings']}"),
+        ("train context tok/s (steady)", f"{t['context_tok_s']:,.0f}"),
+        ("train step / fixed-shape step", f"{t['step_ms']:.1f} / {f['step_ms']:.1f} ms"),
+        ("context tok/s vs fixed shape", f"{r['tok_s_ratio_to_fixed_shape']:.3f}"),
+        ("MFU (bench's count)", mfu),
+        ("first step", f"{t['first_step_s']:.1f} s (fixed-shape bench {f['first_step_s']:.1f} s)"),
+        (
+            "compiled graphs: after step 1, at end",
+            f"{t['graphs_after_first_step']}, {t['graphs_at_end']}",
+        ),  # fmt: skip
+        ("peak GPU memory", f"{t['peak_gpu_gb']:.1f} GB"),
+        ("data wait", f"{100 * t['data_wait']:.2f}%"),
+        ("loss first -> last, finite", f"{t['loss_first_last']}, {t['finite']}"),
+        ("export written", str(r["export_written"])),
+    ]
