@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared import codec, planes  # noqa: E402
+from shared import planes  # noqa: E402
 from shared.cache import open_part  # noqa: E402
 from shared.codec import CHUNK_ROWS, blosc_compressor  # noqa: E402
 from shared.manifest import read_manifest  # noqa: E402
@@ -70,10 +70,7 @@ def measure(chunks: list[np.ndarray], compress, decompress) -> tuple[int, float,
 
 def planes_blosc_exponent(a: np.ndarray) -> bytes:
     """`planes` as written before its exponent frame was zstd: Blosc zstd-1 (PLANES_BLOSC)."""
-    p = planes._split_planes_host(a)
-    e = planes._planes_blosc(p.exponent, codec.PLANES_BLOSC["exponent"])
-    sm = planes._planes_blosc(p.sign_mantissa, codec.PLANES_BLOSC["sign_mantissa"])
-    return len(e).to_bytes(4, "little") + e + sm
+    return b"".join(planes.planes_frames(a, planes.blosc_exponent_frame))
 
 
 def main() -> None:

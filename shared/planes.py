@@ -9,6 +9,7 @@ reads the exponent frames of caches written before they were zstd (Blosc, named 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numcodecs.blosc
 import numcodecs.zstd
@@ -47,16 +48,19 @@ def planes_compress(a: np.ndarray) -> bytes:
     return b"".join(planes_frames(a))
 
 
-def planes_frames(x: np.ndarray | Bf16Planes) -> list[bytes]:
+def planes_frames(
+    x: np.ndarray | Bf16Planes, exponent_coder: Callable[[np.ndarray], bytes] | None = None
+) -> list[bytes]:
     """The `planes` encoding of bf16 bits (uint16) or of their planes (`Bf16Planes`, numpy), as
     its three consecutive pieces: size, exponent frame, sign+mantissa frame. Written as they are
-    (os.writev) they need no joined copy, which would hold the GIL."""
+    (os.writev) they need no joined copy, which would hold the GIL. `exponent_coder`: default
+    `exponent_frame`; `blosc_exponent_frame` writes them as caches were written before zstd."""
     if not isinstance(x, Bf16Planes):
         x = _split_planes_host(x)
     exponent = c_contiguous(x.exponent).reshape(-1)
     if exponent.size == 0:  # Blosc does not decode an empty frame
         return [bytes(4)]
-    e = exponent_frame(exponent)
+    e = (exponent_coder or exponent_frame)(exponent)
     sm = _planes_blosc(c_contiguous(x.sign_mantissa).reshape(-1), PLANES_BLOSC["sign_mantissa"])
     return [len(e).to_bytes(4, "little"), e, sm]
 
@@ -82,6 +86,11 @@ def exponent_frame(plane: np.ndarray) -> bytes:
         )  # size its output (the chunk is crc32c-checked by zarr)
         cctx = _zstd.cctx = zstandard.ZstdCompressor(compression_params=params)
     return cctx.compress(plane)
+
+
+def blosc_exponent_frame(plane: np.ndarray) -> bytes:
+    """The exponent bytes as `planes` caches wrote them before zstd: Blosc zstd-1."""
+    return _planes_blosc(plane, PLANES_BLOSC["exponent"])
 
 
 def _exponent_bytes(frame: memoryview) -> bytes:

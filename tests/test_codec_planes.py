@@ -122,13 +122,9 @@ def test_planes_are_refused_where_they_do_not_fit(tmp_path):
         codec.encode_hidden(codec.Bf16Planes(p.exponent[1:], p.sign_mantissa), "bf16", shape)
 
 
-def _blosc_exponent(plane: np.ndarray) -> bytes:  # how `planes` caches were written before zstd
-    return planes._planes_blosc(plane, codec.PLANES_BLOSC["exponent"])
-
-
 @pytest.mark.parametrize("fmt", ["zarr", "wds"])
 def test_planes_parts_with_blosc_exponent_frames_still_read(tmp_path, monkeypatch, fmt):
-    monkeypatch.setattr(planes, "exponent_frame", _blosc_exponent)
+    monkeypatch.setattr(planes, "exponent_frame", planes.blosc_exponent_frame)
     _old_and_new_parts_read(tmp_path, monkeypatch, fmt)
 
 
@@ -140,6 +136,6 @@ def test_exponent_frames_are_zstd_and_smaller_than_blosc_on_activation_like_valu
     exponent = split.exponent.numpy().reshape(-1)
     frame = planes.exponent_frame(exponent)
     assert frame[:4] == codec.ZSTD_MAGIC
-    assert len(frame) < len(_blosc_exponent(exponent))
+    assert len(frame) < len(planes.blosc_exponent_frame(exponent))
     every = np.arange(1 << 16, dtype=np.uint16)
     assert planes_compress(every)[4:8] == codec.ZSTD_MAGIC
