@@ -1,0 +1,157 @@
+"""How far ahead of the device the thread that launches the target's forwards runs, and what
+holds it back.
+
+    python bench/forward_lead.py --shape qwen3-8b [--rows 5 --length 3072] [--json PATH]
+
+Extraction keeps the device busy only if the launching thread leaves each forward call well
+before the device has run it: then the work it does between forwards (the captured states'
+payload, the staging copy, the writers' tasks, the next batch's inputs) hides behind queued
+kernels. `extract.forward_clock` found the launching thread inside the forward calls about as
+long as the device ran them, in the plain pass too (31.1 s of host time against 31.3 s of device
+time, 8B shape, 1M tokens, H200): the host leaves each forward only just before the device ends
+it, so whatever it does next leaves the device idle. This measures that lead on one repeated
+batch of the random-weight target (its decoder, premade masks, pinned inputs: as extraction
+runs it), then profiles one forward and lists the CUDA runtime calls that blocked the host
+longest (a full launch queue shows as a long cudaLaunchKernel, a read-back as a
+cudaStreamSynchronize or cudaMemcpy), with torch's sync debug mode counting the syncs torch
+knows of. Random weights: real shapes and speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shapes import SHAPES, random_model  # noqa: E402
+
+from extract.capture import DeviceInputs, padded_inputs  # noqa: E402
+from extract.masks import choose_masks, forward_kwargs  # noqa: E402
+
+
+def leads(body, ids_BL: np.ndarray, masks, device: torch.device, n: int) -> list[dict]:
+    """Per forward: host seconds inside the call, device seconds of the forward, and the lead
+    (how long the device still ran it after the host left the call)."""
+    inputs, cuda, out = DeviceInputs(device), device.type == "cuda", []
+    with torch.inference_mode():
+        for _ in range(n):
+            (ids,) = inputs.send(torch.from_numpy(ids_BL))
+            if cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            body(**forward_kwargs(ids, masks))
+            t1 = time.perf_counter()
+            if cuda:
+                end.record()
+                end.synchronize()
+            t2 = time.perf_counter()
+            device_s = start.elapsed_time(end) / 1e3 if cuda else t1 - t0
+            out.append({"host_s": t1 - t0, "device_s": device_s, "lead_s": t2 - t1})
+    return out
+
+
+def blocking_calls(body, ids_BL: np.ndarray, masks, device: torch.device, top: int) -> dict:
+    """One profiled forward: the CUDA runtime calls by longest single duration, and the syncs
+    torch's sync debug mode reports."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    (ids,) = DeviceInputs(device).send(torch.from_numpy(ids_BL))
+    if cuda:
+        torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            # CUDA activity: CUPTI records the runtime calls (cudaLaunchKernel, ...) with it only
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with torch.inference_mode(), profile(activities=activities) as prof:
+                body(**forward_kwargs(ids, masks))
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message)[:200] for w in caught]
+    if cuda:
+        torch.cuda.synchronize(device)
+    rows: dict[str, dict] = {}
+    for e in prof.events():
+        if not e.name.startswith(("cuda", "cu")):
+            continue
+        r = rows.setdefault(e.name, {"name": e.name, "calls": 0, "total_ms": 0.0, "max_ms": 0.0})
+        ms = e.cpu_time_range.elapsed_us() / 1e3
+        r["calls"] += 1
+        r["total_ms"] += ms
+        r["max_ms"] = max(r["max_ms"], ms)
+    ranked = sorted(rows.values(), key=lambda r: -r["max_ms"])[:top]
+    return {"runtime_calls": ranked, "sync_warnings": len(syncs), "first_syncs": syncs[:5]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    p.add_argument("--rows", type=int, default=5)
+    p.add_argument("--length", type=int, default=3072)
+    p.add_argument("--layers", type=int, default=None, help="build the first N layers only")
+    p.add_argument("--forwards", type=int, default=8, help="timed forwards after 3 warm-up ones")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    if args.shape.startswith("tiny"):
+        args.length = min(args.length, 256)
+    cuda = torch.cuda.is_available()  # off CUDA: a check of the script (no queue, lead 0)
+    device = torch.device("cuda" if cuda else "cpu")
+    last = args.layers - 1 if args.layers else None
+    model = random_model(args.shape, device=device.type, last_layer=last)
+    body = model.get_decoder()
+    masks = choose_masks(body)
+    vocab = int(body.config.vocab_size)
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, vocab - 300, args.length, dtype=np.int64) for _ in range(args.rows)]
+    ids_BL, _ = padded_inputs(rows, pad_id=0)
+    leads(body, ids_BL, masks, device, 3)  # warm-up: kernels chosen, memory cached
+    timed = leads(body, ids_BL, masks, device, args.forwards)
+    result = {
+        "shape": args.shape,
+        "layers": int(body.config.num_hidden_layers),
+        "batch": [args.rows, args.length],
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "premade_masks": masks is not None,
+        "forwards": timed,
+        **{
+            f"median_{k}": statistics.median(f[k] for f in timed)
+            for k in ("host_s", "device_s", "lead_s")
+        },
+        **blocking_calls(body, ids_BL, masks, device, top=8),
+    }
+    print(
+        f"{args.shape} ({result['layers']} layers), batch {args.rows} x {args.length}: host "
+        f"{result['median_host_s'] * 1e3:.1f} ms inside a forward, device "
+        f"{result['median_device_s'] * 1e3:.1f} ms, the device ran "
+        f"{result['median_lead_s'] * 1e3:.1f} ms after the host left (medians of {args.forwards})"
+    )
+    print(f"syncs torch reports in one forward: {result['sync_warnings']}")
+    for s in result["first_syncs"]:
+        print(f"  {s}")
+    print("CUDA runtime calls by longest single call (one forward):")
+    for r in result["runtime_calls"]:
+        print(f"  {r['name'][:48]:<48} {r['calls']:6d} calls  max {r['max_ms']:8.2f} ms  "
+              f"total {r['total_ms']:8.2f} ms")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
