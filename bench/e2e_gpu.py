@@ -28,6 +28,7 @@ import os
 import random
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -215,11 +216,24 @@ def main() -> None:
     if args.also_extract and args.until != "extract":
         # Two caches of 1M 8B tokens and the target do not fit the H200 host's 64 GB disk.
         p.error("--also-extract needs --until extract (the default cache is deleted before them)")
-    cuda = args.gpus != "cpu"
-    device = torch.device("cuda" if cuda else "cpu")
     work = args.work / args.shape
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    # `timeout` ends a run with SIGTERM: exit through Python, so the work folder (a 16 GB target,
+    # caches of 27 GB) goes too, and a next command on the same host has its disk.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        benchmark(args, work)
+    except BaseException:
+        if not args.keep:
+            clear_work(work)
+        raise
+
+
+def benchmark(args: argparse.Namespace, work: Path) -> None:
+    """The whole benchmark into `work` (see the module's docstring)."""
+    cuda = args.gpus != "cpu"
+    device = torch.device("cuda" if cuda else "cpu")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     py = sys.executable
     times: dict[str, float] = {}
@@ -308,15 +322,20 @@ def main() -> None:
     finish(result, args, work)
 
 
+def clear_work(work: Path) -> None:
+    """Delete everything in `work` but the commands' logs."""
+    for path in work.iterdir():
+        if path.suffix != ".log":
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
+
+
 def finish(result: dict[str, Any], args: argparse.Namespace, work: Path) -> None:
     """Write --json, clear the work folder unless --keep (the logs stay), copy the logs to
     --logs, print the table."""
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     if not args.keep:
-        for path in work.iterdir():
-            if path.suffix != ".log":
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        clear_work(work)
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
         for log in work.glob("*.log"):

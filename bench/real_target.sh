@@ -14,7 +14,7 @@
 # the distinct ones (the last HELD_OUT held out); extract bf16 (codec planes) and fp8 caches side by
 # side; codec and fp8-error reports; two DFlash drafters, same seed and steps, on the two caches
 # side by side, and a DFlash2 one on the bf16 cache; train.compare; train.speculate of the three
-# on the held-out prompts.
+# on the held-out prompts, in one process (one greedy decoding of the target for all three).
 # BENCH_MODE=cpu: the same on a CPU at a size it can do in about 90 minutes (about 500
 # conversations, a 2-layer drafter, 400 steps of 1024 tokens): real figures, smaller than the GPU's.
 # BENCH_FROM=STAGE: start at that stage, reusing what the earlier ones left in WORK.
@@ -135,16 +135,16 @@ stage train both train bf16 bf16 -- train fp8 fp8
 stage train_dflash2 train bf16 dflash2 --drafter-type dflash2
 stage compare python3 -m train.compare "$WORK/run-bf16" "$WORK/run-fp8" "$WORK/run-dflash2" \
   --out "$WORK/compare.md"
-speculate() {  # speculate NAME
-  python3 -m train.speculate --target $T --drafter "$WORK/run-$1/export" \
-    --prompts "$WORK/held_out.json" --max-new-tokens $SPEC_TOKENS --json >"$WORK/spec-$1.txt"
-  echo "$1: $(grep -v '^{' "$WORK/spec-$1.txt" | tail -1)"
+speculate() {  # the three exports in one process: the target's greedy reference is made once
+  python3 -m train.speculate --target $T --drafter "$WORK/run-bf16/export" \
+    --drafter "$WORK/run-fp8/export" --drafter "$WORK/run-dflash2/export" \
+    --prompts "$WORK/held_out.json" --max-new-tokens $SPEC_TOKENS --json >"$WORK/spec.txt"
+  awk '/^drafter /{d=$2} /^tau /{print d, $0}' "$WORK/spec.txt"
 }
-stage speculate both speculate bf16 -- speculate fp8
-stage speculate_dflash2 speculate dflash2
+stage speculate speculate
 echo "rows: $(wc -l <"$WORK/data.jsonl") conversations, held-out prompts: $HELD_OUT" | tee -a "$LOG"
 if [ -n "${OUT:-}" ]; then
-  cp "$LOG" "$WORK"/compare.md "$WORK"/fp8_error.json "$WORK"/spec-*.txt "$OUT"/
+  cp "$LOG" "$WORK"/compare.md "$WORK"/fp8_error.json "$WORK"/spec.txt "$OUT"/
   cp "$WORK"/bf16/manifest.json "$OUT"/manifest-bf16.json
   cp "$WORK"/fp8/manifest.json "$OUT"/manifest-fp8.json
 fi

@@ -2,6 +2,7 @@
 package, the command line's JSON line and its errors."""
 
 import copy
+import dataclasses
 import json
 import time
 
@@ -373,3 +374,46 @@ def test_cli_drafter_that_does_not_fit(tmp_path, tiny_qwen3):
     assert result.exit_code != 0
     assert "drafter hidden size 32, target 64" in result.output
     assert "target layers [1, 10] not in a 8-layer target" in result.output
+
+
+def test_cli_several_drafters_each_as_alone(tmp_path, tiny_qwen3, random_export):
+    """Repeated --drafter: one report and one JSON line per drafter, in order, each equal to
+    that drafter's run alone (the greedy reference is shared, not changed)."""
+    cfg = drafter_config(tiny_qwen3, block_size=4)
+    other = export_drafter(two_token_drafter(cfg), cfg, tmp_path / "other")
+    prompts = write_json(tmp_path / "prompts.json", ["Say hello.", [1, 5, 9, 13]])
+    common = ["--target", tiny_qwen3, "--prompts", prompts, "--device", "cpu"]
+    common += ["--max-new-tokens", 10, "--warmup", 0, "--json"]
+
+    def summaries(*drafters):
+        args = [*common, *[a for d in drafters for a in ("--drafter", d)]]
+        result = run_cli(*args)
+        assert result.exit_code == 0, result.output
+        lines = result.stdout.strip().splitlines()
+        return result.stdout, [json.loads(line) for line in lines[-len(drafters) :]]
+
+    text, both = summaries(random_export, other)
+    alone = [summaries(random_export)[1][0], summaries(other)[1][0]]
+    assert [s["drafter"] for s in both] == [str(random_export), str(other)]
+    assert f"drafter {other}:" in text
+    for together, single in zip(both, alone, strict=True):
+        for key in ("tau", "lossless", "steps", "new_tokens", "block_size"):
+            assert together[key] == single[key], key
+        assert [r["steps"] for r in together["per_prompt"]] == [
+            r["steps"] for r in single["per_prompt"]
+        ]
+    assert both[0]["block_size"] == 8 and both[1]["block_size"] == 4
+
+
+def test_cli_names_the_drafter_that_does_not_fit(tmp_path, tiny_qwen3, random_export):
+    prompts = write_json(tmp_path / "prompts.json", ["hi"])
+    cfg = drafter_config(tiny_qwen3, target_layer_ids=(1, 3))
+    bad_cfg = dataclasses.replace(cfg, num_target_layers=12)
+    export_drafter(DFlashDrafter(bad_cfg), bad_cfg, tmp_path / "bad")
+    result = run_cli(
+        "--target", tiny_qwen3, "--drafter", random_export, "--drafter", tmp_path / "bad",
+        "--prompts", prompts,
+    )  # fmt: skip
+    assert result.exit_code != 0
+    assert f"the drafter ({tmp_path / 'bad'}) does not fit the target" in result.output
+    assert "made for a 12-layer target, this one has 8" in result.output

@@ -96,9 +96,9 @@ def our_decoding(cfg: ServeCheckConfig) -> dict[str, Any]:
     from train.speculate import SpeculateConfig, load
 
     spec_cfg = SpeculateConfig(
-        target=cfg.target, drafter=cfg.drafter, prompts=cfg.prompts, dtype=cfg.dtype
+        target=cfg.target, drafter=(cfg.drafter,), prompts=cfg.prompts, dtype=cfg.dtype
     )
-    target, drafter, prompts, eos = load(spec_cfg)
+    target, (drafter,), prompts, eos = load(spec_cfg)
     kwargs = dict(max_new_tokens=cfg.max_new_tokens, eos_ids=eos)
     spec = [speculate(target, drafter, ids, **kwargs) for ids in prompts]
     whole = [speculate(target, drafter, ids, **kwargs, full_blocks=True) for ids in prompts]

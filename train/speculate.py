@@ -2,7 +2,9 @@
 
 Runs speculative decoding (`train.decode`) and plain greedy decoding of the target over the
 prompts, checks that both give the same tokens, and reports tau (accepted drafts + 1 per verify
-step, as `dflash.model.dflash_generate` reports it), per-prompt figures and tokens/s.
+step, as `dflash.model.dflash_generate` reports it), per-prompt figures and tokens/s. `--drafter`
+repeated compares several drafters of one target on the same prompts: the target and its greedy
+decoding are loaded and run once for all of them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch import nn
 from shared.cli import build, click_options, option
 from shared.logs import setup_logging
 from shared.models import resolve_target_name
-from train.decode import greedy, speculate
+from train.decode import Result, greedy, speculate
 from train.drafter_config import DrafterConfig
 from train.export import CONFIG_FILE, config_from_hf, load_export
 from train.model import DFlashDrafter
@@ -43,7 +45,10 @@ class SpeculateConfig:
         help="target model folder (Hugging Face format, with its tokenizer), or a named real "
         "target materialized by `python -m extract.models NAME`"
     )
-    drafter: Path = option(help="exported drafter folder, e.g. runs/NAME/export")
+    drafter: tuple[Path, ...] = option(
+        help="exported drafter folder, e.g. runs/NAME/export; repeat it for several drafters of "
+        "the same target (one greedy decoding serves them all)"
+    )
     prompts: Path = option(
         help="JSON list of prompts: strings (a user message through the chat template), chat "
         "`messages` lists, or lists of token ids"
@@ -52,7 +57,9 @@ class SpeculateConfig:
     device: str | None = option(None, help="torch device; default cuda if available, else cpu")
     dtype: str = option("auto", choices=("auto", *DTYPES), help="auto: bf16 on CUDA, else fp32")
     warmup: int = option(1, help="untimed runs of both decoders on the first prompt")
-    as_json: bool = option(False, flag="--json", help="print a one-line JSON summary last")
+    as_json: bool = option(
+        False, flag="--json", help="print a one-line JSON summary last (one per drafter)"
+    )
 
     def __post_init__(self) -> None:
         for name, low in (("max_new_tokens", 1), ("warmup", 0)):
@@ -116,8 +123,12 @@ def fit_problems(cfg: DrafterConfig, target_config: Any) -> list[str]:
     return [problem for ok, problem in checks if not ok]
 
 
-def load(cfg: SpeculateConfig) -> tuple[nn.Module, DFlashDrafter, list[list[int]], list[int]]:
-    """(target, drafter, prompt ids, eos ids) on the configured device; SpeculateError on misfit.
+def load(
+    cfg: SpeculateConfig,
+) -> tuple[nn.Module, list[DFlashDrafter], list[list[int]], list[int]]:
+    """(target, drafters in --drafter's order, prompt ids, eos ids) on the configured device;
+    SpeculateError on misfit, naming the drafter when there are several. Every drafter is
+    checked before the target loads.
 
     Stops at the tokenizer's eos and at the target's generation_config eos ids.
     """
@@ -127,36 +138,60 @@ def load(cfg: SpeculateConfig) -> tuple[nn.Module, DFlashDrafter, list[list[int]
         cfg = dataclasses.replace(cfg, target=resolve_target_name(cfg.target))
     except ValueError as e:
         raise SpeculateError(str(e)) from None
-    for path, what in ((cfg.prompts, "--prompts"), (cfg.drafter / CONFIG_FILE, "--drafter")):
+    files = [(cfg.prompts, "--prompts")] + [(d / CONFIG_FILE, "--drafter") for d in cfg.drafter]
+    for path, what in files:
         if not Path(path).is_file():
             raise SpeculateError(f"{what}: {path} does not exist")
     try:
         target_config = AutoConfig.from_pretrained(cfg.target)
         tokenizer = AutoTokenizer.from_pretrained(cfg.target)
-        drafter_cfg = config_from_hf(json.loads((cfg.drafter / CONFIG_FILE).read_text()))
+        drafter_cfgs = [
+            config_from_hf(json.loads((d / CONFIG_FILE).read_text())) for d in cfg.drafter
+        ]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SpeculateError(f"cannot read the target or the drafter config: {e}") from None
-    problems = fit_problems(drafter_cfg, target_config)
-    if problems:
-        raise SpeculateError("the drafter does not fit the target:\n  - " + "\n  - ".join(problems))
-    if target_config.get_text_config().num_hidden_layers - 1 in drafter_cfg.target_layer_ids:
-        log.warning(
-            "the drafter reads the last target layer: SGLang and vLLM cannot serve it (they "
-            "capture the input of layer i + 1, which does not exist for it)"
-        )
+    for path, drafter_cfg in zip(cfg.drafter, drafter_cfgs, strict=True):
+        problems = fit_problems(drafter_cfg, target_config)
+        which = f" ({path})" if len(cfg.drafter) > 1 else ""
+        if problems:
+            raise SpeculateError(
+                f"the drafter{which} does not fit the target:\n  - " + "\n  - ".join(problems)
+            )
+        if target_config.get_text_config().num_hidden_layers - 1 in drafter_cfg.target_layer_ids:
+            log.warning(
+                "the drafter%s reads the last target layer: SGLang and vLLM cannot serve it "
+                "(they capture the input of layer i + 1, which does not exist for it)",
+                which,
+            )
     prompts = load_prompts(cfg.prompts, tokenizer, target_config.get_text_config().vocab_size)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES.get(cfg.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(device).eval()
-    drafter, _ = load_export(cfg.drafter)
+    drafters = [load_export(d)[0].to(device, dtype).eval() for d in cfg.drafter]
     eos = getattr(target.generation_config, "eos_token_id", None)
     eos = {tokenizer.eos_token_id, *(eos if isinstance(eos, (list, tuple)) else [eos])} - {None}
-    return target, drafter.to(device, dtype).eval(), prompts, sorted(eos)
+    return target, drafters, prompts, sorted(eos)
 
 
 def _first_mismatch(a: list[int], b: list[int]) -> int | None:
     diff = [n for n, (x, y) in enumerate(zip(a, b, strict=False)) if x != y]
     return diff[0] if diff else (None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def greedy_baselines(
+    target: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    warmup: int = 0,
+) -> list[Result]:
+    """The target's plain greedy decoding of every prompt (after `warmup` untimed runs of the
+    first): the reference every drafter's speculative output is checked against."""
+    kwargs = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+    for _ in range(warmup):  # first calls pay for kernel selection and allocator growth
+        greedy(target, prompts[0], **kwargs)
+    return [greedy(target, ids, **kwargs) for ids in prompts]
 
 
 def compare_with_greedy(
@@ -167,15 +202,21 @@ def compare_with_greedy(
     max_new_tokens: int,
     eos_ids: Sequence[int],
     warmup: int = 0,
+    baselines: Sequence[Result] | None = None,
 ) -> dict[str, Any]:
-    """Speculative vs plain greedy decoding of every prompt: tau, losslessness, tokens/s."""
+    """Speculative vs plain greedy decoding of every prompt: tau, losslessness, tokens/s.
+    `baselines`: the prompts' greedy decodings already made (`greedy_baselines`, same prompts
+    and limits), else they are made here."""
     kwargs = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids)
-    for _ in range(warmup):  # first calls pay for kernel selection and allocator growth
+    if baselines is None:
+        baselines = greedy_baselines(target, prompts, **kwargs, warmup=warmup)
+    if len(baselines) != len(prompts):
+        raise ValueError(f"{len(baselines)} greedy baselines for {len(prompts)} prompts")
+    for _ in range(warmup):
         speculate(target, drafter, prompts[0], **kwargs)
-        greedy(target, prompts[0], **kwargs)
     rows, lengths, spec_s, base_s, base_tokens = [], [], 0.0, 0.0, 0
-    for n, ids in enumerate(prompts):
-        spec, base = speculate(target, drafter, ids, **kwargs), greedy(target, ids, **kwargs)
+    for n, (ids, base) in enumerate(zip(prompts, baselines, strict=True)):
+        spec = speculate(target, drafter, ids, **kwargs)
         mismatch = _first_mismatch(spec.new_ids, base.new_ids)
         if mismatch is not None:
             log.warning(
@@ -240,15 +281,23 @@ def main(**kwargs: Any) -> None:
     cfg = build(SpeculateConfig, kwargs)
     setup_logging(0)
     try:
-        target, drafter, prompts, eos = load(cfg)
+        target, drafters, prompts, eos = load(cfg)
     except SpeculateError as e:
         raise click.ClickException(str(e)) from None
-    summary = compare_with_greedy(
-        target, drafter, prompts, max_new_tokens=cfg.max_new_tokens, eos_ids=eos, warmup=cfg.warmup
-    )
-    click.echo(format_report(summary))
-    if cfg.as_json:
-        click.echo(json.dumps(summary))
+    limits = dict(max_new_tokens=cfg.max_new_tokens, eos_ids=eos)
+    baselines = greedy_baselines(target, prompts, **limits, warmup=cfg.warmup)
+    summaries = []
+    for path, drafter in zip(cfg.drafter, drafters, strict=True):
+        summary = compare_with_greedy(
+            target, drafter, prompts, **limits, warmup=cfg.warmup, baselines=baselines
+        )
+        summaries.append({"drafter": str(path), **summary})
+        if len(drafters) > 1:
+            click.echo(f"drafter {path}:")
+        click.echo(format_report(summary))
+    if cfg.as_json:  # one line per drafter, in --drafter's order
+        for summary in summaries:
+            click.echo(json.dumps(summary))
 
 
 if __name__ == "__main__":
