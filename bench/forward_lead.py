@@ -8,8 +8,9 @@ before the device has run it: then the work it does between forwards (the captur
 payload, the staging copy, the writers' tasks, the next batch's inputs) hides behind queued
 kernels. `extract.forward_clock` found the launching thread inside the forward calls about as
 long as the device ran them, in the plain pass too (31.1 s of host time against 31.3 s of device
-time, 8B shape, 1M tokens, H200): the host leaves each forward only just before the device ends
-it, so whatever it does next leaves the device idle. This measures that lead on one repeated
+time, 8B shape, 1M tokens, H200), where launching alone takes seconds: the device paces the host,
+which then runs only a bounded queue ahead, and extraction's between-forward work left the
+device idle 1.2 s over 69 forwards. This measures that lead on one repeated
 batch of the random-weight target (its decoder, premade masks, pinned inputs: as extraction
 runs it), then profiles one forward and lists the CUDA runtime calls that blocked the host
 longest (a full launch queue shows as a long cudaLaunchKernel, a read-back as a

@@ -18,9 +18,9 @@
 # BENCH_MODE=cpu: the same on a CPU at a size it can do in about 90 minutes (about 500
 # conversations, a 2-layer drafter, 400 steps of 1024 tokens): real figures, smaller than the GPU's.
 # BENCH_FROM=STAGE: start at that stage, reusing what the earlier ones left in WORK.
-# BENCH_UNTIL=STAGE: stop after that stage. On an H200 (50,500 seeds) materialize to answers
-# took about 5 minutes, extract to compare (codec skipped, 800 steps) 7, the decoding over
-# 173 s (unfinished): calls of under 10 minutes each are BENCH_UNTIL=answers, then BENCH_FROM=extract
+# BENCH_UNTIL=STAGE: stop after that stage. On an H200 (60,000 seeds) materialize to answers
+# took 388 s, extract to compare (50,500 seeds, codec skipped, 800 steps) 7 minutes; the
+# decoding is not timed yet: calls of under 10 minutes each are BENCH_UNTIL=answers, then BENCH_FROM=extract
 # BENCH_SKIP=codec BENCH_UNTIL=compare, then BENCH_FROM=speculate, on the same machine (WORK
 # must still be there; bench/README.md has the stage times).
 # BENCH_SKIP=STAGE[,STAGE...]: leave those stages out (e.g. codec, already measured).
