@@ -4,7 +4,8 @@
 
 The fused selector loss (train/selector_fused.py) takes the top-K of every row of a chunk of
 logits [rows, V] (rows = --ce-chunk-blocks x (block size - 1)); Inductor leaves that topk to
-aten. Times it, and `segmented_topk` with each number of segments that divides V, on random
+aten. Times it, `segmented_topk` with each number of segments that divides V, and on CUDA with
+Triton `train.topk_triton.row_topk` (a radix select, one program per row), on random
 bf16 rows (the values do not change the work of a radix select much), CUDA events, the median of
 --repeats; checks every variant returns the plain topk's values. Prints ms per call and the
 ratio to the plain topk; `best_segments` in the JSON is the fastest variant (None: plain).
@@ -24,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from train.selector_fused import segmented_topk  # noqa: E402
+from train.topk_triton import available, row_topk  # noqa: E402
 
 
 def timed(fn, repeats: int, cuda: bool) -> float:  # noqa: ANN001
@@ -67,12 +69,20 @@ def main() -> None:
             raise SystemExit(f"segmented_topk with {s} segments changed the top-{args.k} values")
         ms = timed(lambda s=s: segmented_topk(x, args.k, s), args.repeats, cuda)
         rows.append({"segments": s, "ms": ms})
+    if available(x):  # CUDA with Triton (or Triton's interpreter)
+        values, _ = row_topk(x, args.k)
+        if not torch.equal(values, plain_values):
+            raise SystemExit(f"train.topk_triton.row_topk changed the top-{args.k} values")
+        ms = timed(lambda: row_topk(x, args.k), args.repeats, cuda)
+        rows.append({"segments": None, "kernel": "triton", "ms": ms})
     base = rows[0]["ms"]
     print(f"top-{args.k} of [{args.rows}, {args.vocab}] bf16 on {device}:")
     for r in rows:
         name = "torch.topk" if r["segments"] is None else f"{r['segments']} segments"
+        if r.get("kernel") == "triton":
+            name = "triton radix"
         print(f"  {name:<14} {r['ms']:8.3f} ms  {r['ms'] / base:6.3f}")
-    best = min(rows, key=lambda r: r["ms"])
+    best = min((r for r in rows if "kernel" not in r), key=lambda r: r["ms"])
     result = {
         "rows": args.rows,
         "vocab": args.vocab,
@@ -80,7 +90,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
         "variants": rows,
-        "best_segments": best["segments"],
+        "best_segments": best["segments"],  # among torch.topk and segmented_topk
     }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

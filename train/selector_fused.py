@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from train.dflash2 import CandidateSelector, scale_and_softcap
 from train.loss import padded_chunk
+from train.topk_triton import row_topk
 
 
 def _transform_slope(
@@ -43,6 +44,10 @@ def _transform_slope(
 # may differ). An option for bench/train_bench.py (--selector-topk-segments) to time against the
 # plain topk, which Inductor leaves to aten inside the compiled chunk; not measured yet.
 TOPK_SEGMENTS: int | None = None
+# "aten": torch.topk. "triton": train.topk_triton.row_topk (a radix select in one Triton program
+# per row; aten's topk off CUDA): the same values, the lowest ids among equal values. An option
+# for bench/train_bench.py (--selector-topk-kernel) until it is measured on a GPU.
+TOPK_KERNEL = "aten"
 
 
 def segmented_topk(x_nV: torch.Tensor, k: int, segments: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +84,9 @@ def unary_chunk(
     logp_nV = torch.log_softmax(l_nV.float(), dim=-1)
     ce_n = -logp_nV.gather(1, targets_n[:, None]).squeeze(1)
     correct_n = l_nV.argmax(dim=-1) == targets_n
-    if TOPK_SEGMENTS is None:
+    if TOPK_KERNEL == "triton":
+        unary_nK, cand_nK = row_topk(l_nV, top_k)
+    elif TOPK_SEGMENTS is None:
         unary_nK, cand_nK = l_nV.topk(top_k, dim=-1)
     else:
         unary_nK, cand_nK = segmented_topk(l_nV, top_k, TOPK_SEGMENTS)
