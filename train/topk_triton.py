@@ -108,7 +108,7 @@ if triton is not None:
             n_eq += tl.sum(eq.to(tl.int32), 0)
 
 
-@torch.library.custom_op("dflash::row_topk", mutates_args=())
+@torch.library.custom_op("dflash_offline::row_topk", mutates_args=())
 def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, ids) of the k largest of each row of x [n, V], largest first."""
     if not available(x) or not 1 <= k <= x.shape[1]:
