@@ -66,6 +66,7 @@ def leads(body, ids_BL: np.ndarray, masks, device: torch.device, n: int) -> list
 def blocking_calls(body, ids_BL: np.ndarray, masks, device: torch.device, top: int) -> dict:
     """One profiled forward: the CUDA runtime calls by longest single duration, and the syncs
     torch's sync debug mode reports."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -88,8 +89,8 @@ def blocking_calls(body, ids_BL: np.ndarray, masks, device: torch.device, top: i
     if cuda:
         torch.cuda.synchronize(device)
     rows: dict[str, dict] = {}
-    for e in prof.events():
-        if not e.name.startswith(("cuda", "cu")):
+    for e in prof.events():  # host-side events only: kernels named cutlass... are device ones
+        if e.device_type != DeviceType.CPU or not e.name.startswith(("cuda", "cu")):
             continue
         r = rows.setdefault(e.name, {"name": e.name, "calls": 0, "total_ms": 0.0, "max_ms": 0.0})
         ms = e.cpu_time_range.elapsed_us() / 1e3
