@@ -67,7 +67,7 @@ def blocking_calls(body, ids_BL: np.ndarray, masks, device: torch.device, top: i
     """One profiled forward: the CUDA runtime calls by longest single duration, and the syncs
     torch's sync debug mode reports."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = device.type == "cuda"
     (ids,) = DeviceInputs(device).send(torch.from_numpy(ids_BL))
@@ -81,16 +81,20 @@ def blocking_calls(body, ids_BL: np.ndarray, masks, device: torch.device, top: i
             # CUDA activity: CUPTI records the runtime calls (cudaLaunchKernel, ...) with it only
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             with torch.inference_mode(), profile(activities=activities) as prof:
-                body(**forward_kwargs(ids, masks))
+                with record_function("forward"):
+                    body(**forward_kwargs(ids, masks))
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = [str(w.message)[:200] for w in caught]
+        syncs = [str(w.message)[:200] for w in caught if "synchroniz" in str(w.message)]
     if cuda:
         torch.cuda.synchronize(device)
+    events = prof.events()
+    forward = next(e for e in events if e.name == "forward").time_range
     rows: dict[str, dict] = {}
-    for e in prof.events():  # host-side events only: kernels named cutlass... are device ones
-        if e.device_type != DeviceType.CPU or not e.name.startswith(("cuda", "cu")):
+    for e in events:  # host-side calls inside the forward (not the profiler's closing sync)
+        inside = forward.start <= e.time_range.start <= forward.end
+        if e.device_type != DeviceType.CPU or not inside or not e.name.startswith("cu"):
             continue
         r = rows.setdefault(e.name, {"name": e.name, "calls": 0, "total_ms": 0.0, "max_ms": 0.0})
         ms = e.cpu_time_range.elapsed_us() / 1e3

@@ -136,7 +136,7 @@ stage train_dflash2 train bf16 dflash2 --drafter-type dflash2
 stage compare python3 -m train.compare "$WORK/run-bf16" "$WORK/run-fp8" "$WORK/run-dflash2" \
   --out "$WORK/compare.md"
 speculate() {  # the three exports in one process: the target's greedy reference is made once
-  python3 -m train.speculate --target $T --drafter "$WORK/run-bf16/export" \
+  python3 -u -m train.speculate --target $T --drafter "$WORK/run-bf16/export" \
     --drafter "$WORK/run-fp8/export" --drafter "$WORK/run-dflash2/export" \
     --prompts "$WORK/held_out.json" --max-new-tokens $SPEC_TOKENS --json >"$WORK/spec.txt"
   awk '/^drafter /{d=$2} /^tau /{print d, $0}' "$WORK/spec.txt"

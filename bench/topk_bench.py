@@ -5,47 +5,29 @@
 The fused selector loss (train/selector_fused.py) takes the top-K of every row of a chunk of
 logits [rows, V] (rows = --ce-chunk-blocks x (block size - 1)); Inductor leaves that topk to
 aten. Times it, `segmented_topk` with each number of segments that divides V, and on CUDA with
-Triton `train.topk_triton.row_topk` (a radix select, one program per row), on random
-bf16 rows (the values do not change the work of a radix select much), CUDA events, the median of
---repeats; checks every variant returns the plain topk's values. Prints ms per call and the
-ratio to the plain topk; `best_segments` in the JSON is the fastest variant (None: plain).
+Triton `train.topk_triton.row_topk` (a radix select, one program per row), on random bf16 rows
+(the values do not change the work of a radix select much): the median of --repeats
+(`speculate_bench.median_ms`, a synchronised clock). Checks every variant returns the plain
+topk's values; prints ms per call and the ratio to the plain topk; `best_segments` in the JSON
+is the fastest of torch.topk and the segmented ones (None: plain).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from speculate_bench import median_ms  # noqa: E402
 
 from train.selector_fused import segmented_topk  # noqa: E402
 from train.topk_triton import available, row_topk  # noqa: E402
-
-
-def timed(fn, repeats: int, cuda: bool) -> float:  # noqa: ANN001
-    """Median milliseconds of `fn()` over `repeats` calls after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -59,21 +41,25 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     x = torch.randn(args.rows, args.vocab, device=device).to(torch.bfloat16)
+
+    def timed(fn) -> float:  # noqa: ANN001
+        return median_ms(fn, lambda: None, device=device, warmup=2, repeats=args.repeats)
+
     plain_values = x.topk(args.k, dim=-1).values
-    rows = [{"segments": None, "ms": timed(lambda: x.topk(args.k, dim=-1), args.repeats, cuda)}]
+    rows = [{"segments": None, "ms": timed(lambda: x.topk(args.k, dim=-1))}]
     for s in (2**i for i in range(1, 12)):
         if args.vocab % s or args.vocab // s < args.k:
             continue
         values, _ = segmented_topk(x, args.k, s)
         if not torch.equal(values, plain_values):
             raise SystemExit(f"segmented_topk with {s} segments changed the top-{args.k} values")
-        ms = timed(lambda s=s: segmented_topk(x, args.k, s), args.repeats, cuda)
+        ms = timed(lambda s=s: segmented_topk(x, args.k, s))
         rows.append({"segments": s, "ms": ms})
     if available(x):  # CUDA with Triton (or Triton's interpreter)
         values, _ = row_topk(x, args.k)
         if not torch.equal(values, plain_values):
             raise SystemExit(f"train.topk_triton.row_topk changed the top-{args.k} values")
-        ms = timed(lambda: row_topk(x, args.k), args.repeats, cuda)
+        ms = timed(lambda: row_topk(x, args.k))
         rows.append({"segments": None, "kernel": "triton", "ms": ms})
     base = rows[0]["ms"]
     print(f"top-{args.k} of [{args.rows}, {args.vocab}] bf16 on {device}:")

@@ -58,12 +58,11 @@ if triton is not None:
     @triton.jit
     def _kth_bin(hist, need):
         """(the bin of the need-th largest key, the count of keys in bins above it) from a
-        512-bin histogram of key bytes whose bins 256 and up hold the values left out."""
-        hist = tl.where(tl.arange(0, 512) < 256, hist, 0)
+        256-bin histogram of key bytes."""
         from_top = tl.cumsum(tl.flip(hist, 0), 0)
         below = tl.sum((from_top < need).to(tl.int32), 0)
         above = tl.max(tl.where(from_top < need, from_top, 0), 0)
-        return 511 - below, above
+        return 255 - below, above
 
     @triton.jit
     def _row_topk_kernel(
@@ -73,18 +72,18 @@ if triton is not None:
         base = x_ptr + row * stride
         offs = tl.arange(0, BLOCK)
         # 1: the high byte of the K-th largest key
-        hist = tl.zeros([512], dtype=tl.int32)
+        hist = tl.zeros([256], dtype=tl.int32)
         for start in range(0, V, BLOCK):
             idx = start + offs
             u = _keys(tl.load(base + idx, mask=idx < V, other=0))
-            hist += tl.histogram(tl.where(idx < V, u >> 8, 256), 512)
+            hist += tl.histogram(u >> 8, 256, mask=idx < V)
         high, above_high = _kth_bin(hist, K)
         # 2: its low byte, among the keys with that high byte
-        hist = tl.zeros([512], dtype=tl.int32)
+        hist = tl.zeros([256], dtype=tl.int32)
         for start in range(0, V, BLOCK):
             idx = start + offs
             u = _keys(tl.load(base + idx, mask=idx < V, other=0))
-            hist += tl.histogram(tl.where((idx < V) & ((u >> 8) == high), u & 255, 256), 512)
+            hist += tl.histogram(u & 255, 256, mask=(idx < V) & ((u >> 8) == high))
         low, above_low = _kth_bin(hist, K - above_high)
         threshold = high * 256 + low
         greater = above_high + above_low  # keys > threshold: fewer than K
