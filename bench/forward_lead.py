@@ -36,17 +36,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shapes import SHAPES, random_model  # noqa: E402
 
+from extract.batching import length_order, make_batches  # noqa: E402
 from extract.capture import DeviceInputs, padded_inputs  # noqa: E402
 from extract.masks import choose_masks, forward_kwargs  # noqa: E402
 
 
-def leads(body, ids_BL: np.ndarray, masks, device: torch.device, n: int) -> list[dict]:
-    """Per forward: host seconds inside the call, device seconds of the forward, and the lead
-    (how long the device still ran it after the host left the call)."""
+def leads(body, batches: list[np.ndarray], masks, device: torch.device, n: int) -> list[dict]:
+    """Per forward (n of them, cycling through `batches`): host seconds inside the call, device
+    seconds of the forward, and the lead (how long the device still ran it after the host left
+    the call)."""
     inputs, cuda, out = DeviceInputs(device), device.type == "cuda", []
     with torch.inference_mode():
-        for _ in range(n):
-            (ids,) = inputs.send(torch.from_numpy(ids_BL))
+        for i in range(n):
+            (ids,) = inputs.send(torch.from_numpy(batches[i % len(batches)]))
             if cuda:
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
@@ -63,14 +65,14 @@ def leads(body, ids_BL: np.ndarray, masks, device: torch.device, n: int) -> list
     return out
 
 
-def blocking_calls(body, ids_BL: np.ndarray, masks, device: torch.device, top: int) -> dict:
-    """One profiled forward: the CUDA runtime calls by longest single duration, and the syncs
-    torch's sync debug mode reports."""
+def blocking_calls(body, batches: list[np.ndarray], masks, device: torch.device, top: int) -> dict:
+    """Profiled forwards, one per batch: the CUDA runtime calls by longest single duration (in
+    all of them), and the syncs torch's sync debug mode reports."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = device.type == "cuda"
-    (ids,) = DeviceInputs(device).send(torch.from_numpy(ids_BL))
+    inputs = DeviceInputs(device)
     if cuda:
         torch.cuda.synchronize(device)
     with warnings.catch_warnings(record=True) as caught:
@@ -81,8 +83,10 @@ def blocking_calls(body, ids_BL: np.ndarray, masks, device: torch.device, top: i
             # CUDA activity: CUPTI records the runtime calls (cudaLaunchKernel, ...) with it only
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             with torch.inference_mode(), profile(activities=activities) as prof:
-                with record_function("forward"):
-                    body(**forward_kwargs(ids, masks))
+                for ids_BL in batches:
+                    (ids,) = inputs.send(torch.from_numpy(ids_BL))
+                    with record_function("forward"):
+                        body(**forward_kwargs(ids, masks))
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
@@ -90,10 +94,10 @@ def blocking_calls(body, ids_BL: np.ndarray, masks, device: torch.device, top: i
     if cuda:
         torch.cuda.synchronize(device)
     events = prof.events()
-    forward = next(e for e in events if e.name == "forward").time_range
+    forwards = [e.time_range for e in events if e.name == "forward"]
     rows: dict[str, dict] = {}
-    for e in events:  # host-side calls inside the forward (not the profiler's closing sync)
-        inside = forward.start <= e.time_range.start <= forward.end
+    for e in events:  # host-side calls inside the forwards (not the profiler's closing sync)
+        inside = any(f.start <= e.time_range.start <= f.end for f in forwards)
         if e.device_type != DeviceType.CPU or not inside or not e.name.startswith("cu"):
             continue
         r = rows.setdefault(e.name, {"name": e.name, "calls": 0, "total_ms": 0.0, "max_ms": 0.0})
@@ -105,6 +109,36 @@ def blocking_calls(body, ids_BL: np.ndarray, masks, device: torch.device, top: i
     return {"runtime_calls": ranked, "sync_warnings": len(syncs), "first_syncs": syncs[:5]}
 
 
+def mixed_batches(vocab: int, count: int, batch_tokens: int, *, short: bool) -> list[np.ndarray]:
+    """`count` right-padded id batches of extraction's packing (longest first within a part of
+    128 rows, rows x longest <= batch_tokens) over a long-tailed length mix, as
+    bench/e2e_gpu.py writes it (6% at the maximum, the rest log-normal around 500)."""
+    rng, hi = np.random.default_rng(1), 256 if short else 3072
+    out: list[np.ndarray] = []
+    while len(out) < count:
+        lengths = [
+            hi if rng.random() < 0.06 else int(np.clip(rng.lognormal(np.log(500), 1.0), 64, hi))
+            for _ in range(128)
+        ]
+        lengths = [lengths[i] for i in length_order(lengths)]
+        for batch in make_batches(lengths, batch_tokens=batch_tokens):
+            rows = [rng.integers(0, vocab - 300, lengths[i], dtype=np.int64) for i in batch]
+            out.append(padded_inputs(rows, pad_id=0)[0])
+    return out[:count]
+
+
+def allocator_counts(device: torch.device) -> dict[str, int]:
+    """The caching allocator's device allocations and frees so far (cudaMalloc / cudaFree: a
+    cudaFree waits for the whole device), and its retries after a failed allocation."""
+    if device.type != "cuda":
+        return {"num_device_alloc": 0, "num_device_free": 0, "num_alloc_retries": 0}
+    stats = torch.cuda.memory_stats(device)
+    return {
+        k: int(stats.get(k, 0))
+        for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
@@ -112,6 +146,14 @@ def main() -> None:
     p.add_argument("--length", type=int, default=3072)
     p.add_argument("--layers", type=int, default=None, help="build the first N layers only")
     p.add_argument("--forwards", type=int, default=8, help="timed forwards after 3 warm-up ones")
+    p.add_argument(
+        "--mixed",
+        type=int,
+        default=12,
+        help="also time this many batches of a long-tailed length mix (64..3072, packed to "
+        "--batch-tokens as extraction packs them): a new shape every forward, as in a real run",
+    )
+    p.add_argument("--batch-tokens", type=int, default=16384)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if args.shape.startswith("tiny"):
@@ -126,8 +168,12 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, vocab - 300, args.length, dtype=np.int64) for _ in range(args.rows)]
     ids_BL, _ = padded_inputs(rows, pad_id=0)
-    leads(body, ids_BL, masks, device, 3)  # warm-up: kernels chosen, memory cached
-    timed = leads(body, ids_BL, masks, device, args.forwards)
+    leads(body, [ids_BL], masks, device, 3)  # warm-up: kernels chosen, memory cached
+    timed = leads(body, [ids_BL], masks, device, args.forwards)
+    mixed = mixed_batches(vocab, args.mixed, args.batch_tokens, short=args.shape.startswith("tiny"))
+    before = allocator_counts(device)
+    varied = leads(body, mixed, masks, device, len(mixed)) if mixed else []
+    allocations = {k: v - before[k] for k, v in allocator_counts(device).items()}
     result = {
         "shape": args.shape,
         "layers": int(body.config.num_hidden_layers),
@@ -140,7 +186,13 @@ def main() -> None:
             f"median_{k}": statistics.median(f[k] for f in timed)
             for k in ("host_s", "device_s", "lead_s")
         },
-        **blocking_calls(body, ids_BL, masks, device, top=8),
+        "mixed_forwards": varied,
+        "mixed_allocator": allocations,
+        **{
+            f"mixed_median_{k}": statistics.median(f[k] for f in varied) if varied else None
+            for k in ("host_s", "device_s", "lead_s")
+        },
+        **blocking_calls(body, [ids_BL] + mixed[:3], masks, device, top=10),
     }
     print(
         f"{args.shape} ({result['layers']} layers), batch {args.rows} x {args.length}: host "
@@ -148,10 +200,18 @@ def main() -> None:
         f"{result['median_device_s'] * 1e3:.1f} ms, the device ran "
         f"{result['median_lead_s'] * 1e3:.1f} ms after the host left (medians of {args.forwards})"
     )
-    print(f"syncs torch reports in one forward: {result['sync_warnings']}")
+    if varied:
+        print(
+            f"{len(varied)} batches of mixed lengths: device ran "
+            f"{result['mixed_median_lead_s'] * 1e3:.1f} ms after the host left (median; min "
+            f"{min(f['lead_s'] for f in varied) * 1e3:.1f} ms), host "
+            f"{result['mixed_median_host_s'] * 1e3:.1f} ms inside, device "
+            f"{result['mixed_median_device_s'] * 1e3:.1f} ms; allocator meanwhile: {allocations}"
+        )
+    print(f"syncs torch reports in the profiled forwards: {result['sync_warnings']}")
     for s in result["first_syncs"]:
         print(f"  {s}")
-    print("CUDA runtime calls by longest single call (one forward):")
+    print("CUDA runtime calls by longest single call (the profiled forwards):")
     for r in result["runtime_calls"]:
         print(f"  {r['name'][:48]:<48} {r['calls']:6d} calls  max {r['max_ms']:8.2f} ms  "
               f"total {r['total_ms']:8.2f} ms")  # fmt: skip

@@ -91,20 +91,28 @@ regen() {  # regen DATA OUT MAX_NEW_TOKENS
   python3 -m extract.regenerate --target $T --gpus "$GPUS" --data "$1" --out "$2" \
     --max-new-tokens "$3" --batch-size "$BATCH" --rows-per-chunk $((BATCH * 4)) --overwrite
 }
-both() {  # both CMD_A -- CMD_B: two commands side by side on the device, both must succeed
-  local a=() b=() in_b=0
-  for x in "$@"; do
-    if [ "$x" = "--" ]; then in_b=1; elif [ $in_b = 0 ]; then a+=("$x"); else b+=("$x"); fi
+side_by_side() {  # side_by_side CMD -- CMD [-- CMD...]: at once on the device, all must succeed
+  local cmds=() one=() pids=() n=1 x
+  for x in "$@"; do [ "$x" = "--" ] && n=$((n + 1)); done
+  for x in "$@" --; do
+    if [ "$x" = "--" ]; then
+      shared_cores "$n" "${one[@]}" & pids+=($!)
+      one=()
+    else
+      one+=("$x")
+    fi
   done
-  halved "${a[@]}" & local pid=$!
-  halved "${b[@]}"
-  wait $pid
+  local pid failed=0
+  for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+  return $failed
 }
-halved() {  # halved CMD...: on the CPU, CMD with half the cores: two processes of as many
-  # threads as cores spin against each other in their thread pools (decoding ran several times
-  # slower); elsewhere CMD as it is
+shared_cores() {  # shared_cores N CMD...: on the CPU, CMD with 1/N of the cores: processes of as
+  # many threads as cores spin against each other in their thread pools (decoding ran several
+  # times slower); elsewhere CMD as it is
+  local n=$1
+  shift
   if [ "$GPUS" = cpu ]; then
-    OMP_NUM_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 )) "$@"
+    OMP_NUM_THREADS=$(( $(nproc) / n > 0 ? $(nproc) / n : 1 )) "$@"
   else
     "$@"
   fi
@@ -119,7 +127,7 @@ extract() {  # extract STORE
   python3 -m extract --target $T --gpus "$GPUS" --data "$WORK/data.jsonl" --out "$WORK/$1" \
     --store "$1" --overwrite "${PARTS[@]}"
 }
-stage extract both extract bf16 -- extract fp8
+stage extract side_by_side extract bf16 -- extract fp8
 stage codec python3 bench/codec_bench.py --cache "$WORK/bf16" --max-samples "$CODEC_SAMPLES"
 stage fp8_error python3 bench/fp8_error.py --bf16 "$WORK/bf16" --fp8 "$WORK/fp8" \
   --json "$WORK/fp8_error.json"
@@ -130,9 +138,9 @@ train() {  # train STORE NAME [OPTION...]: a drafter on one cache, into run-NAME
   python3 -m train --data "$WORK/$store" --out "$WORK/run-$name" --gpus "$GPUS" --steps "$STEPS" \
     --seed 0 "${EVAL[@]}" --checkpoint-every "$STEPS" "${TRAIN[@]}" "$@"
 }
-stage train both train bf16 bf16 -- train fp8 fp8
-# The ablation on the same cache, same seed, steps and options: DFlash2 (its published defaults).
-stage train_dflash2 train bf16 dflash2 --drafter-type dflash2
+# Two DFlash drafters on the two caches, and the ablation on the bf16 cache with the same seed,
+# steps and options: DFlash2 (its published defaults); the three side by side.
+stage train side_by_side train bf16 bf16 -- train fp8 fp8 -- train bf16 dflash2 --drafter-type dflash2
 stage compare python3 -m train.compare "$WORK/run-bf16" "$WORK/run-fp8" "$WORK/run-dflash2" \
   --out "$WORK/compare.md"
 speculate() {  # the three exports in one process: the target's greedy reference is made once
