@@ -101,7 +101,7 @@ def blocking_calls(body, batches: list[np.ndarray], masks, device: torch.device,
         if e.device_type != DeviceType.CPU or not inside or not e.name.startswith("cu"):
             continue
         r = rows.setdefault(e.name, {"name": e.name, "calls": 0, "total_ms": 0.0, "max_ms": 0.0})
-        ms = e.cpu_time_range.elapsed_us() / 1e3
+        ms = e.time_range.elapsed_us() / 1e3
         r["calls"] += 1
         r["total_ms"] += ms
         r["max_ms"] = max(r["max_ms"], ms)

@@ -245,7 +245,7 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         )
         and not args.flex_bwd
         and selector_fused.TOPK_SEGMENTS is None
-        and selector_fused.TOPK_KERNEL == "aten",
+        and selector_fused.TOPK_KERNEL == DEFAULT_TOPK_KERNEL,
         "batch": args.batch,
         "seq_len": args.seq_len,
         "anchors": args.anchors,
@@ -331,6 +331,9 @@ def emit(result: dict[str, Any], path: Path | None) -> None:
         path.write_text(json.dumps(result, indent=2))
 
 
+DEFAULT_TOPK_KERNEL = selector_fused.TOPK_KERNEL  # before --selector-topk-kernel changes it
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ds.add_drafter_args(p)
@@ -357,7 +360,7 @@ def main() -> None:
     p.add_argument(
         "--selector-topk-kernel",
         choices=("aten", "triton"),
-        default="aten",
+        default=DEFAULT_TOPK_KERNEL,
         help="DFlash2's fused selector loss: the top-K by torch.topk or by train.topk_triton's "
         "radix select (train.selector_fused.TOPK_KERNEL)",
     )

@@ -41,12 +41,16 @@ def _transform_slope(
 
 # None: the top-K of each row by one topk over the vocabulary. N: each row cut into N segments,
 # a top-K in each, then the top-K of those N * K (the same values; among equal values the ids
-# may differ). An option for bench/train_bench.py (--selector-topk-segments) to time against the
-# plain topk, which Inductor leaves to aten inside the compiled chunk; not measured yet.
+# may differ). An option for bench/train_bench.py (--selector-topk-segments); slower than the one
+# topk on an H200 (bench/topk_bench.py: 2.39-5.25 ms against 2.35 ms for 2 to 128 segments).
 TOPK_SEGMENTS: int | None = None
-# "aten": torch.topk. "triton": train.topk_triton.row_topk (a radix select in one Triton program
-# per row; aten's topk off CUDA): the same values, the lowest ids among equal values. An option
-# for bench/train_bench.py (--selector-topk-kernel) until it is measured on a GPU.
+# "aten": torch.topk, which Inductor leaves to aten's radix select inside the compiled chunk.
+# "triton": train.topk_triton.row_topk, a radix select in one Triton program per row, on CUDA
+# for bf16 logits where Triton is installed (aten's topk elsewhere; the same values, the lowest
+# ids among equal values). Slower on an H200 (bench/topk_bench.py, 2048 x 151,936 bf16: 4.31
+# against 2.35 ms; the 8B DFlash2 step 178.9 ms with it against DFlash's 148.6 ms, 1.204x,
+# where aten's gave 1.156x), so aten stays; bench/train_bench.py --selector-topk-kernel times
+# either.
 TOPK_KERNEL = "aten"
 
 
