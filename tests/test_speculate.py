@@ -14,7 +14,7 @@ from train.decode import context_features, greedy, speculate
 from train.drafter_config import DrafterConfig
 from train.export import export_drafter, load_export
 from train.model import DFlashDrafter, init_drafter_weights
-from train.speculate import main
+from train.speculate import divergence_gap, format_report, main, near_tie_tolerance
 from train.step import Batch, forward_loss
 
 LAYERS = (1, 4, 6)  # of the tiny target's 8
@@ -318,6 +318,9 @@ def test_cli_prints_report_and_json_line_last(tmp_path, tiny_qwen3, random_expor
     for key in ("tau", "lossless", "tokens_per_s", "baseline_tokens_per_s", "speedup"):
         assert isinstance(summary[key], (int, float)), key
     assert summary["prompts"] == 4 and summary["lossless"] is True
+    assert summary["near_ties"] == 0 and summary["lossless_up_to_near_ties"] is True
+    assert summary["dtype"] == "float32"
+    assert all(r["gap"] is None and not r["near_tie"] for r in summary["per_prompt"])
     assert summary["speedup"] == pytest.approx(
         summary["tokens_per_s"] / summary["baseline_tokens_per_s"]
     )
@@ -417,3 +420,52 @@ def test_cli_names_the_drafter_that_does_not_fit(tmp_path, tiny_qwen3, random_ex
     assert result.exit_code != 0
     assert f"the drafter ({tmp_path / 'bad'}) does not fit the target" in result.output
     assert "made for a 12-layer target, this one has 8" in result.output
+
+
+def test_divergence_gap_is_the_relative_gap_of_the_two_logits(target):
+    prompt, common = [1, 5, 9, 13], [20, 7]
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt + common])).logits[0, -1]
+    top = logits.topk(2).indices.tolist()
+    la, lb = float(logits[top[0]]), float(logits[top[1]])
+    gap = divergence_gap(target, prompt, common, top[0], top[1])
+    assert gap == pytest.approx(abs(la - lb) / max(abs(la), abs(lb), 1.0), rel=1e-5)
+    assert divergence_gap(target, prompt, common, top[1], top[0]) == pytest.approx(gap)
+    assert divergence_gap(target, prompt, common, top[0], top[0]) == 0.0
+
+
+def summary_with(rows: list[dict], dtype: str = "bfloat16") -> dict:
+    tolerance = near_tie_tolerance(getattr(torch, dtype))
+    for r in rows:
+        r["near_tie"] = r["gap"] is not None and r["gap"] <= tolerance
+    return {
+        "tau": 1.5, "steps": 10, "block_size": 16, "tokens_per_s": 10.0,
+        "baseline_tokens_per_s": 8.0, "speedup": 1.25, "prompts": len(rows), "dtype": dtype,
+        "lossless": all(r["lossless"] for r in rows), "near_tie_tolerance": tolerance,
+        "near_ties": sum(r["near_tie"] for r in rows),
+        "lossless_up_to_near_ties": all(r["lossless"] or r["near_tie"] for r in rows),
+        "per_prompt": rows,
+    }  # fmt: skip
+
+
+def row(index: int, mismatch: int | None = None, gap: float | None = None) -> dict:
+    return dict(
+        index=index, prompt_tokens=5, new_tokens=8, steps=4, tau=2.0, tokens_per_s=10.0,
+        baseline_tokens_per_s=8.0, lossless=mismatch is None, first_mismatch=mismatch, gap=gap,
+    )  # fmt: skip
+
+
+def test_report_tells_near_ties_from_real_divergences():
+    assert near_tie_tolerance(torch.bfloat16) == 4 * 2**-7
+    assert near_tie_tolerance(torch.float32) < 1e-5
+    lossless = format_report(summary_with([row(0), row(1)]))
+    assert lossless.endswith("lossless: yes")
+    near = format_report(summary_with([row(0), row(1, mismatch=3, gap=0.004)]))
+    assert "differs from greedy at token 3 (a near-tie: the two tokens' logits 0.4% apart)" in near
+    assert "lossless: up to near-ties (1 of 2 prompts differ" in near
+    assert "within 3.1% in bfloat16; --dtype float32 checks exactly)" in near
+    # the same gap in float32 is far beyond its rounding: a real divergence
+    real = format_report(summary_with([row(0), row(1, mismatch=3, gap=0.004)], "float32"))
+    assert "NOT a near-tie" in real and real.endswith("lossless: NO")
+    ended = format_report(summary_with([row(0, mismatch=8)]))
+    assert "(one output ended first)" in ended and ended.endswith("lossless: NO")

@@ -173,6 +173,46 @@ def load(
     return target, drafters, prompts, sorted(eos)
 
 
+# Two decodings by one target in one dtype can pick different tokens where two logits are within
+# rounding of each other: a verify step over a block and a one-token step sum in other orders.
+# On an H200 in bf16 (SmolLM2-135M-Instruct, 32 held-out prompts x 96 tokens) 25 of 32 prompts
+# diverged so, and none of 8 in float32. A divergence counts as a near-tie when the target's
+# logits of the two tokens, recomputed over the common prefix, are within this many of the
+# dtype's epsilons of each other (relative to the larger).
+NEAR_TIE_EPS = 4
+
+
+def near_tie_tolerance(dtype: torch.dtype) -> float:
+    """The relative logit gap under which a divergence in `dtype` counts as a near-tie.
+
+    >>> near_tie_tolerance(torch.bfloat16)
+    0.03125
+    """
+    return NEAR_TIE_EPS * torch.finfo(dtype).eps
+
+
+@torch.inference_mode()
+def divergence_gap(
+    target: nn.Module, prompt_ids: Sequence[int], common: Sequence[int], a: int, b: int
+) -> float:
+    """|l_a - l_b| / max(|l_a|, |l_b|, 1) for the target's logits l of tokens `a` and `b` after
+    the prompt and the `common` tokens (one forward in the target's own dtype)."""
+    device = next(target.parameters()).device
+    ids = torch.tensor([[*prompt_ids, *common]], dtype=torch.long, device=device)
+    logits = target(ids, logits_to_keep=1).logits[0, -1].float()
+    la, lb = float(logits[a]), float(logits[b])
+    return abs(la - lb) / max(abs(la), abs(lb), 1.0)
+
+
+def _divergence(
+    target: nn.Module, prompt_ids: Sequence[int], spec: list[int], base: list[int], at: int
+) -> float | None:
+    """The relative logit gap of the two tokens chosen at `at`; None where one output ended."""
+    if at >= min(len(spec), len(base)):
+        return None
+    return divergence_gap(target, prompt_ids, base[:at], base[at], spec[at])
+
+
 def _first_mismatch(a: list[int], b: list[int]) -> int | None:
     diff = [n for n, (x, y) in enumerate(zip(a, b, strict=False)) if x != y]
     return diff[0] if diff else (None if len(a) == len(b) else min(len(a), len(b)))
@@ -214,13 +254,20 @@ def compare_with_greedy(
         raise ValueError(f"{len(baselines)} greedy baselines for {len(prompts)} prompts")
     for _ in range(warmup):
         speculate(target, drafter, prompts[0], **kwargs)
+    dtype = next(target.parameters()).dtype
+    tolerance = near_tie_tolerance(dtype)
     rows, lengths, spec_s, base_s, base_tokens = [], [], 0.0, 0.0, 0
     for n, (ids, base) in enumerate(zip(prompts, baselines, strict=True)):
         spec = speculate(target, drafter, ids, **kwargs)
         mismatch = _first_mismatch(spec.new_ids, base.new_ids)
+        gap = None
         if mismatch is not None:
+            gap = _divergence(target, ids, spec.new_ids, base.new_ids, mismatch)
             log.warning(
-                "prompt %d: speculative output differs from greedy at token %d", n, mismatch
+                "prompt %d: speculative output differs from greedy at token %d (%s)",
+                n,
+                mismatch,
+                _gap_words(gap, tolerance),
             )
         lengths += spec.acceptance_lengths
         spec_s, base_s = spec_s + spec.seconds, base_s + base.seconds
@@ -234,6 +281,8 @@ def compare_with_greedy(
                 tau=spec.tau,
                 lossless=mismatch is None,
                 first_mismatch=mismatch,
+                gap=gap,
+                near_tie=gap is not None and gap <= tolerance,
                 tokens_per_s=len(spec.new_ids) / max(spec.seconds, 1e-9),
                 baseline_tokens_per_s=len(base.new_ids) / max(base.seconds, 1e-9),
             )
@@ -243,6 +292,10 @@ def compare_with_greedy(
     return {
         "tau": sum(lengths) / len(lengths) if lengths else float("nan"),
         "lossless": all(r["lossless"] for r in rows),
+        "near_ties": sum(r["near_tie"] for r in rows),
+        "lossless_up_to_near_ties": all(r["lossless"] or r["near_tie"] for r in rows),
+        "dtype": str(dtype).removeprefix("torch."),
+        "near_tie_tolerance": tolerance,
         "tokens_per_s": speed,
         "baseline_tokens_per_s": baseline,
         "speedup": speed / baseline,
@@ -260,8 +313,12 @@ def format_report(summary: dict[str, Any]) -> str:
     lines = [
         f"{'prompt':>6} {'in':>5} {'new':>5} {'steps':>5} {'tau':>6} {'tok/s':>9} {'greedy':>9}"
     ]
+    tolerance = summary["near_tie_tolerance"]
     for r in summary["per_prompt"]:
-        same = "" if r["lossless"] else f"  differs from greedy at token {r['first_mismatch']}"
+        same = ""
+        if not r["lossless"]:
+            same = f"  differs from greedy at token {r['first_mismatch']}"
+            same += f" ({_gap_words(r['gap'], tolerance)})"
         lines.append(
             f"{r['index']:>6} {r['prompt_tokens']:>5} {r['new_tokens']:>5} {r['steps']:>5} "
             f"{r['tau']:>6.2f} {r['tokens_per_s']:>9.1f} {r['baseline_tokens_per_s']:>9.1f}{same}"
@@ -269,9 +326,29 @@ def format_report(summary: dict[str, Any]) -> str:
     lines.append(
         f"tau {summary['tau']:.3f} over {summary['steps']} steps (block {summary['block_size']}), "
         f"{summary['tokens_per_s']:.1f} tok/s vs greedy {summary['baseline_tokens_per_s']:.1f} "
-        f"(x{summary['speedup']:.2f}), lossless: {'yes' if summary['lossless'] else 'NO'}"
+        f"(x{summary['speedup']:.2f}), lossless: {_lossless_words(summary)}"
     )
     return "\n".join(lines)
+
+
+def _gap_words(gap: float | None, tolerance: float) -> str:
+    if gap is None:
+        return "one output ended first"
+    kind = "a near-tie" if gap <= tolerance else "NOT a near-tie"
+    return f"{kind}: the two tokens' logits {100 * gap:.2g}% apart"
+
+
+def _lossless_words(summary: dict[str, Any]) -> str:
+    if summary["lossless"]:
+        return "yes"
+    if summary["lossless_up_to_near_ties"]:
+        return (
+            f"up to near-ties ({summary['near_ties']} of {summary['prompts']} prompts differ, "
+            f"each where the target's logits of the two tokens are within "
+            f"{100 * summary['near_tie_tolerance']:.2g}% in {summary['dtype']}; --dtype float32 "
+            "checks exactly)"
+        )
+    return "NO"
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
