@@ -35,15 +35,21 @@ def extraction_forwards(log: Path) -> dict[str, float] | None:
     """extract's ForwardClock line: device seconds in the forwards (the first one's apart),
     between them (idle, or the launching stream's work outside the forwards), the launching
     thread's seconds inside them."""
+    text = log.read_text()
     m = re.search(
         r"forwards on the device ([\d.]+) s \(the first ([\d.]+) s\), ([\d.]+) s between them, "
         r"the launching thread ([\d.]+) s",
-        log.read_text(),
+        text,
     )
     if not m:
         return None
     names = ("device_s", "first_s", "idle_s", "host_s")
-    return dict(zip(names, map(float, m.groups()), strict=True))
+    out: dict[str, Any] = dict(zip(names, map(float, m.groups()), strict=True))
+    gaps = re.search(r"(\d+) gaps over \d+ ms \(([\d.]+) s\)(?:, the longest (.*))?", text)
+    if gaps:  # logged since the gap summary (extract.forward_clock.gap_summary)
+        out.update(long_gaps=int(gaps.group(1)), long_gaps_s=float(gaps.group(2)))
+        out["longest_gaps"] = gaps.group(3) or ""
+    return out
 
 
 def extraction_figures(log: Path, plain_tok_s: float) -> dict[str, Any]:
@@ -97,6 +103,11 @@ def forward_split(r: dict[str, Any]) -> str:
     return (
         f"plain {p['device_s']:.1f} ({p['idle_s']:.1f} between) / extract {x['device_s']:.1f} "
         f"(first {x['first_s']:.2f}, {x['idle_s']:.1f} between; launching thread {x['host_s']:.1f})"
+        + (
+            f"; {x['long_gaps']} gaps over 10 ms ({x['long_gaps_s']:.2f} s): {x['longest_gaps']}"
+            if "long_gaps" in x
+            else ""
+        )
     )
 
 

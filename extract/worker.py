@@ -123,8 +123,11 @@ class PartPipeline:
         *,
         threads: int,
         counters: RankCounters,
+        clock: ForwardClock | None = None,
     ):
+        """`clock`: told where each part's forwards begin (its log names the gaps there)."""
         self.job, self.device, self.capture, self.counters = job, device, capture, counters
+        self.clock = clock
         self.staging = Staging(STAGING_BUFFERS, pinned=device.type == "cuda", rows=job.batch_tokens)
         self.writers = WriterPool(threads)
         self.committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
@@ -153,6 +156,8 @@ class PartPipeline:
         job, kept, writer = self.job, part.kept, part.writer
         lengths = [len(k.input_ids) for k in kept]
         futures = []
+        if self.clock is not None:
+            self.clock.mark_part()
         for batch in make_batches(lengths, batch_tokens=job.batch_tokens):
             packed = self.capture.run([kept[i].input_ids for i in batch], device=self.device)
             host, release = self.staging.stage(
@@ -224,7 +229,9 @@ def rank_main(info: RankInfo, job: Job) -> None:
     stop = StopRequest().install("finishing the parts in progress, then stopping")
     switch_interval = sys.getswitchinterval()
     try:
-        pipeline = PartPipeline(job, info.device, capture, threads=threads, counters=counters)
+        pipeline = PartPipeline(
+            job, info.device, capture, threads=threads, counters=counters, clock=clock
+        )
         sys.setswitchinterval(job.switch_interval_s)
         log.info(
             "rank %d: %d units on %s, %d writer threads, GIL switch interval %g ms",
