@@ -34,9 +34,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from e2e_gpu import long_tailed_lengths  # noqa: E402
 from shapes import SHAPES, random_model  # noqa: E402
 
-from extract.batching import length_order, make_batches  # noqa: E402
+from extract.batching import make_batches  # noqa: E402
 from extract.capture import DeviceInputs, padded_inputs  # noqa: E402
 from extract.masks import choose_masks, forward_kwargs  # noqa: E402
 
@@ -110,21 +111,20 @@ def blocking_calls(body, batches: list[np.ndarray], masks, device: torch.device,
 
 
 def mixed_batches(vocab: int, count: int, batch_tokens: int, *, short: bool) -> list[np.ndarray]:
-    """`count` right-padded id batches of extraction's packing (longest first within a part of
-    128 rows, rows x longest <= batch_tokens) over a long-tailed length mix, as
-    bench/e2e_gpu.py writes it (6% at the maximum, the rest log-normal around 500)."""
-    rng, hi = np.random.default_rng(1), 256 if short else 3072
+    """`count` right-padded id batches of bench/e2e_gpu.py's long-tailed length mix, packed as
+    extraction packs them (longest first within a part of 128 rows, rows x longest <=
+    batch_tokens)."""
+    hi, rng = 256 if short else 3072, np.random.default_rng(1)
+    lengths = long_tailed_lengths(4 * count * batch_tokens, seed=1, lo=64, hi=hi)
     out: list[np.ndarray] = []
-    while len(out) < count:
-        lengths = [
-            hi if rng.random() < 0.06 else int(np.clip(rng.lognormal(np.log(500), 1.0), 64, hi))
-            for _ in range(128)
-        ]
-        lengths = [lengths[i] for i in length_order(lengths)]
-        for batch in make_batches(lengths, batch_tokens=batch_tokens):
-            rows = [rng.integers(0, vocab - 300, lengths[i], dtype=np.int64) for i in batch]
+    for start in range(0, len(lengths), 128):
+        part = sorted(lengths[start : start + 128], reverse=True)
+        for batch in make_batches(part, batch_tokens=batch_tokens):
+            rows = [rng.integers(0, vocab - 300, part[i], dtype=np.int64) for i in batch]
             out.append(padded_inputs(rows, pad_id=0)[0])
-    return out[:count]
+            if len(out) == count:
+                return out
+    return out
 
 
 def allocator_counts(device: torch.device) -> dict[str, int]:

@@ -92,7 +92,7 @@ regen() {  # regen DATA OUT MAX_NEW_TOKENS
     --max-new-tokens "$3" --batch-size "$BATCH" --rows-per-chunk $((BATCH * 4)) --overwrite
 }
 side_by_side() {  # side_by_side CMD -- CMD [-- CMD...]: at once on the device, all must succeed
-  local cmds=() one=() pids=() n=1 x
+  local one=() pids=() n=1 x
   for x in "$@"; do [ "$x" = "--" ] && n=$((n + 1)); done
   for x in "$@" --; do
     if [ "$x" = "--" ]; then
