@@ -1,20 +1,20 @@
-"""DFlash2's top-K over the vocabulary: one torch.topk against `segmented_topk`, side by side.
+"""DFlash2's top-K over the vocabulary: torch.topk against train.topk.block_topk, side by side.
 
     python bench/topk_bench.py [--rows 2048] [--vocab 151936] [--k 16] [--json PATH]
 
 The fused selector loss (train/selector_fused.py) takes the top-K of every row of a chunk of
-logits [rows, V] (rows = --ce-chunk-blocks x (block size - 1)); Inductor leaves that topk to
-aten. Times it, `segmented_topk` with each number of segments that divides V, and on CUDA with
-Triton `train.topk_triton.row_topk` (a radix select, one program per row), on random bf16 rows
-(the values do not change the work of a radix select much): the median of --repeats
+logits [rows, V] (rows = --ce-chunk-blocks x (block size - 1)). Times one torch.topk (aten's
+radix select), `block_topk` with each block width that divides V (its default and the others
+train.topk could take), and on CUDA with Triton `train.topk_triton.row_topk` (a radix select,
+one program per row), on random bf16 rows: the median of --repeats
 (`speculate_bench.median_ms`, a synchronised clock). Checks every variant returns the plain
-topk's values; prints ms per call and the ratio to the plain topk; `best_segments` in the JSON
-is the fastest of torch.topk and the segmented ones (None: plain).
+topk's values; prints ms per call and the ratio to the plain topk.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -26,8 +26,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from speculate_bench import median_ms  # noqa: E402
 
-from train.selector_fused import segmented_topk  # noqa: E402
+import train.topk  # noqa: E402
 from train.topk_triton import available, row_topk  # noqa: E402
+
+
+def blocks(x: torch.Tensor, k: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`block_topk` with blocks of `width` columns."""
+    saved, train.topk.BLOCK_WIDTHS = train.topk.BLOCK_WIDTHS, (width,)
+    try:
+        return train.topk.block_topk(x, k)
+    finally:
+        train.topk.BLOCK_WIDTHS = saved
 
 
 def main() -> None:
@@ -46,29 +55,23 @@ def main() -> None:
         return median_ms(fn, lambda: None, device=device, warmup=2, repeats=args.repeats)
 
     plain_values = x.topk(args.k, dim=-1).values
-    rows = [{"segments": None, "ms": timed(lambda: x.topk(args.k, dim=-1))}]
-    for s in (2**i for i in range(1, 12)):
-        if args.vocab % s or args.vocab // s < args.k:
-            continue
-        values, _ = segmented_topk(x, args.k, s)
-        if not torch.equal(values, plain_values):
-            raise SystemExit(f"segmented_topk with {s} segments changed the top-{args.k} values")
-        ms = timed(lambda s=s: segmented_topk(x, args.k, s))
-        rows.append({"segments": s, "ms": ms})
+    default_width = train.topk.block_width(args.vocab, args.k)
+    variants = {"torch.topk": lambda: x.topk(args.k, dim=-1)}
+    for width in (32, 64, 128, 256, 512):
+        if args.vocab % width == 0 and 2 * args.k * width <= args.vocab:
+            name = f"blocks of {width}" + (" (default)" if width == default_width else "")
+            variants[name] = functools.partial(blocks, x, args.k, width)
     if available(x):  # CUDA with Triton (or Triton's interpreter)
-        values, _ = row_topk(x, args.k)
-        if not torch.equal(values, plain_values):
-            raise SystemExit(f"train.topk_triton.row_topk changed the top-{args.k} values")
-        ms = timed(lambda: row_topk(x, args.k))
-        rows.append({"segments": None, "kernel": "triton", "ms": ms})
+        variants["triton radix"] = lambda: row_topk(x, args.k)
+    rows = []
+    for name, fn in variants.items():
+        if not torch.equal(fn()[0], plain_values):
+            raise SystemExit(f"{name} changed the top-{args.k} values")
+        rows.append({"variant": name, "ms": timed(fn)})
     base = rows[0]["ms"]
     print(f"top-{args.k} of [{args.rows}, {args.vocab}] bf16 on {device}:")
     for r in rows:
-        name = "torch.topk" if r["segments"] is None else f"{r['segments']} segments"
-        if r.get("kernel") == "triton":
-            name = "triton radix"
-        print(f"  {name:<14} {r['ms']:8.3f} ms  {r['ms'] / base:6.3f}")
-    best = min((r for r in rows if "kernel" not in r), key=lambda r: r["ms"])
+        print(f"  {r['variant']:<24} {r['ms']:8.3f} ms  {r['ms'] / base:6.3f}")
     result = {
         "rows": args.rows,
         "vocab": args.vocab,
@@ -76,7 +79,6 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
         "variants": rows,
-        "best_segments": best["segments"],  # among torch.topk and segmented_topk
     }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

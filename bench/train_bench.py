@@ -237,14 +237,12 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         "ce": trainer.cfg.ce,
         "ce_chunk_blocks": trainer.cfg.ce_chunk_blocks,
         "flex_options": trainer.model.layers[0].self_attn.flex_options,
-        "selector_topk_segments": selector_fused.TOPK_SEGMENTS,
         "selector_topk_kernel": selector_fused.TOPK_KERNEL,
         "is_default": all(
             getattr(trainer.cfg, k) == getattr(defaults, k)
             for k in ("attention", "compile", "grad_ckpt", "ce", "ce_chunk_blocks")
         )
         and not args.flex_bwd
-        and selector_fused.TOPK_SEGMENTS is None
         and selector_fused.TOPK_KERNEL == DEFAULT_TOPK_KERNEL,
         "batch": args.batch,
         "seq_len": args.seq_len,
@@ -351,21 +349,13 @@ def main() -> None:
         help="after the timed steps, profile this many and list the kernels by device time",
     )
     p.add_argument(
-        "--selector-topk-segments",
-        type=int,
-        default=None,
-        help="DFlash2's fused selector loss: the top-K through N row segments "
-        "(train.selector_fused.TOPK_SEGMENTS) instead of one topk over the vocabulary",
-    )
-    p.add_argument(
         "--selector-topk-kernel",
-        choices=("aten", "triton"),
+        choices=sorted(selector_fused.TOPK_KERNELS),
         default=DEFAULT_TOPK_KERNEL,
-        help="DFlash2's fused selector loss: the top-K by torch.topk or by train.topk_triton's "
-        "radix select (train.selector_fused.TOPK_KERNEL)",
+        help="DFlash2's fused selector loss: the top-K by the blocks' maxima (train.topk), one "
+        "torch.topk, or train.topk_triton's radix select (train.selector_fused.TOPK_KERNEL)",
     )
     args = ds.finish_args(p.parse_args())
-    selector_fused.TOPK_SEGMENTS = args.selector_topk_segments
     selector_fused.TOPK_KERNEL = args.selector_topk_kernel
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -11,10 +11,10 @@ import torch
 import train.dflash2
 import train.selector_fused
 import train.selector_loss
+import train.topk
 from tests.drafters import tiny_drafter_config
 from tests.inductor import compile_problem
 from train.dflash2 import CandidateSelector, DFlash2Drafter, init_dflash2_weights
-from train.selector_fused import segmented_topk
 from train.selector_loss import (
     SelectorLoss,
     selector_alpha,
@@ -152,38 +152,31 @@ def test_stat_sums_carry_selected_metrics_only_for_dflash2():
     assert not set(SELECTOR_KEYS) & set(sums.reduce())
 
 
-def test_segmented_topk_equals_topk():
-    x = torch.randn(7, 600, generator=torch.Generator().manual_seed(0))
-    for segments, k in ((1, 5), (4, 16), (40, 15)):
-        values, ids = segmented_topk(x, k, segments)
-        ref_values, ref_ids = x.topk(k, dim=-1)
-        assert torch.equal(values, ref_values) and torch.equal(ids, ref_ids)
-    with pytest.raises(ValueError, match="7 segments"):
-        segmented_topk(x, 4, 7)
-
-
 @pytest.mark.parametrize(
-    "transform, compiled, segments",
+    "transform, compiled, blocks",
     [
-        (None, False, None),
-        ((0.5, 2.0), False, None),
-        (None, True, None),
-        ((0.5, 2.0), True, None),
-        (None, False, 2),
+        (None, False, False),
+        ((0.5, 2.0), False, False),
+        (None, True, False),
+        ((0.5, 2.0), True, False),
+        (None, False, True),
+        (None, True, True),
     ],
-    ids=["eager", "eager-softcap", "compiled", "compiled-softcap", "eager-segmented-topk"],
+    ids=["eager", "eager-softcap", "compiled", "compiled-softcap", "eager-blocks", "compiled-blocks"],
 )
-def test_fused_equals_checkpointed_loss_and_gradients(transform, compiled, segments, monkeypatch):
+def test_fused_equals_checkpointed_loss_and_gradients(transform, compiled, blocks, monkeypatch):
     """The fused path (hand-derived [n, V] gradients, the selector's by local autograd) against
     autograd through the whole chunk; compiled, with a padded short last chunk (16 rows in
     chunks of 5); with a logit scale and softcap, whose slope both terms go through; with the
-    fused path's top-K taken through row segments."""
+    fused path's top-K taken through the blocks' maxima (blocks of 2 of the 300 columns, the
+    top 75: a quarter of the gold tokens are candidates; else the top 150, by one topk)."""
     if compiled and (reason := compile_problem()):
         pytest.skip(reason)
-    monkeypatch.setattr(train.selector_fused, "TOPK_SEGMENTS", segments)
+    monkeypatch.setattr(train.topk, "BLOCK_WIDTHS", (2,) if blocks else ())
     cfg = tiny_drafter_config(
-        drafter_type="dflash2", selector_rank=8, selector_top_k=150, conv_group_size=16
-    )  # half the vocabulary: about half the gold tokens are candidates
+        drafter_type="dflash2", selector_rank=8, selector_top_k=75 if blocks else 150,
+        conv_group_size=16,
+    )  # fmt: skip
     if transform is not None:
         cfg = dataclasses.replace(
             cfg, output_multiplier=transform[0], final_logit_softcapping=transform[1]

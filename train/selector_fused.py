@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from train.dflash2 import CandidateSelector, scale_and_softcap
 from train.loss import padded_chunk
+from train.topk import aten_topk, block_topk
 from train.topk_triton import row_topk
 
 
@@ -39,37 +40,20 @@ def _transform_slope(
     return slope
 
 
-# None: the top-K of each row by one topk over the vocabulary. N: each row cut into N segments,
-# a top-K in each, then the top-K of those N * K (the same values; among equal values the ids
-# may differ). An option for bench/train_bench.py (--selector-topk-segments); slower than the one
-# topk on an H200 (bench/topk_bench.py: 2.39-5.25 ms against 2.35 ms for 2 to 128 segments).
-TOPK_SEGMENTS: int | None = None
-# "aten": torch.topk, which Inductor leaves to aten's radix select inside the compiled chunk.
+# "blocks": train.topk.block_topk, a top-K of the K blocks with the largest maxima (the same
+# values as one topk over the row; among equal values the ids may differ): 1.08 ms per 2048 x
+# 151,936 bf16 chunk on an H200, and the 8B DFlash2 step 166.8 ms against DFlash's 148.9 ms
+# (1.120x) where aten's topk gave 173.0 ms (1.162x) in the same call (README, Results).
+# "aten": one torch.topk over the vocabulary, which Inductor leaves to aten's radix select
+# inside the compiled chunk (2.35 ms per chunk).
 # "triton": train.topk_triton.row_topk, a radix select in one Triton program per row, on CUDA
 # for bf16 logits where Triton is installed (aten's topk elsewhere; the same values, the lowest
-# ids among equal values). Slower on an H200 (bench/topk_bench.py, 2048 x 151,936 bf16: 4.31
-# against 2.35 ms; the 8B DFlash2 step 178.9 ms with it against DFlash's 148.6 ms, 1.204x,
-# where aten's gave 1.156x), so aten stays; bench/train_bench.py --selector-topk-kernel times
-# either.
-TOPK_KERNEL = "aten"
-
-
-def segmented_topk(x_nV: torch.Tensor, k: int, segments: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, ids) of the k largest of each row, sorted, from a top-k within each of
-    `segments` equal segments of the row, then a top-k over those.
-
-    >>> x = torch.tensor([[0.0, 5.0, 1.0, 4.0, 3.0, 2.0]])
-    >>> [t.tolist() for t in segmented_topk(x, 2, 3)]
-    [[[5.0, 4.0]], [[1, 3]]]
-    """
-    n, v = x_nV.shape
-    if v % segments or v // segments < k:
-        raise ValueError(f"{segments} segments of a {v}-wide row cannot hold a top-{k} each")
-    width = v // segments
-    values_nSK, ids_nSK = x_nV.view(n, segments, width).topk(k, dim=-1)
-    offsets_S1 = torch.arange(segments, device=x_nV.device)[:, None] * width
-    top_nK, where_nK = values_nSK.reshape(n, -1).topk(k, dim=-1)
-    return top_nK, (ids_nSK + offsets_S1).reshape(n, -1).gather(1, where_nK)
+# ids among equal values): 4.31 ms per chunk on an H200, and the 8B DFlash2 step 178.9 ms with it
+# against DFlash's 148.6 ms (1.204x), where aten's gave 1.156x.
+# bench/topk_bench.py times them side by side, bench/train_bench.py --selector-topk-kernel
+# the step with each.
+TOPK_KERNEL = "blocks"
+TOPK_KERNELS = {"blocks": block_topk, "aten": aten_topk, "triton": row_topk}
 
 
 def unary_chunk(
@@ -88,12 +72,7 @@ def unary_chunk(
     logp_nV = torch.log_softmax(l_nV.float(), dim=-1)
     ce_n = -logp_nV.gather(1, targets_n[:, None]).squeeze(1)
     correct_n = l_nV.argmax(dim=-1) == targets_n
-    if TOPK_KERNEL == "triton":
-        unary_nK, cand_nK = row_topk(l_nV, top_k)
-    elif TOPK_SEGMENTS is None:
-        unary_nK, cand_nK = l_nV.topk(top_k, dim=-1)
-    else:
-        unary_nK, cand_nK = segmented_topk(l_nV, top_k, TOPK_SEGMENTS)
+    unary_nK, cand_nK = TOPK_KERNELS[TOPK_KERNEL](l_nV, top_k)
     dl_nV = logp_nV.exp_().mul_(weights_n[:, None])
     dl_nV.scatter_add_(1, targets_n[:, None], -weights_n[:, None])
     dz_nV = dl_nV
