@@ -5,8 +5,7 @@
 The fused selector loss (train/selector_fused.py) takes the top-K of every row of a chunk of
 logits [rows, V] (rows = --ce-chunk-blocks x (block size - 1)). Times one torch.topk (aten's
 radix select), `block_topk` with each block width that divides V (its default and the others
-train.topk could take), and on CUDA with Triton `train.topk_triton.row_topk` (a radix select,
-one program per row), on random bf16 rows: the median of --repeats
+train.topk could take), on random bf16 rows: the median of --repeats
 (`speculate_bench.median_ms`, a synchronised clock). Checks every variant returns the plain
 topk's values; prints ms per call and the ratio to the plain topk.
 """
@@ -27,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from speculate_bench import median_ms  # noqa: E402
 
 import train.topk  # noqa: E402
-from train.topk_triton import available, row_topk  # noqa: E402
 
 
 def blocks(x: torch.Tensor, k: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,8 +59,6 @@ def main() -> None:
         if args.vocab % width == 0 and 2 * args.k * width <= args.vocab:
             name = f"blocks of {width}" + (" (default)" if width == default_width else "")
             variants[name] = functools.partial(blocks, x, args.k, width)
-    if available(x):  # CUDA with Triton (or Triton's interpreter)
-        variants["triton radix"] = lambda: row_topk(x, args.k)
     rows = []
     for name, fn in variants.items():
         if not torch.equal(fn()[0], plain_values):

@@ -352,8 +352,8 @@ def main() -> None:
         "--selector-topk-kernel",
         choices=sorted(selector_fused.TOPK_KERNELS),
         default=DEFAULT_TOPK_KERNEL,
-        help="DFlash2's fused selector loss: the top-K by the blocks' maxima (train.topk), one "
-        "torch.topk, or train.topk_triton's radix select (train.selector_fused.TOPK_KERNEL)",
+        help="DFlash2's fused selector loss: the top-K by the blocks' maxima (train.topk) or by "
+        "one torch.topk (train.selector_fused.TOPK_KERNEL)",
     )
     args = ds.finish_args(p.parse_args())
     selector_fused.TOPK_KERNEL = args.selector_topk_kernel

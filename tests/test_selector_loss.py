@@ -162,7 +162,14 @@ def test_stat_sums_carry_selected_metrics_only_for_dflash2():
         (None, False, True),
         (None, True, True),
     ],
-    ids=["eager", "eager-softcap", "compiled", "compiled-softcap", "eager-blocks", "compiled-blocks"],
+    ids=[
+        "eager",
+        "eager-softcap",
+        "compiled",
+        "compiled-softcap",
+        "eager-blocks",
+        "compiled-blocks",
+    ],
 )
 def test_fused_equals_checkpointed_loss_and_gradients(transform, compiled, blocks, monkeypatch):
     """The fused path (hand-derived [n, V] gradients, the selector's by local autograd) against

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from train.dflash2 import CandidateSelector, scale_and_softcap
 from train.loss import padded_chunk
 from train.topk import aten_topk, block_topk
-from train.topk_triton import row_topk
 
 
 def _transform_slope(
@@ -46,14 +45,10 @@ def _transform_slope(
 # (1.120x) where aten's topk gave 173.0 ms (1.162x) in the same call (README, Results).
 # "aten": one torch.topk over the vocabulary, which Inductor leaves to aten's radix select
 # inside the compiled chunk (2.35 ms per chunk).
-# "triton": train.topk_triton.row_topk, a radix select in one Triton program per row, on CUDA
-# for bf16 logits where Triton is installed (aten's topk elsewhere; the same values, the lowest
-# ids among equal values): 4.31 ms per chunk on an H200, and the 8B DFlash2 step 178.9 ms with it
-# against DFlash's 148.6 ms (1.204x), where aten's gave 1.156x.
-# bench/topk_bench.py times them side by side, bench/train_bench.py --selector-topk-kernel
+# bench/topk_bench.py times both side by side, bench/train_bench.py --selector-topk-kernel
 # the step with each.
 TOPK_KERNEL = "blocks"
-TOPK_KERNELS = {"blocks": block_topk, "aten": aten_topk, "triton": row_topk}
+TOPK_KERNELS = {"blocks": block_topk, "aten": aten_topk}
 
 
 def unary_chunk(
