@@ -23,6 +23,7 @@ from extract.target import load_target
 from extract.units import reader_reading_ahead, run_units
 from shared.cache import open_part_writer, part_name
 from shared.codec import Bf16Planes, codec_description, hidden_codec, quantize_fp8
+from shared.diskqueue import DiskQueue
 from shared.dist import RankInfo, processes_on_this_host, usable_cpus
 from shared.logs import setup_logging
 from shared.manifest import (
@@ -130,6 +131,7 @@ class PartPipeline:
         self.clock = clock
         self.staging = Staging(STAGING_BUFFERS, pinned=device.type == "cuda", rows=job.batch_tokens)
         self.writers = WriterPool(threads)
+        self.disk = DiskQueue()  # shard file writes, after the writers compressed them
         self.committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
         self.commits: list[Future] = []
         self.threads = threads
@@ -148,6 +150,7 @@ class PartPipeline:
             num_layers=len(job.layer_ids),
             hidden_size=_hidden(self.capture),
             lengths=[len(k.input_ids) for k in kept],
+            io=self.disk,
         )
         return OpenPart(unit, kept, rejected, job.unit_rows(unit), writer)
 
@@ -189,12 +192,31 @@ class PartPipeline:
         finally:
             self.writers.close()
             self.committer.shutdown(wait=True)
+            self.disk.close()
         self._report_backpressure(time.perf_counter() - self.started)
 
     def _report_backpressure(self, wall_s: float) -> None:
-        waited = self.staging.waited_s
+        waited, disk = self.staging.waited_s, self.disk
         log.info("the device waited %.1f s of %.1f s for a free staging buffer", waited, wall_s)
-        if wall_s > 0 and waited > 0.1 * wall_s:
+        log.info(
+            "disk: %.1f GB written by %d threads in %.1f s of their time; the writer threads "
+            "waited %.1f s for the queue (at most %.1f GB)",
+            disk.written / 1e9,
+            disk.threads,
+            disk.busy_s,
+            disk.waited_s,
+            disk.budget / 1e9,
+        )
+        if wall_s > 0 and waited > 0.1 * wall_s and disk.waited_s > 0.5 * waited:
+            log.warning(
+                "the disk limited this rank: the device waited %.0f%% of the time while %.1f GB "
+                "of compressed states waited to be written to %s. A faster disk for --out, or "
+                "--store fp8 (half the bytes), would let it run at its own speed.",
+                100 * waited / wall_s,
+                disk.budget / 1e9,
+                self.job.out,
+            )
+        elif wall_s > 0 and waited > 0.1 * wall_s:
             log.warning(
                 "compression and writing limited this rank: the device waited %.0f%% of the time "
                 "for the %d writer threads. More cores per GPU (--writer-threads), or "

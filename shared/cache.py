@@ -12,6 +12,7 @@ from pathlib import Path
 
 from shared.checksum import part_checksum, tree_file_sizes
 from shared.codec import check_format, check_store
+from shared.diskqueue import DiskQueue
 from shared.part import (  # noqa: F401  (re-exported: the cache's public names)
     PartReader,
     PartStats,
@@ -37,8 +38,10 @@ def open_part_writer(
     num_layers: int,
     hidden_size: int,
     lengths: Sequence[int],
+    io: DiskQueue | None = None,
 ) -> PartWriter:
-    """Start writing part ``part_id`` under ``out_dir``; a ``.tmp`` left by a crash is removed."""
+    """Start writing part ``part_id`` under ``out_dir``; a ``.tmp`` left by a crash is removed.
+    ``io``: a queue for the zarr format's shard file writes (see `shared.diskqueue`)."""
     check_format(fmt)
     check_store(store)
     out_dir = Path(out_dir)
@@ -48,7 +51,7 @@ def open_part_writer(
     if leftover.exists():
         log.warning("removing %s left by an interrupted writer", leftover)
         remove_path(leftover)
-    kw = dict(store=store, num_layers=num_layers, hidden_size=hidden_size, lengths=lengths)
+    kw = dict(store=store, num_layers=num_layers, hidden_size=hidden_size, lengths=lengths, io=io)
     if fmt == "zarr":
         return ZarrPartWriter(final, **kw)
     return WdsPartWriter(final, **kw)

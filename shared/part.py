@@ -14,9 +14,10 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ from shared.codec import (
     token_array,
     u16_to_bf16,
 )
+from shared.diskqueue import DiskQueue, drain
 from shared.fsio import fsync_dir, replace_dir
 
 log = logging.getLogger(__name__)
@@ -99,9 +101,19 @@ class PartWriter:
     """
 
     def __init__(
-        self, final: Path, *, store: str, num_layers: int, hidden_size: int, lengths: Sequence[int]
+        self,
+        final: Path,
+        *,
+        store: str,
+        num_layers: int,
+        hidden_size: int,
+        lengths: Sequence[int],
+        io: DiskQueue | None = None,
     ) -> None:
+        """`io`: where the format may queue its file writes (they run in `write`'s thread
+        without it); `commit` waits for them."""
         self.final = final
+        self._io, self._io_futures = io, []
         self.tmp = final.with_name(final.name + ".tmp")
         self.store, self.num_layers, self.hidden_size = store, num_layers, hidden_size
         self.lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
@@ -160,6 +172,7 @@ class PartWriter:
             if self._closed or len(missing):
                 raise RuntimeError(f"cannot commit {self.final.name}: missing {missing[:10]}")
             self._closed = True
+        drain(self._io_futures)  # a failed write raises here: the part is not committed
         self._finish()
         # One walk of the folder serves the checksum and the size (thousands of shard files).
         sizes = tree_file_sizes(self.tmp) if self.tmp.is_dir() else None
@@ -187,6 +200,8 @@ class PartWriter:
         """Discard the part being written."""
         with self._lock:
             self._closed = True
+        for f in self._io_futures:
+            f.exception()  # no queued write lands in the folder after it is removed
         self._close_quietly()
         remove_path(self.tmp)
 
@@ -196,6 +211,15 @@ class PartWriter:
     def __exit__(self, exc_type: object, *_: object) -> None:
         if exc_type is not None and self.tmp.exists():
             self.abort()
+
+    def _queue_write(self, nbytes: int, fn: Callable[..., None], *args: Any) -> None:
+        """fn(*args), which writes `nbytes` to the tmp: on the `io` queue, or now."""
+        if self._io is None:
+            fn(*args)
+            return
+        future = self._io.submit(nbytes, fn, *args)
+        with self._lock:
+            self._io_futures.append(future)
 
     # Format-specific parts.
     def _store(self, n: int, sample_index: int, ids: np.ndarray, mask: np.ndarray,

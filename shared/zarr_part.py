@@ -219,27 +219,36 @@ class ZarrPartWriter(PartWriter):
         compress = hidden_compressor(self.store)
         if not isinstance(payload, Bf16Planes):  # planes are bytes: no byte order
             payload = payload.astype(payload.dtype.newbyteorder("<"), copy=False)  # as stored
+        files, nbytes = [], 0
         for row in range(0, stop - start, CHUNK_ROWS):
             block = payload[row : row + CHUNK_ROWS]
             if len(block) < CHUNK_ROWS:  # the sample's last shard: zero rows up to the boundary
                 block = _zero_padded(block)
-            # Plain os calls on strings: pathlib's mkdir(parents=True) costs the writer threads
-            # time under the GIL that the thread feeding the device then waits for.
-            key = f"hidden/c/{(start + row) // CHUNK_ROWS}/0"
+            buffers = shard_buffers(block, compress)
+            files.append((f"hidden/c/{(start + row) // CHUNK_ROWS}/0", buffers))
+            nbytes += sum(len(b) for b in buffers)
+        # The payload (a staged batch's rows) is no longer needed once compressed.
+        self._queue_write(nbytes, self._write_shards, files)
+        self._ids[start : start + length] = ids
+        self._mask[start : start + length] = mask
+        if scale is not None:
+            self._scale[start : start + length] = scale
+        self._sample_index[n] = sample_index
+
+    def _write_shards(self, files: list[tuple[str, list[bytes]]]) -> None:
+        """Write one sample's shard files (key, buffers) and note their (size, crc32c)."""
+        for key, buffers in files:
+            # Plain os calls on strings: pathlib's mkdir(parents=True) costs time under the GIL
+            # that the thread feeding the device then waits for.
             folder = f"{self._root}/{key}"
             for d in (folder[: -len("/0")], folder):
                 try:
                     os.mkdir(d)
                 except FileExistsError:  # a retried write of the same sample
                     pass
-            size_crc = write_buffers(f"{folder}/0", shard_buffers(block, compress))
+            size_crc = write_buffers(f"{folder}/0", buffers)
             with self._lock:
                 self._written_files[f"{key}/0"] = size_crc
-        self._ids[start : start + length] = ids
-        self._mask[start : start + length] = mask
-        if scale is not None:
-            self._scale[start : start + length] = scale
-        self._sample_index[n] = sample_index
 
     def _small_array(self, name: str, data: np.ndarray) -> None:
         chunks = (SMALL_CHUNK_ROWS, *data.shape[1:])

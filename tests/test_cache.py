@@ -48,8 +48,11 @@ def make_records(lengths=LENGTHS, seed: int = 0, first_index: int = 1000) -> lis
     return out
 
 
-def write_part(out: Path, part_id: int, records, *, fmt: str, store: str, order=None, threads=1):
-    """Write records (in ``order``, from ``threads`` threads) and commit; returns the stats."""
+def write_part(
+    out: Path, part_id: int, records, *, fmt: str, store: str, order=None, threads=1, io=None
+):
+    """Write records (in ``order``, from ``threads`` threads; file writes queued on ``io``) and
+    commit; returns the stats."""
     writer = open_part_writer(
         out,
         part_id,
@@ -58,6 +61,7 @@ def write_part(out: Path, part_id: int, records, *, fmt: str, store: str, order=
         num_layers=K,
         hidden_size=H,
         lengths=[len(r.input_ids) for r in records],
+        io=io,
     )
 
     def one(n: int) -> None:

@@ -1,0 +1,87 @@
+"""File writes on their own threads, with a bound on the bytes waiting to be written.
+
+A part writer's threads compress a staged batch and hand each shard file's bytes here instead
+of writing them: the staged buffer is free as soon as its samples are compressed, so the device
+never waits for a disk that stalls for a moment (a commit's sync, writeback of a full request
+queue), only for one slower on average than the forward, once `budget` bytes wait. The first
+failed write (a full disk) is raised by the next `submit` and by `drain`, so the part that lost
+it is never committed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+# Bytes of compressed shard files waiting for a write thread, per process: about four batches'
+# output of an 8B target (16,384 tokens x 5 layers x 4096 x 2 bytes, compressed 1.5x).
+DEFAULT_BUDGET = 2 << 30
+DEFAULT_THREADS = 4
+
+
+class DiskQueue:
+    """`submit(nbytes, fn, *args)` runs fn(*args) on a write thread, blocking the caller while
+    more than `budget` bytes are queued or being written (never for a lone job larger than it)."""
+
+    def __init__(self, threads: int = DEFAULT_THREADS, budget: int = DEFAULT_BUDGET):
+        self.threads, self.budget = max(1, threads), budget
+        self.pending = 0  # bytes submitted and not yet written
+        self.waited_s = 0.0  # callers' time blocked on the budget
+        self.busy_s = 0.0  # write threads' time in the jobs
+        self.written = 0  # bytes of the jobs that succeeded
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="disk")
+
+    def submit(self, nbytes: int, fn: Callable[..., Any], *args: Any) -> Future:
+        with self._cond:
+            self._raise_error()
+            if self.pending and self.pending + nbytes > self.budget:
+                start = time.perf_counter()
+                self._cond.wait_for(
+                    lambda: (
+                        self._error is not None
+                        or self.pending + nbytes <= self.budget
+                        or not self.pending
+                    )  # fmt: skip
+                )
+                self.waited_s += time.perf_counter() - start
+                self._raise_error()
+            self.pending += nbytes
+        return self._pool.submit(self._run, nbytes, fn, args)
+
+    def _run(self, nbytes: int, fn: Callable[..., Any], args: tuple) -> Any:
+        start, ok = time.perf_counter(), False
+        try:
+            result, ok = fn(*args), True
+            return result
+        except BaseException as e:
+            with self._cond:
+                self._error = self._error or e
+            raise
+        finally:
+            with self._cond:
+                self.pending -= nbytes
+                self.busy_s += time.perf_counter() - start
+                self.written += nbytes if ok else 0
+                self._cond.notify_all()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        """Wait for the writes running, drop those not started (a part whose writes were all
+        waited for is already committed; the others are not); idempotent."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def drain(futures: list[Future]) -> None:
+    """Wait for every one of `futures`, then raise the first failure among them."""
+    for f in futures:
+        f.exception()
+    for f in futures:
+        f.result()
