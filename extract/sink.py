@@ -27,10 +27,21 @@ class Staging:
     def __init__(self, count: int, *, pinned: bool, rows: int = 0):
         self.pinned, self.rows = pinned, rows
         self.waited_s = 0.0  # time stage() spent blocked for a free buffer (writers behind)
+        self.nbytes = 0  # of all buffers allocated
         self._free: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
         self._stream: torch.cuda.Stream | None = None
         for _ in range(count):
             self._free.put({})
+
+    def reserve(self, tensors: dict[str, torch.Tensor], *, tokens: int) -> None:
+        """Allocate every buffer now for tensors like these (holding `tokens` tokens), sized
+        for the batch budget: pinning hundreds of MB takes about half a second a buffer, which
+        the first forwards would otherwise wait for."""
+        slots = [self._free.get() for _ in range(self._free.qsize())]
+        for slot in slots:
+            for name, t in tensors.items():
+                self._view(slot, name, t, tokens)
+            self._free.put(slot)
 
     def stage(
         self, tensors: dict[str, torch.Tensor], *, tokens: int
@@ -71,7 +82,10 @@ class Staging:
         buf = slot.get(name)
         if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
             numel = max(t.numel(), self.rows * (t.numel() // max(1, tokens)))
+            if name in slot:
+                self.nbytes -= slot[name].nbytes
             buf = torch.empty(numel, dtype=t.dtype, pin_memory=self.pinned)
+            self.nbytes += buf.nbytes
             slot[name] = buf
         return buf[: t.numel()].view(t.shape)
 

@@ -130,6 +130,16 @@ class PartPipeline:
         self.job, self.device, self.capture, self.counters = job, device, capture, counters
         self.clock = clock
         self.staging = Staging(STAGING_BUFFERS, pinned=device.type == "cuda", rows=job.batch_tokens)
+        start = time.perf_counter()
+        one = torch.zeros(1, len(job.layer_ids), _hidden(capture), device=device)  # [N, K, H]
+        self.staging.reserve(device_payload(one, job.store, job.format), tokens=1)
+        log.info(
+            "%d staging buffers of %.2f GB%s in %.1f s",
+            STAGING_BUFFERS,
+            self.staging.nbytes / STAGING_BUFFERS / 1e9,
+            " (pinned)" if device.type == "cuda" else "",
+            time.perf_counter() - start,
+        )
         self.writers = WriterPool(threads)
         self.disk = DiskQueue()  # shard file writes, after the writers compressed them
         self.committer = ThreadPoolExecutor(1, thread_name_prefix="commit")

@@ -49,3 +49,18 @@ def test_staging_copies_and_reuses_buffers_sized_for_the_budget():
     views, release = staging.stage({"hidden": over}, tokens=11)
     assert torch.equal(views["hidden"], over)
     release()
+
+
+def test_reserved_buffers_take_every_batch_of_the_budget_without_allocating():
+    staging = Staging(2, pinned=False, rows=10)
+    one = {"q": torch.zeros(1, 3, 4, dtype=torch.uint8), "scale": torch.zeros(1, 3)}
+    staging.reserve(one, tokens=1)
+    assert staging.nbytes == 2 * (10 * 3 * 4 * 1 + 10 * 3 * 4)
+    pointers = set()
+    for tokens in (10, 7):
+        batch = {"q": torch.ones(tokens, 3, 4, dtype=torch.uint8), "scale": torch.rand(tokens, 3)}
+        views, release = staging.stage(batch, tokens=tokens)
+        assert all(torch.equal(views[k], batch[k]) for k in batch)
+        pointers.add(views["q"].data_ptr())
+        release()
+    assert staging.nbytes == 2 * (10 * 3 * 4 * 1 + 10 * 3 * 4) and len(pointers) <= 2
