@@ -185,6 +185,27 @@ def extract_variants(
     return out
 
 
+def train_variants(
+    args: argparse.Namespace, work: Path, shards: Path, train: dict[str, Any], env: dict[str, str]
+) -> list[dict[str, Any]]:
+    """`python -m train` on the same cache with each of --also-train's options added (a fresh
+    run folder each, deleted after): its steady figures and its step against the default's."""
+    out, skip = [], min(20, args.steps // 4)
+    for k, extra in enumerate(args.also_train):
+        run = work / f"run-variant{k}"
+        command(
+            [sys.executable, "-m", "train", "--gpus", args.gpus, "--data", str(shards),
+             "--out", str(run), "--steps", str(args.steps), *shlex.split(extra)],
+            work / f"train-variant{k}.log", env,
+        )  # fmt: skip
+        figures = training_figures(run, skip_steps=skip)
+        shutil.rmtree(run)
+        out.append(
+            {"options": extra, **figures, "step_ratio": figures["step_ms"] / train["step_ms"]}
+        )
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="qwen3-8b")
@@ -197,6 +218,15 @@ def main() -> None:
     p.add_argument("--logs", type=Path, default=None, help="also copy the commands' logs here")
     p.add_argument("--bench-steps", type=int, default=15)
     p.add_argument("--keep", action="store_true", help="keep the work folder")
+    p.add_argument(
+        "--also-train",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="after the default training, train again on the same cache with these extra "
+        "options (quoted, e.g. '--drafter-type dflash2'; repeatable), each its step against "
+        "the default's",
+    )
     p.add_argument(
         "--also-extract",
         action="append",
@@ -285,6 +315,7 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
     train = training_figures(run, skip_steps=min(20, args.steps // 4))
     saved = json.loads((run / "config.json").read_text())
     export_ok = (run / "export" / "model.safetensors").is_file()
+    also_train = train_variants(args, work, shards, train, env)
     shutil.rmtree(shards)
     shutil.rmtree(run / "checkpoints", ignore_errors=True)
     bench_json = work / "train_bench.json"
@@ -314,6 +345,7 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
             )
         },  # fmt: skip
         "export_written": export_ok,
+        "train_variants": also_train,
         "fixed_shape": {k: bench[k] for k in ("step_ms", "context_tok_s", "mfu", "first_step_s")},
         "tok_s_ratio_to_fixed_shape": train["context_tok_s"] / bench["context_tok_s"],
         "mfu_bench_count": mfu,

@@ -168,4 +168,14 @@ def training_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
         ("data wait", f"{100 * t['data_wait']:.2f}%"),
         ("loss first -> last, finite", f"{t['loss_first_last']}, {t['finite']}"),
         ("export written", str(r["export_written"])),
+        *(
+            (
+                f"  with {v['options']}",
+                f"step {v['step_ms']:.1f} ms = {v['step_ratio']:.3f} x the default's, "
+                f"{v['context_tok_s']:,.0f} tok/s, first step {v['first_step_s']:.1f} s, graphs "
+                f"{v['graphs_after_first_step']}, {v['graphs_at_end']}, peak "
+                f"{v['peak_gpu_gb']:.1f} GB, loss {v['loss_first_last']}, finite {v['finite']}",
+            )
+            for v in r.get("train_variants", [])
+        ),
     ]
