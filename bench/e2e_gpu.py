@@ -246,6 +246,8 @@ def main() -> None:
     if args.also_extract and args.until != "extract":
         # Two caches of 1M 8B tokens and the target do not fit the H200 host's 64 GB disk.
         p.error("--also-extract needs --until extract (the default cache is deleted before them)")
+    if args.also_train and args.until == "extract":
+        p.error("--also-train trains on the cache: it cannot stop at --until extract")
     work = args.work / args.shape
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -315,9 +317,9 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
     train = training_figures(run, skip_steps=min(20, args.steps // 4))
     saved = json.loads((run / "config.json").read_text())
     export_ok = (run / "export" / "model.safetensors").is_file()
+    shutil.rmtree(run / "checkpoints", ignore_errors=True)  # the disk, for the variants' runs
     also_train = train_variants(args, work, shards, train, env)
     shutil.rmtree(shards)
-    shutil.rmtree(run / "checkpoints", ignore_errors=True)
     bench_json = work / "train_bench.json"
     command(
         [py, "bench/train_bench.py", "--shape", args.shape, "--steps", str(args.bench_steps),

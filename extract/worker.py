@@ -141,7 +141,9 @@ class PartPipeline:
             time.perf_counter() - start,
         )
         self.writers = WriterPool(threads)
-        self.disk = DiskQueue()  # shard file writes, after the writers compressed them
+        # Zarr shard files are written here once the writers compressed them (a webdataset
+        # part is one tar, appended by the writer threads themselves).
+        self.disk = DiskQueue() if job.format == "zarr" else None
         self.committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
         self.commits: list[Future] = []
         self.threads = threads
@@ -200,24 +202,33 @@ class PartPipeline:
             for f in self.commits:
                 f.result()
         finally:
-            self.writers.close()
-            self.committer.shutdown(wait=True)
-            self.disk.close()
+            try:
+                self.writers.close()
+            finally:
+                try:
+                    self.committer.shutdown(wait=True)
+                finally:
+                    if self.disk is not None:
+                        self.disk.close()
         self._report_backpressure(time.perf_counter() - self.started)
 
     def _report_backpressure(self, wall_s: float) -> None:
         waited, disk = self.staging.waited_s, self.disk
         log.info("the device waited %.1f s of %.1f s for a free staging buffer", waited, wall_s)
-        log.info(
-            "disk: %.1f GB written by %d threads in %.1f s of their time; the writer threads "
-            "waited %.1f s for the queue (at most %.1f GB)",
-            disk.written / 1e9,
-            disk.threads,
-            disk.busy_s,
-            disk.waited_s,
-            disk.budget / 1e9,
-        )
-        if wall_s > 0 and waited > 0.1 * wall_s and disk.waited_s > 0.5 * waited:
+        if disk is None:
+            disk_bound = False
+        else:
+            disk_bound = disk.waited_s > 0.5 * waited
+            log.info(
+                "disk: %.1f GB written by %d threads in %.1f s of their time; the writer "
+                "threads waited %.1f s for the queue (at most %.1f GB)",
+                disk.written / 1e9,
+                disk.threads,
+                disk.busy_s,
+                disk.waited_s,
+                disk.budget / 1e9,
+            )
+        if wall_s > 0 and waited > 0.1 * wall_s and disk_bound:
             log.warning(
                 "the disk limited this rank: the device waited %.0f%% of the time while %.1f GB "
                 "of compressed states waited to be written to %s. A faster disk for --out, or "

@@ -33,11 +33,14 @@ class DiskQueue:
         self.busy_s = 0.0  # write threads' time in the jobs
         self.written = 0  # bytes of the jobs that succeeded
         self._error: BaseException | None = None
+        self._closed = False
         self._cond = threading.Condition()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="disk")
 
     def submit(self, nbytes: int, fn: Callable[..., Any], *args: Any) -> Future:
         with self._cond:
+            if self._closed:
+                raise RuntimeError("the disk queue is closed")
             self._raise_error()
             if self.pending and self.pending + nbytes > self.budget:
                 start = time.perf_counter()
@@ -50,24 +53,30 @@ class DiskQueue:
                 )
                 self.waited_s += time.perf_counter() - start
                 self._raise_error()
+            future = self._pool.submit(self._run, fn, args)
             self.pending += nbytes
-        return self._pool.submit(self._run, nbytes, fn, args)
+        # Done, failed or dropped by `close`: the bytes leave the queue and waiters wake.
+        future.add_done_callback(lambda f: self._finished(nbytes, f))
+        return future
 
-    def _run(self, nbytes: int, fn: Callable[..., Any], args: tuple) -> Any:
-        start, ok = time.perf_counter(), False
+    def _run(self, fn: Callable[..., Any], args: tuple) -> Any:
+        start = time.perf_counter()
         try:
-            result, ok = fn(*args), True
-            return result
+            return fn(*args)
         except BaseException as e:
             with self._cond:
                 self._error = self._error or e
             raise
         finally:
             with self._cond:
-                self.pending -= nbytes
                 self.busy_s += time.perf_counter() - start
-                self.written += nbytes if ok else 0
-                self._cond.notify_all()
+
+    def _finished(self, nbytes: int, future: Future) -> None:
+        with self._cond:
+            self.pending -= nbytes
+            if not future.cancelled() and future.exception() is None:
+                self.written += nbytes
+            self._cond.notify_all()
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -76,6 +85,8 @@ class DiskQueue:
     def close(self) -> None:
         """Wait for the writes running, drop those not started (a part whose writes were all
         waited for is already committed; the others are not); idempotent."""
+        with self._cond:
+            self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 

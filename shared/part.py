@@ -15,6 +15,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,8 +201,8 @@ class PartWriter:
         """Discard the part being written."""
         with self._lock:
             self._closed = True
-        for f in self._io_futures:
-            f.exception()  # no queued write lands in the folder after it is removed
+            futures = list(self._io_futures)
+        wait(futures)  # no queued write lands in the folder after it is removed
         self._close_quietly()
         remove_path(self.tmp)
 
@@ -217,7 +218,7 @@ class PartWriter:
         if self._io is None:
             fn(*args)
             return
-        future = self._io.submit(nbytes, fn, *args)
+        future = self._io.submit(nbytes, fn, *args)  # may wait for the queue: not under the lock
         with self._lock:
             self._io_futures.append(future)
 

@@ -5,14 +5,16 @@ written inline."""
 from __future__ import annotations
 
 import errno
+import threading
 import zlib
 
 import pytest
 
 import shared.zarr_part
-from shared.cache import open_part
+from shared.cache import open_part, open_part_writer
+from shared.codec import CHUNK_ROWS
 from shared.diskqueue import DiskQueue, drain
-from tests.test_cache import assert_matches, make_records, write_part
+from tests.test_cache import H, K, assert_matches, make_records, write_part
 
 
 def test_queued_bytes_never_exceed_the_budget():
@@ -68,18 +70,63 @@ def test_zarr_part_through_the_queue_equals_the_part_written_inline(tmp_path, st
 
 
 def test_a_failed_shard_write_leaves_the_part_uncommitted(tmp_path, monkeypatch):
+    """The last shard file fails: every write() has returned by then, so only the commit,
+    which waits for the part's files, can find it."""
+    records = make_records()
+    files = sum(-(-len(r.input_ids) // CHUNK_ROWS) for r in records)
     real, calls = shared.zarr_part.write_buffers, []
 
-    def fails_third(path, buffers):  # noqa: ANN001, ANN202
+    def fails_last(path, buffers):  # noqa: ANN001, ANN202
         calls.append(path)
-        if len(calls) == 3:
+        if len(calls) == files:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(path, buffers)
 
-    monkeypatch.setattr(shared.zarr_part, "write_buffers", fails_third)
+    monkeypatch.setattr(shared.zarr_part, "write_buffers", fails_last)
     q = DiskQueue(threads=1)
     with pytest.raises(OSError, match="No space"):
-        write_part(tmp_path, 0, make_records(), fmt="zarr", store="bf16", io=q)
+        write_part(tmp_path, 0, records, fmt="zarr", store="bf16", io=q)
     q.close()
-    assert len(calls) >= 3
+    assert len(calls) == files
     assert not (tmp_path / "part-000000").exists()
+
+
+@pytest.mark.parametrize("store", ["bf16", "fp8"])
+def test_queued_writes_hold_their_own_bytes(tmp_path, store):
+    """The staged memory a sample came from is reused once write() returns: the disk thread,
+    held until the source is overwritten, still writes the sample as it was."""
+    records = make_records()
+    q, hold = DiskQueue(threads=1), threading.Event()
+    q.submit(0, hold.wait)  # the one disk thread waits: every file below stays queued
+    writer = open_part_writer(
+        tmp_path, 0, fmt="zarr", store=store, num_layers=K, hidden_size=H,
+        lengths=[len(r.input_ids) for r in records], io=q,
+    )  # fmt: skip
+    for n, r in enumerate(records):
+        source = r.hidden.clone()
+        writer.write(
+            n, sample_index=r.sample_index, input_ids=r.input_ids, loss_mask=r.loss_mask,
+            hidden=source,
+        )  # fmt: skip
+        source.zero_()
+    assert q.pending > 0 and q.written == 0
+    hold.set()
+    writer.commit()
+    q.close()
+    reader = open_part(tmp_path / "part-000000")
+    for n, record in enumerate(records):
+        assert_matches(reader.read(n), record, store)
+
+
+def test_close_drops_queued_jobs_and_refuses_new_ones():
+    q, hold = DiskQueue(threads=1), threading.Event()
+    running = q.submit(1, hold.wait)
+    queued = q.submit(1, lambda: None)
+    closer = threading.Thread(target=q.close)
+    closer.start()
+    hold.set()  # the running job ends; close waits for it and drops the queued one
+    closer.join()
+    assert running.done() and (queued.cancelled() or queued.done())
+    assert q.pending == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        q.submit(1, lambda: None)

@@ -45,9 +45,9 @@ def block_topk(x_nV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = block_width(vocab, k)
     if width is None:
         return aten_topk(x_nV, k)
-    blocks_nBW = x_nV.view(n, vocab // width, width)
+    blocks_nBW = x_nV.reshape(n, vocab // width, width)
     _, block_nk = blocks_nBW.amax(dim=-1).topk(k, dim=-1)
     values_nkW = blocks_nBW.gather(1, block_nk[:, :, None].expand(n, k, width))
-    top_nk, where_nk = values_nkW.view(n, k * width).topk(k, dim=-1)
+    top_nk, where_nk = values_nkW.reshape(n, k * width).topk(k, dim=-1)
     column_nk = block_nk.gather(1, where_nk // width) * width + where_nk % width
     return top_nk, column_nk
