@@ -1,8 +1,11 @@
-"""Host side of capture: pinned staging buffers, and compression + writing on a thread pool.
+"""Host side of capture: what is staged, pinned staging buffers, and compression + writing on
+a thread pool.
 
 The GPU never waits for the disk while a staging buffer is free: a batch's states are copied
 asynchronously into a pinned buffer, and a writer thread waits for that copy, then compresses
-and writes each sample. The number of buffers bounds the memory and the work in flight.
+each sample and writes it (a zarr part's shard files go to `shared.diskqueue`'s threads, so the
+buffer is free once its samples are compressed). The number of buffers bounds the memory and
+the work in flight.
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+from extract.data import Tokenized
+from shared.codec import Bf16Planes, hidden_codec, quantize_fp8
+from shared.planes import split_planes
 
 
 class Staging:
@@ -117,3 +124,52 @@ class WriterPool:
                 f.result()
         finally:
             self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def device_payload(packed: torch.Tensor, store: str, fmt: str) -> dict[str, torch.Tensor]:
+    """What is staged to the host: layer-major payload [K, N, H] (one layer's rows contiguous,
+    see LayerCapture) and, for fp8, the scales [N, K]. bf16 for zarr parts goes as its two
+    `planes` byte planes, split on the device (`shared.planes.split_planes`): as many bytes as
+    the bf16 values, and the writer threads, which share the host's cores and its GIL with the
+    thread launching the forwards, only compress."""
+    if store == "fp8":
+        q, scale = quantize_fp8(packed)
+        return {"q": q.transpose(0, 1).contiguous(), "scale": scale.contiguous()}
+    hidden = packed.transpose(0, 1).to(torch.bfloat16)
+    if fmt == "zarr" and hidden_codec(store) == "planes":
+        planes = split_planes(hidden)
+        return {"exponent": planes.exponent, "sign_mantissa": planes.sign_mantissa}
+    return {"hidden": hidden.contiguous()}
+
+
+class Countdown:
+    """Calls `release` when the last of `count` sample writes of one staged batch is done."""
+
+    def __init__(self, count: int, release: Callable[[], None]):
+        self.left, self.release, self.lock = count, release, threading.Lock()
+
+    def done(self) -> None:
+        with self.lock:
+            self.left -= 1
+            last = self.left == 0
+        if last:
+            self.release()
+
+
+def write_sample(writer, n: int, row: Tokenized, host: dict, rows: slice, countdown) -> None:
+    try:
+        if host["_event"] is not None:
+            host["_event"].synchronize()  # the async copy into the pinned buffer has landed
+        # [L, K, H] views of the layer-major buffers: the writers take them without a copy.
+        if "q" in host:
+            hidden = (host["q"][:, rows].transpose(0, 1), host["scale"][rows])
+        elif "exponent" in host:
+            e, sm = (host[name][:, rows].transpose(0, 1) for name in ("exponent", "sign_mantissa"))
+            hidden = Bf16Planes(e, sm)
+        else:
+            hidden = host["hidden"][:, rows].transpose(0, 1)
+        writer.write(
+            n, sample_index=row.row, input_ids=row.input_ids, loss_mask=row.loss_mask, hidden=hidden
+        )
+    finally:
+        countdown.done()

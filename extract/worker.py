@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +16,11 @@ from extract.capture import LayerCapture
 from extract.data import Rejected, RowIndex, Tokenized
 from extract.disk import disk_full_message
 from extract.forward_clock import ForwardClock
-from extract.sink import Staging, WriterPool
+from extract.sink import Countdown, Staging, WriterPool, device_payload, write_sample
 from extract.target import load_target
 from extract.units import reader_reading_ahead, run_units
 from shared.cache import open_part_writer, part_name
-from shared.codec import Bf16Planes, codec_description, hidden_codec, quantize_fp8
+from shared.codec import codec_description
 from shared.diskqueue import DiskQueue
 from shared.dist import RankInfo, processes_on_this_host, usable_cpus
 from shared.logs import setup_logging
@@ -32,7 +30,6 @@ from shared.manifest import (
     RejectedRow,
     update_manifest,
 )
-from shared.planes import split_planes
 from shared.progress import RankCounters, SummedBar
 from shared.stopping import Stopped, StopRequest
 
@@ -178,11 +175,11 @@ class PartPipeline:
             host, release = self.staging.stage(
                 device_payload(packed, job.store, job.format), tokens=packed.shape[0]
             )
-            countdown, start = _Countdown(len(batch), release), 0
+            countdown, start = Countdown(len(batch), release), 0
             for n in batch:  # one task per sample: a batch's samples compress in parallel
                 rows_n = slice(start, start + lengths[n])
                 futures.append(
-                    self.writers.submit(_write_sample, writer, n, kept[n], host, rows_n, countdown)
+                    self.writers.submit(write_sample, writer, n, kept[n], host, rows_n, countdown)
                 )
                 start = rows_n.stop
             self.counters.add(  # done_rows: the bar moves per batch, not per part
@@ -331,58 +328,9 @@ def _report_rate(rank: int, tokens: int, seconds: float, forwards: float) -> Non
     )
 
 
-def device_payload(packed: torch.Tensor, store: str, fmt: str) -> dict[str, torch.Tensor]:
-    """What is staged to the host: layer-major payload [K, N, H] (one layer's rows contiguous,
-    see LayerCapture) and, for fp8, the scales [N, K]. bf16 for zarr parts goes as its two
-    `planes` byte planes, split on the device (`shared.planes.split_planes`): as many bytes as
-    the bf16 values, and the writer threads, which share the host's cores and its GIL with the
-    thread launching the forwards, only compress."""
-    if store == "fp8":
-        q, scale = quantize_fp8(packed)
-        return {"q": q.transpose(0, 1).contiguous(), "scale": scale.contiguous()}
-    hidden = packed.transpose(0, 1).to(torch.bfloat16)
-    if fmt == "zarr" and hidden_codec(store) == "planes":
-        planes = split_planes(hidden)
-        return {"exponent": planes.exponent, "sign_mantissa": planes.sign_mantissa}
-    return {"hidden": hidden.contiguous()}
-
-
 def _hidden(capture: LayerCapture) -> int:
     cfg = capture.body.config
     return int(getattr(cfg, "hidden_size", None) or cfg.text_config.hidden_size)
-
-
-class _Countdown:
-    """Calls `release` when the last of `count` sample writes of one staged batch is done."""
-
-    def __init__(self, count: int, release: Callable[[], None]):
-        self.left, self.release, self.lock = count, release, threading.Lock()
-
-    def done(self) -> None:
-        with self.lock:
-            self.left -= 1
-            last = self.left == 0
-        if last:
-            self.release()
-
-
-def _write_sample(writer, n: int, row: Tokenized, host: dict, rows: slice, countdown) -> None:
-    try:
-        if host["_event"] is not None:
-            host["_event"].synchronize()  # the async copy into the pinned buffer has landed
-        # [L, K, H] views of the layer-major buffers: the writers take them without a copy.
-        if "q" in host:
-            hidden = (host["q"][:, rows].transpose(0, 1), host["scale"][rows])
-        elif "exponent" in host:
-            e, sm = (host[name][:, rows].transpose(0, 1) for name in ("exponent", "sign_mantissa"))
-            hidden = Bf16Planes(e, sm)
-        else:
-            hidden = host["hidden"][:, rows].transpose(0, 1)
-        writer.write(
-            n, sample_index=row.row, input_ids=row.input_ids, loss_mask=row.loss_mask, hidden=hidden
-        )
-    finally:
-        countdown.done()
 
 
 def _commit(part: OpenPart, job: Job, futures: list[Future], counters: RankCounters) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import struct
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,12 +47,18 @@ from shared.codec import (
     c_contiguous,
     hidden_codec,
     payload_dtype,
-    torch_bits,
 )
 from shared.fsio import start_writeback, sync_tree
 from shared.part import PartReader, PartWriter, Sample, aligned_offsets, layout_problems
 from shared.planes import planes_compress, planes_decompress, planes_frames
-from shared.zarr_shards import PLANES_CODEC_NAME, ShardFiles, inner_codec, shard_problems
+from shared.zarr_shards import (
+    PLANES_CODEC_NAME,
+    ShardFiles,
+    inner_codec,
+    shard_buffers,
+    shard_problems,
+    zero_padded,
+)
 
 log = logging.getLogger(__name__)
 
@@ -121,30 +126,6 @@ def hidden_compressor(store: str) -> Callable[[np.ndarray | Bf16Planes], list[by
     return lambda block: [blosc(c_contiguous(block))]
 
 
-def shard_buffers(
-    block: np.ndarray | Bf16Planes, compress: Callable[[np.ndarray | Bf16Planes], list[bytes]]
-) -> list[bytes]:
-    """The file of one ``hidden`` shard ([CHUNK_ROWS, K, H] rows, little-endian, or their bf16
-    planes) as its zarr metadata declares, as consecutive buffers: per layer an inner chunk
-    bytes -> its codec (`compress`, from `hidden_compressor`) -> crc32c, then the shard index
-    (uint64 offset and size per inner chunk, little-endian) and its crc32c (zarr v3
-    ``sharding_indexed``, index at the end). Runs in the calling thread; Blosc and crc32c release
-    the GIL, the Python around them is kept short (it holds the GIL, which the thread launching
-    the forward pass waits for), and the buffers are never joined (a copy under the GIL): write
-    them with ``write_buffers``."""
-    out, index, offset = [], [], 0
-    for k in range(block.shape[1]):
-        pieces = compress(block[:, k])  # no copy for a layer-major block
-        size, crc = 0, 0
-        for piece in pieces:
-            size, crc = size + len(piece), crc32c.crc32c(piece, crc)
-        out += [*pieces, crc.to_bytes(4, "little")]
-        index += [offset, size + 4]
-        offset += size + 4
-    index_bytes = struct.pack(f"<{len(index)}Q", *index)
-    return out + [index_bytes, crc32c.crc32c(index_bytes).to_bytes(4, "little")]
-
-
 def write_buffers(path: Path | str, buffers: list[bytes]) -> tuple[int, int]:
     """Write `buffers` one after another as the file `path` (os.writev: no joined copy, and the
     GIL is released for the whole write); returns (size, crc32c) of the file's bytes, taken from
@@ -169,19 +150,6 @@ def write_buffers(path: Path | str, buffers: list[bytes]) -> tuple[int, int]:
     finally:
         os.close(fd)
     return size, crc
-
-
-def _zero_padded(block: np.ndarray | Bf16Planes) -> np.ndarray | Bf16Planes:
-    """[n, K, H] -> [CHUNK_ROWS, K, H], zero rows after the n given: a view of layer-major
-    memory (each layer's rows contiguous, as `shard_buffers` wants), copied by torch, which
-    releases the GIL (numpy's strided copy holds it). Planes are padded each (a zero bf16 has
-    zero planes)."""
-    if isinstance(block, Bf16Planes):
-        return Bf16Planes(_zero_padded(block.exponent), _zero_padded(block.sign_mantissa))
-    n, layers, hidden = block.shape
-    out = np.zeros((layers, CHUNK_ROWS, hidden), block.dtype)
-    torch_bits(out)[:, :n].copy_(torch_bits(block).transpose(0, 1))
-    return out.transpose(1, 0, 2)
 
 
 class ZarrPartWriter(PartWriter):
@@ -223,7 +191,7 @@ class ZarrPartWriter(PartWriter):
         for row in range(0, stop - start, CHUNK_ROWS):
             block = payload[row : row + CHUNK_ROWS]
             if len(block) < CHUNK_ROWS:  # the sample's last shard: zero rows up to the boundary
-                block = _zero_padded(block)
+                block = zero_padded(block)
             buffers = shard_buffers(block, compress)
             files.append((f"hidden/c/{(start + row) // CHUNK_ROWS}/0", buffers))
             nbytes += sum(len(b) for b in buffers)

@@ -1,6 +1,6 @@
 """Direct reads and checks of the shard files of a zarr part's ``hidden`` array.
 
-``shared.zarr_part.shard_buffers`` writes each shard as zarr v3 ``sharding_indexed`` declares
+`shard_buffers` writes each shard as zarr v3 ``sharding_indexed`` declares
 it (per layer an inner chunk: codec, then crc32c; the index at the end, with its crc32c). When a
 part's metadata is exactly that layout (`inner_codec`), the reader and the verifier read the
 files themselves (`ShardFiles`: plain preads, only the requested layers' chunks, every checksum
@@ -13,14 +13,14 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import crc32c
 import numcodecs.blosc
 import numpy as np
 
-from shared.codec import CHUNK_ROWS, payload_dtype
+from shared.codec import CHUNK_ROWS, Bf16Planes, payload_dtype, torch_bits
 from shared.planes import planes_decompress
 
 # The name under which the `planes` codec is registered with zarr (``shared.zarr_part``).
@@ -136,3 +136,40 @@ class ShardFiles:
         if values.size != CHUNK_ROWS * self.hidden_size:
             raise ShardError(file, f"layer {k}'s chunk decodes to the wrong size")
         return values.reshape(CHUNK_ROWS, self.hidden_size)
+
+
+def shard_buffers(
+    block: np.ndarray | Bf16Planes, compress: Callable[[np.ndarray | Bf16Planes], list[bytes]]
+) -> list[bytes]:
+    """The file of one ``hidden`` shard ([CHUNK_ROWS, K, H] rows, little-endian, or their bf16
+    planes) as its zarr metadata declares, as consecutive buffers: per layer an inner chunk
+    bytes -> its codec (`compress`, from `hidden_compressor`) -> crc32c, then the shard index
+    (uint64 offset and size per inner chunk, little-endian) and its crc32c (zarr v3
+    ``sharding_indexed``, index at the end). Runs in the calling thread; Blosc and crc32c release
+    the GIL, the Python around them is kept short (it holds the GIL, which the thread launching
+    the forward pass waits for), and the buffers are never joined (a copy under the GIL): write
+    them with ``write_buffers``."""
+    out, index, offset = [], [], 0
+    for k in range(block.shape[1]):
+        pieces = compress(block[:, k])  # no copy for a layer-major block
+        size, crc = 0, 0
+        for piece in pieces:
+            size, crc = size + len(piece), crc32c.crc32c(piece, crc)
+        out += [*pieces, crc.to_bytes(4, "little")]
+        index += [offset, size + 4]
+        offset += size + 4
+    index_bytes = struct.pack(f"<{len(index)}Q", *index)
+    return out + [index_bytes, crc32c.crc32c(index_bytes).to_bytes(4, "little")]
+
+
+def zero_padded(block: np.ndarray | Bf16Planes) -> np.ndarray | Bf16Planes:
+    """[n, K, H] -> [CHUNK_ROWS, K, H], zero rows after the n given: a view of layer-major
+    memory (each layer's rows contiguous, as `shard_buffers` wants), copied by torch, which
+    releases the GIL (numpy's strided copy holds it). Planes are padded each (a zero bf16 has
+    zero planes)."""
+    if isinstance(block, Bf16Planes):
+        return Bf16Planes(zero_padded(block.exponent), zero_padded(block.sign_mantissa))
+    n, layers, hidden = block.shape
+    out = np.zeros((layers, CHUNK_ROWS, hidden), block.dtype)
+    torch_bits(out)[:, :n].copy_(torch_bits(block).transpose(0, 1))
+    return out.transpose(1, 0, 2)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from extract.sink import Staging
-from extract.worker import device_payload
+from extract.sink import Staging, device_payload
 from shared.progress import RankCounters, read_counters
 
 
