@@ -56,7 +56,7 @@ def main() -> None:
     default_width = train.topk.block_width(args.vocab, args.k)
     variants = {"torch.topk": lambda: x.topk(args.k, dim=-1)}
     for width in (32, 64, 128, 256, 512):
-        if args.vocab % width == 0 and 2 * args.k * width <= args.vocab:
+        if train.topk.block_width(args.vocab, args.k, (width,)) == width:
             name = f"blocks of {width}" + (" (default)" if width == default_width else "")
             variants[name] = functools.partial(blocks, x, args.k, width)
     rows = []

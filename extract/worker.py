@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -195,27 +196,20 @@ class PartPipeline:
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        try:
+        with contextlib.ExitStack() as shutdown:  # run last to first, each despite failures
+            if self.disk is not None:
+                shutdown.callback(self.disk.close)
+            shutdown.callback(self.committer.shutdown, wait=True)
+            shutdown.callback(self.writers.close)
             for f in self.commits:
                 f.result()
-        finally:
-            try:
-                self.writers.close()
-            finally:
-                try:
-                    self.committer.shutdown(wait=True)
-                finally:
-                    if self.disk is not None:
-                        self.disk.close()
         self._report_backpressure(time.perf_counter() - self.started)
 
     def _report_backpressure(self, wall_s: float) -> None:
         waited, disk = self.staging.waited_s, self.disk
         log.info("the device waited %.1f s of %.1f s for a free staging buffer", waited, wall_s)
-        if disk is None:
-            disk_bound = False
-        else:
-            disk_bound = disk.waited_s > 0.5 * waited
+        disk_bound = disk is not None and disk.waited_s > 0.5 * waited
+        if disk is not None:
             log.info(
                 "disk: %.1f GB written by %d threads in %.1f s of their time; the writer "
                 "threads waited %.1f s for the queue (at most %.1f GB)",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 # Bytes of compressed shard files waiting for a write thread, per process: about four batches'
@@ -92,7 +92,6 @@ class DiskQueue:
 
 def drain(futures: list[Future]) -> None:
     """Wait for every one of `futures`, then raise the first failure among them."""
-    for f in futures:
-        f.exception()
+    wait(futures)
     for f in futures:
         f.result()

@@ -24,10 +24,11 @@ def aten_topk(x_nV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x_nV.topk(k, dim=-1)
 
 
-def block_width(vocab: int, k: int) -> int | None:
-    """The width of `block_topk`'s blocks for rows of `vocab` values, or None where a plain
-    topk is as good (no width divides the row, or the K blocks would be over half of it)."""
-    for width in BLOCK_WIDTHS:
+def block_width(vocab: int, k: int, widths: tuple[int, ...] | None = None) -> int | None:
+    """The width of `block_topk`'s blocks for rows of `vocab` values (the first of `widths`,
+    default BLOCK_WIDTHS, that fits), or None where a plain topk is as good (no width divides
+    the row, or the K blocks would be over half of it)."""
+    for width in BLOCK_WIDTHS if widths is None else widths:
         if vocab % width == 0 and 2 * k * width <= vocab:
             return width
     return None
