@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Write speed of the disk under DIR, for comparison with what extraction must write:
+#   bash bench/disk_write.sh DIR
+# 8 GiB of incompressible bytes (1 GiB held in /dev/shm), once as 8 files written in turn
+# through the page cache and then synced, once as 8 concurrent O_DIRECT streams.
+set -euo pipefail
+dir=${1:?usage: bash bench/disk_write.sh DIR}
+src=/dev/shm/disk_write_src.$$
+trap 'rm -f "$src" "$dir"/disk_write_[wd].$$.*' EXIT
+df -h "$dir" | tail -1
+dd if=/dev/urandom of="$src" bs=16M count=64 2>/dev/null
+s=$(date +%s.%N)
+for i in $(seq 8); do cat "$src" > "$dir/disk_write_w.$$.$i"; done
+sync
+e=$(date +%s.%N)
+python3 -c "print('8 GiB written+synced: %.2f GB/s' % (8 * 2**30 / ($e - $s) / 1e9))"
+rm -f "$dir"/disk_write_w.$$.*
+s=$(date +%s.%N)
+for i in $(seq 8); do dd if="$src" of="$dir/disk_write_d.$$.$i" bs=16M oflag=direct 2>/dev/null & done
+wait
+e=$(date +%s.%N)
+python3 -c "print('8 GiB direct, 8 streams: %.2f GB/s' % (8 * 2**30 / ($e - $s) / 1e9))"
