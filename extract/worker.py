@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from extract.backpressure import RankClocks, limit_warning
 from extract.batching import length_order, make_batches
 from extract.capture import LayerCapture
 from extract.data import Rejected, RowIndex, Tokenized
@@ -205,37 +206,41 @@ class PartPipeline:
                 f.result()
         self._report_backpressure(time.perf_counter() - self.started)
 
+    def mark_forwards_end(self) -> None:
+        """The last forward has ended (the device synchronized): what is still queued for the
+        disk from here counts against the disk in the closing report."""
+        self.forwards_end = time.perf_counter()
+        self.disk_backlog = self.disk.pending if self.disk is not None else 0
+
     def _report_backpressure(self, wall_s: float) -> None:
         waited, disk = self.staging.waited_s, self.disk
         log.info("the device waited %.1f s of %.1f s for a free staging buffer", waited, wall_s)
-        disk_bound = disk is not None and disk.waited_s > 0.5 * waited
         if disk is not None:
             log.info(
                 "disk: %.1f GB written by %d threads in %.1f s of their time; the writer "
-                "threads waited %.1f s for the queue (at most %.1f GB)",
+                "threads waited %.1f s for the queue, which held at most %.1f GB (%.1f allowed)",
                 disk.written / 1e9,
                 disk.threads,
                 disk.busy_s,
                 disk.waited_s,
+                disk.peak / 1e9,
                 disk.budget / 1e9,
             )
-        if wall_s > 0 and waited > 0.1 * wall_s and disk_bound:
-            log.warning(
-                "the disk limited this rank: the device waited %.0f%% of the time while %.1f GB "
-                "of compressed states waited to be written to %s. A faster disk for --out, or "
-                "--store fp8 (half the bytes), would let it run at its own speed.",
-                100 * waited / wall_s,
-                disk.budget / 1e9,
-                self.job.out,
+        forwards_end = getattr(self, "forwards_end", None)
+        warning = limit_warning(
+            RankClocks(
+                wall_s=wall_s,
+                forwards_s=wall_s if forwards_end is None else forwards_end - self.started,
+                staging_waited_s=waited,
+                writer_threads=self.threads,
+                out=str(self.job.out),
+                disk_waited_s=None if disk is None else disk.waited_s,
+                disk_written=0 if disk is None else disk.written,
+                disk_backlog=getattr(self, "disk_backlog", 0),
             )
-        elif wall_s > 0 and waited > 0.1 * wall_s:
-            log.warning(
-                "compression and writing limited this rank: the device waited %.0f%% of the time "
-                "for the %d writer threads. More cores per GPU (--writer-threads), or "
-                "--store fp8 (half the bytes), would let it run at its own speed.",
-                100 * waited / wall_s,
-                self.threads,
-            )
+        )
+        if warning is not None:
+            log.warning("%s", warning)
 
 
 def rank_main(info: RankInfo, job: Job) -> None:
@@ -288,6 +293,7 @@ def rank_main(info: RankInfo, job: Job) -> None:
                 if info.device.type == "cuda":
                     torch.cuda.synchronize(info.device)
                 forwards = time.perf_counter() - start
+                pipeline.mark_forwards_end()
             finally:
                 pipeline.close()
         tokens, seconds = counters.counts["tokens"], time.perf_counter() - start

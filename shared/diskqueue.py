@@ -29,6 +29,7 @@ class DiskQueue:
     def __init__(self, threads: int = DEFAULT_THREADS, budget: int = DEFAULT_BUDGET):
         self.threads, self.budget = max(1, threads), budget
         self.pending = 0  # bytes submitted and not yet written
+        self.peak = 0  # the most bytes pending at once
         self.waited_s = 0.0  # callers' time blocked on the budget
         self.busy_s = 0.0  # write threads' time in the jobs
         self.written = 0  # bytes of the jobs that succeeded
@@ -55,6 +56,7 @@ class DiskQueue:
                 self._raise_error()
             future = self._pool.submit(self._run, fn, args)
             self.pending += nbytes
+            self.peak = max(self.peak, self.pending)
         # Done, failed or dropped by `close`: the bytes leave the queue and waiters wake.
         future.add_done_callback(lambda f: self._finished(nbytes, f))
         return future

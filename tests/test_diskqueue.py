@@ -34,6 +34,18 @@ def test_queued_bytes_never_exceed_the_budget():
     assert q.pending == 0 and q.written == 60
 
 
+def test_peak_is_the_most_bytes_queued_at_once():
+    """Three jobs held on an event are all pending together; the peak stays after they end."""
+    q, go = DiskQueue(threads=1, budget=100), threading.Event()
+    futures = [q.submit(n, go.wait) for n in (10, 20, 30)]
+    assert q.pending == 60 and q.peak == 60
+    go.set()
+    drain(futures)
+    drain([q.submit(5, lambda: None)])
+    q.close()
+    assert q.pending == 0 and q.peak == 60 and q.written == 65
+
+
 def test_a_job_larger_than_the_budget_runs_alone():
     q = DiskQueue(threads=2, budget=10)
     drain([q.submit(100, lambda: None), q.submit(100, lambda: None)])
