@@ -58,7 +58,8 @@ def main() -> None:
             with torch.inference_mode():
                 body(**forward_kwargs(ids, masks))
             torch.cuda.synchronize()
-            print(f"forward of {shape[0]} x {shape[1]}: {time.perf_counter() - start:.2f} s", flush=True)
+            seconds = time.perf_counter() - start
+            print(f"forward of {shape[0]} x {shape[1]}: {seconds:.2f} s", flush=True)
 
 
 if __name__ == "__main__":
