@@ -6,9 +6,12 @@
 set -euo pipefail
 dir=${1:?usage: bash bench/disk_write.sh DIR}
 src=/dev/shm/disk_write_src.$$
-trap 'rm -f "$src" "$dir"/disk_write_[wd].$$.*' EXIT
+trap 'kill $(jobs -p) 2>/dev/null || true; wait || true; rm -f "$src" "$dir"/disk_write_[wd].$$.*' EXIT
 df -h "$dir" | tail -1
-dd if=/dev/urandom of="$src" bs=16M count=64 2>/dev/null
+if ! dd if=/dev/urandom of="$src" bs=16M count=64 status=none; then
+    echo "could not hold 1 GiB in /dev/shm (df -h /dev/shm)" >&2
+    exit 1
+fi
 s=$(date +%s.%N)
 for i in $(seq 8); do cat "$src" > "$dir/disk_write_w.$$.$i"; done
 sync
@@ -16,7 +19,10 @@ e=$(date +%s.%N)
 python3 -c "print('8 GiB written+synced: %.2f GB/s' % (8 * 2**30 / ($e - $s) / 1e9))"
 rm -f "$dir"/disk_write_w.$$.*
 s=$(date +%s.%N)
-for i in $(seq 8); do dd if="$src" of="$dir/disk_write_d.$$.$i" bs=16M oflag=direct 2>/dev/null & done
-wait
+pids=()
+for i in $(seq 8); do
+    dd if="$src" of="$dir/disk_write_d.$$.$i" bs=16M oflag=direct status=none & pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid"; done  # a failed stream fails the script
 e=$(date +%s.%N)
 python3 -c "print('8 GiB direct, 8 streams: %.2f GB/s' % (8 * 2**30 / ($e - $s) / 1e9))"

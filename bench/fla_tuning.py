@@ -5,13 +5,16 @@ Triton kernels for every new value of their autotune keys, and some keys follow 
 
 Builds a random-weight target of the shape's first `--layers` layers, then times one forward of
 each batch shape below with a fresh Triton cache (so earlier runs' tuning results do not hide
-it), printing Triton's autotuning events between them. Needs a GPU and flash-linear-attention.
+it), printing Triton's autotuning events between them. The timed forwards come after
+extraction's mask probe (`extract.masks.choose_masks`, two small forwards, which tune first).
+Needs a GPU and flash-linear-attention.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -28,9 +31,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 from e2e_gpu import write_target  # noqa: E402
-from extract_bench import forward_kwargs  # noqa: E402
 
-from extract.masks import choose_masks  # noqa: E402
+from extract.masks import choose_masks, forward_kwargs  # noqa: E402
 from extract.target import load_target  # noqa: E402
 
 # Rows x length: same tokens in other shapes, a few tokens more, other batch sizes, repeats.
@@ -63,4 +65,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        shutil.rmtree(os.environ["TRITON_CACHE_DIR"], ignore_errors=True)

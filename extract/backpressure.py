@@ -1,9 +1,12 @@
-"""What held a rank back, from its clocks: one warning naming the slower side and what to do.
+"""What held a rank back, from its clocks: one warning naming the slower side and what to do,
+and what the time after the last forward went to.
 
 The device runs ahead of the host until every staging buffer is taken; a rank whose device
 waited for one was limited by compression (the writer threads) or by the disk (the writer
-threads waiting in their turn for the disk queue). A short run can also end long after its last
-forward, writing what the disk queue still held: that time counts in the rate too.
+threads waiting in their turn for the disk queue). After the last forward a rank still
+compresses the batches it staged, writes what the disk queue holds and commits its last part
+(a durable sync of the file system, a checksum, a rename); on a short run that end is a large
+share of the rate, so its log gives each step.
 """
 
 from __future__ import annotations
@@ -16,45 +19,60 @@ SIGNIFICANT = 0.1  # a share of the rank's time worth a warning
 @dataclass(frozen=True)
 class RankClocks:
     wall_s: float  # from the pipeline's start to its last commit
-    forwards_s: float  # from the pipeline's start to the end of the last forward
     staging_waited_s: float  # the device waiting for a free staging buffer
     writer_threads: int
     out: str
     disk_waited_s: float | None = None  # writer threads waiting for the disk queue; None: none
-    disk_written: int = 0  # bytes the disk queue wrote
-    disk_backlog: int = 0  # bytes queued for the disk when the last forward ended
 
 
 def limit_warning(c: RankClocks) -> str | None:
     """The warning for a rank held back by its writers or its disk, or None.
 
-    >>> limit_warning(RankClocks(wall_s=10, forwards_s=10, staging_waited_s=0.2,
-    ...                          writer_threads=8, out="shards"))
+    >>> clocks = RankClocks(wall_s=10, staging_waited_s=0.2, writer_threads=8, out="x")
+    >>> limit_warning(clocks) is None
+    True
     """
-    if c.wall_s <= 0:
-        return None
     waited = c.staging_waited_s
+    if c.wall_s <= 0 or waited <= SIGNIFICANT * c.wall_s:
+        return None
+    share = f"{100 * waited / c.wall_s:.0f}%"
     remedy = "--store fp8 (half the bytes) would let it run at its own speed."
-    if waited > SIGNIFICANT * c.wall_s:
-        if c.disk_waited_s is not None and c.disk_waited_s > 0.5 * waited:
-            return (
-                f"the disk limited this rank: the device waited {100 * waited / c.wall_s:.0f}% of "
-                f"the time while the writer threads waited for the disk under {c.out}. A faster "
-                f"disk for --out, or {remedy}"
-            )
+    if c.disk_waited_s is not None and c.disk_waited_s > 0.5 * waited:
         return (
-            f"compression and writing limited this rank: the device waited "
-            f"{100 * waited / c.wall_s:.0f}% of the time for the {c.writer_threads} writer "
-            f"threads. More cores per GPU (--writer-threads), or {remedy}"
+            f"the disk limited this rank: the device waited {share} of the time while the "
+            f"writer threads waited for the disk under {c.out}. A faster disk for --out, or "
+            f"{remedy}"
         )
-    tail = c.wall_s - c.forwards_s
-    if tail > SIGNIFICANT * c.wall_s and c.disk_backlog > 0 and c.forwards_s > 0:
-        made = c.disk_written / c.forwards_s
-        return (
-            f"the disk limited this rank's end: {c.disk_backlog / 1e9:.1f} GB were still queued "
-            f"for {c.out} at the last forward, and the run ended {tail:.1f} s later "
-            f"({100 * tail / c.wall_s:.0f}% of its time). The forwards made {made / 1e9:.2f} GB/s "
-            f"of compressed states; the disk wrote {c.disk_written / c.wall_s / 1e9:.2f} GB/s over "
-            f"the run. A longer run pays this once; a faster disk for --out, or {remedy}"
-        )
-    return None
+    return (
+        f"compression and writing limited this rank: the device waited {share} of the time "
+        f"for the {c.writer_threads} writer threads. More cores per GPU (--writer-threads), or "
+        f"{remedy}"
+    )
+
+
+@dataclass(frozen=True)
+class EndClocks:
+    """Seconds after the last forward at which each step of the rank's end was over."""
+
+    compressed_s: float  # the writer threads' last task
+    written_s: float | None  # the disk queue empty (None: no disk queue, webdataset)
+    committed_s: float  # the last part committed
+    disk_backlog: int = 0  # bytes queued for the disk when the last forward ended
+
+
+def describe_end(e: EndClocks) -> str:
+    """One log line: what the time after the last forward went to.
+
+    >>> print(describe_end(EndClocks(0.8, 2.5, 3.9, disk_backlog=2_100_000_000)))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    after the last forward: compression ended 0.80 s later, the disk queue (2.10 GB then)
+    emptied 2.50 s later, the last commit 3.90 s later
+    """
+    disk = ""
+    if e.written_s is not None:
+        backlog = f"{e.disk_backlog / 1e9:.2f} GB then"
+        disk = f", the disk queue ({backlog}) emptied {e.written_s:.2f} s later"
+    return (
+        f"after the last forward: compression ended {e.compressed_s:.2f} s later{disk}, "
+        f"the last commit {e.committed_s:.2f} s later"
+    )

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -110,6 +110,12 @@ class WriterPool:
         with self._lock:
             self.futures.append(fut)
         return fut
+
+    def wait_idle(self) -> None:
+        """Wait for the tasks submitted so far, failed or not (`check` and `close` raise)."""
+        with self._lock:
+            pending = list(self.futures)
+        wait(pending)
 
     def check(self) -> None:
         with self._lock:

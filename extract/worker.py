@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from extract.backpressure import RankClocks, limit_warning
+from extract.backpressure import EndClocks, RankClocks, describe_end, limit_warning
 from extract.batching import length_order, make_batches
 from extract.capture import LayerCapture
 from extract.data import Rejected, RowIndex, Tokenized
@@ -147,6 +147,8 @@ class PartPipeline:
         self.commits: list[Future] = []
         self.threads = threads
         self.started = time.perf_counter()
+        self.forwards_end: float | None = None  # set by `mark_forwards_end`
+        self.disk_backlog = 0  # bytes queued for the disk then
 
     def open(self, unit: int, kept: list[Tokenized], rejected: list[Rejected]) -> OpenPart:
         """The unit's samples longest first and its part writer (a folder and zarr metadata on
@@ -197,6 +199,8 @@ class PartPipeline:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        if self.forwards_end is not None:
+            log.info("%s", describe_end(self._wait_for_the_end(self.forwards_end)))
         with contextlib.ExitStack() as shutdown:  # run last to first, each despite failures
             if self.disk is not None:
                 shutdown.callback(self.disk.close)
@@ -207,10 +211,23 @@ class PartPipeline:
         self._report_backpressure(time.perf_counter() - self.started)
 
     def mark_forwards_end(self) -> None:
-        """The last forward has ended (the device synchronized): what is still queued for the
-        disk from here counts against the disk in the closing report."""
+        """The last forward has ended (the device synchronized): `close` then logs what the
+        time after it went to."""
         self.forwards_end = time.perf_counter()
         self.disk_backlog = self.disk.pending if self.disk is not None else 0
+
+    def _wait_for_the_end(self, since: float) -> EndClocks:
+        """Wait for compression, the disk queue and the commits in turn (failures are raised
+        by `close` after), noting when each was over."""
+        self.writers.wait_idle()
+        compressed = time.perf_counter() - since
+        written = None
+        if self.disk is not None:
+            self.disk.wait_idle()
+            written = time.perf_counter() - since
+        wait(self.commits)
+        committed = time.perf_counter() - since
+        return EndClocks(compressed, written, committed, disk_backlog=self.disk_backlog)
 
     def _report_backpressure(self, wall_s: float) -> None:
         waited, disk = self.staging.waited_s, self.disk
@@ -226,19 +243,14 @@ class PartPipeline:
                 disk.peak / 1e9,
                 disk.budget / 1e9,
             )
-        forwards_end = getattr(self, "forwards_end", None)
-        warning = limit_warning(
-            RankClocks(
-                wall_s=wall_s,
-                forwards_s=wall_s if forwards_end is None else forwards_end - self.started,
-                staging_waited_s=waited,
-                writer_threads=self.threads,
-                out=str(self.job.out),
-                disk_waited_s=None if disk is None else disk.waited_s,
-                disk_written=0 if disk is None else disk.written,
-                disk_backlog=getattr(self, "disk_backlog", 0),
-            )
+        clocks = RankClocks(
+            wall_s=wall_s,
+            staging_waited_s=waited,
+            writer_threads=self.threads,
+            out=str(self.job.out),
+            disk_waited_s=None if disk is None else disk.waited_s,
         )
+        warning = limit_warning(clocks)
         if warning is not None:
             log.warning("%s", warning)
 

@@ -80,6 +80,11 @@ class DiskQueue:
                 self.written += nbytes
             self._cond.notify_all()
 
+    def wait_idle(self) -> None:
+        """Wait until no job is queued or running (each written, failed or dropped)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self.pending)
+
     def _raise_error(self) -> None:
         if self._error is not None:
             raise self._error

@@ -34,12 +34,18 @@ def test_queued_bytes_never_exceed_the_budget():
     assert q.pending == 0 and q.written == 60
 
 
-def test_peak_is_the_most_bytes_queued_at_once():
-    """Three jobs held on an event are all pending together; the peak stays after they end."""
+def test_peak_and_wait_idle():
+    """Three jobs held on an event are all pending together; `wait_idle` returns once they are
+    written; the peak stays after they end."""
     q, go = DiskQueue(threads=1, budget=100), threading.Event()
     futures = [q.submit(n, go.wait) for n in (10, 20, 30)]
     assert q.pending == 60 and q.peak == 60
+    idle = threading.Thread(target=q.wait_idle)
+    idle.start()
+    assert idle.is_alive()  # the jobs wait for `go`, so the queue cannot be idle yet
     go.set()
+    idle.join()
+    assert q.pending == 0 and q.written == 60
     drain(futures)
     drain([q.submit(5, lambda: None)])
     q.close()

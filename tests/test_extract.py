@@ -345,3 +345,18 @@ def test_multimodal_qwen35_checkpoint_extracts_its_language_model(tmp_path, data
     torch.testing.assert_close(sample.hidden_tensor().float(), ref, rtol=1e-2, atol=1e-2)
     embed, _ = load_heads(tmp_path / "cache")
     assert embed.shape == (512, 64)
+
+
+@pytest.mark.parametrize("fmt", ["zarr", "wds"])
+def test_the_log_says_what_the_time_after_the_last_forward_went_to(
+    tmp_path, data_file, qwen3, fmt, capfd
+):
+    """Compression, the disk queue (zarr parts only) and the last commit, each over in turn."""
+    extract(tmp_path / "c", qwen3, data_file, format=fmt, max_rows=8)
+    err = capfd.readouterr().err
+    line = next(x for x in err.splitlines() if "after the last forward" in x)
+    line = line[line.index("after the last forward") :]
+    seconds = [float(w) for w in line.replace(",", " ").split() if w.replace(".", "").isdigit()]
+    assert ("disk queue" in line) == (fmt == "zarr")
+    assert len(seconds) == (3 if fmt == "zarr" else 2)
+    assert seconds == sorted(seconds)  # each step ends after the one before it
