@@ -300,6 +300,7 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
         "extract_staging_wait_s": x["staging_wait_s"],
         "extract_ratio_until_last_forward": x["ratio_until_last_forward"],
         "extract_forwards": x["forwards"],
+        "extract_end": x["end"],
         "extract_variants": variants,
         "stored_bytes_per_token": sum(r["nbytes"] for r in manifest["parts"]) / tokens,
     }

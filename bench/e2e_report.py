@@ -52,6 +52,36 @@ def extraction_forwards(log: Path) -> dict[str, float] | None:
     return out
 
 
+def extraction_end(log: Path) -> dict[str, float] | None:
+    """extract's `after the last forward:` line (`extract.backpressure.describe_end`): seconds
+    after the last forward at which compression, the disk queue (zarr) and the last commit were
+    over, and the bytes queued for the disk then."""
+    m = re.search(
+        r"after the last forward: compression ended ([\d.]+) s later(?:, the disk queue "
+        r"\(([\d.]+) GB then\) emptied ([\d.]+) s later)?, the last commit ([\d.]+) s later",
+        log.read_text(),
+    )
+    if not m:
+        return None
+    number = lambda g: None if g is None else float(g)
+    return {
+        "compressed_s": float(m.group(1)),
+        "disk_backlog_gb": number(m.group(2)),
+        "written_s": number(m.group(3)),
+        "committed_s": float(m.group(4)),
+    }
+
+
+def describe_end(end: dict[str, float] | None) -> str:
+    """The table's cell for `extraction_end`."""
+    if end is None:
+        return "not logged"
+    disk = ""
+    if end["written_s"] is not None:
+        disk = f"disk queue ({end['disk_backlog_gb']:.2f} GB then) {end['written_s']:.2f} s, "
+    return f"compression {end['compressed_s']:.2f} s, {disk}last commit {end['committed_s']:.2f} s"
+
+
 def extraction_figures(log: Path, plain_tok_s: float) -> dict[str, Any]:
     """An extraction's figures from its log, its rates as fractions of the plain forward's."""
     tokens, seconds, forwards_s, waited = extraction_rate(log)
@@ -65,6 +95,7 @@ def extraction_figures(log: Path, plain_tok_s: float) -> dict[str, Any]:
         "ratio_until_last_forward": tokens / forwards_s / plain_tok_s,
         "staging_wait_s": waited,
         "forwards": extraction_forwards(log),
+        "end": extraction_end(log),
     }
 
 
@@ -125,6 +156,7 @@ def print_table(r: dict[str, Any]) -> None:
             f"{r['extract_ratio_until_last_forward']:.3f} / "
             f"{r['extract_s'] - r['extract_forwards_s']:.1f} s more",
         ),  # fmt: skip
+        ("  after the last forward, over at", describe_end(r.get("extract_end"))),
         (
             "  device waiting for the writers",
             "n/a"
