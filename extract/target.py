@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import shutil
@@ -197,7 +198,40 @@ def load_target(target: str, *, device: torch.device, last_layer: int) -> nn.Mod
     # device_map loads weights straight onto the GPU (it needs `accelerate`); CPU needs none.
     placement = {"device_map": str(device)} if device.type == "cuda" else {}
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **placement)
+    layer_types = text_config(model.config.to_dict()).get("layer_types")
+    notice = linear_attention_notice(
+        layer_types, device.type, fla_installed=importlib.util.find_spec("fla") is not None
+    )
+    if notice is not None:
+        log.log(*notice)
     return truncate(model.eval().requires_grad_(False), last_layer).to(device)
+
+
+def linear_attention_notice(
+    layer_types: list[str] | None, device_type: str, *, fla_installed: bool
+) -> tuple[int, str] | None:
+    """(log level, message) for a hybrid target's linear-attention layers on a GPU: without
+    flash-linear-attention they run on transformers' PyTorch fallback; with it, its Triton
+    kernels tune themselves the first time a machine sees a batch shape, which makes a first
+    run's first parts slow.
+
+    >>> linear_attention_notice(["full_attention"] * 4, "cuda", fla_installed=False) is None
+    True
+    """
+    if device_type != "cuda" or "linear_attention" not in (layer_types or ()):
+        return None
+    if not fla_installed:
+        return logging.WARNING, (
+            "the target's linear-attention layers will run on transformers' PyTorch fallback: "
+            "install flash-linear-attention (pip install flash-linear-attention) for its "
+            "Triton kernels, much faster on a GPU"
+        )
+    return logging.INFO, (
+        "flash-linear-attention tunes its kernels the first time this machine sees a batch "
+        "shape (about 10 s for each of up to about a dozen token counts, about 1 s for each new "
+        "batch size), so a first run's first parts are slow; the results stay in Triton's cache "
+        "(~/.triton/cache) for later runs"
+    )
 
 
 def truncate(model: nn.Module, last_layer: int) -> nn.Module:
