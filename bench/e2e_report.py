@@ -52,34 +52,36 @@ def extraction_forwards(log: Path) -> dict[str, float] | None:
     return out
 
 
-def extraction_end(log: Path) -> dict[str, float] | None:
+def extraction_end(log: Path) -> dict[str, float | None] | None:
     """extract's `after the last forward:` line (`extract.backpressure.describe_end`): seconds
-    after the last forward at which compression, the disk queue (zarr) and the last commit were
-    over, and the bytes queued for the disk then."""
+    after the last forward at which the writer threads, the disk queue (zarr) and the last commit
+    were done, the writer threads' wait for the disk queue in that time, and the bytes queued for
+    the disk at the last forward."""
     m = re.search(
-        r"after the last forward: compression ended ([\d.]+) s later(?:, the disk queue "
-        r"\(([\d.]+) GB then\) emptied ([\d.]+) s later)?, the last commit ([\d.]+) s later",
+        r"after the last forward: the writer threads finished ([\d.]+) s later"
+        r"(?: \(([\d.]+) s of their time waiting for the disk queue\))?"
+        r"(?:, the disk queue \(([\d.]+) GB then\) emptied ([\d.]+) s later)?"
+        r", the last commit ([\d.]+) s later",
         log.read_text(),
     )
     if not m:
         return None
     number = lambda g: None if g is None else float(g)
-    return {
-        "compressed_s": float(m.group(1)),
-        "disk_backlog_gb": number(m.group(2)),
-        "written_s": number(m.group(3)),
-        "committed_s": float(m.group(4)),
-    }
+    names = ("writers_s", "writers_blocked_s", "disk_backlog_gb", "written_s", "committed_s")
+    return dict(zip(names, map(number, m.groups()), strict=True))
 
 
-def describe_end(end: dict[str, float] | None) -> str:
+def end_cell(end: dict[str, float | None] | None) -> str:
     """The table's cell for `extraction_end`."""
     if end is None:
         return "not logged"
+    writers = f"writer threads {end['writers_s']:.2f} s"
+    if end["writers_blocked_s"] is not None:
+        writers += f" ({end['writers_blocked_s']:.2f} s blocked on the disk queue)"
     disk = ""
     if end["written_s"] is not None:
-        disk = f"disk queue ({end['disk_backlog_gb']:.2f} GB then) {end['written_s']:.2f} s, "
-    return f"compression {end['compressed_s']:.2f} s, {disk}last commit {end['committed_s']:.2f} s"
+        disk = f", disk queue ({end['disk_backlog_gb']:.2f} GB then) {end['written_s']:.2f} s"
+    return f"{writers}{disk}, last commit {end['committed_s']:.2f} s"
 
 
 def extraction_figures(log: Path, plain_tok_s: float) -> dict[str, Any]:
@@ -156,7 +158,7 @@ def print_table(r: dict[str, Any]) -> None:
             f"{r['extract_ratio_until_last_forward']:.3f} / "
             f"{r['extract_s'] - r['extract_forwards_s']:.1f} s more",
         ),  # fmt: skip
-        ("  after the last forward, over at", describe_end(r.get("extract_end"))),
+        ("  after the last forward, over at", end_cell(r.get("extract_end"))),
         (
             "  device waiting for the writers",
             "n/a"

@@ -54,25 +54,30 @@ def limit_warning(c: RankClocks) -> str | None:
 class EndClocks:
     """Seconds after the last forward at which each step of the rank's end was over."""
 
-    compressed_s: float  # the writer threads' last task
+    writers_s: float  # the writer threads' last task (compression; wds parts: the tar writes too)
     written_s: float | None  # the disk queue empty (None: no disk queue, webdataset)
     committed_s: float  # the last part committed
     disk_backlog: int = 0  # bytes queued for the disk when the last forward ended
+    writers_blocked_s: float | None = None  # the writer threads' wait for the disk queue since
 
 
 def describe_end(e: EndClocks) -> str:
     """One log line: what the time after the last forward went to.
 
-    >>> print(describe_end(EndClocks(0.8, 2.5, 3.9, disk_backlog=2_100_000_000)))
+    >>> print(describe_end(EndClocks(0.8, 2.5, 3.9, 2_100_000_000, 0.3)))
     ... # doctest: +NORMALIZE_WHITESPACE
-    after the last forward: compression ended 0.80 s later, the disk queue (2.10 GB then)
-    emptied 2.50 s later, the last commit 3.90 s later
+    after the last forward: the writer threads finished 0.80 s later (0.30 s of their time
+    waiting for the disk queue), the disk queue (2.10 GB then) emptied 2.50 s later, the last
+    commit 3.90 s later
     """
+    blocked = ""
+    if e.writers_blocked_s is not None:
+        blocked = f" ({e.writers_blocked_s:.2f} s of their time waiting for the disk queue)"
     disk = ""
     if e.written_s is not None:
         backlog = f"{e.disk_backlog / 1e9:.2f} GB then"
         disk = f", the disk queue ({backlog}) emptied {e.written_s:.2f} s later"
     return (
-        f"after the last forward: compression ended {e.compressed_s:.2f} s later{disk}, "
-        f"the last commit {e.committed_s:.2f} s later"
+        f"after the last forward: the writer threads finished {e.writers_s:.2f} s later"
+        f"{blocked}{disk}, the last commit {e.committed_s:.2f} s later"
     )

@@ -199,9 +199,7 @@ def load_target(target: str, *, device: torch.device, last_layer: int) -> nn.Mod
     placement = {"device_map": str(device)} if device.type == "cuda" else {}
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **placement)
     layer_types = text_config(model.config.to_dict()).get("layer_types")
-    notice = linear_attention_notice(
-        layer_types, device.type, fla_installed=importlib.util.find_spec("fla") is not None
-    )
+    notice = linear_attention_notice(layer_types, device.type, fla_installed=_fla_usable())
     if notice is not None:
         log.log(*notice)
     return truncate(model.eval().requires_grad_(False), last_layer).to(device)
@@ -228,10 +226,19 @@ def linear_attention_notice(
         )
     return logging.INFO, (
         "flash-linear-attention tunes its kernels the first time this machine sees a batch "
-        "shape (about 10 s for each of up to about a dozen token counts, about 1 s for each new "
-        "batch size), so a first run's first parts are slow; the results stay in Triton's cache "
-        "(~/.triton/cache) for later runs"
+        "shape (seconds each; see the README's Results), so a first run's first parts are slow; "
+        "the results stay in Triton's cache (TRITON_CACHE_DIR, by default ~/.triton/cache) for "
+        "later runs"
     )
+
+
+def _fla_usable() -> bool:
+    """Whether transformers will use flash-linear-attention (installed, a version it accepts)."""
+    try:
+        from transformers.utils.import_utils import is_flash_linear_attention_available
+    except ImportError:  # a transformers without the check
+        return importlib.util.find_spec("fla") is not None
+    return bool(is_flash_linear_attention_available())
 
 
 def truncate(model: nn.Module, last_layer: int) -> nn.Module:

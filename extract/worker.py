@@ -148,7 +148,8 @@ class PartPipeline:
         self.threads = threads
         self.started = time.perf_counter()
         self.forwards_end: float | None = None  # set by `mark_forwards_end`
-        self.disk_backlog = 0  # bytes queued for the disk then
+        self.disk_backlog, self.disk_waited_then = 0, 0.0  # the disk queue's, then
+        self.end: EndClocks | None = None  # set by a `close` after `mark_forwards_end`
 
     def open(self, unit: int, kept: list[Tokenized], rejected: list[Rejected]) -> OpenPart:
         """The unit's samples longest first and its part writer (a folder and zarr metadata on
@@ -199,35 +200,37 @@ class PartPipeline:
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        if self.forwards_end is not None:
-            log.info("%s", describe_end(self._wait_for_the_end(self.forwards_end)))
         with contextlib.ExitStack() as shutdown:  # run last to first, each despite failures
             if self.disk is not None:
                 shutdown.callback(self.disk.close)
             shutdown.callback(self.committer.shutdown, wait=True)
             shutdown.callback(self.writers.close)
+            if self.forwards_end is not None:
+                self.end = self._wait_for_the_end(self.forwards_end)
             for f in self.commits:
                 f.result()
         self._report_backpressure(time.perf_counter() - self.started)
 
     def mark_forwards_end(self) -> None:
-        """The last forward has ended (the device synchronized): `close` then logs what the
-        time after it went to."""
+        """The last forward has ended (the device synchronized): `close` then measures what the
+        time after it went to (`self.end`)."""
         self.forwards_end = time.perf_counter()
-        self.disk_backlog = self.disk.pending if self.disk is not None else 0
+        if self.disk is not None:
+            self.disk_backlog, self.disk_waited_then = self.disk.pending, self.disk.waited_s
 
     def _wait_for_the_end(self, since: float) -> EndClocks:
-        """Wait for compression, the disk queue and the commits in turn (failures are raised
-        by `close` after), noting when each was over."""
+        """Wait for the writer threads, the disk queue and the commits in turn (failures are
+        raised by `close` after), noting when each was over."""
         self.writers.wait_idle()
-        compressed = time.perf_counter() - since
-        written = None
+        writers = time.perf_counter() - since
+        written = blocked = None
         if self.disk is not None:
+            blocked = self.disk.waited_s - self.disk_waited_then
             self.disk.wait_idle()
             written = time.perf_counter() - since
         wait(self.commits)
         committed = time.perf_counter() - since
-        return EndClocks(compressed, written, committed, disk_backlog=self.disk_backlog)
+        return EndClocks(writers, written, committed, self.disk_backlog, blocked)
 
     def _report_backpressure(self, wall_s: float) -> None:
         waited, disk = self.staging.waited_s, self.disk
@@ -310,6 +313,8 @@ def rank_main(info: RankInfo, job: Job) -> None:
                 pipeline.close()
         tokens, seconds = counters.counts["tokens"], time.perf_counter() - start
         _report_rate(info.rank, tokens, seconds, forwards)
+        if pipeline.end is not None:  # every commit succeeded, or close would have raised
+            log.info("rank %d: %s", info.rank, describe_end(pipeline.end))
         log.info("rank %d: %s", info.rank, clock.take().describe())
     finally:
         sys.setswitchinterval(switch_interval)

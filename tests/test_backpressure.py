@@ -34,11 +34,12 @@ def test_the_device_waiting_for_busy_writers_names_compression():
 
 
 def test_the_end_names_each_step_and_the_disk_queue_only_where_there_is_one():
-    zarr = describe_end(EndClocks(0.5, 1.25, 2.0, disk_backlog=300_000_000))
-    assert "compression ended 0.50 s" in zarr and "(0.30 GB then) emptied 1.25 s" in zarr
+    zarr = describe_end(EndClocks(0.5, 1.25, 2.0, disk_backlog=300_000_000, writers_blocked_s=0.2))
+    assert "writer threads finished 0.50 s" in zarr and "(0.20 s of their time waiting" in zarr
+    assert "(0.30 GB then) emptied 1.25 s" in zarr
     assert zarr.endswith("the last commit 2.00 s later")
     wds = describe_end(EndClocks(0.5, None, 2.0))
-    assert "disk queue" not in wds and "compression ended 0.50 s" in wds
+    assert "disk queue" not in wds and "writer threads finished 0.50 s" in wds
 
 
 def test_doctests():
