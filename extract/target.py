@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import shutil
@@ -234,10 +233,8 @@ def linear_attention_notice(
 
 def _fla_usable() -> bool:
     """Whether transformers will use flash-linear-attention (installed, a version it accepts)."""
-    try:
-        from transformers.utils.import_utils import is_flash_linear_attention_available
-    except ImportError:  # a transformers without the check
-        return importlib.util.find_spec("fla") is not None
+    from transformers.utils.import_utils import is_flash_linear_attention_available
+
     return bool(is_flash_linear_attention_available())
 
 
