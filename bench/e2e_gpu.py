@@ -3,7 +3,8 @@
     python bench/e2e_gpu.py --shape qwen3-8b --tokens 1000000 --steps 200 --work /tmp/e2e
 
 1. A target folder of the shape with random weights (`save_pretrained`, a word-level tokenizer
-   built in code; `--target-layers N` keeps the first N layers, for shapes too large for the disk).
+   built in code; `--target-layers N` keeps the first N layers, for shapes too large for the disk;
+   `--target-dir /dev/shm/...` puts the whole model in memory instead).
 2. Pre-tokenized rows with a long-tailed length mix like chat data: many short, some at the
    limit (64 .. 3072 tokens, 6% at 3072).
 3. The plain forward of the same rows, batched as extraction batches them (its tok/s is the
@@ -94,7 +95,7 @@ def write_target(shape: str, folder: Path, *, layers: int | None, device: str) -
             cfg.layer_types = cfg.layer_types[:layers]
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, max_shard_size="4GB")  # one shard's bytes at a time in memory
     # Qwen vocabularies hold ~290 rows past the tokenizer: the mask token lives there.
     word_tokenizer(cfg.vocab_size - 293).save_pretrained(folder)
     del model
@@ -164,7 +165,7 @@ def command(args: list[str], log: Path, env: dict[str, str]) -> float:
 def extract_command(args: argparse.Namespace, work: Path, out: Path, extra: str = "") -> list:
     """`python -m extract` of the run's target and rows into `out`, with `extra` options."""
     return [
-        sys.executable, "-m", "extract", "--gpus", args.gpus, "--target", str(work / "target"),
+        sys.executable, "-m", "extract", "--gpus", args.gpus, "--target", str(args.target_dir),
         "--data", str(work / "rows.jsonl"), "--out", str(out), *shlex.split(extra),
     ]  # fmt: skip
 
@@ -214,6 +215,13 @@ def main() -> None:
     p.add_argument("--target-layers", type=int, default=None, help="keep the first N layers")
     p.add_argument("--gpus", default="0", help="the product's --gpus (cpu for a CPU check)")
     p.add_argument("--work", type=Path, default=Path("/tmp/e2e"))
+    p.add_argument(
+        "--target-dir",
+        type=Path,
+        default=None,
+        help="where the target folder goes (default: in --work); e.g. /dev/shm/e2e-target for a "
+        "checkpoint that does not fit the disk beside its cache; deleted at the end",
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--logs", type=Path, default=None, help="also copy the commands' logs here")
     p.add_argument("--bench-steps", type=int, default=15)
@@ -251,6 +259,11 @@ def main() -> None:
     work = args.work / args.shape
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    args.target_dir = args.target_dir or work / "target"
+    if args.target_dir.exists():
+        p.error(
+            f"--target-dir {args.target_dir} exists: it is deleted at the end, so name a new one"
+        )
     # `timeout` ends a run with SIGTERM: exit through Python, so the work folder (a 16 GB target,
     # caches of 27 GB) goes too, and a next command on the same host has its disk.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -260,6 +273,9 @@ def main() -> None:
         if not args.keep:
             clear_work(work)
         raise
+    finally:
+        if not args.keep:
+            shutil.rmtree(args.target_dir, ignore_errors=True)
 
 
 def benchmark(args: argparse.Namespace, work: Path) -> None:
@@ -270,11 +286,12 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
     py = sys.executable
     times: dict[str, float] = {}
     t = time.perf_counter()
-    cfg = write_target(args.shape, work / "target", layers=args.target_layers, device=device.type)
+    target = args.target_dir
+    cfg = write_target(args.shape, target, layers=args.target_layers, device=device.type)
     times["target"] = time.perf_counter() - t
     lengths = long_tailed_lengths(args.tokens, seed=0)
     write_rows(work / "rows.jsonl", lengths, cfg["vocab_size"] - 293, seed=0)
-    plain = plain_forward(work / "target", work / "rows.jsonl", device)
+    plain = plain_forward(target, work / "rows.jsonl", device)
     shards, run = work / "shards", work / "run"
     times["extract"] = command(extract_command(args, work, shards), work / "extract.log", env)
     x = extraction_figures(work / "extract.log", plain["tok_s"])
@@ -309,7 +326,7 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
         finish(result, args, work)
         return
     times["verify"] = command([py, "-m", "extract.verify", str(shards)], work / "verify.log", env)
-    shutil.rmtree(work / "target")  # the trainer never reads it; the disk is needed for runs
+    shutil.rmtree(target)  # the trainer never reads it; the disk is needed for runs
     times["train"] = command(
         [py, "-m", "train", "--gpus", args.gpus, "--data", str(shards), "--out", str(run),
          "--steps", str(args.steps)],
