@@ -23,6 +23,7 @@ not real compression ratios or acceptance. `--shape tiny --gpus cpu` runs the sa
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -99,9 +100,20 @@ def write_target(shape: str, folder: Path, *, layers: int | None, device: str) -
     # Qwen vocabularies hold ~290 rows past the tokenizer: the mask token lives there.
     word_tokenizer(cfg.vocab_size - 293).save_pretrained(folder)
     del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    release(torch.device(device))
     return cfg.to_dict()
+
+
+def release(device: torch.device) -> None:
+    """Give a deleted model's GPU memory back (a model's reference cycles hold it until a
+    collection), so the commands that follow can load the target: fails if some is still held."""
+    gc.collect()
+    if device.type != "cuda":
+        return
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_allocated()
+    if held > 2**30:
+        raise SystemExit(f"the benchmark still holds {held / 1e9:.1f} GB of GPU memory")
 
 
 def plain_forward(target: Path, rows_path: Path, device: torch.device) -> dict[str, Any]:
@@ -136,8 +148,7 @@ def plain_forward(target: Path, rows_path: Path, device: torch.device) -> dict[s
     seconds, times = min(passes, key=lambda p: p[0])
     tokens = sum(len(r.input_ids) for r in rows)
     del model, body
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release(device)
     return {
         "tokens": tokens,
         "seconds": seconds,
