@@ -145,6 +145,7 @@ def plain_forward(target: Path, rows_path: Path, device: torch.device) -> dict[s
     return {
         "tokens": tokens,
         "seconds": seconds,
+        "passes_s": [p[0] for p in passes],
         "tok_s": tokens / seconds,
         "device_s": times.device_s,
         "idle_s": times.idle_s,

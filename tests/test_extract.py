@@ -311,6 +311,35 @@ def test_verify_passes_then_names_a_corrupt_part(tmp_path, qwen3, data_file):
     assert bad.returncode == 1 and "part-000001" in bad.stderr
 
 
+def test_verify_rerun_catches_states_of_other_weights(tmp_path, qwen3, data_file):
+    """Every checksum holds, but the target at the recorded path now has other weights: only the
+    re-run can see it, layer by layer, and names the part, the sample and the layer."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    target = tmp_path / "target"
+    shutil.copytree(qwen3, target)
+    extract(tmp_path / "c", target, data_file, max_rows=12, layers="0,2,7")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-m", "extract.verify", str(tmp_path / "c"), "--samples", "3"]
+    ok = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "relative error" in ok.stderr and "allowed" in ok.stderr  # the per-sample log line
+    model = AutoModelForCausalLM.from_pretrained(target)
+    with torch.no_grad():  # a different model: the last layer's MLP scaled
+        model.model.layers[-1].mlp.down_proj.weight.mul_(3.0)
+    model.save_pretrained(target)
+    bad = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert bad.returncode == 1, bad.stderr
+    mismatches = [line for line in bad.stderr.splitlines() if line.startswith("MISMATCH")]
+    assert len(mismatches) == 3, bad.stderr
+    # Layers 0 and 2 come before the change and still match: only layer 7 is named.
+    assert all("part-" in m and "at layer 7:" in m for m in mismatches), mismatches
+    assert not any("at layer 0:" in m or "at layer 2:" in m for m in mismatches)
+
+
 def test_multimodal_qwen35_checkpoint_extracts_its_language_model(tmp_path, data_file, qwen3):
     """Qwen3.5/3.6 ship as vision-language checkpoints (`model.language_model.*` weights)."""
     from transformers import AutoTokenizer, Qwen3_5Config
