@@ -42,6 +42,17 @@ class DeviceSpec:
             return "cpu" if self.nprocs == 1 else f"cpu:{self.nprocs}"
         return ",".join(map(str, self.devices))
 
+    @property
+    def label(self) -> str:
+        """For a log line: 'GPU 0', 'GPUs 5,6,7', 'cpu', 'cpu:2'.
+
+        >>> DeviceSpec("cuda", (0,)).label, DeviceSpec("cuda", (5, 6)).label
+        ('GPU 0', 'GPUs 5,6')
+        """
+        if self.kind == "cpu":
+            return str(self)
+        return f"GPU {self}" if self.nprocs == 1 else f"GPUs {self}"
+
 
 @dataclass(frozen=True)
 class RankInfo:

@@ -97,7 +97,7 @@ def _run_locked(cfg: TrainConfig, prep: Prepared, manifest: Manifest, spec: Devi
         prep.drafter.num_layers,
         len(prep.parts),
         prep.num_eval,
-        spec,
+        spec.label,
         list(prep.drafter.target_layer_ids),
     )
     launch(train_rank, (cfg, prep), spec)
