@@ -69,8 +69,11 @@ class RankInfo:
 def parse_gpus(spec: str | None, *, visible: int | None = None) -> DeviceSpec:
     """Parse a `--gpus` value; raise ValueError naming the bad part.
 
-    >>> parse_gpus("0-2,5").devices
+    >>> parse_gpus("0-2,5", visible=8).devices
     (0, 1, 2, 5)
+    >>> parse_gpus("0-2", visible=2)
+    Traceback (most recent call last):
+    ValueError: --gpus '0-2': GPU 2 does not exist (2 visible); use --gpus cpu to run on the CPU
     >>> parse_gpus("cpu:2")
     DeviceSpec(kind='cpu', devices=(0, 0))
     """
