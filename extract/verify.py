@@ -123,9 +123,12 @@ def rerun_samples(
             manifest.layer_ids,
             manifest.store,
         )
-        where = f"{rec.name} sample {n} (source row {sample.sample_index})"
-        log.info("%s: %s", where, check.summary())
-        problems += [f"{where} differs from a fresh forward {p}" for p in check.problems]
+        where = f"sample {n} (source row {sample.sample_index})"
+        log.info("%s %s: %s", rec.name, where, check.summary())
+        # "part: problem", as every other problem reads.
+        problems += [
+            f"{rec.name}: {where} differs from a fresh forward {p}" for p in check.problems
+        ]
     capture.close()
     return problems
 
