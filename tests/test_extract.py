@@ -390,12 +390,3 @@ def test_the_log_says_what_the_time_after_the_last_forward_went_to(
     assert len(seconds) == (3 if fmt == "zarr" else 2)
     assert seconds == sorted(seconds)  # each step ends after the one before it
 
-
-def test_verify_layer_allowance_doctests():
-    """`extract.verify`'s per-layer errors and allowances (its doctests: literal tensors)."""
-    import doctest
-
-    import extract.verify
-
-    result = doctest.testmod(extract.verify)
-    assert result.attempted >= 5 and result.failed == 0
