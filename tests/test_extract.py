@@ -389,4 +389,3 @@ def test_the_log_says_what_the_time_after_the_last_forward_went_to(
     assert ("disk queue" in line) == (fmt == "zarr")
     assert len(seconds) == (3 if fmt == "zarr" else 2)
     assert seconds == sorted(seconds)  # each step ends after the one before it
-
