@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing
 import os
-import random
 import shlex
 import shutil
 import signal
@@ -45,62 +43,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
+from e2e_inputs import long_tailed_lengths, write_rows, write_target  # noqa: E402
 from e2e_report import extraction_figures, print_table, training_figures  # noqa: E402
-from shapes import hf_config  # noqa: E402
 
 from extract.config import ExtractConfig  # noqa: E402
 from extract.forward_clock import ForwardClock  # noqa: E402
 from extract.target import build_target_layer_ids  # noqa: E402
-
-
-def long_tailed_lengths(tokens: int, *, seed: int, lo: int = 64, hi: int = 3072) -> list[int]:
-    """Lengths summing to at least `tokens`: 6% at `hi`, the rest log-normal around 500."""
-    rng, out = random.Random(seed), []
-    while sum(out) < tokens:
-        if rng.random() < 0.06:
-            out.append(hi)
-        else:
-            out.append(int(min(hi, max(lo, rng.lognormvariate(math.log(500), 1.0)))))
-    return out
-
-
-def write_rows(path: Path, lengths: list[int], vocab: int, seed: int) -> None:
-    """Pre-tokenized JSONL rows: a prompt (5-40% of the row, unsupervised), then the answer."""
-    rng = np.random.default_rng(seed)
-    with open(path, "w") as f:
-        for n in lengths:
-            prompt = max(1, int(n * rng.uniform(0.05, 0.4)))
-            ids = rng.integers(0, vocab, n).tolist()
-            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * prompt + [1] * (n - prompt)}))
-            f.write("\n")
-
-
-def word_tokenizer(size: int):
-    """A word-level tokenizer of `size` entries (pre-tokenized rows never touch its merges)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, size)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
-
-
-def write_target(shape: str, folder: Path, layers: int | None, device: str) -> dict[str, Any]:
-    """A random-weight target folder of `shape` (first `layers` layers); returns its config."""
-    from transformers import AutoModelForCausalLM
-
-    cfg = hf_config(shape)
-    if layers:
-        cfg.num_hidden_layers = layers
-        if getattr(cfg, "layer_types", None):
-            cfg.layer_types = cfg.layer_types[:layers]
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(folder, max_shard_size="4GB")  # one shard's bytes at a time in memory
-    # Qwen vocabularies hold ~290 rows past the tokenizer: the mask token lives there.
-    word_tokenizer(cfg.vocab_size - 293).save_pretrained(folder)
-    return cfg.to_dict()
 
 
 def in_child(fn, *args):  # noqa: ANN001, ANN201

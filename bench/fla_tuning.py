@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from e2e_gpu import write_target  # noqa: E402
+from e2e_inputs import write_target  # noqa: E402
 
 from extract.masks import choose_masks, forward_kwargs  # noqa: E402
 from extract.target import load_target  # noqa: E402

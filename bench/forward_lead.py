@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from e2e_gpu import long_tailed_lengths  # noqa: E402
+from e2e_inputs import long_tailed_lengths  # noqa: E402
 from shapes import SHAPES, random_model  # noqa: E402
 
 from extract.batching import make_batches  # noqa: E402

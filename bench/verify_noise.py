@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.shapes import random_model  # noqa: E402
 from extract.capture import LayerCapture  # noqa: E402
 from extract.target import build_target_layer_ids  # noqa: E402
+from extract.verify import layer_errors  # noqa: E402
 
 # One batch of similar lengths, as extraction's length-sorted batching forms them.
 LENGTHS = (1536, 1400, 1311, 1207, 1024, 900)
@@ -51,9 +52,8 @@ def states_batch(capture: LayerCapture, rows, device) -> list[torch.Tensor]:
 
 
 def per_layer(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[float]:
-    """Relative error per layer over all rows' tokens."""
-    a_K, b_K = torch.cat(a), torch.cat(b)
-    return [rel(a_K[:, k], b_K[:, k]) for k in range(a_K.shape[1])]
+    """Relative error per layer over all rows' tokens (verify's own measure)."""
+    return layer_errors(torch.cat(a), torch.cat(b))
 
 
 def overall(a: list[torch.Tensor], b: list[torch.Tensor], slots: list[int]) -> list[float]:
