@@ -30,11 +30,11 @@ from extract.target import build_target_layer_ids  # noqa: E402
 from shared.dist import RankInfo  # noqa: E402
 from shared.fsio import atomic_write_json  # noqa: E402
 from shared.target_files import EMBED_FILE, EMBED_KEY, LM_HEAD_KEY, target_dir  # noqa: E402
-from train.anchors import default_gamma  # noqa: E402
 from train.compiling import configure_compile  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
-from train.data import PartInfo  # noqa: E402
-from train.drafter_config import DrafterConfig  # noqa: E402
+from train.data.loader import PartInfo  # noqa: E402
+from train.drafters.anchors import default_gamma  # noqa: E402
+from train.drafters.config import DrafterConfig  # noqa: E402
 from train.loop import Trainer  # noqa: E402
 from train.prepared import Prepared  # noqa: E402
 from train.run import resolve_devices  # noqa: E402

@@ -40,11 +40,12 @@ from extract.batching import length_order, make_batches  # noqa: E402
 from extract.capture import DeviceInputs, LayerCapture, padded_inputs  # noqa: E402
 from extract.data import Tokenized  # noqa: E402
 from extract.forward_clock import ForwardClock  # noqa: E402
+from extract.job import Job, default_writer_threads  # noqa: E402
 from extract.masks import choose_masks, forward_kwargs  # noqa: E402
+from extract.pipeline import PartPipeline  # noqa: E402
 from extract.sink import device_payload  # noqa: E402
 from extract.target import build_target_layer_ids  # noqa: E402
 from extract.units import run_units  # noqa: E402
-from extract.worker import Job, PartPipeline, default_writer_threads  # noqa: E402
 from shared.codec import codec_description  # noqa: E402
 from shared.manifest import Manifest, SourceFile, TargetInfo, read_manifest, write_manifest  # noqa: E402
 from shared.progress import RankCounters  # noqa: E402

@@ -2,14 +2,15 @@
 
     python bench/flex_bench.py --shape qwen3.6-27b
 
-The attention of one drafter layer exactly as a training step runs it: queries of 512 blocks of
-16, keys and values of the 3072 context tokens then the block tokens, the product's BlockMask
-(`train.mask.build_masks` on anchors drawn by `train.anchors.sample_anchors`), GQA, bf16,
-compiled flex_attention. Times, side by side in one process, the forward alone and forward +
-backward for Inductor's own choice ("default"), for `train.mask.flex_kernel_options` (what the
-product passes, "product"), for each candidate in CANDIDATES, and optionally with Inductor's
-autotuning over its configuration list ("--autotune": minutes of compilation). Prints one row
-per configuration with its ratio to the default, and writes --json.
+The attention of one drafter layer exactly as a training step runs it: queries of 512 blocks of 16,
+keys and values of the 3072 context tokens then the block tokens, the product's BlockMask
+(`train.drafters.mask.build_masks` on anchors drawn by `train.drafters.anchors.sample_anchors`),
+GQA, bf16, compiled flex_attention. Times, side by side in one process, the forward alone and
+forward + backward for Inductor's own choice ("default"), for
+`train.drafters.mask.flex_kernel_options` (what the product passes, "product"), for each candidate
+in CANDIDATES, and optionally with Inductor's autotuning over its configuration list ("--autotune":
+minutes of compilation). Prints one row per configuration with its ratio to the default, and writes
+--json.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import drafter_setup as ds  # noqa: E402  (also puts the project root on sys.path)
 
-from train.anchors import sample_anchors  # noqa: E402
-from train.mask import build_masks, flex_bwd_options, flex_kernel_options  # noqa: E402
+from train.drafters.anchors import sample_anchors  # noqa: E402
+from train.drafters.mask import build_masks, flex_bwd_options, flex_kernel_options  # noqa: E402
 
 # Backward block sizes (M1, N1, M2, N2), warps, stages: each must divide the mask's 128-row
 # blocks, N1 a multiple of M1 and M2 a multiple of N2 (the kernel's static assertions).

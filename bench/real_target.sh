@@ -13,7 +13,7 @@
 # Stages, each timed: materialize; the model writes questions from SEEDS seed chats; it answers
 # the distinct ones (the last HELD_OUT held out); extract bf16 (codec planes) and fp8 caches side by
 # side; codec and fp8-error reports; two DFlash drafters, same seed and steps, on the two caches
-# side by side, and a DFlash2 one on the bf16 cache; train.compare; train.speculate of the three
+# side by side, and a DFlash2 one on the bf16 cache; train.proof.compare; train.proof.speculate of the three
 # on the held-out prompts, in one process (one greedy decoding of the target for all three).
 # BENCH_MODE=cpu: the same on a CPU at a size it can do in about 90 minutes (about 500
 # conversations, a 2-layer drafter, 400 steps of 1024 tokens): real figures, smaller than the GPU's.
@@ -88,7 +88,7 @@ stage() {  # stage NAME COMMAND...: run, append its output to the report, time i
   fi
 }
 regen() {  # regen DATA OUT MAX_NEW_TOKENS
-  python3 -m extract.regenerate --target $T --gpus "$GPUS" --data "$1" --out "$2" \
+  python3 -m extract.regen --target $T --gpus "$GPUS" --data "$1" --out "$2" \
     --max-new-tokens "$3" --batch-size "$BATCH" --rows-per-chunk $((BATCH * 4)) --overwrite
 }
 side_by_side() {  # side_by_side CMD -- CMD [-- CMD...]: at once on the device, all must succeed
@@ -118,9 +118,9 @@ shared_cores() {  # shared_cores N CMD...: on the CPU, CMD with 1/N of the cores
   fi
 }
 stage materialize python3 -m extract.models $T --source "$SOURCE"
-stage seeds python3 -m extract.prompts seeds --out "$WORK/seeds.jsonl" --count "$SEEDS"
+stage seeds python3 -m extract.regen.prompts seeds --out "$WORK/seeds.jsonl" --count "$SEEDS"
 stage questions regen "$WORK/seeds.jsonl" "$WORK/seeds.regen.jsonl" $Q_TOKENS
-stage prompts python3 -m extract.prompts chats --regen "$WORK/seeds.regen.jsonl" \
+stage prompts python3 -m extract.regen.prompts chats --regen "$WORK/seeds.regen.jsonl" \
   --out "$WORK/chats.jsonl" --held-out "$WORK/held_out.json" --held-out-count "$HELD_OUT"
 stage answers regen "$WORK/chats.jsonl" "$WORK/data.jsonl" "$A_TOKENS"
 extract() {  # extract STORE
@@ -141,10 +141,10 @@ train() {  # train STORE NAME [OPTION...]: a drafter on one cache, into run-NAME
 # Two DFlash drafters on the two caches, and the ablation on the bf16 cache with the same seed,
 # steps and options: DFlash2 (its published defaults); the three side by side.
 stage train side_by_side train bf16 bf16 -- train fp8 fp8 -- train bf16 dflash2 --drafter-type dflash2
-stage compare python3 -m train.compare "$WORK/run-bf16" "$WORK/run-fp8" "$WORK/run-dflash2" \
+stage compare python3 -m train.proof.compare "$WORK/run-bf16" "$WORK/run-fp8" "$WORK/run-dflash2" \
   --out "$WORK/compare.md"
 speculate() {  # the three exports in one process: the target's greedy reference is made once
-  python3 -u -m train.speculate --target $T --drafter "$WORK/run-bf16/export" \
+  python3 -u -m train.proof.speculate --target $T --drafter "$WORK/run-bf16/export" \
     --drafter "$WORK/run-fp8/export" --drafter "$WORK/run-dflash2/export" \
     --prompts "$WORK/held_out.json" --max-new-tokens $SPEC_TOKENS --json >"$WORK/spec.txt"
   awk '/^drafter /{d=$2} /^tau /{print d, $0}' "$WORK/spec.txt"

@@ -4,9 +4,9 @@
 
 Builds the whole random target (with its lm_head) and a random 5-layer drafter of the shape on
 the device (bf16 on CUDA), then for each --context length C prefills the target's cache with C
-random tokens (`train.decode.TargetCache`, hybrid linear-attention layers included) and the
+random tokens (`train.proof.decode.TargetCache`, hybrid linear-attention layers included) and the
 drafter's context cache (`DraftState.extend` with C rows of random target features), and times
-each call synchronised, the way `train.decode.speculate()` clocks itself:
+each call synchronised, the way `train.proof.decode.speculate()` clocks itself:
 
   draft   `DraftState.propose` of one block of 16 tokens, then `DraftState.extend` by --kept
           context rows: the drafter's work per verify step;
@@ -20,7 +20,7 @@ each call synchronised, the way `train.decode.speculate()` clocks itself:
 Both caches are rolled back to C between calls (untimed), so every call sees context C. Prints
 speedup(tau) = tau * t_step / (t_draft + t_verify) for tau in 2..7: the decode speedup a
 drafter with mean acceptance length tau buys at that context. Random weights give real times
-but no acceptance: tau comes from a trained drafter (`python -m train.speculate`). These are
+but no acceptance: tau comes from a trained drafter (`python -m train.proof.speculate`). These are
 Hugging Face eager forwards at batch 1, launch-bound rather than bandwidth-bound; a serving
 engine with CUDA graphs shortens t_step and t_verify, so read the speedups as this loop's.
 """
@@ -42,7 +42,8 @@ import drafter_setup as ds  # noqa: E402  (also puts the project root on sys.pat
 import train_bench as tb  # noqa: E402
 from shapes import random_model  # noqa: E402
 
-from train.decode import (  # noqa: E402
+from train.drafters.dflash import DFlashDrafter, init_drafter_weights  # noqa: E402
+from train.proof.decode import (  # noqa: E402
     DraftState,
     TargetCache,
     begin_decoding,
@@ -50,7 +51,6 @@ from train.decode import (  # noqa: E402
     crop_cache,
     sync_clock,
 )
-from train.model import DFlashDrafter, init_drafter_weights  # noqa: E402
 
 log = logging.getLogger("speculate_bench")
 

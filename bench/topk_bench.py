@@ -1,11 +1,11 @@
-"""DFlash2's top-K over the vocabulary: torch.topk against train.topk.block_topk, side by side.
+"""DFlash2's top-K over the vocabulary: torch.topk against train.drafters.topk.block_topk.
 
     python bench/topk_bench.py [--rows 2048] [--vocab 151936] [--k 16] [--json PATH]
 
-The fused selector loss (train/selector_fused.py) takes the top-K of every row of a chunk of
+The fused selector loss (train/drafters/dflash2_fused.py) takes the top-K of every row of a chunk of
 logits [rows, V] (rows = --ce-chunk-blocks x (block size - 1)). Times one torch.topk (aten's
 radix select), `block_topk` with each block width that divides V (its default and the others
-train.topk could take), on random bf16 rows: the median of --repeats
+train.drafters.topk could take), on random bf16 rows: the median of --repeats
 (`speculate_bench.median_ms`, a synchronised clock). Checks every variant returns the plain
 topk's values; prints ms per call and the ratio to the plain topk.
 """
@@ -25,16 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from speculate_bench import median_ms  # noqa: E402
 
-import train.topk  # noqa: E402
+import train.drafters.topk  # noqa: E402
 
 
 def blocks(x: torch.Tensor, k: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`block_topk` with blocks of `width` columns."""
-    saved, train.topk.BLOCK_WIDTHS = train.topk.BLOCK_WIDTHS, (width,)
+    saved, train.drafters.topk.BLOCK_WIDTHS = train.drafters.topk.BLOCK_WIDTHS, (width,)
     try:
-        return train.topk.block_topk(x, k)
+        return train.drafters.topk.block_topk(x, k)
     finally:
-        train.topk.BLOCK_WIDTHS = saved
+        train.drafters.topk.BLOCK_WIDTHS = saved
 
 
 def main() -> None:
@@ -53,10 +53,10 @@ def main() -> None:
         return median_ms(fn, lambda: None, device=device, warmup=2, repeats=args.repeats)
 
     plain_values = x.topk(args.k, dim=-1).values
-    default_width = train.topk.block_width(args.vocab, args.k)
+    default_width = train.drafters.topk.block_width(args.vocab, args.k)
     variants = {"torch.topk": lambda: x.topk(args.k, dim=-1)}
     for width in (32, 64, 128, 256, 512):
-        if train.topk.block_width(args.vocab, args.k, (width,)) == width:
+        if train.drafters.topk.block_width(args.vocab, args.k, (width,)) == width:
             name = f"blocks of {width}" + (" (default)" if width == default_width else "")
             variants[name] = functools.partial(blocks, x, args.k, width)
     rows = []

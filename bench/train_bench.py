@@ -17,7 +17,7 @@ apart from the steady state (the mean over --steps after --warmup steps, timed w
 between steps, perf_counter on CPU), context tokens/s, achieved TFLOP/s, MFU, peak GPU memory.
 
 --drafter-type dflash2 times the DFlash2 drafter (same attention and settings; the convolutions
-and the selector's loss added, `train/dflash2.py`, `train/selector_loss.py`).
+and the selector's loss added, `train/drafters/dflash2.py`, `train/drafters/dflash2_loss.py`).
 
 Model FLOPs of one micro-batch (`step_flops`), 2 per multiply-add: fc on the context tokens;
 per drafter layer the q/o projections and the SwiGLU MLP on the block tokens, the k/v
@@ -49,13 +49,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import drafter_setup as ds  # noqa: E402  (also puts the project root on sys.path)
 
-from train import selector_fused  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
-from train.data import PartInfo  # noqa: E402
-from train.drafter_config import DrafterConfig  # noqa: E402
+from train.data.loader import PartInfo  # noqa: E402
+from train.drafters import dflash2_fused as selector_fused  # noqa: E402
+from train.drafters.config import DrafterConfig  # noqa: E402
+from train.drafters.dflash import num_parameters  # noqa: E402
+from train.drafters.mask import flex_bwd_options  # noqa: E402
 from train.loop import Trainer  # noqa: E402
-from train.mask import flex_bwd_options  # noqa: E402
-from train.model import num_parameters  # noqa: E402
 from train.run import resolve_devices  # noqa: E402
 
 log = logging.getLogger("train_bench")
@@ -352,8 +352,8 @@ def main() -> None:
         "--selector-topk-kernel",
         choices=sorted(selector_fused.TOPK_KERNELS),
         default=DEFAULT_TOPK_KERNEL,
-        help="DFlash2's fused selector loss: the top-K by the blocks' maxima (train.topk) or by "
-        "one torch.topk (train.selector_fused.TOPK_KERNEL)",
+        help="DFlash2's fused selector loss: the top-K by the blocks' maxima (train.drafters.topk) "
+        "or by one torch.topk (train.drafters.dflash2_fused.TOPK_KERNEL)",
     )
     args = ds.finish_args(p.parse_args())
     selector_fused.TOPK_KERNEL = args.selector_topk_kernel

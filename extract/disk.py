@@ -20,7 +20,7 @@ class DiskFull(StopRun):
 def disk_full_message(job: Any) -> Iterator[None]:
     """Turn ENOSPC (raised by a writer or the commit thread) into one message: which folder,
     its free space, and about how much a part takes (the mean of those committed). `job` is
-    the extract.worker.Job (only its `out` is read)."""
+    the extract.job.Job (only its `out` is read)."""
     try:
         yield
     except OSError as e:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from extract.config import ExtractConfig
 from extract.data import RowIndex, index_rows, source_fingerprint, template_fingerprint
+from extract.job import Job
 from extract.outdir import (
     clear_cache,
     foreign_entries,
@@ -26,7 +27,7 @@ from extract.target import (
     text_config,
     write_target_files,
 )
-from extract.worker import Job, rank_main
+from extract.worker import rank_main
 from shared.cache import missing_or_resized
 from shared.cli import to_json
 from shared.codec import codec_description

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 from extract.data import Rejected, Tokenized, iter_rows
+from extract.job import Job
+from extract.pipeline import OpenPart, PartPipeline
 from shared.stopping import StopRequest
-
-if TYPE_CHECKING:
-    from extract.worker import Job, OpenPart, PartPipeline
 
 
 def run_units(

@@ -27,7 +27,7 @@ LAYER_CONVENTION = (
 LAST_LAYER_WARNING = (
     "target layer %d is the target's last: SGLang and vLLM cannot serve a drafter that uses it "
     "(they capture the input of layer i + 1, which does not exist for it); only z-lab's `dflash` "
-    "package and `python -m train.speculate` feed it"
+    "package and `python -m train.proof.speculate` feed it"
 )
 MAX_LISTED_REJECTS = 200  # per part; counts stay exact, the list of rows is capped
 

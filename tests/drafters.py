@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from train.drafter_config import DrafterConfig
-from train.mask import build_masks
-from train.model import DFlashDrafter, init_drafter_weights
+from train.drafters.config import DrafterConfig
+from train.drafters.dflash import DFlashDrafter, init_drafter_weights
+from train.drafters.mask import build_masks
 
 TINY_TARGET = {
     "model_type": "qwen3",

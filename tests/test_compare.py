@@ -1,11 +1,11 @@
-"""`python -m train.compare`: the report from hand-written run folders, and its warnings."""
+"""`python -m train.proof.compare`: the report from hand-written run folders, and its warnings."""
 
 import importlib.util
 import json
 
 from click.testing import CliRunner
 
-from train.compare import main, markdown_report, mismatch_warnings, read_run
+from train.proof.compare import main, markdown_report, mismatch_warnings, read_run
 
 CACHE = {
     "format_version": 1,

@@ -12,7 +12,7 @@ from torch import nn
 
 from tests.test_dflash2_model import dflash2_config, inputs, single_block, trained_like
 from train.checkpoint import save_checkpoint
-from train.dflash2 import DFlash2Drafter, is_added_parameter
+from train.drafters.dflash2 import DFlash2Drafter, is_added_parameter
 from train.export import export_drafter, export_keys, load_export, main
 
 
@@ -83,7 +83,8 @@ def test_export_command_from_a_dflash2_checkpoint(tmp_path):
 
 def test_warm_start_from_a_dflash_checkpoint_or_export(tmp_path):
     from tests.drafters import tiny_drafter, tiny_drafter_config
-    from train.drafters import build_drafter, init_weights, warm_start
+    from train.drafters.registry import build_drafter, init_weights
+    from train.warm_start import warm_start
 
     base_cfg = tiny_drafter_config(layer_types=("sliding_attention",) * 2, sliding_window=2048)
     base = tiny_drafter(dataclasses.replace(base_cfg, is_causal=False), seed=4)

@@ -10,17 +10,17 @@ import torch
 from torch import nn
 
 from tests.drafters import tiny_drafter_config
-from train.dflash2 import (
+from train.drafters.config import DrafterConfig
+from train.drafters.dflash import DFlashDrafter, init_drafter_weights
+from train.drafters.dflash2 import (
     DFlash2Drafter,
     grouped_dynamic_conv,
     init_dflash2_weights,
     is_added_parameter,
 )
-from train.drafter_config import DrafterConfig
-from train.drafters import build_drafter
+from train.drafters.mask import build_masks
+from train.drafters.registry import build_drafter
 from train.export import export_drafter, export_keys, export_shapes, load_export
-from train.mask import build_masks
-from train.model import DFlashDrafter, init_drafter_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -208,7 +208,7 @@ def test_forward_and_selector_equal_reference(tmp_path, layer_types, window, cau
 
 
 def test_mask_causality_parameter():
-    from train.mask import dense_mask
+    from train.drafters.mask import dense_mask
 
     def rows(layer_type, window, causal):
         mask = dense_mask(

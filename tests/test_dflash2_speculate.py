@@ -9,9 +9,9 @@ import torch
 from click.testing import CliRunner
 
 from tests.test_speculate import EOS, agree_with_reference, drafter_config, keep_only_dim0, prompt
-from train.dflash2 import DFlash2Drafter, init_dflash2_weights, is_added_parameter
+from train.drafters.dflash2 import DFlash2Drafter, init_dflash2_weights, is_added_parameter
 from train.export import export_drafter, load_export
-from train.speculate import main
+from train.proof.speculate import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

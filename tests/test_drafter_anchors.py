@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from train.anchors import (
+from train.drafters.anchors import (
     anchor_candidates,
     block_inputs,
     block_positions,

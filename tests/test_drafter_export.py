@@ -8,8 +8,8 @@ from safetensors import safe_open
 from torch import nn
 
 from tests.drafters import drafter_masks, tiny_drafter, tiny_drafter_config
+from train.drafters.dflash import init_drafter_weights
 from train.export import EXPORT_KEYS, export_drafter, load_export
-from train.model import init_drafter_weights
 
 
 def _drafter(layer_types=("full_attention", "full_attention"), sliding_window=None):

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from train.drafter_config import DrafterConfig
-from train.mask import SM90_FLEX_BWD, flex_bwd_options
-from train.model import DFlashDrafter, init_drafter_weights
-from train.step import Batch, forward_loss
+from train.data.batch import Batch
+from train.drafters.config import DrafterConfig
+from train.drafters.dflash import DFlashDrafter, init_drafter_weights
+from train.drafters.mask import SM90_FLEX_BWD, flex_bwd_options
+from train.step import forward_loss
 
 pytestmark = [
     pytest.mark.gpu,
@@ -89,7 +90,7 @@ def test_compiled_flex_matches_sdpa_forward_and_backward():
         assert cos > 0.99
 
 
-# The product's tuned backward blocks (train.mask.SM90_FLEX_BWD), and one fixed set so the
+# The product's tuned backward blocks (train.drafters.mask.SM90_FLEX_BWD), and one fixed set so the
 # kernel_options path is covered whatever the table holds.
 TUNED = sorted(SM90_FLEX_BWD.items()) + [(256, (32, 64, 64, 32, 4, 2))]
 

@@ -5,9 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from tests.drafters import tiny_drafter_config
-from train.loss import acceptance_stats, chunked_ce
-from train.model import DFlashDrafter, init_drafter_weights
-from train.step import Batch, forward_loss
+from train.data.batch import Batch
+from train.drafters.dflash import DFlashDrafter, init_drafter_weights
+from train.drafters.loss import acceptance_stats, chunked_ce
+from train.step import forward_loss
 
 
 @pytest.mark.parametrize(("chunk_rows", "checkpoint"), [(7, True), (7, False), (100, True)])

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from train.mask import build_masks, dense_mask, make_mask_mod
+from train.drafters.mask import build_masks, dense_mask, make_mask_mod
 
 # Context S = 6, block size 3, two blocks -> Q = 6 queries, S + Q = 12 keys.
 # Key columns: context 0..5 | block 0 keys 6..8 | block 1 keys 9..11.

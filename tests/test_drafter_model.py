@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from tests.drafters import TINY_TARGET, drafter_masks, tiny_drafter, tiny_drafter_config
-from train.anchors import block_positions
-from train.drafter_config import DrafterConfig
-from train.mask import flex_bwd_options, flex_kernel_options
-from train.model import DFlashDrafter, init_drafter_weights
+from train.drafters.anchors import block_positions
+from train.drafters.config import DrafterConfig
+from train.drafters.dflash import DFlashDrafter, init_drafter_weights
+from train.drafters.mask import flex_bwd_options, flex_kernel_options
 
 
 def test_from_qwen3_config():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.inductor import compile_problem
-from train.loss import chunked_ce, fused_chunked_ce
+from train.drafters.loss import chunked_ce, fused_chunked_ce
 
 ROWS, HIDDEN, VOCAB, CHUNK = 37, 16, 50, 8  # 37 = 4 * 8 + 5: the last chunk is short
 

@@ -104,7 +104,7 @@ def test_real_target_extraction_matches_a_plain_forward(tmp_path, smollm2):
     from shared.cache import open_part
     from shared.manifest import read_manifest
     from shared.target_files import load_heads, read_target_config
-    from train.drafter_config import DrafterConfig
+    from train.drafters.config import DrafterConfig
 
     cache = tmp_path / "cache"
     cfg = ExtractConfig(

@@ -7,10 +7,11 @@ import torch
 from shared.cache import open_part
 from tests.cachegen import write_cache
 from tests.drafters import tiny_drafter, tiny_drafter_config
-from train.anchors import sample_anchors
-from train.data import collate_row, device_batch
-from train.plan import SampleRef
-from train.step import Batch, anchored_loss
+from train.data.batch import Batch
+from train.data.loader import collate_row, device_batch
+from train.data.plan import SampleRef
+from train.drafters.anchors import sample_anchors
+from train.step import anchored_loss
 
 H, K = 64, 3
 

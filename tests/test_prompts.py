@@ -1,4 +1,4 @@
-"""extract.prompts: seed chats, the question filter and deduplication (no model needed)."""
+"""extract.regen.prompts: seed chats, the question filter and deduplication (no model needed)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 from click.testing import CliRunner
 
-from extract.prompts import (
+from extract.regen.prompts import (
     SEEDS,
     clean_question,
     main,
@@ -70,7 +70,7 @@ def test_chats_holds_the_last_prompts_out(tmp_path):
 def test_shipped_real_chats_are_answered_distinct_and_disjoint_from_the_held_out():
     """The real model's data set in the package: every row one question and its non-empty
     answer, no prompt twice, none of the held-out prompts among them (a leak would inflate tau)."""
-    from extract.prompts import REAL_CHATS, REAL_HELD_OUT
+    from extract.regen.prompts import REAL_CHATS, REAL_HELD_OUT
 
     rows = [json.loads(line) for line in REAL_CHATS.read_text().splitlines()]
     held_out = json.loads(REAL_HELD_OUT.read_text())

@@ -1,4 +1,4 @@
-"""`python -m extract.regenerate` on CPU with a tiny target: greedy turns, resume, bad rows."""
+"""`python -m extract.regen` on CPU with a tiny target: greedy turns, resume, bad rows."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from extract.regen_config import REGEN_REJECT_REASONS, RegenConfig, RegenError
-from extract.regen_report import format_summary
-from extract.regen_state import parts_dir, read_state
-from extract.regenerate import run
+from extract.regen.config import REGEN_REJECT_REASONS, RegenConfig, RegenError
+from extract.regen.regenerate import run
+from extract.regen.report import format_summary
+from extract.regen.state import parts_dir, read_state
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_NEW = 10
@@ -234,7 +234,7 @@ def test_resume_after_kill_equals_uninterrupted(target, data_file, full, tmp_pat
     args += ["--batch-size", "3", "--rows-per-chunk", str(ROWS_PER_CHUNK)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "extract.regenerate", *args],
+        [sys.executable, "-m", "extract.regen", *args],
         cwd=ROOT,
         env=env,
         stderr=subprocess.PIPE,
@@ -281,7 +281,7 @@ def test_settings_mismatch_refused_then_overwritten(target, data_file, tmp_path)
 def test_cli_takes_several_files_after_data(target, data_file, full, tmp_path):
     from click.testing import CliRunner
 
-    from extract.regenerate import main
+    from extract.regen.regenerate import main
 
     lines = data_file.read_text().splitlines(keepends=True)
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"

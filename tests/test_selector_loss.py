@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-import train.dflash2
-import train.selector_fused
-import train.selector_loss
-import train.topk
+import train.drafters.dflash2
+import train.drafters.dflash2_fused
+import train.drafters.dflash2_loss
+import train.drafters.topk
 from tests.drafters import tiny_drafter_config
 from tests.inductor import compile_problem
-from train.dflash2 import CandidateSelector, DFlash2Drafter, init_dflash2_weights
-from train.selector_loss import (
+from train.drafters.dflash2 import CandidateSelector, DFlash2Drafter, init_dflash2_weights
+from train.drafters.dflash2_loss import (
     SelectorLoss,
     selector_alpha,
     selector_chunked_ce,
@@ -44,7 +44,11 @@ def hand_selector():
 
 
 def test_doctests():
-    for module in (train.selector_loss, train.dflash2, train.selector_fused):
+    for module in (
+        train.drafters.dflash2_loss,
+        train.drafters.dflash2,
+        train.drafters.dflash2_fused,
+    ):
         assert doctest.testmod(module).failed == 0
 
 
@@ -179,7 +183,7 @@ def test_fused_equals_checkpointed_loss_and_gradients(transform, compiled, block
     top 75: a quarter of the gold tokens are candidates; else the top 150, by one topk)."""
     if compiled and (reason := compile_problem()):
         pytest.skip(reason)
-    monkeypatch.setattr(train.topk, "BLOCK_WIDTHS", (2,) if blocks else ())
+    monkeypatch.setattr(train.drafters.topk, "BLOCK_WIDTHS", (2,) if blocks else ())
     cfg = tiny_drafter_config(
         drafter_type="dflash2", selector_rank=8, selector_top_k=75 if blocks else 150,
         conv_group_size=16,

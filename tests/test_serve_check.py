@@ -1,5 +1,6 @@
-"""`python -m train.serve_check`: its summary on literal outputs, the message without vLLM, and
-(marked `vllm`, run where DFLASH_VLLM_PYTHON names a Python with vLLM installed) the real check."""
+"""`python -m train.proof.serve_check`: its summary on literal outputs, the message without vLLM,
+and (marked `vllm`, run where DFLASH_VLLM_PYTHON names a Python with vLLM installed) the real
+check."""
 
 import copy
 import importlib.util
@@ -14,7 +15,7 @@ from click.testing import CliRunner
 
 from tests.test_speculate import drafter_config, keep_only_dim0, two_token_drafter
 from train.export import export_drafter
-from train.serve_check import NOT_INSTALLED, main, summarize
+from train.proof.serve_check import NOT_INSTALLED, main, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,7 +77,13 @@ def two_token_pair(tmp_path, tiny_qwen3):
 @pytest.mark.skipif(not os.environ.get("DFLASH_VLLM_PYTHON"), reason="DFLASH_VLLM_PYTHON unset")
 def test_vllm_serves_the_export_losslessly_with_our_acceptance(two_token_pair):
     folder = two_token_pair
-    command = [os.environ["DFLASH_VLLM_PYTHON"], "-m", "train.serve_check", "--engine", "vllm"]
+    command = [
+        os.environ["DFLASH_VLLM_PYTHON"],
+        "-m",
+        "train.proof.serve_check",
+        "--engine",
+        "vllm",
+    ]
     command += ["--target", str(folder / "target"), "--drafter", str(folder / "export")]
     command += ["--prompts", str(folder / "prompts.json"), "--max-new-tokens", "32", "--json"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -98,8 +105,8 @@ def test_a_named_target_reaches_vllm_as_its_folder(tmp_path, monkeypatch):
     """vLLM takes a bare name for a hub repository id (and fails offline): the check resolves a
     named target to its materialized folder once, for both sides; a folder stays as given."""
     from shared.models import SOURCE_FILE, materialized_path
-    from train.serve_check import ServeCheckConfig, resolved
-    from train.speculate import SpeculateError
+    from train.proof.serve_check import ServeCheckConfig, resolved
+    from train.proof.speculate import SpeculateError
 
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
     cfg = ServeCheckConfig(target="smollm2-135m-instruct", drafter=tmp_path, prompts=tmp_path)

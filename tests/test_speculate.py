@@ -10,12 +10,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from train.decode import context_features, greedy, speculate
-from train.drafter_config import DrafterConfig
+from train.data.batch import Batch
+from train.drafters.config import DrafterConfig
+from train.drafters.dflash import DFlashDrafter, init_drafter_weights
 from train.export import export_drafter, load_export
-from train.model import DFlashDrafter, init_drafter_weights
-from train.speculate import divergence_gap, format_report, main, near_tie_tolerance
-from train.step import Batch, forward_loss
+from train.proof.decode import context_features, greedy, speculate
+from train.proof.speculate import divergence_gap, format_report, main, near_tie_tolerance
+from train.step import forward_loss
 
 LAYERS = (1, 4, 6)  # of the tiny target's 8
 EOS = 2  # the tiny tokenizer's <|im_end|>

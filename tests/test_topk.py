@@ -1,5 +1,5 @@
-"""train.topk.block_topk: the same values as one torch.topk over the row (ids pointing at them,
-none twice), through the blocks with the largest maxima; ties across blocks, -inf, bf16 rows,
+"""train.drafters.topk.block_topk: the same values as one torch.topk over the row (ids pointing at
+them, none twice), through the blocks with the largest maxima; ties across blocks, -inf, bf16 rows,
 the fallback where no block width fits; eager and compiled."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import doctest
 import pytest
 import torch
 
-import train.topk
+import train.drafters.topk
 from tests.inductor import compile_problem
-from train.topk import block_topk, block_width
+from train.drafters.topk import block_topk, block_width
 
 
 def cases() -> list[tuple[str, torch.Tensor, int]]:
@@ -62,7 +62,7 @@ def test_block_width_choice():
 def test_compiled_equals_eager(monkeypatch):
     if reason := compile_problem():
         pytest.skip(reason)
-    monkeypatch.setattr(train.topk, "BLOCK_WIDTHS", (8,))
+    monkeypatch.setattr(train.drafters.topk, "BLOCK_WIDTHS", (8,))
     x = torch.randn(5, 400, generator=torch.Generator().manual_seed(1))
 
     def f(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,4 +75,4 @@ def test_compiled_equals_eager(monkeypatch):
 
 
 def test_doctests():
-    assert doctest.testmod(train.topk).failed == 0
+    assert doctest.testmod(train.drafters.topk).failed == 0

@@ -15,8 +15,8 @@ from train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from train.drafter_config import DrafterConfig
-from train.model import DFlashDrafter, init_drafter_weights
+from train.drafters.config import DrafterConfig
+from train.drafters.dflash import DFlashDrafter, init_drafter_weights
 
 
 def tiny_drafter_config() -> DrafterConfig:

@@ -10,7 +10,7 @@ from shared.cache import open_part
 from shared.codec import FORMATS
 from shared.manifest import read_manifest
 from tests.cachegen import write_cache
-from train.data import (
+from train.data.loader import (
     CacheReadError,
     LoaderState,
     PlanDataset,
@@ -21,7 +21,7 @@ from train.data import (
     load_catalog,
     make_loader,
 )
-from train.plan import PlanSpec, SampleRef, plan_rows, worker_rows
+from train.data.plan import PlanSpec, SampleRef, plan_rows, worker_rows
 
 ROW = 640
 

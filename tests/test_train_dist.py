@@ -6,7 +6,7 @@ import torch
 from tests.cachegen import write_cache
 from tests.test_train_loop import final_state, records, tiny
 from train.checkpoint import list_checkpoints, load_drafter
-from train.model import DFlashDrafter, init_drafter_weights
+from train.drafters.dflash import DFlashDrafter, init_drafter_weights
 from train.run import run
 
 

@@ -1,11 +1,11 @@
-"""`train.feed.DeviceFeed`: real items in order, each read ahead at most once."""
+"""`train.data.feed.DeviceFeed`: real items in order, each read ahead at most once."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from train.feed import DeviceFeed
+from train.data.feed import DeviceFeed
 
 
 def item(n: int, *, real: bool = True) -> dict:

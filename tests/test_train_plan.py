@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from train.plan import (
+from train.data.plan import (
     PlanSpec,
     SampleRef,
     WorkerItem,

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from shared.fsio import atomic_write_json, fsync_dir, replace_dir
-from train.drafter_config import DrafterConfig
-from train.drafters import build_drafter
-from train.model import DFlashDrafter
+from train.drafters.config import DrafterConfig
+from train.drafters.dflash import DFlashDrafter
+from train.drafters.registry import build_drafter
 
 log = logging.getLogger(__name__)
 

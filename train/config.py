@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.cli import option
-from train.drafter_config import DFLASH2_FIELDS, DRAFTER_TYPES, LOGIT_FIELDS
+from train.drafters.config import DFLASH2_FIELDS, DRAFTER_TYPES, LOGIT_FIELDS
 
 ATTENTIONS = ("flex", "sdpa")
 COMPILE_MODES = ("none", "flex", "model")

@@ -1,6 +1,6 @@
 """Held-out evaluation: loss, tau and per-offset accuracy on parts the training never reads.
 
-The held-out samples (see `train.plan.holdout_lengths`) are packed in stored order (no shuffle)
+The held-out samples (see `train.data.plan.holdout_lengths`) are packed in stored order (no shuffle)
 into rows of the training shape, split across ranks in contiguous shares, and every row draws its
 anchors from a generator seeded by a fixed seed and the row's place, so evaluations compare
 across steps and across runs on the same cache.
@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from train.data import PartInfo, PlanDataset, checked, device_batch, make_loader
+from train.data.loader import PartInfo, PlanDataset, checked, device_batch, make_loader
+from train.data.plan import PlanSpec
 from train.metrics import StatSums
-from train.plan import PlanSpec
 from train.step import forward_loss
 
 EVAL_SEED = 20240917  # fixed: the anchors of an eval batch never depend on the run's seed

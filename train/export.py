@@ -23,14 +23,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shared.fsio import public_modes, replace_dir
-from train.drafter_config import (
+from train.drafters.config import (
     DFLASH2_FIELDS,
     LOGIT_FIELDS,
     DrafterConfig,
     rope_fields_from_hf,
 )
-from train.drafters import build_drafter
-from train.model import DFlashDrafter
+from train.drafters.dflash import DFlashDrafter
+from train.drafters.registry import build_drafter
 
 log = logging.getLogger(__name__)
 

@@ -36,19 +36,21 @@ from shared.target_files import load_heads
 from train.checkpoint import load_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
 from train.compiling import RecompileLimitError, compiled_graphs, configure_compile
 from train.config import TrainConfig
-from train.data import LoaderState, PlanDataset, checked, make_loader
-from train.drafters import build_drafter, init_weights, warm_start
+from train.data.batch import Batch
+from train.data.feed import DeviceFeed
+from train.data.loader import LoaderState, PlanDataset, checked, make_loader
+from train.data.plan import PlanSpec, epoch_lengths
+from train.drafters.dflash2_loss import selector_loss
+from train.drafters.mask import flex_kernel_options
+from train.drafters.registry import build_drafter, init_weights
 from train.evaluate import Evaluator
 from train.export import export_drafter
-from train.feed import DeviceFeed
 from train.finite import FiniteGuard
-from train.mask import flex_kernel_options
 from train.metrics import SELECTOR_KEYS, MetricsWriter, StatSums
-from train.plan import PlanSpec, epoch_lengths
 from train.prepared import Prepared
 from train.schedule import warmup_cosine
-from train.selector_loss import selector_loss
-from train.step import Batch, forward_loss
+from train.step import forward_loss
+from train.warm_start import warm_start
 
 log = logging.getLogger(__name__)
 

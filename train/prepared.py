@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from train.data import PartInfo
-from train.drafter_config import DrafterConfig
+from train.data.loader import PartInfo
+from train.drafters.config import DrafterConfig
 
 
 @dataclass(frozen=True)

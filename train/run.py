@@ -40,13 +40,13 @@ from shared.target_files import (
     target_problems,
     unused_special_token,
 )
-from train.anchors import default_gamma
 from train.checkpoint import list_checkpoints, read_meta, resolve_resume
 from train.config import TrainConfig, config_changes
-from train.data import layer_positions, load_catalog
-from train.drafter_config import DFLASH2_FIELDS, LOGIT_FIELDS, DrafterConfig
+from train.data.loader import layer_positions, load_catalog
+from train.data.plan import PlanSpec, holdout_lengths, plan_rows
+from train.drafters.anchors import default_gamma
+from train.drafters.config import DFLASH2_FIELDS, LOGIT_FIELDS, DrafterConfig
 from train.loop import EXPORT_DIR, train_rank
-from train.plan import PlanSpec, holdout_lengths, plan_rows
 from train.prepared import Prepared
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.anchors import (
+from train.config import CE_MODES, GRAD_CKPT_MODES
+from train.data.batch import Batch
+from train.drafters.anchors import (
     block_inputs,
     block_positions,
     block_targets,
@@ -17,64 +19,10 @@ from train.anchors import (
     loss_weights,
     sample_anchors,
 )
-from train.config import CE_MODES, GRAD_CKPT_MODES
-from train.loss import acceptance_stats, chunked_ce, fused_chunked_ce
-from train.mask import build_masks
-from train.model import DFlashDrafter
-from train.selector_loss import SelectorLoss, selector_step_terms
-
-
-@dataclass
-class Batch:
-    """Packed rows of cached samples; give exactly one of hidden_BSKH or context_BSC.
-
-    Each of the B rows holds whole samples back to back: `doc_ids_BS` numbers them (-1 on
-    padding), `positions_BS` restarts at 0 at each sample. hidden_BSKH holds the K captured target
-    layers per token (bf16 or float); context_BSC is the same data already flattened to C = K*H
-    (layers concatenated in target_layer_ids order). `num_tokens` counts the real tokens.
-    """
-
-    ids_BS: torch.Tensor
-    loss_mask_BS: torch.Tensor
-    doc_ids_BS: torch.Tensor
-    positions_BS: torch.Tensor
-    hidden_BSKH: torch.Tensor | None = None
-    context_BSC: torch.Tensor | None = None
-    num_tokens: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if (self.hidden_BSKH is None) == (self.context_BSC is None):
-            raise ValueError("Batch: give exactly one of hidden_BSKH and context_BSC")
-        for name in ("loss_mask_BS", "doc_ids_BS", "positions_BS"):
-            if getattr(self, name).shape != self.ids_BS.shape:
-                raise ValueError(
-                    f"Batch: ids_BS {tuple(self.ids_BS.shape)} and {name} "
-                    f"{tuple(getattr(self, name).shape)} differ"
-                )
-        if self.num_tokens is None:
-            self.num_tokens = (self.doc_ids_BS >= 0).sum()
-
-    @classmethod
-    def one_per_row(cls, lengths_B: torch.Tensor, **fields: torch.Tensor) -> Batch:
-        """A batch whose row b holds one sample of length lengths_B[b], then padding."""
-        seq = fields["ids_BS"].shape[1]
-        pos_BS = torch.arange(seq, device=lengths_B.device).expand(len(lengths_B), seq)
-        inside = pos_BS < lengths_B[:, None]
-        doc_ids_BS = torch.where(inside, 0, -1).to(torch.int32)
-        return cls(doc_ids_BS=doc_ids_BS, positions_BS=(pos_BS * inside).int(), **fields)
-
-    def context(self) -> torch.Tensor:
-        """Context input [B, S, K*H]."""
-        if self.context_BSC is not None:
-            return self.context_BSC
-        batch, seq, layers, hidden = self.hidden_BSKH.shape
-        return self.hidden_BSKH.reshape(batch, seq, layers * hidden)
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=non_blocking)
-
-        return Batch(**{k: move(v) for k, v in vars(self).items()})
+from train.drafters.dflash import DFlashDrafter
+from train.drafters.dflash2_loss import SelectorLoss, selector_step_terms
+from train.drafters.loss import acceptance_stats, chunked_ce, fused_chunked_ce
+from train.drafters.mask import build_masks
 
 
 @dataclass
@@ -111,7 +59,7 @@ def forward_loss(
 ) -> StepOut:
     """The whole training forward for one micro-batch: draw anchors, then `anchored_loss`.
 
-    `num_anchors` blocks per row, drawn with `generator` (`train.anchors.sample_anchors`);
+    `num_anchors` blocks per row, drawn with `generator` (`train.drafters.anchors.sample_anchors`);
     `trim_anchors` drops the all-padding blocks (a shape change: only where nothing is compiled).
     `options` are `anchored_loss`'s.
     """
@@ -149,20 +97,18 @@ def anchored_loss(
     """The training forward of one micro-batch for given anchors (a pure function of them).
 
     `drafter` may be wrapped (DDP, torch.compile). The embedding and lm_head weights are the
-    target's, frozen: plain tensors, never drafter parameters. `grad_ckpt`: "loss" checkpoints
-    the chunked lm_head + CE (with `ce="autograd"`), "layers" also each drafter layer, "none"
-    neither. `ce="fused"` forms each CE chunk's hidden-gradient in the forward
-    (`train.loss.fused_chunked_ce`): no logits are kept or recomputed, whatever `grad_ckpt`;
-    `compile_ce` runs its chunk body through torch.compile.
-    `selector`: this step's selector-loss weight and stop-gradient (DFlash2 drafters only;
-    default alpha 1).
-    `compile_masks` builds flex BlockMasks with the compiled create_block_mask. Measured on an
-    H200 (Qwen3-8B shape, S 3072, 512 blocks of 16, flex): steady step 221 ms compiled vs 224 ms
-    eager, but the first step 210 s vs 13 s (compiling the mask for the second layer type alone
-    took 215 s), so it is off by default (`--compile flex` turns it on; compare with
-    `python bench/train_bench.py --shape qwen3-8b --attention flex --compile flex|none`).
-    A packed row gives exactly the sums of its samples computed one by one
-    (tests/test_packing.py).
+    target's, frozen: plain tensors, never drafter parameters. `grad_ckpt`: "loss" checkpoints the
+    chunked lm_head + CE (with `ce="autograd"`), "layers" also each drafter layer, "none" neither.
+    `ce="fused"` forms each CE chunk's hidden-gradient in the forward
+    (`train.drafters.loss.fused_chunked_ce`): no logits are kept or recomputed, whatever
+    `grad_ckpt`; `compile_ce` runs its chunk body through torch.compile. `selector`: this step's
+    selector-loss weight and stop-gradient (DFlash2 drafters only; default alpha 1). `compile_masks`
+    builds flex BlockMasks with the compiled create_block_mask. Measured on an H200 (Qwen3-8B shape,
+    S 3072, 512 blocks of 16, flex): steady step 221 ms compiled vs 224 ms eager, but the first step
+    210 s vs 13 s (compiling the mask for the second layer type alone took 215 s), so it is off by
+    default (`--compile flex` turns it on; compare with `python bench/train_bench.py --shape
+    qwen3-8b --attention flex --compile flex|none`). A packed row gives exactly the sums of its
+    samples computed one by one (tests/test_packing.py).
     """
     if grad_ckpt not in GRAD_CKPT_MODES:
         raise ValueError(f"grad_ckpt must be one of {GRAD_CKPT_MODES}, got {grad_ckpt!r}")

@@ -12,8 +12,8 @@ import torch
 
 from extract.chat import ChatTemplateError, render_chat
 from extract.data import Rejected, RowError
-from extract.regen_config import Chat, RegenError
-from extract.regen_state import ChunkResult
+from extract.regen.config import Chat, RegenError
+from extract.regen.state import ChunkResult
 
 
 @dataclass(frozen=True)

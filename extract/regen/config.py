@@ -1,4 +1,4 @@
-"""The inputs of `python -m extract.regenerate`: its options (`RegenConfig`) and its source
+"""The inputs of `python -m extract.regen`: its options (`RegenConfig`) and its source
 rows (`iter_chats`: the chats to regenerate, or the rows rejected with a reason).
 """
 

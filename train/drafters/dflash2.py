@@ -1,12 +1,12 @@
 """DFlash2: the DFlash drafter plus grouped dynamic causal convolutions and a candidate selector.
 
 Both additions follow z-lab's reference `dflash.model` (`GroupedDynamicCausalConv`,
-`CandidateSelector`); ../shared/DFLASH2.md describes them. The layers, attention, MLP, norms,
-masks and RoPE are the DFlash drafter's (train/model.py); only the layer's order of operations
+`CandidateSelector`); ../shared/DFLASH2.md describes them. The layers, attention, MLP, norms, masks
+and RoPE are the DFlash drafter's (train/drafters/dflash.py); only the layer's order of operations
 changes. Parameter names are the public export keys, codebooks without a `.weight` suffix.
 
-Shapes as in train/model.py, plus k conv taps, G = H / g channel groups of g, r selector rank,
-K selector candidates, V vocabulary.
+Shapes as in train/drafters/dflash.py, plus k conv taps, G = H / g channel groups of g, r selector
+rank, K selector candidates, V vocabulary.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.drafter_config import DrafterConfig
-from train.model import DFlashDrafter, DrafterLayer, init_drafter_weights
+from train.drafters.config import DrafterConfig
+from train.drafters.dflash import DFlashDrafter, DrafterLayer, init_drafter_weights
 
 # Parameter-name markers of the DFlash2 additions (everything else is a DFlash parameter).
 _ADDED = (".attention_conv.", ".mlp_conv.", "candidate_selector.")

@@ -170,7 +170,7 @@ def build_masks(
     causal: bool | None = None,
 ) -> dict[str, Any]:
     """One mask per distinct layer type, in the form `attention` ("sdpa" or "flex") needs;
-    `starts_BN` (see `train.anchors.context_starts`) confines each block to its sample."""
+    `starts_BN` (see `train.drafters.anchors.context_starts`) confines each block to its sample."""
     if attention not in ("sdpa", "flex"):
         raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}")
     masks: dict[str, Any] = {}

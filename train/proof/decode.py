@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.mask import dense_mask
-from train.model import DFlashDrafter, apply_rope, rope_inv_freq
+from train.drafters.dflash import DFlashDrafter, apply_rope, rope_inv_freq
+from train.drafters.mask import dense_mask
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,8 @@ class DraftState:
         v = torch.cat([self.values[i], v_blk], dim=2)
         groups = attn.num_heads // attn.num_kv_heads
         if mask is not None and groups > 1:
-            # sdpa's enable_gqa with a mask falls back to the math kernel (as in train/model.py).
+            # sdpa's enable_gqa with a mask falls back to the math kernel (as in
+            # train/drafters/dflash.py).
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(
             apply_rope(q, cos, sin), k, v, attn_mask=mask, scale=d**-0.5, enable_gqa=groups > 1

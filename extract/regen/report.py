@@ -1,4 +1,4 @@
-"""What `python -m extract.regenerate` shows: the row progress bar and the closing summary."""
+"""What `python -m extract.regen` shows: the row progress bar and the closing summary."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from extract.regen_state import RegenState
+from extract.regen.state import RegenState
 from shared.progress import read_counters
 
 

@@ -1,6 +1,6 @@
-"""`python -m train.speculate --target PATH --drafter runs/NAME/export --prompts prompts.json`
+"""`python -m train.proof.speculate --target PATH --drafter runs/NAME/export --prompts prompts.json`
 
-Runs speculative decoding (`train.decode`) and plain greedy decoding of the target over the
+Runs speculative decoding (`train.proof.decode`) and plain greedy decoding of the target over the
 prompts, checks that both give the same tokens, and reports tau (accepted drafts + 1 per verify
 step, as `dflash.model.dflash_generate` reports it), per-prompt figures and tokens/s. `--drafter`
 repeated compares several drafters of one target on the same prompts: the target and its greedy
@@ -24,10 +24,10 @@ from torch import nn
 from shared.cli import build, click_options, option
 from shared.logs import setup_logging
 from shared.models import resolve_target_name
-from train.decode import Result, greedy, speculate
-from train.drafter_config import DrafterConfig
+from train.drafters.config import DrafterConfig
+from train.drafters.dflash import DFlashDrafter
 from train.export import CONFIG_FILE, config_from_hf, load_export
-from train.model import DFlashDrafter
+from train.proof.decode import Result, greedy, speculate
 
 log = logging.getLogger(__name__)
 

@@ -1,21 +1,21 @@
-"""`python -m train.serve_check --engine vllm --target PATH --drafter EXPORT --prompts FILE`
+"""`python -m train.proof.serve_check --engine vllm --target PATH --drafter EXPORT --prompts FILE`
 
 Serves an exported drafter in a real engine and checks it: vLLM's offline speculative decoding
 (greedy, `method: dflash`) against vLLM without the drafter and against our own greedy and
-speculative decoding (`train.decode`), token for token; and vLLM's mean acceptance length
+speculative decoding (`train.proof.decode`), token for token; and vLLM's mean acceptance length
 beside ours. Exits 1 when any output differs, 2 when the engine is not installed.
 
 Acceptance length (accepted drafts + 1 per verify step) has three common definitions, each
 reported for both sides:
-- pooled: the sum over all steps of all prompts / the number of steps (`train.speculate`'s tau),
-  each step counted as the tokens it added to the output (cut at `max_new_tokens` and eos);
+- pooled: the sum over all steps of all prompts / the number of steps (`train.proof.speculate`'s
+  tau), each step counted as the tokens it added to the output (cut at `max_new_tokens` and eos);
 - per-request mean: the mean over prompts of each prompt's own pooled mean (z-lab's figure);
 - unclipped: pooled, counting each step's accepted drafts + 1 before the cut, as vLLM's
   counters (`vllm:spec_decode_num_accepted_tokens` / `..._num_drafts`) do.
 Near the end our loop, like z-lab's, verifies a block cut to the tokens still wanted, while vLLM
 always drafts whole blocks; a bidirectional drafter proposes differently in a shorter block, so
 the first two rows can differ there. Ours under vLLM's count is measured with whole blocks
-(`train.decode.speculate(full_blocks=True)`), which should then equal vLLM's step for step.
+(`train.proof.decode.speculate(full_blocks=True)`), which should then equal vLLM's step for step.
 vLLM runs in its own process tree (engine core); ours runs first, in this process.
 """
 
@@ -54,7 +54,9 @@ class ServeCheckConfig:
         "target (smollm2-135m-instruct)"
     )
     drafter: Path = option(help="exported drafter folder, e.g. runs/NAME/export")
-    prompts: Path = option(help="JSON list of prompts (as `python -m train.speculate` takes them)")
+    prompts: Path = option(
+        help="JSON list of prompts (as `python -m train.proof.speculate` takes them)"
+    )
     max_new_tokens: int = option(64, help="tokens to generate per prompt (fewer at eos)")
     dtype: str = option(
         "auto",
@@ -91,9 +93,9 @@ def acceptance(per_request: Sequence[Sequence[int]]) -> dict[str, float]:
 
 
 def our_decoding(cfg: ServeCheckConfig) -> dict[str, Any]:
-    """Our speculative and plain greedy decoding of every prompt (`train.decode`)."""
-    from train.decode import greedy, speculate
-    from train.speculate import SpeculateConfig, load
+    """Our speculative and plain greedy decoding of every prompt (`train.proof.decode`)."""
+    from train.proof.decode import greedy, speculate
+    from train.proof.speculate import SpeculateConfig, load
 
     spec_cfg = SpeculateConfig(
         target=cfg.target, drafter=(cfg.drafter,), prompts=cfg.prompts, dtype=cfg.dtype
@@ -239,7 +241,7 @@ def format_report(s: dict[str, Any]) -> str:
         verdict = "same tokens" if not bad else f"DIFFER on prompts {bad}"
         lines.append(f"  {name.replace('_', ' ')}: {verdict}")
     rows = (
-        ("pooled over steps (train.speculate)", "pooled"),
+        ("pooled over steps (train.proof.speculate)", "pooled"),
         ("mean of per-request means (z-lab)", "per_request_mean"),
         ("last step unclipped (vLLM)", "unclipped"),
     )
@@ -257,7 +259,7 @@ def format_report(s: dict[str, Any]) -> str:
 def resolved(cfg: ServeCheckConfig) -> ServeCheckConfig:
     """`cfg` with a named target (`smollm2-135m-instruct`) replaced by its materialized folder:
     vLLM would take the name for a hub repository id, and both sides must load the same folder."""
-    from train.speculate import SpeculateError
+    from train.proof.speculate import SpeculateError
 
     try:
         return dataclasses.replace(cfg, target=resolve_target_name(cfg.target))
@@ -285,7 +287,7 @@ def check(cfg: ServeCheckConfig) -> dict[str, Any]:
 @click_options(ServeCheckConfig)
 def main(**kwargs: Any) -> None:
     """Serve an exported drafter in a real engine (vLLM) and check it against our decoding."""
-    from train.speculate import SpeculateError
+    from train.proof.speculate import SpeculateError
 
     cfg = build(ServeCheckConfig, kwargs)
     setup_logging(0)

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from train.drafter_config import DrafterConfig
-from train.mask import get_flex_attention
+from train.drafters.config import DrafterConfig
+from train.drafters.mask import get_flex_attention
 
 
 class RMSNorm(nn.Module):
@@ -70,8 +70,8 @@ class DrafterAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-        # flex_attention kernel_options (`train.mask.flex_kernel_options`), set per device by
-        # `DFlashDrafter.use_flex_options`: a plain attribute, constant to torch.compile.
+        # flex_attention kernel_options (`train.drafters.mask.flex_kernel_options`), set per device
+        # by `DFlashDrafter.use_flex_options`: a plain attribute, constant to torch.compile.
         self.flex_options: dict[str, int] | None = None
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -157,7 +157,7 @@ class DrafterLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """Single-device DFlash drafter; parameter names are the export keys."""
 
-    layer_class: type[DrafterLayer] = DrafterLayer  # a variant's layers (train/dflash2.py)
+    layer_class: type[DrafterLayer] = DrafterLayer  # a variant's layers (train/drafters/dflash2.py)
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
@@ -188,8 +188,9 @@ class DFlashDrafter(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [B, Q, H] of the block tokens after the final norm.
 
-        `masks` maps each layer type to the mask object for `attention` (see train/mask.py).
-        `checkpoint_layers` recomputes each layer in backward (non-reentrant checkpointing).
+        `masks` maps each layer type to the mask object for `attention` (see
+        train/drafters/mask.py). `checkpoint_layers` recomputes each layer in backward
+        (non-reentrant checkpointing).
         """
         ctx_BSH = self.hidden_norm(self.fc(_compute_dtype(context_BSC, self.fc.weight)))
         x_BQH = _compute_dtype(block_emb_BQH, self.fc.weight)

@@ -1,14 +1,14 @@
 """DFlash2's loss with each chunk's gradients formed in the forward (`--ce fused`, the default).
 
-The [n, V] work of a chunk is DFlash's fused CE (train/loss.py `_fused_chunk`) plus the top-K:
-logits, log-softmax, argmax, top-K and d(CE)/d(logits) = w * (softmax - onehot), one function
-that `--compile model` runs through torch.compile (the last, shorter chunk padded with
-zero-weight rows, so one graph serves every chunk). The selector's term touches only [n, K] and
-[n, r] tensors; a local autograd pass gives its gradients (hidden rows, the K unary scores, the
-selector's parameters), and the unary part is scattered into the chunk's d(logits) before the
-one matmul back to d(hidden). Nothing [n, V] is differentiated by autograd: an eager autograd
-pass through logits.float(), cross_entropy and topk made a DFlash2 step 1.24x DFlash's on an
-H200 (README, Results).
+The [n, V] work of a chunk is DFlash's fused CE (train/drafters/loss.py `_fused_chunk`) plus the
+top-K: logits, log-softmax, argmax, top-K and d(CE)/d(logits) = w * (softmax - onehot), one function
+that `--compile model` runs through torch.compile (the last, shorter chunk padded with zero-weight
+rows, so one graph serves every chunk). The selector's term touches only [n, K] and [n, r] tensors;
+a local autograd pass gives its gradients (hidden rows, the K unary scores, the selector's
+parameters), and the unary part is scattered into the chunk's d(logits) before the one matmul back
+to d(hidden). Nothing [n, V] is differentiated by autograd: an eager autograd pass through
+logits.float(), cross_entropy and topk made a DFlash2 step 1.24x DFlash's on an H200 (README,
+Results).
 
 With a logit transform l = c * tanh(m * z / c) (DrafterConfig's output_multiplier m and
 final_logit_softcapping c), dl/dz = m * (1 - (l / c)^2), applied elementwise to both terms.
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from train.dflash2 import CandidateSelector, scale_and_softcap
-from train.loss import padded_chunk
-from train.topk import aten_topk, block_topk
+from train.drafters.dflash2 import CandidateSelector, scale_and_softcap
+from train.drafters.loss import padded_chunk
+from train.drafters.topk import aten_topk, block_topk
 
 
 def _transform_slope(
@@ -39,14 +39,13 @@ def _transform_slope(
     return slope
 
 
-# "blocks": train.topk.block_topk, a top-K of the K blocks with the largest maxima (the same
-# values as one topk over the row; among equal values the ids may differ): 1.08 ms per 2048 x
-# 151,936 bf16 chunk on an H200, and the 8B DFlash2 step 166.8 ms against DFlash's 148.9 ms
-# (1.120x) where aten's topk gave 173.0 ms (1.162x) in the same call (README, Results).
-# "aten": one torch.topk over the vocabulary, which Inductor leaves to aten's radix select
-# inside the compiled chunk (2.35 ms per chunk).
-# bench/topk_bench.py times both side by side, bench/train_bench.py --selector-topk-kernel
-# the step with each.
+# "blocks": train.drafters.topk.block_topk, a top-K of the K blocks with the largest maxima (the
+# same values as one topk over the row; among equal values the ids may differ): 1.08 ms per 2048 x
+# 151,936 bf16 chunk on an H200, and the 8B DFlash2 step 166.8 ms against DFlash's 148.9 ms (1.120x)
+# where aten's topk gave 173.0 ms (1.162x) in the same call (README, Results). "aten": one
+# torch.topk over the vocabulary, which Inductor leaves to aten's radix select inside the compiled
+# chunk (2.35 ms per chunk). bench/topk_bench.py times both side by side, bench/train_bench.py
+# --selector-topk-kernel the step with each.
 TOPK_KERNEL = "blocks"
 TOPK_KERNELS = {"blocks": block_topk, "aten": aten_topk}
 

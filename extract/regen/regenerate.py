@@ -1,4 +1,4 @@
-"""`python -m extract.regenerate`: the target's own greedy answers as training data.
+"""`python -m extract.regen`: the target's own greedy answers as training data.
 
 A drafter learns the target's distribution only from the target's outputs, so the assistant
 turns of a chat dataset are replaced, turn by turn, by the target's greedy continuation of the
@@ -8,11 +8,11 @@ global row number) and `turns_at_limit` (indices of the messages cut by `--max-n
 
 Rows are cut into fixed chunks (`--rows-per-chunk`) spread over the ranks; each chunk is written
 to `OUT.parts/chunk-NNNNNN.jsonl` and recorded in `OUT.parts/state.json` (see
-`extract.regen_state`); OUT is the chunks concatenated in row order, replaced atomically at the
+`extract.regen.state`); OUT is the chunks concatenated in row order, replaced atomically at the
 end. Chunk files are kept, so a later run with more rows only generates the new ones.
 
 This module plans the run and drives one process per device; the generation itself is in
-`extract.regen_generation`.
+`extract.regen.generation`.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import click
 import torch
 
 from extract.data import Rejected, RowIndex
-from extract.regen_config import Chat, RegenConfig, RegenError, iter_chats
-from extract.regen_generation import GreedyGenerator, regenerate_chats
-from extract.regen_report import RowBar, format_summary
-from extract.regen_state import (
+from extract.regen.config import Chat, RegenConfig, RegenError, iter_chats
+from extract.regen.generation import GreedyGenerator, regenerate_chats
+from extract.regen.report import RowBar, format_summary
+from extract.regen.state import (
     PROGRESS_DIR,
     RegenState,
     chunk_rows,
@@ -290,11 +290,3 @@ def main(more_data: tuple[Path, ...], **kwargs: Any) -> None:
     click.echo(format_summary(state, out=cfg.out, seconds=time.monotonic() - start))
     if state.merged_rows != state.config["total_rows"]:
         raise SystemExit(1)
-
-
-if __name__ == "__main__":
-    # Run the imported module, not this `__main__` copy, so that spawned processes unpickle
-    # `rank_main` and `Job` under their real module name.
-    from extract.regenerate import main as _main
-
-    _main()

@@ -1,4 +1,4 @@
-"""The output of `python -m extract.regenerate`: chunk files and the state file in
+"""The output of `python -m extract.regen`: chunk files and the state file in
 `OUT.parts/`, and OUT itself.
 
 The state file is the commit record, like a cache's manifest: a chunk counts as done only when
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from extract.data import Rejected
-from extract.regen_config import RegenError
+from extract.regen.config import RegenError
 from shared.fsio import atomic_write_json, atomic_write_text, file_lock, fsync_dir
 
 log = logging.getLogger(__name__)

@@ -1,20 +1,20 @@
-"""`python -m extract.prompts`: a prompt set written by the target itself, for regeneration.
+"""`python -m extract.regen.prompts`: a prompt set written by the target itself, for regeneration.
 
-Two steps around `python -m extract.regenerate` (which does all generation):
+Two steps around `python -m extract.regen` (which does all generation):
 
-    python -m extract.prompts seeds --out seeds.jsonl --count 30000
-    python -m extract.regenerate --target T --data seeds.jsonl --out seeds.regen.jsonl \\
+    python -m extract.regen.prompts seeds --out seeds.jsonl --count 30000
+    python -m extract.regen --target T --data seeds.jsonl --out seeds.regen.jsonl \\
         --max-new-tokens 48
-    python -m extract.prompts chats --regen seeds.regen.jsonl --out chats.jsonl \\
+    python -m extract.regen.prompts chats --regen seeds.regen.jsonl --out chats.jsonl \\
         --held-out prompts.json --held-out-count 64
-    python -m extract.regenerate --target T --data chats.jsonl --out data.jsonl
+    python -m extract.regen --target T --data chats.jsonl --out data.jsonl
 
-`seeds` writes one chat per (topic, kind of question, asker) asking the model to write one
-question (a deterministic enumeration, so any count up to `max_seeds()` gives the same first
-rows); `chats` takes the model's answers as prompts, keeps those that look like one question,
-drops duplicates (case, spacing and punctuation folded), puts the shipped demo prompts first,
-holds the last `--held-out-count` out (never trained on: for `train.speculate`), and writes the
-rest as chats whose assistant turns the second regeneration fills in.
+`seeds` writes one chat per (topic, kind of question, asker) asking the model to write one question
+(a deterministic enumeration, so any count up to `max_seeds()` gives the same first rows); `chats`
+takes the model's answers as prompts, keeps those that look like one question, drops duplicates
+(case, spacing and punctuation folded), puts the shipped demo prompts first, holds the last
+`--held-out-count` out (never trained on: for `train.proof.speculate`), and writes the rest as chats
+whose assistant turns the second regeneration fills in.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ import click
 
 from shared.fsio import atomic_write_text
 
-DEMO_PROMPTS = Path(__file__).parent / "data" / "demo_prompts.json"
+DEMO_PROMPTS = Path(__file__).parents[1] / "data" / "demo_prompts.json"
 # What `BENCH_MODE=cpu bash bench/real_target.sh` wrote with smollm2-135m-instruct (800 seeds):
 # its questions, answered by it (at most 128 tokens), and the 32 prompts it held out.
-REAL_CHATS = Path(__file__).parent / "data" / "smollm2_chats.jsonl"
-REAL_HELD_OUT = Path(__file__).parent / "data" / "smollm2_held_out.json"
-SEEDS = Path(__file__).parent / "data" / "prompt_seeds.json"  # topics, kinds, askers
+REAL_CHATS = Path(__file__).parents[1] / "data" / "smollm2_chats.jsonl"
+REAL_HELD_OUT = Path(__file__).parents[1] / "data" / "smollm2_held_out.json"
+SEEDS = Path(__file__).parents[1] / "data" / "prompt_seeds.json"  # topics, kinds, askers
 _QUESTION = re.compile(r"^[^\n]{8,300}\?$")
 _QUOTED = re.compile(r'"([^"\n]{8,300}\?)"')
 
@@ -114,7 +114,7 @@ def main() -> None:
 @click.option("--out", type=click.Path(path_type=Path), required=True)
 @click.option("--count", type=int, default=2000, show_default=True, help="Seed chats to write.")
 def seeds(out: Path, count: int) -> None:
-    """Write prompt-writing chats for `python -m extract.regenerate`."""
+    """Write prompt-writing chats for `python -m extract.regen`."""
     if not 1 <= count <= max_seeds():
         raise click.BadParameter(
             f"{count} is not in 1 .. {max_seeds()}, the topics x kinds x askers of {SEEDS.name}",

@@ -1,4 +1,4 @@
-"""The streaming loader: reads the packed rows an epoch plan (train/plan.py) assigns to a rank.
+"""The streaming loader: reads the packed rows an epoch plan (train/data/plan.py) assigns to a rank.
 
 Per worker and epoch: plan the epoch's rows from metadata, take this worker's slice of this
 rank's rows and what it yields (`rank_schedule`), read each row's samples and collate them into
@@ -29,7 +29,8 @@ from shared.cache import Sample, open_part
 from shared.codec import dequantize_fp8
 from shared.manifest import Manifest
 from shared.stopping import StopRun, loader_worker_init
-from train.plan import (
+from train.data.batch import Batch
+from train.data.plan import (
     PlanSpec,
     SampleRef,
     WorkerItem,
@@ -38,7 +39,6 @@ from train.plan import (
     rank_schedule,
     worker_rows,
 )
-from train.step import Batch
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class PlanDataset(IterableDataset):
     """The rows of one rank for a run of epochs, starting `consumed` rows in.
 
     Yields dicts: `real` False marks a placeholder (keeps DataLoader workers in step, see
-    train/plan.py); real items carry `epoch`, `round`, `anchor_seed` and tensors; an item with
+    train/data/plan.py); real items carry `epoch`, `round`, `anchor_seed` and tensors; an item with
     `error` reports an unreadable part (see `checked`). `even` gives every rank the same number
     of rows (training); otherwise ranks get nearly equal shares and nothing is dropped (eval).
     """

@@ -1,12 +1,12 @@
 """DFlash2's training objective: the unary CE plus the candidate selector's K-way CE.
 
 Per supervised slot (DFLASH2.md, SpecForge's objective): CE_base over the full vocabulary of the
-transformed logits l; C = the strict unary top-K of l; CE_sel = K-way CE of the selector scores
-with label = the data token's index in C and predecessor = the data token before it (teacher
-forcing), counted only where the data token is in C. The step's loss is
-(sum w * CE_base + alpha_eff * sum w * [gold in C] * CE_sel) / sum w. Like train/loss.py, every
-function returns sums and counts, never means, and lm_head runs in chunks of rows under
-non-reentrant activation checkpointing so [N, V] logits never exist at once.
+transformed logits l; C = the strict unary top-K of l; CE_sel = K-way CE of the selector scores with
+label = the data token's index in C and predecessor = the data token before it (teacher forcing),
+counted only where the data token is in C. The step's loss is (sum w * CE_base + alpha_eff * sum w *
+[gold in C] * CE_sel) / sum w. Like train/drafters/loss.py, every function returns sums and counts,
+never means, and lm_head runs in chunks of rows under non-reentrant activation checkpointing so [N,
+V] logits never exist at once.
 
 Teacher forcing is exact for acceptance: a slot counts only when every slot before it was right,
 and then the greedy walk's predecessor is the data token. So the selected-token accuracy and tau
@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-from train.dflash2 import CandidateSelector, transform_logits
-from train.drafter_config import DrafterConfig
-from train.loss import acceptance_stats, autocast_dtype
-from train.selector_fused import FusedSelectorCE, selector_term
+from train.drafters.config import DrafterConfig
+from train.drafters.dflash2 import CandidateSelector, transform_logits
+from train.drafters.dflash2_fused import FusedSelectorCE, selector_term
+from train.drafters.loss import acceptance_stats, autocast_dtype
 
 
 @dataclass(frozen=True)
@@ -165,13 +165,13 @@ def selector_chunked_ce(
 ) -> SelectorCE:
     """CE_base and CE_sel sums over rows in chunks of `chunk_rows` (see the module docstring).
 
-    `fused` (with grad) forms each chunk's gradients in the forward (train/selector_fused.py),
-    so nothing is kept or recomputed but d(hidden) [N, H] and the selector's parameter
-    gradients; its terms come back detached, `loss` alone carries the gradient; `compiled` runs
-    its [n, V] part through torch.compile. Else, with `checkpoint`, each chunk runs under
-    non-reentrant activation checkpointing (its logits recomputed in backward). `stop_gradient`
-    keeps the selector term out of the backbone: its gradient then reaches only the selector's
-    own parameters. The lm_head is frozen: its gradient is never formed.
+    `fused` (with grad) forms each chunk's gradients in the forward
+    (train/drafters/dflash2_fused.py), so nothing is kept or recomputed but d(hidden) [N, H] and the
+    selector's parameter gradients; its terms come back detached, `loss` alone carries the gradient;
+    `compiled` runs its [n, V] part through torch.compile. Else, with `checkpoint`, each chunk runs
+    under non-reentrant activation checkpointing (its logits recomputed in backward).
+    `stop_gradient` keeps the selector term out of the backbone: its gradient then reaches only the
+    selector's own parameters. The lm_head is frozen: its gradient is never formed.
     """
     if chunk_rows <= 0:
         raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")

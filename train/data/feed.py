@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from train.data import device_batch
-from train.step import Batch
+from train.data.batch import Batch
+from train.data.loader import device_batch
 
 
 class DeviceFeed:

@@ -1,6 +1,6 @@
 """Compare drafter runs trained on one cache: loss, tau and accuracy per block offset.
 
-`python -m train.compare runs/A runs/B ... [--out report.md] [--plot compare.png]`
+`python -m train.proof.compare runs/A runs/B ... [--out report.md] [--plot compare.png]`
 
 Each run folder holds `config.json` (the resolved TrainConfig under "train", the drafter, and the
 cache's manifest identity under "cache") and `metrics.jsonl` (one record per log step: "kind"

@@ -1,4 +1,4 @@
-"""The drafter types side by side: build and initialise the one a DrafterConfig names."""
+"""A warm start: a drafter's weights from a checkpoint or an export of a compatible one."""
 
 from __future__ import annotations
 
@@ -7,24 +7,12 @@ from pathlib import Path
 
 import torch
 
-from train.dflash2 import DFlash2Drafter, init_dflash2_weights
-from train.drafter_config import DrafterConfig
-from train.model import DFlashDrafter, init_drafter_weights
+from train.checkpoint import is_complete, load_drafter
+from train.drafters.config import DrafterConfig
+from train.drafters.dflash import DFlashDrafter
+from train.export import load_export
 
 log = logging.getLogger(__name__)
-
-
-def build_drafter(cfg: DrafterConfig) -> DFlashDrafter:
-    """An uninitialised drafter of `cfg.drafter_type` ("dflash" or "dflash2")."""
-    return DFlash2Drafter(cfg) if cfg.drafter_type == "dflash2" else DFlashDrafter(cfg)
-
-
-def init_weights(model: DFlashDrafter, seed: int) -> None:
-    """The type's deterministic init; a DFlash2 drafter starts as the DFlash one of this seed."""
-    if isinstance(model, DFlash2Drafter):
-        init_dflash2_weights(model, seed)
-    else:
-        init_drafter_weights(model, seed)
 
 
 # Fields a warm start must share with the drafter it initialises (shapes are checked apart).
@@ -43,9 +31,6 @@ _WARM_START_FIELDS = (
 
 def warm_start_state(path: str | Path) -> tuple[dict[str, torch.Tensor], DrafterConfig]:
     """(float32 weights, config) of a checkpoint folder (step-N) or an export folder."""
-    from train.checkpoint import is_complete, load_drafter
-    from train.export import load_export
-
     folder = Path(path)
     if is_complete(folder):
         drafter, cfg = load_drafter(folder)

@@ -1,0 +1,60 @@
+"""A micro-batch of packed rows: what the data path hands the training step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Batch:
+    """Packed rows of cached samples; give exactly one of hidden_BSKH or context_BSC.
+
+    Each of the B rows holds whole samples back to back: `doc_ids_BS` numbers them (-1 on
+    padding), `positions_BS` restarts at 0 at each sample. hidden_BSKH holds the K captured target
+    layers per token (bf16 or float); context_BSC is the same data already flattened to C = K*H
+    (layers concatenated in target_layer_ids order). `num_tokens` counts the real tokens.
+    """
+
+    ids_BS: torch.Tensor
+    loss_mask_BS: torch.Tensor
+    doc_ids_BS: torch.Tensor
+    positions_BS: torch.Tensor
+    hidden_BSKH: torch.Tensor | None = None
+    context_BSC: torch.Tensor | None = None
+    num_tokens: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.hidden_BSKH is None) == (self.context_BSC is None):
+            raise ValueError("Batch: give exactly one of hidden_BSKH and context_BSC")
+        for name in ("loss_mask_BS", "doc_ids_BS", "positions_BS"):
+            if getattr(self, name).shape != self.ids_BS.shape:
+                raise ValueError(
+                    f"Batch: ids_BS {tuple(self.ids_BS.shape)} and {name} "
+                    f"{tuple(getattr(self, name).shape)} differ"
+                )
+        if self.num_tokens is None:
+            self.num_tokens = (self.doc_ids_BS >= 0).sum()
+
+    @classmethod
+    def one_per_row(cls, lengths_B: torch.Tensor, **fields: torch.Tensor) -> Batch:
+        """A batch whose row b holds one sample of length lengths_B[b], then padding."""
+        seq = fields["ids_BS"].shape[1]
+        pos_BS = torch.arange(seq, device=lengths_B.device).expand(len(lengths_B), seq)
+        inside = pos_BS < lengths_B[:, None]
+        doc_ids_BS = torch.where(inside, 0, -1).to(torch.int32)
+        return cls(doc_ids_BS=doc_ids_BS, positions_BS=(pos_BS * inside).int(), **fields)
+
+    def context(self) -> torch.Tensor:
+        """Context input [B, S, K*H]."""
+        if self.context_BSC is not None:
+            return self.context_BSC
+        batch, seq, layers, hidden = self.hidden_BSKH.shape
+        return self.hidden_BSKH.reshape(batch, seq, layers * hidden)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return Batch(**{k: move(v) for k, v in vars(self).items()})
