@@ -8,6 +8,9 @@ from pathlib import Path
 from shared.cli import option
 from shared.codec import FORMATS, STORES
 
+COMPILE_MODES = ("auto", "layers", "none")
+PACKING_MODES = ("auto", "on", "off")
+
 
 def parse_layer_list(text: str) -> tuple[int, ...]:
     """`"1,9,17"` -> (1, 9, 17); raises ValueError naming the bad item."""
@@ -50,7 +53,25 @@ class ExtractConfig:
     store: str = option(
         "bf16", help="bf16 (lossless) or fp8 (e4m3 + a scale per token and layer).", choices=STORES
     )
-    batch_tokens: int = option(16384, help="Tokens per forward batch (padded length x rows).")
+    batch_tokens: int = option(
+        16384,
+        help="Tokens per forward: a packed row's size (rounded up to a multiple of 128 and to "
+        "--max-length), or padded length x rows for padded batches.",
+    )
+    compile: str = option(
+        "auto",
+        help="layers: compile every target layer (static shapes: packed rows); none: eager. "
+        "auto: layers on GPUs, none on CPUs.",
+        choices=COMPILE_MODES,
+    )
+    packing: str = option(
+        "auto",
+        help="on: whole samples back to back in rows of --batch-tokens, attention confined to "
+        "each (no padding computed); off: rows padded to the longest of their batch. auto: on "
+        "when the layers are compiled. Either is checked against rows run alone at start-up, "
+        "and padded batches are kept where packing does not give the same states.",
+        choices=PACKING_MODES,
+    )
     rows_per_part: int = option(512, help="Source rows per part (the unit of work and resume).")
     max_rows: int | None = option(None, help="Only the first N source rows (quick runs).")
     writer_threads: int = option(
@@ -85,6 +106,11 @@ class ExtractConfig:
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')}: {getattr(self, name)} is too small")
+        if self.compile == "layers" and self.packing == "off":
+            raise ValueError(
+                "--compile layers needs packed rows (one static shape): drop --packing off, or "
+                "use --compile none"
+            )
 
     @property
     def layer_ids(self) -> tuple[int, ...] | None:

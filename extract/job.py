@@ -22,6 +22,8 @@ class Job:
     format: str
     store: str
     batch_tokens: int
+    compile: str  # ExtractConfig's: resolved per device by extract.layouts.forward_mode
+    packing: str
     rows_per_part: int
     total_rows: int
     units: tuple[int, ...]  # pending units, sorted; rank r takes units[r::world]

@@ -323,6 +323,8 @@ def _run_locked(
         format=cfg.format,
         store=cfg.store,
         batch_tokens=cfg.batch_tokens,
+        compile=cfg.compile,
+        packing=cfg.packing,
         rows_per_part=cfg.rows_per_part,
         total_rows=planned.total_rows,
         units=pending,
