@@ -6,10 +6,13 @@ rounds (bf16 keeps 8 mantissa bits: at least 2e-2 is allowed; fp8 e4m3 keeps 3: 
 GPU a forward of another batch shape rounds differently, by more at each layer: in a 64-layer
 bf16 model the states of one row in a batch and alone differ by 0.25% at layer 0 and 5.3% at
 layer 61 (`bench/verify_noise.py`, Qwen3.6-27B shape, random weights, H200). So verify also runs
-the sample in a batch of extraction's size and measures how far those two fresh forwards differ
-at each layer: a stored layer may differ from the fresh one by `FLOOR_FACTOR` times that, where
-that is more than the storage tolerance. A wrong row, target, layer or mask moves the states
-by far more.
+the sample in other arrangements and measures how far those fresh forwards differ from it alone
+at each layer: in a padded batch of extraction's size, and, where extraction on this device
+packs rows (`--packing`, `--compile`: compiled on a GPU by default), in a packed row of the
+cache's size run the same way. A stored layer may differ from the fresh one by `FLOOR_FACTOR`
+times the larger difference, where that is more than the storage tolerance. A wrong row,
+target, layer or mask moves the states by far more. (Packed rows are proven against rows alone
+when extraction starts, `extract.layouts`, so this allowance never hides a wrong mask.)
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ def rerun_samples(
     # The model's own masks: an independent check of the premade ones extraction passes.
     capture = LayerCapture(model, manifest.layer_ids, own_masks=True)
     batch_tokens = int(manifest.config.get("batch_tokens", 16384))
-    problems = []
+    runs = []
     for rec, n in picks:
         reader = open_part(cache / rec.name)
         # wds parts stream only: walk to the n-th sample.
@@ -116,12 +119,18 @@ def rerun_samples(
         ids = sample.input_ids
         fresh = capture.run([ids], device=device).float().cpu()
         batched = capture.run(full_batch(ids, batch_tokens), device=device)[: len(ids)]
+        runs.append((rec, n, sample, fresh, batched.float().cpu()))
+    capture.close()
+    packed = packed_runs(model, manifest, [r[2].input_ids for r in runs], device)
+    problems = []
+    for (rec, n, sample, fresh, batched), in_packed in zip(runs, packed, strict=True):
         check = compare_layers(
             sample.hidden_tensor(torch.device("cpu")).float(),
             fresh,
-            batched.float().cpu(),
+            batched,
             manifest.layer_ids,
             manifest.store,
+            packed=in_packed,
         )
         where = f"sample {n} (source row {sample.sample_index})"
         log.info("%s %s: %s", rec.name, where, check.summary())
@@ -129,8 +138,40 @@ def rerun_samples(
         problems += [
             f"{rec.name}: {where} differs from a fresh forward {p}" for p in check.problems
         ]
-    capture.close()
     return problems
+
+
+def packed_runs(model, manifest: Manifest, samples: list, device: torch.device) -> list:  # noqa: ANN001
+    """Each sample's states in a packed row of the cache's size filled with its copies, run as
+    extraction runs packed rows on `device` (None each where it would not pack)."""
+    import functools
+
+    from extract.capture import LayerCapture
+    from extract.layouts import choose_layout, forward_mode
+    from extract.packing import chunk_size
+
+    config = manifest.config
+    compiled, packed = forward_mode(
+        config.get("compile", "none"), config.get("packing", "off"), device.type
+    )
+    if not packed:
+        return [None] * len(samples)
+    chunk = chunk_size(int(config.get("batch_tokens", 16384)), manifest.max_length)
+    layout = functools.partial(
+        choose_layout, packed=True, compile_layers=compiled, chunk_tokens=chunk, pad_id=0
+    )
+    capture = LayerCapture(model, manifest.layer_ids, layout=layout)
+    try:
+        if capture.layout.name != "packed":
+            return [None] * len(samples)
+        return [
+            capture.run([ids] * max(1, chunk // len(ids)), device=device)[: len(ids)].float().cpu()
+            for ids in samples
+        ]
+    finally:
+        capture.close()
+        if capture.layout.name == "packed":
+            capture.layout.uninstall()
 
 
 def full_batch(ids, batch_tokens: int) -> list:  # noqa: ANN001
@@ -190,10 +231,13 @@ def compare_layers(
     batched: torch.Tensor,
     layer_ids,  # noqa: ANN001
     store: str,
+    *,
+    packed: torch.Tensor | None = None,
 ) -> LayerCheck:
     """Stored states against the fresh ones, per layer, with each layer's allowance: the
-    storage's tolerance, or `FLOOR_FACTOR` times the difference between the fresh forward
-    alone and in a full batch (`batched`), whichever is larger.
+    storage's tolerance, or `FLOOR_FACTOR` times the larger difference between the fresh
+    forward alone and in another arrangement (`batched`: a full padded batch; `packed`: a
+    packed row, where extraction packs), whichever is larger.
 
     >>> fresh = torch.ones(2, 2, 4)
     >>> stored = fresh * torch.tensor([1.01, 1.2]).view(1, 2, 1)
@@ -205,6 +249,8 @@ def compare_layers(
     'at layer 9: relative error 0.2 > 0.'
     """
     floor = layer_errors(batched, fresh)
+    if packed is not None:
+        floor = [max(a, b) for a, b in zip(floor, layer_errors(packed, fresh), strict=True)]
     return LayerCheck(
         layer_ids=tuple(layer_ids),
         errors=tuple(layer_errors(stored, fresh)),
