@@ -189,7 +189,18 @@ def main() -> None:
     p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--profile", action="store_true", help="also split 3 forwards' kernel time")
+    p.add_argument(
+        "--attention",
+        default=None,
+        choices=("flex", "groups"),
+        help="the compiled mode's attention kernel on a GPU (extract.packed.GPU_ATTENTION; "
+        "default: the product's)",
+    )
     args = p.parse_args()
+    if args.attention:
+        import extract.packed
+
+        extract.packed.GPU_ATTENTION = args.attention
     global PROFILE
     PROFILE = args.profile
     import logging

@@ -7,6 +7,8 @@ The queries, keys and values of packed rows of 16,384 tokens holding the long-ta
 - flex: `extract.packed_attention`'s flex_attention with the document BlockMask, compiled, with
   Inductor's default kernel options and each candidate of CANDIDATES;
 - fa2 varlen: aten's FlashAttention-2 varlen kernel on the same segments (cu_seqlens);
+- groups: `extract.packed_attention.grouped_attention`, the samples gathered into padded batches
+  for sdpa and scattered back (what `extract.packed.GPU_ATTENTION = "groups"` runs);
 - sdpa padded: the samples of the row as padded batches, as eager extraction runs them
   (cuDNN / flash through scaled_dot_product_attention, causal).
 Prints ms per row, TFLOP/s by count (causal pairs only) and each one's largest difference
@@ -106,6 +108,20 @@ def main() -> None:
         results.append(("fa2 varlen (aten)", timed(fa2), fa2()))
     except Exception as e:
         print(f"fa2 varlen: {type(e).__name__}: {str(e)[:200]}")
+    from extract.packed_attention import SampleGroups, grouped_attention
+    from extract.packing import sample_groups
+
+    groups = SampleGroups(
+        [
+            tuple(torch.from_numpy(a).to(dev) for a in g)
+            for g in sample_groups(list(seg[: len(chunk)]), packed.cu_seqlens[:-1], budget=n)
+        ]
+    )
+    grouped = lambda: grouped_attention(q, k, v, groups, None).transpose(1, 2)  # noqa: E731
+    out = grouped()[:, :, : packed.real]
+    results.append(("groups (gather, sdpa per group, scatter)", timed(grouped), None))
+    diff = (out.float() - ref[:, :, : packed.real].float()).abs().max().item()
+    print(f"groups: max |diff| vs flex on real tokens {diff:.2e}")
     # eager extraction's padded batches: the row's samples, longest first, in batches of n
     batches = make_batches(list(seg[: len(chunk)]), batch_tokens=n)
     starts = packed.cu_seqlens

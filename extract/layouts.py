@@ -106,7 +106,7 @@ def choose_layout(
     chunk_tokens: int,
     pad_id: int,
     backend: str = "inductor",
-    flex: bool | None = None,
+    attention: str | None = None,
 ) -> PaddedLayout | PackedLayout:
     """The layout to run `body` with: packed (compiled or not) where asked for and proven by the
     probe, else padded."""
@@ -128,7 +128,7 @@ def choose_layout(
         device=device,
         compile_layers=compile_layers,
         backend=backend,
-        flex=flex,
+        attention=attention,
     )
     try:
         start, before = time.perf_counter(), compiled_graphs()
@@ -163,7 +163,7 @@ def choose_layout(
             compile_layers=False,
             chunk_tokens=chunk_tokens,
             pad_id=pad_id,
-            flex=flex,
+            attention=attention,
         )
     compiled = f"; {graphs} compiled graphs in {first:.1f} s" if compile_layers else ""
     log.info(

@@ -21,17 +21,24 @@ from torch import nn
 from extract.linear_attention import PackedGatedDeltaNet, Segments, fla_kernels, supports
 from extract.packed_attention import (
     PACKED_ATTENTION,
+    SampleGroups,
     dense_document_mask,
     document_block_mask,
     document_mask_mod,
     register,
 )
-from extract.packing import pack_rows, packed_inputs
+from extract.packing import pack_rows, packed_inputs, sample_groups
 from extract.target import decoder_layers
 
 log = logging.getLogger(__name__)
 
 PACKABLE_LAYER_TYPES = frozenset({"full_attention", "linear_attention"})
+# The attention kernel of packed rows: "flex" (flex_attention with the document BlockMask, inside
+# the compiled layers), "groups" (each row's samples as padded batches through sdpa: cuDNN's
+# kernel on an H200, outside the graphs), "dense" (sdpa with an [N, N] mask: the CPU default and
+# reference). GPU_ATTENTION is what GPUs use; changed only to measure (bench/forward_modes.py).
+ATTENTION_KINDS = ("flex", "groups", "dense")
+GPU_ATTENTION = "flex"
 
 
 def packed_support(body: nn.Module, device: torch.device) -> str | None:
@@ -73,13 +80,18 @@ class PackedLayout:
         device: torch.device,
         compile_layers: bool,
         backend: str = "inductor",
-        flex: bool | None = None,
+        attention: str | None = None,
     ):
         """`backend`: torch.compile's (tests use "eager" to check graphs without Inductor);
-        `flex`: attention by flex_attention (default on GPUs) or by sdpa with a dense mask."""
+        `attention`: one of ATTENTION_KINDS (default: GPU_ATTENTION on GPUs, else "dense")."""
         self.body, self.chunk_tokens, self.pad_id = body, chunk_tokens, pad_id
         self.compiled = compile_layers
-        self.flex = device.type == "cuda" if flex is None else flex
+        if attention is None:
+            attention = GPU_ATTENTION if device.type == "cuda" else "dense"
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention {attention!r} is not one of {ATTENTION_KINDS}")
+        self.attention = attention
+        self.groups = SampleGroups()
         self.segments = Segments()
         self.doc_N = torch.zeros(chunk_tokens, dtype=torch.long, device=device)
         self.mask_mod = document_mask_mod(self.doc_N)
@@ -114,8 +126,14 @@ class PackedLayout:
         while self._undo:
             self._undo.pop()()
 
+    @property
+    def flex(self) -> bool:
+        return self.attention == "flex"
+
     def describe(self) -> str:
-        attention = "flex_attention" if self.flex else "sdpa"
+        attention = {"flex": "flex_attention", "groups": "sdpa per sample group"}.get(
+            self.attention, "sdpa"
+        )
         layers = "compiled" if self.compiled else "eager"
         return f"packed rows of {self.chunk_tokens} tokens ({attention}, layers {layers})"
 
@@ -130,22 +148,27 @@ class PackedLayout:
         `send` moves int64 host tensors to the device."""
         p = packed_inputs(rows, chunk_tokens=self.chunk_tokens, pad_id=self.pad_id)
         host = [torch.from_numpy(a.astype(np.int64)) for a in (p.ids, p.positions, p.doc_ids)]
-        ids_N, pos_N, doc_N, cu = send(*host, torch.from_numpy(p.cu_seqlens))
+        host.append(torch.from_numpy(p.cu_seqlens))
+        groups = []
+        if self.attention == "groups":
+            lengths = [len(r) for r in rows]
+            groups = sample_groups(lengths, p.cu_seqlens[:-1], budget=self.chunk_tokens)
+            host += [torch.from_numpy(a) for g in groups for a in g]
+        ids_N, pos_N, doc_N, cu, *on_device = send(*host)
         self.doc_N.copy_(doc_N)
         s = self.segments
         s.cu_seqlens, s.cu_seqlens_cpu, s.positions_N = cu, torch.from_numpy(p.cu_seqlens), pos_N
         s.lengths = np.diff(p.cu_seqlens).tolist()
-        if self.flex:
+        kwargs = {"input_ids": ids_N[None], "position_ids": pos_N[None], "use_cache": False}
+        if self.attention == "groups":
+            self.groups.groups = [tuple(on_device[i : i + 3]) for i in range(0, len(on_device), 3)]
+            kwargs["sample_groups"], mask = self.groups, None
+        elif self.attention == "flex":
             mask = document_block_mask(self.doc_N, self.mask_mod)
         else:
             mask = dense_document_mask(self.doc_N)
         if self.types is not None:
             mask = {t: (mask if t == "full_attention" else None) for t in self.types}
+        kwargs["attention_mask"] = mask
         index = torch.arange(p.real, device=ids_N.device)
-        kwargs = {
-            "input_ids": ids_N[None],
-            "position_ids": pos_N[None],
-            "attention_mask": mask,
-            "use_cache": False,
-        }
         return kwargs, index

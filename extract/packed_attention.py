@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +91,37 @@ def dense_document_mask(doc_ids_N: torch.Tensor) -> torch.Tensor:
     return torch.tril(same)[None, None]
 
 
+@dataclass
+class SampleGroups:
+    """The current packed row's samples as padded batches (`extract.packing.sample_groups`, on
+    the device): what `grouped_attention` reads. One object per layout, refilled per row, so a
+    compiled layer sees the same object every call."""
+
+    groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+@torch.compiler.disable
+def grouped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    groups: SampleGroups,
+    scale: float | None,
+) -> torch.Tensor:
+    """Causal attention of each sample of a packed row, run as padded batches through sdpa
+    (cuDNN's or FlashAttention's kernels on a GPU): q [1, Hq, N, D] -> [1, N, Hq, D]. Tokens of
+    no batch (the row's pad tail) get zeros. Shapes change with every row: outside the graph."""
+    q_N, k_N, v_N = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D] views
+    out = torch.zeros_like(q_N)
+    gqa = q_N.shape[1] != k_N.shape[1]
+    for index_BW, src, dst in groups.groups:
+        batch = [t[index_BW].transpose(1, 2) for t in (q_N, k_N, v_N)]  # [B, H, W, D]
+        o = F.scaled_dot_product_attention(*batch, is_causal=True, scale=scale, enable_gqa=gqa)
+        o = o.transpose(1, 2).reshape(-1, *out.shape[1:])
+        out.index_copy_(0, dst, o.index_select(0, src))
+    return out[None]
+
+
 @functools.cache
 def _compiled_flex() -> Callable:
     """flex_attention compiled once per process, for packed rows run outside a compiled layer
@@ -108,10 +140,15 @@ def packed_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q [B, Hq, N, D], k/v [B, Hkv, N, D] ->
-    ([B, N, Hq, D], None). The mask is a BlockMask (flex) or a boolean tensor (sdpa)."""
+    ([B, N, Hq, D], None). The mask is a BlockMask (flex) or a boolean tensor (sdpa); or the
+    model's forward was given `sample_groups` (a SampleGroups, passed down to here by
+    transformers with the other keyword arguments) and the mask is None."""
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         raise ValueError("packed rows support plain causal attention only")
     gqa = query.shape[1] != key.shape[1]
+    groups = kwargs.get("sample_groups")
+    if groups is not None:
+        return grouped_attention(query, key, value, groups, scaling), None
     if isinstance(attention_mask, BlockMask):
         flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
         out = flex(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)

@@ -94,3 +94,34 @@ def packed_inputs(rows: Sequence[np.ndarray], *, chunk_tokens: int, pad_id: int)
     doc_ids = np.repeat(np.arange(len(segments), dtype=np.int32), segments)
     positions = np.arange(chunk_tokens, dtype=np.int64) - np.repeat(cu_seqlens[:-1], segments)
     return Packed(ids, positions, doc_ids, cu_seqlens, real)
+
+
+def sample_groups(
+    lengths: Sequence[int], starts: Sequence[int], *, budget: int
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The samples of a packed row as padded batches for a dense causal attention kernel.
+
+    Samples (`lengths`, starting at `starts` in the row), longest first, are cut into batches of
+    at most `budget` padded tokens. Per batch: `index` [B, W], the row position each slot reads
+    (a slot past its sample's end repeats its last token: a causal query never sees it),
+    `src`, the flat slots of real tokens, and `dst`, their positions in the row.
+
+    >>> [g[0].tolist() for g in sample_groups([3, 2, 1], [0, 3, 5], budget=6)]
+    [[[0, 1, 2], [3, 4, 4]], [[5]]]
+    >>> g = sample_groups([2, 3], [0, 2], budget=6)[0]
+    >>> g[0].tolist(), g[1].tolist(), g[2].tolist()
+    ([[2, 3, 4], [0, 1, 1]], [0, 1, 2, 3, 4], [2, 3, 4, 0, 1])
+    """
+    from extract.batching import length_order, make_batches
+
+    order = length_order(lengths)
+    lengths, starts = [lengths[i] for i in order], [starts[i] for i in order]
+    groups = []
+    for batch in make_batches(lengths, batch_tokens=budget):
+        width = lengths[batch.start]
+        slot = np.arange(width)
+        index = np.stack([starts[i] + np.minimum(slot, lengths[i] - 1) for i in batch])
+        src = np.concatenate([b * width + np.arange(lengths[i]) for b, i in enumerate(batch)])
+        dst = np.concatenate([starts[i] + np.arange(lengths[i]) for i in batch])
+        groups.append((index.astype(np.int64), src.astype(np.int64), dst.astype(np.int64)))
+    return groups

@@ -111,12 +111,14 @@ def targets(tiny_qwen3, tiny_qwen35, tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", "llama"])
-@pytest.mark.parametrize("flex", [False, True])
-def test_packed_rows_equal_each_row_alone_in_fp32(targets, kind, flex):
+@pytest.mark.parametrize("attention", ["dense", "flex", "groups"])
+def test_packed_rows_equal_each_row_alone_in_fp32(targets, kind, attention):
     model = load_target(str(targets[kind]), device=torch.device("cpu"), last_layer=3)
     cpu = torch.device("cpu")
     ref = _per_row(model, ROWS * 3, [0, 2, 3], cpu)
-    got, layout = _packed(model, ROWS * 3, [0, 2, 3], cpu, compile_layers=False, flex=flex)
+    got, layout = _packed(
+        model, ROWS * 3, [0, 2, 3], cpu, compile_layers=False, attention=attention
+    )
     assert layout.name == "packed"
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
@@ -126,8 +128,10 @@ def test_packed_rows_equal_each_row_alone_in_fp32(targets, kind, flex):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
-def test_compiled_layers_share_their_graphs_and_never_recompile(targets, kind):
+@pytest.mark.parametrize(
+    ("kind", "attention"), [("qwen3", "dense"), ("qwen3_5", "dense"), ("qwen3", "groups")]
+)
+def test_compiled_layers_share_their_graphs_and_never_recompile(targets, kind, attention):
     """Layers of a kind share their compiled graphs (backend "eager": dynamo's graphs without
     Inductor's code generation): a model of 8 layers compiles nothing a model of 4 did not, and
     chunks of other rows compile nothing."""
@@ -138,7 +142,9 @@ def test_compiled_layers_share_their_graphs_and_never_recompile(targets, kind):
         model = load_target(str(targets[kind]), device=cpu, last_layer=last)
         ref = _per_row(model, ROWS, [1, last], cpu)
         before = compiled_graphs()
-        got, layout = _packed(model, ROWS, [1, last], cpu, compile_layers=True, backend="eager")
+        got, layout = _packed(
+            model, ROWS, [1, last], cpu, compile_layers=True, backend="eager", attention=attention
+        )
         assert layout.compiled and compiled_graphs() == layout.graphs_after_probe
         made.append(compiled_graphs() - before)
         for a, b in zip(got, ref, strict=True):
