@@ -189,15 +189,17 @@ def test_cli_packed_cache_equals_the_padded_one(tmp_path, tiny_qwen35, data_file
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", "llama"])
-def test_compiled_packed_rows_on_cuda_match_rows_alone(targets, kind):
-    """The product's default on a GPU: flex_attention, compiled layers (Inductor), and on the
-    hybrid flash-linear-attention's varlen kernels; bf16 against each row alone."""
+@pytest.mark.parametrize("attention", ["flex", "groups"])
+def test_compiled_packed_rows_on_cuda_match_rows_alone(targets, kind, attention):
+    """The product's default on a GPU: compiled layers (Inductor), the attention by flex or by
+    sdpa over sample groups, and on the hybrid flash-linear-attention's varlen kernels; bf16
+    against each row alone."""
     cuda = torch.device("cuda")
     model = load_target(str(targets[kind]), device=cuda, last_layer=7 if kind != "llama" else 3)
     layers = [1, 3]
     ref = _per_row(model, ROWS * 2, layers, cuda)
-    got, layout = _packed(model, ROWS * 2, layers, cuda, compile_layers=True)
-    assert layout.name == "packed" and layout.flex and layout.compiled
+    got, layout = _packed(model, ROWS * 2, layers, cuda, compile_layers=True, attention=attention)
+    assert layout.name == "packed" and layout.attention == attention and layout.compiled
     for a, b in zip(got, ref, strict=True):
         err = (a.float() - b.float()).norm(dim=-1) / b.float().norm(dim=-1).clamp_min(1e-6)
         assert err.max() < 0.05
