@@ -163,6 +163,7 @@ def extract_once(
         batch_tokens=args.batch_tokens,
         compile="none",
         packing="off",
+        attention="auto",
         rows_per_part=per_part,
         total_rows=len(rows),
         units=tuple(range(units)),

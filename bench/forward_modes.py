@@ -153,7 +153,7 @@ def kernel_split(fn) -> dict[str, Any]:  # noqa: ANN001
 
 
 def measure(body, rows: list[np.ndarray], mode: str, *, batch_tokens: int, max_length: int,
-            rows_per_part: int = 512) -> dict[str, Any]:  # fmt: skip  # noqa: ANN001
+            rows_per_part: int = 512, attention: str | None = None) -> dict[str, Any]:  # fmt: skip  # noqa: ANN001
     """One mode's figures over `rows` (token id arrays): tok/s, seconds, compile seconds."""
     device = next(body.parameters()).device
     parts = part_order(rows, rows_per_part)
@@ -162,7 +162,14 @@ def measure(body, rows: list[np.ndarray], mode: str, *, batch_tokens: int, max_l
         layout = PaddedLayout(body, pad_id=0)
     else:
         chunk = chunk_size(batch_tokens, max_length)
-        layout = choose_layout(body, packed=True, compile_layers=True, chunk_tokens=chunk, pad_id=0)
+        layout = choose_layout(
+            body,
+            packed=True,
+            compile_layers=True,
+            chunk_tokens=chunk,
+            pad_id=0,
+            attention=attention,
+        )
         if layout.name != "packed":
             raise SystemExit("the compiled forward fell back to padded batches: see the log")
     setup_s = time.perf_counter() - start
@@ -192,15 +199,10 @@ def main() -> None:
     p.add_argument(
         "--attention",
         default=None,
-        choices=("flex", "groups"),
-        help="the compiled mode's attention kernel on a GPU (extract.packed.GPU_ATTENTION; "
-        "default: the product's)",
+        choices=("flex", "sdpa"),
+        help="the compiled mode's attention kernel (extract's --attention; default: its auto)",
     )
     args = p.parse_args()
-    if args.attention:
-        import extract.packed
-
-        extract.packed.GPU_ATTENTION = args.attention
     global PROFILE
     PROFILE = args.profile
     import logging
@@ -227,7 +229,10 @@ def main() -> None:
     flops = forward_flops(body, lengths)
     out: dict[str, Any] = {"shape": args.shape, "layers": last + 1, "ceiling_tflops": ceiling}
     for mode in args.modes.split(","):
-        r = measure(body, rows, mode, batch_tokens=args.batch_tokens, max_length=3072)
+        r = measure(
+            body, rows, mode, batch_tokens=args.batch_tokens, max_length=3072,
+            attention=args.attention,
+        )  # fmt: skip
         r["mfu"] = flops / r["seconds"] / (ceiling * 1e12)
         out[mode] = r
         print(

@@ -8,7 +8,7 @@ The queries, keys and values of packed rows of 16,384 tokens holding the long-ta
   Inductor's default kernel options and each candidate of CANDIDATES;
 - fa2 varlen: aten's FlashAttention-2 varlen kernel on the same segments (cu_seqlens);
 - groups: `extract.packed_attention.grouped_attention`, the samples gathered into padded batches
-  for sdpa and scattered back (what `extract.packed.GPU_ATTENTION = "groups"` runs);
+  for sdpa and scattered back (what `python -m extract --attention sdpa` runs);
 - sdpa padded: the samples of the row as padded batches, as eager extraction runs them
   (cuDNN / flash through scaled_dot_product_attention, causal).
 Prints ms per row, TFLOP/s by count (causal pairs only) and each one's largest difference

@@ -64,6 +64,13 @@ class ExtractConfig:
         "auto: layers on GPUs, none on CPUs.",
         choices=COMPILE_MODES,
     )
+    attention: str = option(
+        "auto",
+        help="Packed rows' attention kernel: flex (flex_attention, compiled into the layers) or "
+        "sdpa (each row's samples as padded batches: cuDNN or FlashAttention); auto: flex on "
+        "GPUs, sdpa on CPUs.",
+        choices=("auto", "flex", "sdpa"),
+    )
     packing: str = option(
         "auto",
         help="on: whole samples back to back in rows of --batch-tokens, attention confined to "

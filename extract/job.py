@@ -24,6 +24,7 @@ class Job:
     batch_tokens: int
     compile: str  # ExtractConfig's: resolved per device by extract.layouts.forward_mode
     packing: str
+    attention: str  # packed rows' kernel, "auto" for extract.packed's default
     rows_per_part: int
     total_rows: int
     units: tuple[int, ...]  # pending units, sorted; rank r takes units[r::world]

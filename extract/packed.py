@@ -33,11 +33,11 @@ from extract.target import decoder_layers
 log = logging.getLogger(__name__)
 
 PACKABLE_LAYER_TYPES = frozenset({"full_attention", "linear_attention"})
-# The attention kernel of packed rows: "flex" (flex_attention with the document BlockMask, inside
-# the compiled layers), "groups" (each row's samples as padded batches through sdpa: cuDNN's
-# kernel on an H200, outside the graphs), "dense" (sdpa with an [N, N] mask: the CPU default and
-# reference). GPU_ATTENTION is what GPUs use; changed only to measure (bench/forward_modes.py).
-ATTENTION_KINDS = ("flex", "groups", "dense")
+# The attention kernel of packed rows (`--attention`): "flex" (flex_attention with the document
+# BlockMask, inside the compiled layers), "sdpa" (each row's samples as padded batches through
+# sdpa: cuDNN's kernel on an H200, outside the graphs), "dense" (sdpa with an [N, N] mask: the
+# tests' reference). GPU_ATTENTION is what `--attention auto` runs on a GPU ("sdpa" elsewhere).
+ATTENTION_KINDS = ("flex", "sdpa", "dense")
 GPU_ATTENTION = "flex"
 
 
@@ -83,11 +83,11 @@ class PackedLayout:
         attention: str | None = None,
     ):
         """`backend`: torch.compile's (tests use "eager" to check graphs without Inductor);
-        `attention`: one of ATTENTION_KINDS (default: GPU_ATTENTION on GPUs, else "dense")."""
+        `attention`: one of ATTENTION_KINDS (default: GPU_ATTENTION on GPUs, else "sdpa")."""
         self.body, self.chunk_tokens, self.pad_id = body, chunk_tokens, pad_id
         self.compiled = compile_layers
         if attention is None:
-            attention = GPU_ATTENTION if device.type == "cuda" else "dense"
+            attention = GPU_ATTENTION if device.type == "cuda" else "sdpa"
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention {attention!r} is not one of {ATTENTION_KINDS}")
         self.attention = attention
@@ -131,8 +131,8 @@ class PackedLayout:
         return self.attention == "flex"
 
     def describe(self) -> str:
-        attention = {"flex": "flex_attention", "groups": "sdpa per sample group"}.get(
-            self.attention, "sdpa"
+        attention = {"flex": "flex_attention", "sdpa": "sdpa per group of samples"}.get(
+            self.attention, "sdpa, dense mask"
         )
         layers = "compiled" if self.compiled else "eager"
         return f"packed rows of {self.chunk_tokens} tokens ({attention}, layers {layers})"
@@ -150,7 +150,7 @@ class PackedLayout:
         host = [torch.from_numpy(a.astype(np.int64)) for a in (p.ids, p.positions, p.doc_ids)]
         host.append(torch.from_numpy(p.cu_seqlens))
         groups = []
-        if self.attention == "groups":
+        if self.attention == "sdpa":
             lengths = [len(r) for r in rows]
             groups = sample_groups(lengths, p.cu_seqlens[:-1], budget=self.chunk_tokens)
             host += [torch.from_numpy(a) for g in groups for a in g]
@@ -160,7 +160,7 @@ class PackedLayout:
         s.cu_seqlens, s.cu_seqlens_cpu, s.positions_N = cu, torch.from_numpy(p.cu_seqlens), pos_N
         s.lengths = np.diff(p.cu_seqlens).tolist()
         kwargs = {"input_ids": ids_N[None], "position_ids": pos_N[None], "use_cache": False}
-        if self.attention == "groups":
+        if self.attention == "sdpa":
             self.groups.groups = [tuple(on_device[i : i + 3]) for i in range(0, len(on_device), 3)]
             kwargs["sample_groups"], mask = self.groups, None
         elif self.attention == "flex":

@@ -325,6 +325,7 @@ def _run_locked(
         batch_tokens=cfg.batch_tokens,
         compile=cfg.compile,
         packing=cfg.packing,
+        attention=cfg.attention,
         rows_per_part=cfg.rows_per_part,
         total_rows=planned.total_rows,
         units=pending,

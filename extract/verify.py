@@ -157,8 +157,14 @@ def packed_runs(model, manifest: Manifest, samples: list, device: torch.device) 
     if not packed:
         return [None] * len(samples)
     chunk = chunk_size(int(config.get("batch_tokens", 16384)), manifest.max_length)
+    attention = config.get("attention", "auto")
     layout = functools.partial(
-        choose_layout, packed=True, compile_layers=compiled, chunk_tokens=chunk, pad_id=0
+        choose_layout,
+        packed=True,
+        compile_layers=compiled,
+        chunk_tokens=chunk,
+        pad_id=0,
+        attention=None if attention == "auto" else attention,
     )
     capture = LayerCapture(model, manifest.layer_ids, layout=layout)
     try:

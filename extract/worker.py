@@ -46,6 +46,7 @@ def rank_main(info: RankInfo, job: Job) -> None:
         compile_layers=compiled,
         chunk_tokens=chunk_size(job.batch_tokens, job.max_length),
         pad_id=pad,
+        attention=None if job.attention == "auto" else job.attention,
     )
     capture = LayerCapture(model, job.layer_ids, pad_id=pad, layout=layout)
     log.info("rank %d: the target runs %s", info.rank, capture.layout.describe())

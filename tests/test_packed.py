@@ -111,7 +111,7 @@ def targets(tiny_qwen3, tiny_qwen35, tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", "llama"])
-@pytest.mark.parametrize("attention", ["dense", "flex", "groups"])
+@pytest.mark.parametrize("attention", ["dense", "flex", "sdpa"])
 def test_packed_rows_equal_each_row_alone_in_fp32(targets, kind, attention):
     model = load_target(str(targets[kind]), device=torch.device("cpu"), last_layer=3)
     cpu = torch.device("cpu")
@@ -129,7 +129,7 @@ def test_packed_rows_equal_each_row_alone_in_fp32(targets, kind, attention):
 
 
 @pytest.mark.parametrize(
-    ("kind", "attention"), [("qwen3", "dense"), ("qwen3_5", "dense"), ("qwen3", "groups")]
+    ("kind", "attention"), [("qwen3", "dense"), ("qwen3_5", "dense"), ("qwen3", "sdpa")]
 )
 def test_compiled_layers_share_their_graphs_and_never_recompile(targets, kind, attention):
     """Layers of a kind share their compiled graphs (backend "eager": dynamo's graphs without
@@ -162,7 +162,12 @@ def test_a_layout_that_changes_the_states_is_refused(targets, monkeypatch, caplo
     monkeypatch.setattr(packed, "dense_document_mask", leaky)
     model = load_target(str(targets["qwen3"]), device=torch.device("cpu"), last_layer=3)
     layout = choose_layout(
-        model.get_decoder(), packed=True, compile_layers=False, chunk_tokens=256, pad_id=0
+        model.get_decoder(),
+        packed=True,
+        compile_layers=False,
+        chunk_tokens=256,
+        pad_id=0,
+        attention="dense",
     )
     assert layout.name == "padded"
     assert "packed rows changed a probe forward" in caplog.text
@@ -189,7 +194,7 @@ def test_cli_packed_cache_equals_the_padded_one(tmp_path, tiny_qwen35, data_file
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", "llama"])
-@pytest.mark.parametrize("attention", ["flex", "groups"])
+@pytest.mark.parametrize("attention", ["flex", "sdpa"])
 def test_compiled_packed_rows_on_cuda_match_rows_alone(targets, kind, attention):
     """The product's default on a GPU: compiled layers (Inductor), the attention by flex or by
     sdpa over sample groups, and on the hybrid flash-linear-attention's varlen kernels; bf16
