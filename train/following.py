@@ -1,0 +1,401 @@
+"""Training while the extraction is still writing the cache.
+
+A run on a cache whose manifest is incomplete (or that is not there yet while an extraction is
+starting) *follows* it, unless `--no-follow`:
+
+- The launching process waits until the committed parts hold the rows of one optimizer step,
+  logs that it follows the extraction and how many parts it has, and fixes the run's length:
+  `--steps`, or `--epochs` times the rows of a pass over the finished cache, estimated from the
+  committed parts (their rows per source row, times the manifest's source rows). A run that will
+  end within the first pass says so.
+- Epoch 0 is the first pass, planned as parts are committed (`train.data.growing`: unit order,
+  shuffled within windows of `--shuffle-buffer` samples); epochs 1, 2, ... are the whole cache's,
+  as a run on a finished cache plans them.
+- Each rank trains while the next step's rows are planned on every rank; otherwise all ranks wait
+  together (`Following.catch_up`), agreeing every half second through one small all-reduce, which
+  also carries a stop signal: the run then saves a checkpoint and ends as on any stop. The wait
+  says whether the extraction runs; a killed or stopped one is waited for until the same extract
+  command resumes it.
+- A checkpoint records the plan's view of the cache (the parts, with their rows and tokens) and
+  the estimate; a resumed run keeps following with them, whether or not the extraction finished
+  in between, so it reads exactly the rows and has exactly the schedule it would have had.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shared.dist import RankInfo, broadcast_object
+from shared.manifest import CacheMismatch, Manifest, manifest_path, read_manifest
+from shared.stopping import Stopped, StopRequest, StopRun
+from train.config import TrainConfig
+from train.data.follow import (
+    POLL_S,
+    CacheChanged,
+    CacheView,
+    ManifestWatch,
+    extraction_state,
+    is_running,
+)
+from train.data.growing import GrowingPlan, GrowingRows, growing_holdout
+from train.data.loader import LoaderState
+from train.data.plan import PlanSpec, epoch_lengths
+from train.prepared import FollowPlan, Prepared
+
+log = logging.getLogger(__name__)
+
+# An extraction loads its target's tokenizer and indexes its data before it creates the cache:
+# a run started with it waits this long for its manifest (no lock to go by yet), then refuses.
+START_WAIT_S = 600.0
+QUIET_S = 10.0  # a wait shorter than this while the extraction runs is not worth a line
+REPEAT_S = 300.0  # a long wait is said again this often
+COMPLETE = 2**62  # "every row": what a rank whose view is complete offers in the agreement
+
+
+# --- the launching process -------------------------------------------------------------------
+
+
+def await_manifest(cfg: TrainConfig) -> Manifest:
+    """The cache's manifest; with --follow, waited for while an extraction is starting there."""
+    path = manifest_path(cfg.data)
+    if not cfg.follow or path.is_file():
+        return read_manifest(cfg.data)
+    log.info(
+        "waiting for an extraction to start writing %s (no manifest.json yet; --no-follow "
+        "refuses at once)",
+        cfg.data,
+    )
+    stop = StopRequest().install("stopping the wait")
+    try:
+        deadline = time.monotonic() + START_WAIT_S
+        while not path.is_file():
+            if stop.requested:
+                raise Stopped(
+                    f"stopped by {stop.signal_name} while waiting for an extraction to start "
+                    f"writing {cfg.data}: nothing was started"
+                )
+            if time.monotonic() > deadline and not is_running(extraction_state(cfg.data)):
+                break  # read_manifest says what is missing
+            time.sleep(POLL_S)
+    finally:
+        stop.restore()
+    return read_manifest(cfg.data)
+
+
+def holdout(cfg: TrainConfig, view: CacheView) -> tuple[tuple, tuple]:
+    """(train, eval) length tables of the view, by rules that hold whatever the cache's size."""
+    return growing_holdout(
+        view.lengths,
+        fraction=cfg.eval_fraction,
+        parts=cfg.eval_parts or 0,
+        num_units=view.num_units,
+    )
+
+
+def first_pass(cfg: TrainConfig, view: CacheView, *, complete: bool) -> GrowingPlan:
+    """The first pass's plan of the view's parts (all of them with `complete`)."""
+    plan = GrowingPlan(
+        seed=cfg.seed,
+        row_tokens=cfg.batch_tokens,
+        clip=min(cfg.batch_tokens, cfg.max_length or cfg.batch_tokens),
+        window=cfg.shuffle_buffer,
+    )
+    plan.extend(holdout(cfg, view)[0], complete=complete)
+    return plan
+
+
+def await_first_step(
+    cfg: TrainConfig, view: CacheView, manifest: Manifest, *, world_size: int
+) -> CacheView:
+    """The view once its first pass holds one optimizer step's rows on `world_size` ranks."""
+    watch, need = ManifestWatch(cfg.data, manifest.identity()), world_size * cfg.grad_accum
+    stop = StopRequest().install("stopping the wait")
+    said: tuple[str, float] | None = None
+    start = time.monotonic()
+    try:
+        while True:
+            view = watch.grow(view)
+            plan = first_pass(cfg, view, complete=view.complete)
+            if len(plan.rows) >= need:
+                return view
+            if view.complete:
+                tokens = sum(ref.length for row in plan.rows for ref in row)
+                raise CacheMismatch(
+                    cfg.data,
+                    [
+                        f"too small for one optimizer step: its {tokens:,} training tokens pack "
+                        f"into {len(plan.rows)} rows of --batch-tokens {cfg.batch_tokens}, and "
+                        f"one step on {world_size} rank(s) with --grad-accum {cfg.grad_accum} "
+                        f"needs {need}. Extract more data, or lower --batch-tokens, --grad-accum "
+                        "or the number of devices"
+                    ],
+                )
+            if stop.requested:
+                raise Stopped(
+                    f"stopped by {stop.signal_name} while waiting for the first step's parts of "
+                    f"{cfg.data}: nothing was trained or saved"
+                )
+            said = say_waiting(cfg, view, "before the first step", said, start)
+            watch.wait(POLL_S)
+    finally:
+        stop.restore()
+
+
+def estimate_rows(cfg: TrainConfig, view: CacheView) -> int:
+    """Rows of the first pass over the finished cache: exact once complete, else those of the
+    committed parts scaled by the source rows still to read (rows per source row as so far)."""
+    rows = len(first_pass(cfg, view, complete=True).rows)
+    if view.complete or view.rows_read == 0:
+        return rows
+    return -(-rows * view.total_rows // view.rows_read)
+
+
+def total_steps(cfg: TrainConfig, rows_estimate: int, world_size: int) -> int:
+    """The run's optimizer steps: --steps, or --epochs passes of the estimated size."""
+    if cfg.steps is not None:
+        return cfg.steps
+    return max(1, cfg.epochs * (rows_estimate // world_size) // cfg.grad_accum)
+
+
+def start_following(
+    cfg: TrainConfig, view: CacheView, manifest: Manifest, *, world_size: int, estimate: int | None
+) -> FollowPlan:
+    """The plan of a run that follows the extraction, and the start-up log that says so.
+    `estimate`: the checkpoint's, when resuming one."""
+    resumed = estimate is not None
+    estimate = estimate if resumed else estimate_rows(cfg, view)
+    total = total_steps(cfg, estimate, world_size)
+    per_pass = estimate // world_size // cfg.grad_accum
+    log.info(
+        "following the extraction of %s: %s; %s. The first pass reads the parts in unit order "
+        "as they are committed, shuffled within windows of %d samples, waiting for more when "
+        "it needs them; the epochs after it read the whole cache",
+        cfg.data,
+        view.describe(),
+        extraction_state(cfg.data),
+        cfg.shuffle_buffer,
+    )
+    how = (
+        f"--steps {cfg.steps}"
+        if cfg.steps is not None
+        else f"--epochs {cfg.epochs} x about {per_pass:,} steps a pass"
+    )
+    log.info(
+        "schedule: %s steps (%s); a pass over the finished cache is about %s rows, %s "
+        "(give --steps to fix the length)",
+        f"{total:,}",
+        how,
+        f"{estimate:,}",
+        "as estimated when the run started" if resumed else "estimated from the committed parts",
+    )
+    if total < per_pass:
+        log.warning(
+            "this run's %d steps end within the first pass (about %d steps): it will finish "
+            "before the extraction does and will not train on every sample of the cache",
+            total,
+            per_pass,
+        )
+    return FollowPlan(view=view, rows_estimate=estimate, identity=manifest.identity())
+
+
+def say_waiting(
+    cfg: TrainConfig, view: CacheView, where: str, said: tuple[str, float] | None, since: float
+) -> tuple[str, float] | None:
+    """Log why the run waits, when it is worth a line: at once if the extraction is not running,
+    after QUIET_S if it is, again when that changes or every REPEAT_S. Returns what was said."""
+    state, now = extraction_state(cfg.data), time.monotonic()
+    if said is not None and said[0] == state and now - said[1] < REPEAT_S:
+        return said
+    if is_running(state):
+        if now - since < QUIET_S:
+            return said
+        log.info(
+            "waiting %s for the extraction to commit more parts: %s; %s",
+            where,
+            view.describe(),
+            state,
+        )
+    else:
+        log.warning(
+            "waiting %s: the cache is incomplete (%s) and %s (killed, failed or stopped). "
+            "Training continues when the same extract command resumes it; a stop signal ends "
+            "this run, which the same train command resumes",
+            where,
+            view.describe(),
+            state,
+        )
+    return (state, now)
+
+
+# --- a rank ----------------------------------------------------------------------------------
+
+
+class Following:
+    """A rank's side of the run: the first pass's plan, how much of it every rank has, and the
+    wait for more."""
+
+    def __init__(self, cfg: TrainConfig, plan: FollowPlan, info: RankInfo) -> None:
+        self.cfg, self.info = cfg, info
+        self.view = plan.view
+        # Under torchrun every rank estimated by itself: rank 0's is the run's.
+        self.rows_estimate = int(broadcast_object(plan.rows_estimate))
+        self.watch = ManifestWatch(cfg.data, plan.identity)
+        self.total = total_steps(cfg, self.rows_estimate, info.world_size)
+        self.plan = first_pass(cfg, self.view, complete=self.view.complete)
+        self.limits: list[int] = []  # micro-batches per epoch, once the cache is complete
+        self.available = 0  # micro-batches of the first pass every rank has planned
+        self.complete = False  # every rank's view is complete: the whole pass is planned
+        self.epoch: int | None = None  # the loader's epoch after the last step
+
+    def ready(self, state: LoaderState) -> bool:
+        """Whether the next optimizer step's micro-batches are planned on every rank."""
+        return self.complete or state.consumed + self.cfg.grad_accum <= self.available
+
+    def catch_up(self, state: LoaderState, *, step: int, stop: StopRequest) -> bool:
+        """Wait, with every rank, until the next step's rows are planned on every rank; False
+        when a stop signal reached any rank first. Collective: every rank calls it at the same
+        step (`ready` is the same on all)."""
+        said, start = None, time.monotonic()
+        if self.epoch is None:
+            self.epoch = state.epoch
+        while True:
+            grown = self.watch.grow(self.view)
+            if grown is not self.view:
+                self.view = grown
+                self.plan.extend(holdout(self.cfg, grown)[0], complete=grown.complete)
+            world = self.info.world_size
+            mine = COMPLETE if self.plan.complete else self.plan.rank_rows(world_size=world)
+            available, stopping = _agree(mine, stop.requested, self.info.device)
+            if stopping:
+                return False
+            if available == COMPLETE or state.consumed + self.cfg.grad_accum <= available:
+                self.available, self.complete = available, available == COMPLETE
+                if said is not None:
+                    log.info("continuing at step %d: %s", step, self.view.describe())
+                return True
+            said = say_waiting(self.cfg, self.view, f"at step {step}", said, start)
+            self.watch.wait(POLL_S)
+
+    def loader_plan(
+        self, limits: list[int], state: LoaderState
+    ) -> tuple[dict[int, int], GrowingRows | None]:
+        """(micro-batches per epoch, the first pass's rows) for a rank's loader from `state`."""
+        rank, world = self.info.rank, self.info.world_size
+        share = None
+        if state.epoch == 0:
+            share = self.plan.share(rank=rank, world_size=world, start=state.consumed)
+        return (dict(enumerate(limits)) if self.complete else {0: self.available}), share
+
+    def grown(
+        self, prep: Prepared, spec: PlanSpec, state: LoaderState
+    ) -> tuple[Prepared, PlanSpec, list[int], LoaderState]:
+        """After `catch_up`: the run's parts and lengths, plan spec, epochs (planned once the
+        cache is complete: the first pass, then whole-cache epochs) and loader state."""
+        train, evals = holdout(self.cfg, self.view)
+        prep = replace(prep, parts=self.view.parts, train_lengths=train, eval_lengths=evals)
+        spec = replace(spec, lengths=train)
+        if self.complete and not self.limits:
+            world = self.info.world_size
+            try:
+                self.limits = epoch_lengths(
+                    spec,
+                    world_size=world,
+                    epochs=None,
+                    steps=self.total,
+                    grad_accum=self.cfg.grad_accum,
+                    first=[self.plan.rank_rows(world_size=world)],
+                )
+            except ValueError as e:
+                raise CacheChanged(f"{self.cfg.data}: too small to continue: {e}") from None
+            self.say_complete()
+        if self.limits and state.epoch == 0 and state.consumed >= self.limits[0]:
+            state = LoaderState(1, 0)  # the pass ended where the ranks' rows did
+        return prep, spec, self.limits, state
+
+    def stopped(self, step: int, stop: StopRequest) -> Stopped:
+        """The error that ends a run stopped while it waited at `step`."""
+        saved = f"checkpoint saved in {self.cfg.out}" if step else "nothing to save"
+        return Stopped(
+            f"stopped by {stop.signal_name or 'a signal on another rank'} while waiting for the "
+            f"extraction at step {step} of {self.total}: {saved}; rerun the same command to "
+            "resume (--resume auto)."
+        )
+
+    def record(self) -> dict[str, Any]:
+        """What a checkpoint records of the plan."""
+        return {
+            "follow": True,
+            "rows_estimate": self.rows_estimate,
+            "complete": self.view.complete,
+            "parts": self.view.record(),
+        }
+
+    def after_step(self, step: int, state: LoaderState) -> None:
+        """Log what the first pass trained on when this process sees the loader leave it."""
+        left_it = self.epoch == 0 and state.epoch > 0
+        self.epoch = state.epoch
+        if left_it:
+            self.first_pass_done(step)
+
+    def first_pass_done(self, step: int) -> None:
+        """Log what the first pass trained on."""
+        world = self.info.world_size
+        used = self.plan.rows[: self.plan.rank_rows(world_size=world) * world]
+        samples = sum(len(r) for r in used)
+        held = sum(1 for ls in holdout(self.cfg, self.view)[1] for n in ls if n > 0)
+        left = sum(len(r) for r in self.plan.rows[len(used) :])
+        log.info(
+            "the first pass is done at step %d: %s samples (%s tokens) in %d rows, of the %s "
+            "training samples of the finished cache (%d held out for evaluation; %d in the "
+            "last rows, fewer than the ranks, wait for the next epoch)",
+            step,
+            f"{samples:,}",
+            f"{sum(s.length for r in used for s in r):,}",
+            len(used),
+            f"{samples + left:,}",
+            held,
+            left,
+        )
+
+    def say_complete(self) -> None:
+        """Log that the cache is complete and what the run's steps are of it."""
+        rows = self.plan.rank_rows(world_size=self.info.world_size)
+        log.info(
+            "the extraction is complete: %s. The first pass is %d rows a rank (%.1f steps); "
+            "this run's %d steps reach into epoch %d",
+            self.view.describe(),
+            rows,
+            rows / self.cfg.grad_accum,
+            self.total,
+            len(self.limits) - 1,
+        )
+
+    def say_unfinished(self, step: int) -> None:
+        """At the end of a run: warn when the extraction had not finished."""
+        try:
+            self.view = self.watch.grow(self.view)
+        except (StopRun, CacheMismatch, OSError):
+            pass  # a message only: the run itself is done
+        if not self.view.complete:
+            log.warning(
+                "the run ended at step %d before the extraction finished (%s): the drafter "
+                "trained on those parts only; a longer run (--steps, --epochs) reads the rest",
+                step,
+                self.view.describe(),
+            )
+
+
+def _agree(mine: int, stop: bool, device: torch.device) -> tuple[int, bool]:
+    """(the least of the ranks' `mine`, whether any rank was asked to stop)."""
+    if not dist.is_initialized():
+        return mine, stop
+    t = torch.tensor([-mine, int(stop)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    neg, any_stop = t.tolist()
+    return -neg, bool(any_stop)
