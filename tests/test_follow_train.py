@@ -105,7 +105,7 @@ def test_a_run_trains_on_parts_committed_after_it_started(growing, lines, tmp_pa
     waits = re.findall(r"waiting at step (\d+)", text)
     goes_on = re.findall(r"continuing at step (\d+): (\d) of 6", text)
     assert len(waits) == 2 and [g[0] for g in goes_on] == waits and goes_on[-1][1] == "6"
-    done = re.search(r"the first pass is done at step \d+: (\d+) samples .* of the (\d+) training", text)
+    done = re.search(r"first pass is done at step \d+: (\d+) samples .* of the (\d+) train", text)
     assert done and int(done.group(1)) == int(done.group(2)) == 30  # 6 parts x 5, none held out
     reference = run(tiny(cache, tmp_path / "reference", steps=14))
     a, b = exported(tmp_path / "followed"), exported(reference.parent)

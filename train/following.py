@@ -276,10 +276,11 @@ class Following:
                 return False
             if available == COMPLETE or state.consumed + self.cfg.grad_accum <= available:
                 self.available, self.complete = available, available == COMPLETE
-                if said is not None:
+                if said is not None:  # said on rank 0 only
                     log.info("continuing at step %d: %s", step, self.view.describe())
                 return True
-            said = say_waiting(self.cfg, self.view, f"at step {step}", said, start)
+            if self.info.is_main:
+                said = say_waiting(self.cfg, self.view, f"at step {step}", said, start)
             self.watch.wait(POLL_S)
 
     def loader_plan(
@@ -347,20 +348,21 @@ class Following:
         """Log what the first pass trained on."""
         world = self.info.world_size
         used = self.plan.rows[: self.plan.rank_rows(world_size=world) * world]
-        samples = sum(len(r) for r in used)
+        left = self.plan.rows[len(used) :]
+        samples, waiting = sum(len(r) for r in used), sum(len(r) for r in left)
         held = sum(1 for ls in holdout(self.cfg, self.view)[1] for n in ls if n > 0)
-        left = sum(len(r) for r in self.plan.rows[len(used) :])
         log.info(
             "the first pass is done at step %d: %s samples (%s tokens) in %d rows, of the %s "
-            "training samples of the finished cache (%d held out for evaluation; %d in the "
-            "last rows, fewer than the ranks, wait for the next epoch)",
+            "training samples of the finished cache (%d held out for evaluation; the %d samples "
+            "of its last %d rows, fewer rows than ranks, are left to the next epoch)",
             step,
             f"{samples:,}",
-            f"{sum(s.length for r in used for s in r):,}",
+            f"{sum(ref.length for row in used for ref in row):,}",
             len(used),
-            f"{samples + left:,}",
+            f"{samples + waiting:,}",
             held,
-            left,
+            waiting,
+            len(left),
         )
 
     def say_complete(self) -> None:
