@@ -35,7 +35,7 @@ def tiny(cache, out, **kw) -> TrainConfig:
 
 
 class Lines(logging.Handler):
-    """The messages of train.following, and a wait for the next one that matches."""
+    """The messages of train's loggers, and a wait for the next one that matches."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -60,7 +60,7 @@ class Lines(logging.Handler):
 @pytest.fixture()
 def lines():
     handler = Lines()
-    logger = logging.getLogger("train.following")
+    logger = logging.getLogger("train")
     level = logger.level
     logger.setLevel(logging.INFO)  # before train_rank sets logging up, the launcher's lines too
     logger.addHandler(handler)

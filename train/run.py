@@ -43,7 +43,7 @@ from train.data.loader import layer_positions, load_catalog
 from train.data.plan import PlanSpec, holdout_lengths, plan_rows
 from train.drafters.anchors import default_gamma
 from train.drafters.config import DFLASH2_FIELDS, LOGIT_FIELDS, DrafterConfig
-from train.following import await_first_step, await_manifest, holdout, start_following
+from train.follow_start import await_first_step, await_manifest, holdout, start_following
 from train.loop import EXPORT_DIR, train_rank
 from train.prepared import FollowPlan, Prepared
 from train.run_dir import RunError, prepare_run_dir, resumed_plan
