@@ -165,18 +165,17 @@ class Following:
         left = self.plan.rows[len(used) :]
         samples, waiting = sum(len(r) for r in used), sum(len(r) for r in left)
         held = sum(1 for ls in holdout(self.cfg, self.view)[1] for n in ls if n > 0)
+        rest = f"; the {waiting} samples of its last {len(left)} rows, fewer than the ranks, "
         log.info(
             "the first pass is done at step %d: %s samples (%s tokens) in %d rows, of the %s "
-            "training samples of the finished cache (%d held out for evaluation; the %d samples "
-            "of its last %d rows, fewer rows than ranks, are left to the next epoch)",
+            "training samples of the finished cache (%d held out for evaluation%s)",
             step,
             f"{samples:,}",
             f"{sum(ref.length for row in used for ref in row):,}",
             len(used),
             f"{samples + waiting:,}",
             held,
-            waiting,
-            len(left),
+            rest + "are left to the next epoch" if left else "",
         )
 
     def say_complete(self) -> None:
