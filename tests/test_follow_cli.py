@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from shared.manifest import read_manifest, write_manifest
+from tests.cachegen import write_cache
 from tests.test_extract import chat
 from train.checkpoint import list_checkpoints
 
@@ -216,3 +217,18 @@ def test_sigterm_of_both_sides_and_a_resume_after_the_extraction_finished(
     assert 0 <= training - trained <= 2  # two ranks: the samples of a last odd row wait
     verify(cache)
     same_as_one_run_over_the_finished_cache(tmp_path, cache, run, "--gpus", "cpu:2")
+
+
+def test_sigterm_while_waiting_for_the_first_step_starts_nothing(tmp_path):
+    """A window that the committed parts do not fill yet: the launcher waits, says why, and a
+    stop signal ends it before any rank started."""
+    cache = write_cache(tmp_path / "c", num_parts=4, samples_per_part=5, complete=False)
+    full = read_manifest(cache)
+    write_manifest(cache, dataclasses.replace(full, parts=full.parts[:2]))
+    train = Proc(*train_args(cache, tmp_path / "r", "--shuffle-buffer", "1000"))
+    line = train.wait_for("waiting before the first step")
+    assert "2 of 4 parts committed" in line and "no extraction is running on it" in line
+    train.signal(signal.SIGTERM)
+    assert train.finish() == 1
+    assert "stopped by SIGTERM while waiting for the first step's parts" in train.text
+    assert not list_checkpoints(tmp_path / "r")
