@@ -86,11 +86,13 @@ def await_first_step(
     watch, need = ManifestWatch(cfg.data, manifest.identity()), world_size * cfg.grad_accum
     stop = StopRequest().install("stopping the wait")
     said: tuple[str, float] | None = None
-    start = time.monotonic()
+    start, plan = time.monotonic(), first_pass(cfg, view, complete=view.complete)
     try:
         while True:
-            view = watch.grow(view)
-            plan = first_pass(cfg, view, complete=view.complete)
+            grown = watch.grow(view)
+            if grown is not view:
+                view = grown
+                plan.extend(holdout(cfg, view)[0], complete=view.complete)
             if len(plan.rows) >= need:
                 return view
             if view.complete:
