@@ -163,6 +163,29 @@ def _inode(path: Path) -> int | None:
         return None
 
 
+def read_holder(folder: Path) -> dict[str, Any] | None:
+    """The record of whoever holds `folder`'s lock (pid, host, started, command), read without
+    touching the lock (a reader's flock, however brief, could make a starting holder refuse);
+    None when there is no lock file. The record stays after its holder is `kill -9`ed: see
+    `holder_running`."""
+    try:
+        fd = os.open(Path(folder) / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return _read(fd)
+    finally:
+        os.close(fd)
+
+
+def holder_running(info: dict[str, Any]) -> bool | None:
+    """Whether the holder named by `info` still runs: None when it is on another host (its
+    process cannot be checked from here)."""
+    if info.get("host") != socket.gethostname():
+        return None
+    return pid_alive(info.get("pid"))
+
+
 def release(folder: Path, fd: int) -> None:
     """Remove the lock file if it is still ours, then drop the flock."""
     path = Path(folder) / LOCK_FILE

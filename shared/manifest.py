@@ -160,6 +160,22 @@ class Manifest:
     def done_units(self) -> set[int]:
         return {p.unit for p in self.parts}
 
+    def committed_prefix(self) -> tuple[PartRecord, ...]:
+        """The parts of units 0, 1, 2, ... up to the first unit not recorded yet: what a reader
+        of a cache still being written may use, in an order that does not depend on when (or
+        by which rank) each part was committed."""
+        prefix: list[PartRecord] = []
+        for part in sorted(self.parts, key=lambda p: p.unit):
+            if part.unit != len(prefix):
+                break
+            prefix.append(part)
+        return tuple(prefix)
+
+    @property
+    def all_recorded(self) -> bool:
+        """Every work unit has its part in the manifest: nothing more will be added."""
+        return self.done_units() >= set(range(self.num_units))
+
     def totals(self) -> dict[str, Any]:
         rejected: dict[str, int] = {}
         for p in self.parts:

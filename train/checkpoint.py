@@ -81,6 +81,7 @@ def save_checkpoint(
     torch.save(state, tmp / STATE_FILE)
     atomic_write_json(tmp / DRAFTER_FILE, drafter_cfg.to_dict())
     meta = {"step": step, "files": [STATE_FILE, DRAFTER_FILE], "loader": state.get("loader")}
+    meta["plan"] = state.get("plan")  # a run's view of a cache still being written
     atomic_write_json(tmp / META_FILE, meta)
     fsync_dir(tmp)
     replace_dir(tmp, final)
