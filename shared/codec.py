@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from numcodecs import Blosc
 
+from shared.fp8 import FP8_MAX, dequantize_fp8, quantize_fp8  # noqa: F401  (the fp8 store)
+
 FORMAT_VERSION = 1
 # Each sample's first row in a zarr part is a multiple of this; also the row extent of a chunk.
 CHUNK_ROWS = 64
@@ -60,8 +62,6 @@ PLANES_BLOSC = {
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 STORES = ("bf16", "fp8")
 FORMATS = ("zarr", "wds")
-# Largest finite float8 e4m3fn magnitude: scale = amax / FP8_MAX maps each row onto the full range.
-FP8_MAX = 448.0
 
 numcodecs.blosc.use_threads = False
 numcodecs.blosc.set_nthreads(1)
@@ -189,34 +189,6 @@ def u16_to_bf16(a: np.ndarray) -> torch.Tensor:
     if a.dtype != np.uint16:
         raise TypeError(f"expected a uint16 array, got {a.dtype}")
     return torch.from_numpy(np.ascontiguousarray(a)).view(torch.bfloat16)
-
-
-def quantize_fp8(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row float8 e4m3 quantisation over the last dim, on ``h``'s device.
-
-    Returns ``(q, scale)``: q uint8 [..., H] holding e4m3 bits and scale float32 [...] with
-    ``h ~= e4m3(q) * scale``. scale = amax / 448 so a row's largest value lands on e4m3's largest
-    finite value; an all-zero row gets scale 1. A plain cast would clip massive activations.
-
-    >>> q, s = quantize_fp8(torch.tensor([[3000.0, 1.0, -2.0]]))
-    >>> dequantize_fp8(q, s, torch.float32)[0, 0].item()
-    3000.0
-    """
-    h32 = h.detach().float()
-    amax = h32.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (h32 / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(torch.uint8), scale
-
-
-def dequantize_fp8(
-    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
-) -> torch.Tensor:
-    """Inverse of quantize_fp8 on ``q``'s device: e4m3 bits [..., H] times scale [...]."""
-    if q.dtype != torch.uint8:
-        raise TypeError(f"expected uint8 e4m3 bits, got {q.dtype}")
-    values = q.view(torch.float8_e4m3fn).float() * scale.float().unsqueeze(-1)
-    return values.to(dtype)
 
 
 def encode_hidden(
