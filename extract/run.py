@@ -30,7 +30,7 @@ from extract.target import (
 from extract.worker import rank_main
 from shared.cache import missing_or_resized
 from shared.cli import to_json
-from shared.codec import codec_description
+from shared.codec import codec_description, payload_width
 from shared.dist import (
     DeviceSpec,
     RankInfo,
@@ -134,6 +134,10 @@ def plan_manifest(cfg: ExtractConfig) -> tuple[Manifest, RowIndex]:
     if missing:
         raise ExtractError(f"--data: no such file: {', '.join(missing)}")
     layer_ids = _layer_ids(cfg, int(text_config(config)["num_hidden_layers"]))
+    try:  # the int4 code's groups must tile the hidden size
+        payload_width(cfg.store, int(text_config(config)["hidden_size"]))
+    except ValueError as e:
+        raise ExtractError(str(e)) from None
     _check_writable(cfg.out)
     from transformers import AutoTokenizer
 
