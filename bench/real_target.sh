@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Real-model evidence in one command on one H200: SmolLM2-135M-Instruct (real weights), a data
-# set it writes and answers itself, lossless and fp8 caches, two drafters, real speculation.
+# set it writes and answers itself, lossless, fp8 and int4 caches, four drafters, real speculation.
 #
 #   bash bench/real_target.sh SOURCE [WORK]
 #
@@ -11,10 +11,13 @@
 # SOURCE or in .device-wheels (installed to /tmp/site without its requirements).
 # WORK (default bench-out/real) receives everything; the reports also go to $OUT if it is set.
 # Stages, each timed: materialize; the model writes questions from SEEDS seed chats; it answers
-# the distinct ones (the last HELD_OUT held out); extract bf16 (codec planes) and fp8 caches side by
-# side; codec and fp8-error reports; two DFlash drafters, same seed and steps, on the two caches
-# side by side, and a DFlash2 one on the bf16 cache; train.proof.compare; train.proof.speculate of the three
-# on the held-out prompts, in one process (one greedy decoding of the target for all three).
+# the distinct ones (the last HELD_OUT held out); extract bf16 (codec planes), fp8 and int4 caches
+# side by side; codec, store (bench/store_bench.py: every store's bytes, error per layer and
+# coding speed on the bf16 cache's states) and fp8-error reports; three DFlash drafters, same seed
+# and steps, on the three caches side by side, and a DFlash2 one on the bf16 cache;
+# train.proof.compare; train.proof.speculate of the four on the held-out prompts, in one process
+# (one greedy decoding of the target for all four); train.proof.tau: each one's tau with its
+# standard error, and its paired difference from the bf16 cache's drafter.
 # BENCH_MODE=cpu: the same on a CPU at a size it can do in about 90 minutes (about 500
 # conversations, a 2-layer drafter, 400 steps of 1024 tokens): real figures, smaller than the GPU's.
 # BENCH_FROM=STAGE: start at that stage, reusing what the earlier ones left in WORK.
@@ -43,18 +46,18 @@ MODE=${BENCH_MODE:-gpu}
 EVAL=(--eval-parts 1)
 case $MODE in
   tiny)
-    GPUS=cpu SEEDS=${SEEDS:-12} HELD_OUT=${HELD_OUT:-3} Q_TOKENS=24 A_TOKENS=16 BATCH=12
+    GPUS=cpu STORE_DEVICE=cpu SEEDS=${SEEDS:-12} HELD_OUT=${HELD_OUT:-3} Q_TOKENS=24 A_TOKENS=16 BATCH=12
     STEPS=${STEPS:-3} SPEC_TOKENS=16 TRAIN=(--drafter-layers 1 --num-anchors 8 --batch-tokens 512)
     PARTS=(--rows-per-part 8) ;;  # training holds a part out: at least two
   cpu)  # real figures a 2-core machine can produce in about an hour: ~1K conversations
-    GPUS=cpu SEEDS=${SEEDS:-800} HELD_OUT=${HELD_OUT:-32} Q_TOKENS=48 A_TOKENS=${A_TOKENS:-128}
+    GPUS=cpu STORE_DEVICE=cpu SEEDS=${SEEDS:-800} HELD_OUT=${HELD_OUT:-32} Q_TOKENS=48 A_TOKENS=${A_TOKENS:-128}
     BATCH=${BATCH:-64} STEPS=${STEPS:-400} SPEC_TOKENS=${SPEC_TOKENS:-32}
     TRAIN=(--drafter-layers 2 --num-anchors 64 --batch-tokens 1024 --lr 2e-3)
     EVAL=(--eval-fraction 0.02) PARTS=() ;;
   gpu)
     # 50,500 seeds (then all there were) gave 19,923 distinct questions on an H200 (2026-12-01):
     # 60K (of 64,640) for 20K+ chats.
-    GPUS=${GPUS:-0} SEEDS=${SEEDS:-60000} HELD_OUT=${HELD_OUT:-32} Q_TOKENS=48
+    GPUS=${GPUS:-0} STORE_DEVICE=cuda SEEDS=${SEEDS:-60000} HELD_OUT=${HELD_OUT:-32} Q_TOKENS=48
     A_TOKENS=${A_TOKENS:-128} BATCH=${BATCH:-1024} STEPS=${STEPS:-800} SPEC_TOKENS=96 TRAIN=()
     PARTS=() ;;
   *) echo "BENCH_MODE must be gpu, cpu or tiny, not $MODE" >&2; exit 2 ;;
@@ -127,8 +130,10 @@ extract() {  # extract STORE
   python3 -m extract --target $T --gpus "$GPUS" --data "$WORK/data.jsonl" --out "$WORK/$1" \
     --store "$1" --overwrite "${PARTS[@]}"
 }
-stage extract side_by_side extract bf16 -- extract fp8
+stage extract side_by_side extract bf16 -- extract fp8 -- extract int4
 stage codec python3 bench/codec_bench.py --cache "$WORK/bf16" --max-samples "$CODEC_SAMPLES"
+stage stores python3 bench/store_bench.py --cache "$WORK/bf16" --max-samples "$CODEC_SAMPLES" \
+  --device "$STORE_DEVICE" --json "$WORK/stores.json"
 stage fp8_error python3 bench/fp8_error.py --bf16 "$WORK/bf16" --fp8 "$WORK/fp8" \
   --json "$WORK/fp8_error.json"
 train() {  # train STORE NAME [OPTION...]: a drafter on one cache, into run-NAME
@@ -138,21 +143,26 @@ train() {  # train STORE NAME [OPTION...]: a drafter on one cache, into run-NAME
   python3 -m train --data "$WORK/$store" --out "$WORK/run-$name" --gpus "$GPUS" --steps "$STEPS" \
     --seed 0 "${EVAL[@]}" --checkpoint-every "$STEPS" "${TRAIN[@]}" "$@"
 }
-# Two DFlash drafters on the two caches, and the ablation on the bf16 cache with the same seed,
-# steps and options: DFlash2 (its published defaults); the three side by side.
-stage train side_by_side train bf16 bf16 -- train fp8 fp8 -- train bf16 dflash2 --drafter-type dflash2
-stage compare python3 -m train.proof.compare "$WORK/run-bf16" "$WORK/run-fp8" "$WORK/run-dflash2" \
-  --out "$WORK/compare.md"
-speculate() {  # the three exports in one process: the target's greedy reference is made once
+# Three DFlash drafters on the three caches, and the ablation on the bf16 cache with the same
+# seed, steps and options: DFlash2 (its published defaults); the four side by side.
+stage train side_by_side train bf16 bf16 -- train fp8 fp8 -- train int4 int4 -- \
+  train bf16 dflash2 --drafter-type dflash2
+stage compare python3 -m train.proof.compare "$WORK/run-bf16" "$WORK/run-fp8" "$WORK/run-int4" \
+  "$WORK/run-dflash2" --out "$WORK/compare.md"
+speculate() {  # the four exports in one process: the target's greedy reference is made once
   python3 -u -m train.proof.speculate --target $T --drafter "$WORK/run-bf16/export" \
-    --drafter "$WORK/run-fp8/export" --drafter "$WORK/run-dflash2/export" \
+    --drafter "$WORK/run-fp8/export" --drafter "$WORK/run-int4/export" \
+    --drafter "$WORK/run-dflash2/export" \
     --prompts "$WORK/held_out.json" --max-new-tokens $SPEC_TOKENS --json >"$WORK/spec.txt"
   awk '/^drafter /{d=$2} /^tau /{print d, $0}' "$WORK/spec.txt"
 }
 stage speculate speculate
+# tau with standard errors over the prompts, each drafter against the bf16 cache's, paired
+stage tau python3 -m train.proof.tau "$WORK/spec.txt"
 echo "rows: $(wc -l <"$WORK/data.jsonl") conversations, held-out prompts: $HELD_OUT" | tee -a "$LOG"
 if [ -n "${OUT:-}" ]; then
-  cp "$LOG" "$WORK"/compare.md "$WORK"/fp8_error.json "$WORK"/spec.txt "$OUT"/
-  cp "$WORK"/bf16/manifest.json "$OUT"/manifest-bf16.json
-  cp "$WORK"/fp8/manifest.json "$OUT"/manifest-fp8.json
+  for f in report.txt compare.md fp8_error.json stores.json spec.txt; do  # what the stages left (some may be skipped)
+    [ ! -e "$WORK/$f" ] || cp "$WORK/$f" "$OUT"/
+  done
+  for store in bf16 fp8 int4; do cp "$WORK/$store/manifest.json" "$OUT/manifest-$store.json"; done
 fi

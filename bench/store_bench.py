@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shared.cache import open_part  # noqa: E402
 from shared.codec import CHUNK_ROWS, blosc_compressor  # noqa: E402
 from shared.fp8 import dequantize_fp8, quantize_fp8  # noqa: E402
+from shared.fsio import atomic_write_json  # noqa: E402
 from shared.int4 import (  # noqa: E402
     Int4Scheme,
     decode_int4,
@@ -285,7 +285,7 @@ def main() -> None:
                 f"{massive}; worst sample {e['sample_max']:.4f}"
             )
     if args.json:
-        args.json.write_text(json.dumps({"layers": layers, "tokens": tokens, "stores": report}))
+        atomic_write_json(args.json, {"layers": layers, "tokens": tokens, "stores": report})
 
 
 if __name__ == "__main__":
