@@ -281,7 +281,7 @@ def test_settings_mismatch_refused_then_overwritten(target, data_file, tmp_path)
 def test_cli_takes_several_files_after_data(target, data_file, full, tmp_path):
     from click.testing import CliRunner
 
-    from extract.regen.regenerate import main
+    from extract.regen.__main__ import main
 
     lines = data_file.read_text().splitlines(keepends=True)
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
@@ -314,3 +314,21 @@ def test_gpu_run_in_bf16(target, data_file, tmp_path):
     state = regen(out, target, data_file, gpus="0")
     assert state.settings["dtype"] == "bfloat16" and state.merged_rows == 14
     assert [r["source_row"] for r in _read(out)] == [i for i in range(14) if i not in BAD]
+
+
+def test_a_log_file_gets_plain_progress_lines(target, data_file, tmp_path):
+    """Without a terminal (a job's log file) the bar is a plain line, never carriage returns."""
+    out = tmp_path / "logged.jsonl"
+    args = ["--target", str(target), "--data", str(data_file), "--out", str(out), "--gpus", "cpu"]
+    args += ["--max-new-tokens", str(MAX_NEW), "--max-length", str(MAX_LENGTH), "--max-rows", "4"]
+    log_file = tmp_path / "job.log"
+    with open(log_file, "w") as f:
+        done = subprocess.run(
+            [sys.executable, "-m", "extract.regen", *args],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+            stderr=f,
+        )
+    text = log_file.read_text()
+    assert done.returncode == 0, text
+    assert "\r" not in text and re.search(r"INFO shared.progress: regenerate: 4/4 rows", text)

@@ -302,7 +302,7 @@ def load_export(export_dir: str | Path) -> tuple[DFlashDrafter, DrafterConfig]:
     return drafter, cfg
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("checkpoint", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.argument("out_dir", type=click.Path(path_type=Path))
 def main(checkpoint: Path, out_dir: Path) -> None:

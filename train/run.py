@@ -31,6 +31,7 @@ from shared.manifest import (
     Manifest,
     check_compatible,
     read_manifest,
+    repair_commands,
 )
 from shared.target_files import (
     EMBED_FILE,
@@ -128,11 +129,8 @@ def prepare(
 ) -> tuple[TrainConfig, Prepared]:
     """The resolved config and what every rank needs; CacheMismatch lists every problem."""
     cfg = resolve_devices(cfg, device_kind)
-    problems = [
-        f"{p}: run `python -m extract.verify {cfg.data} --repair`, then the same extract "
-        "command to write it again"
-        for p in target_problems(cfg.data, manifest.target_files)
-    ]
+    repair = repair_commands(cfg.data, manifest)
+    problems = [f"{p}: {repair}" for p in target_problems(cfg.data, manifest.target_files)]
     wanted = ascending_layers(cfg.target_layer_ids or tuple(manifest.layer_ids))
     if manifest.target.num_layers - 1 in wanted:
         log.warning(LAST_LAYER_WARNING, manifest.target.num_layers - 1)
@@ -145,7 +143,7 @@ def prepare(
     except CacheMismatch as e:
         problems = e.problems + problems
     parts, part_problems = load_catalog(cfg.data, manifest)
-    problems += part_problems
+    problems += [f"{p}: {repair}" for p in part_problems]
     lengths = [p.lengths for p in parts]
     num_samples = sum(map(len, lengths))
     held_parts = cfg.eval_parts or 0
