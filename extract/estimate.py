@@ -9,12 +9,12 @@ later, from the rate the first batches run at (`shared.progress.SummedBar`).
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from extract.data import RowIndex, Tokenized, iter_rows
+from shared.space import free_bytes, size_text
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -59,7 +59,7 @@ class CacheEstimate:
             f"about {self.tokens:,} tokens ({self.rows:,} rows x {self.tokens_per_row:,.1f} "
             f"tokens a row, from {self.sampled:,} rows tokenized) x {self.layers} layers x hidden "
             f"{self.hidden}, {self.store} at about {STORED_FRACTION[self.store]:.2f} of raw: "
-            f"about {_size(self.nbytes)}"
+            f"about {size_text(self.nbytes)}"
         )
 
 
@@ -119,36 +119,21 @@ def estimate_cache(
     )
 
 
-def free_bytes(out: Path) -> int:
-    """Free bytes on the file system that holds (or will hold) `out`."""
-    probe = Path(out).absolute()
-    while not probe.exists():
-        probe = probe.parent
-    return shutil.disk_usage(probe).free
-
-
 def check_space(out: Path, estimate: CacheEstimate, *, rows: int) -> str:
     """A sentence on the space `rows` of the estimate need and the disk has; SpaceError when
     they do not fit."""
     need = round(estimate.nbytes * rows / max(estimate.rows, 1))
     free = free_bytes(out)
-    line = f"{_size(need)} to write, {_size(free)} free on the disk holding {out}"
+    line = f"{size_text(need)} to write, {size_text(free)} free on the disk holding {out}"
     if need > free:
         fp8 = STORED_FRACTION["fp8"] / STORED_FRACTION["bf16"]
         smaller = f", store fp8 (--store fp8: about {fp8:.2f} of the size)"
+        smaller = smaller if estimate.store == "bf16" else ""
         raise SpaceError(
-            f"--out {out}: the cache needs about {_size(need)} and its disk has {_size(free)} "
-            f"free (the estimate: {estimate.describe()}).\nFree space there, choose another "
-            f"--out, extract fewer rows (--max-rows){smaller if estimate.store == 'bf16' else ''}"
+            f"--out {out}: the cache needs about {size_text(need)} and its disk has "
+            f"{size_text(free)} free (the estimate: {estimate.describe()}).\nFree space there, "
+            f"choose another --out, extract fewer rows (--max-rows){smaller}"
             ", or pass --no-space-check to start anyway (a full disk then stops it, keeping the "
             "parts committed by then)"
         )
     return line
-
-
-def _size(nbytes: float) -> str:
-    """
-    >>> _size(19_600_000), _size(3.4e9), _size(512)
-    ('19.6 MB', '3.40 GB', '0.0 MB')
-    """
-    return f"{nbytes / 1e9:,.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:,.1f} MB"

@@ -199,11 +199,13 @@ def test_repair_drops_exactly_the_damaged_part(tmp_path, tiny_qwen3, data_file):
 
 
 @contextlib.contextmanager
-def small_disk(path: Path, size: str):
-    """A tmpfs of `size` at `path` (a real full file system); skips where it cannot mount."""
+def small_disk(path: Path, size: str, *, read_only: bool = False):
+    """A tmpfs of `size` at `path` (a real full file system; read-only if asked); skips where
+    it cannot mount."""
     path.mkdir(parents=True)
+    options = f"size={size}" + (",ro" * read_only)
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
         capture_output=True,
         text=True,
     )

@@ -30,7 +30,7 @@ def main(**kwargs: object) -> None:
             refuse_if_held(cfg.out)
     except LockHeld as e:
         raise click.ClickException(str(e)) from None
-    from shared.manifest import CacheMismatch
+    from shared.manifest import CacheMismatch, read_manifest
     from shared.stopping import Stopped, StopRun, resume_command
     from train.run import RunError, run
     from train.summary import format_summary
@@ -41,7 +41,9 @@ def main(**kwargs: object) -> None:
         raise click.ClickException(f"{e}\nresume: {resume_command('train')}") from None
     except (CacheMismatch, RunError, StopRun) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(format_summary(cfg.out, export=out, seconds=time.monotonic() - start))
+    target = read_manifest(cfg.data).target.path
+    seconds = time.monotonic() - start
+    click.echo(format_summary(cfg.out, export=out, seconds=seconds, target=target))
 
 
 if __name__ == "__main__":

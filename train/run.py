@@ -23,7 +23,7 @@ from shared.dist import (
     torchrun_world_size,
     under_torchrun,
 )
-from shared.fsio import atomic_write_json
+from shared.fsio import atomic_write_json, unwritable_reason
 from shared.lock import LockHeld, output_lock
 from shared.manifest import (
     LAST_LAYER_WARNING,
@@ -78,6 +78,9 @@ def run(cfg: TrainConfig) -> Path:
         spec = parse_gpus(cfg.gpus)
     except ValueError as e:
         raise RunError(str(e)) from None
+    problem = unwritable_reason(cfg.out)
+    if problem:
+        raise RunError(f"--out {cfg.out}: {problem}")
     manifest = read_manifest(cfg.data)
     cfg, prep = prepare(cfg, manifest, device_kind=spec.kind)
     try:
@@ -86,7 +89,8 @@ def run(cfg: TrainConfig) -> Path:
     except LockHeld as e:
         raise RunError(str(e)) from None
     except OSError as e:  # creating --out or a file in it (e.g. --out /proc/x, a full disk)
-        raise RunError(f"{e.filename or cfg.out}: {e.strerror or e}") from None
+        where = e.filename or cfg.out
+        raise RunError(f"--out {cfg.out}: cannot write {where} ({e.strerror or e})") from None
 
 
 def _run_locked(cfg: TrainConfig, prep: Prepared, manifest: Manifest, spec: DeviceSpec) -> Path:
