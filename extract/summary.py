@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 
+from extract.data import REASON_HINTS
 from shared.manifest import Manifest
 
 LISTED_REJECTS = 5
@@ -31,7 +32,10 @@ def format_summary(
         ("rows kept", f"{t['rows_kept']:,} ({t['rows_truncated']:,} truncated)"),
         ("rows rejected", f"{t['rows_rejected']:,}"),
     ]
-    rows += [(f"  {reason}", f"{n:,}") for reason, n in t["rejected"].items()]
+    rows += [
+        (f"  {reason}", f"{n:,}" + (f" ({REASON_HINTS[reason]})" if reason in REASON_HINTS else ""))
+        for reason, n in t["rejected"].items()
+    ]
     first = [r for p in manifest.parts for r in p.rejected_rows][:LISTED_REJECTS]
     rows += [
         ("  first rejected" if i == 0 else "", f"{r.source}:{r.line}: {r.reason}")

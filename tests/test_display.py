@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import sys
 
 from tqdm import tqdm
@@ -85,5 +86,6 @@ def test_extract_summary_lists_the_first_rejected_rows(tmp_path, tiny_qwen3):
     data.write_text("\n".join(lines) + "\n")
     text = format_summary(extract(tmp_path / "c", tiny_qwen3, data), seconds=1.0)
     assert f"{data}:2: " in text and f"{data}:4: " in text, text
+    assert re.search(r"unknown_schema +1 \(a row needs `messages` \(OpenAI\), `conv", text)
     counts = progress.read_counters(tmp_path / "c" / ".progress")
     assert counts["done_rows"] == 4  # the bar's position: kept rows per batch + rejected rows
