@@ -332,3 +332,16 @@ def test_a_log_file_gets_plain_progress_lines(target, data_file, tmp_path):
     text = log_file.read_text()
     assert done.returncode == 0, text
     assert "\r" not in text and re.search(r"INFO shared.progress: regenerate: 4/4 rows", text)
+
+
+def test_a_parquet_file_regenerates_as_its_jsonl(target, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    chats = [json.loads(r) for r in _rows() if r.startswith("{") and "messages" in r][:5]
+    jsonl, table = tmp_path / "chats.jsonl", tmp_path / "chats.parquet"
+    jsonl.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    pq.write_table(pa.Table.from_pylist(chats), table, row_group_size=2)
+    a = regen(tmp_path / "a.jsonl", target, jsonl)
+    b = regen(tmp_path / "b.jsonl", target, table)
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    assert a.totals(range(2))["rows_kept"] == b.totals(range(2))["rows_kept"] >= 3

@@ -151,12 +151,16 @@ def _plan(cfg: RegenConfig, spec: DeviceSpec) -> _Plan:
     from transformers import AutoTokenizer
 
     from extract.data import index_rows, source_fingerprint, template_fingerprint
+    from extract.sources import check_table, source_kind
     from extract.target import content_hash, read_config, text_config
 
     config = read_config(cfg.target)
-    missing = [str(f) for f in cfg.data if not Path(f).is_file()]
+    missing = [str(f) for f in cfg.data if not Path(f).exists()]
     if missing:
         raise RegenError(f"--data: no such file: {', '.join(missing)}")
+    for path in cfg.data:  # a folder, a DatasetDict or a table without a chat column: refused
+        if source_kind(path) != "jsonl":
+            check_table(path)
     if cfg.out.is_dir():
         raise RegenError(f"--out {cfg.out} is a folder; give a .jsonl file path")
     if any(cfg.out.resolve() == Path(f).resolve() for f in cfg.data):
