@@ -121,9 +121,13 @@ def check_table(path: Path | str) -> None:
             )
 
 
+# Rows turned into Python objects at once: a file written as one huge batch is still streamed.
+SLICE_ROWS = 1024
+
+
 def _batches(file: Path, skip: int) -> Iterator[tuple[int, Any]]:
-    """(row of its first row in the file, record batch of `COLUMNS`), from the batch holding
-    row `skip` on; batches before it are passed over without being read."""
+    """(row of its first row in the file, record batch of `COLUMNS` of at most `SLICE_ROWS`
+    rows), from the one holding row `skip` on; rows before it are passed over unread."""
     reader, how = _open(file)
     columns = [c for c in COLUMNS if c in _schema_names(reader, how)]
     first = 0
@@ -132,8 +136,12 @@ def _batches(file: Path, skip: int) -> Iterator[tuple[int, Any]]:
         for group in range(meta.num_row_groups):
             rows = meta.row_group(group).num_rows
             if first + rows > skip:
-                for batch in reader.iter_batches(row_groups=[group], columns=columns):
-                    yield first, batch
+                batches = reader.iter_batches(
+                    batch_size=SLICE_ROWS, row_groups=[group], columns=columns
+                )
+                for batch in batches:
+                    if first + batch.num_rows > skip:
+                        yield first, batch
                     first += batch.num_rows
             else:
                 first += rows
@@ -141,9 +149,11 @@ def _batches(file: Path, skip: int) -> Iterator[tuple[int, Any]]:
     batches = (
         (reader.get_batch(i) for i in range(reader.num_record_batches)) if how == "file" else reader
     )
-    for batch in batches:  # memory-mapped: a batch passed over is never copied
-        if first + batch.num_rows > skip:
-            yield first, batch.select(columns)
+    for batch in batches:  # memory-mapped: rows passed over are never copied
+        for at in range(0, batch.num_rows, SLICE_ROWS):
+            part = batch.slice(at, SLICE_ROWS)
+            if first + at + part.num_rows > skip:
+                yield first + at, part.select(columns)
         first += batch.num_rows
 
 

@@ -67,12 +67,14 @@ def test_every_table_reads_as_its_jsonl(sources, tokenizer):
         assert got == want, kind
 
 
-def test_row_ranges_of_tables_start_mid_batch(sources, tokenizer):
-    files = [sources["parquet"], sources["jsonl"], sources["dataset"]]
+@pytest.mark.parametrize("slice_rows", [1024, 2])
+def test_row_ranges_of_tables_start_mid_batch(sources, tokenizer, monkeypatch, slice_rows):
+    monkeypatch.setattr("extract.sources.SLICE_ROWS", slice_rows)  # batches read in slices
+    files = [sources["parquet"], sources["jsonl"], sources["dataset"], sources["arrow"]]
     every = summary(iter_rows(files, tokenizer, max_length=512))
     index = index_rows(files)
-    assert index.counts == (len(ROWS),) * 3
-    for start, stop in [(4, 8), (10, 13), (20, 30), (25, 33)]:
+    assert index.counts == (len(ROWS),) * 4
+    for start, stop in [(4, 8), (10, 13), (20, 30), (25, 33), (34, 43), (39, 44)]:
         rows = range(start, stop)
         got = iter_rows(files, tokenizer, max_length=512, rows=rows, index=index)
         assert summary(got) == every[start:stop], (start, stop)
