@@ -329,9 +329,9 @@ def test_a_log_file_gets_plain_progress_lines(target, data_file, tmp_path):
             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
             stderr=f,
         )
-    text = log_file.read_text()
-    assert done.returncode == 0, text
-    assert "\r" not in text and re.search(r"INFO shared.progress: regenerate: 4/4 rows", text)
+    raw = log_file.read_bytes()  # bytes: a text read turns each carriage return into a newline
+    assert done.returncode == 0, raw.decode()
+    assert b"\r" not in raw and re.search(rb"INFO shared.progress: regenerate: 4/4 rows", raw)
 
 
 def test_a_parquet_file_regenerates_as_its_jsonl(target, tmp_path):
