@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from numcodecs import Blosc
 
+from shared.format import FORMAT_VERSION, FORMATS, STORES  # noqa: F401 (the format's names)
 from shared.fp8 import FP8_MAX, dequantize_fp8, quantize_fp8  # noqa: F401  (the fp8 store)
 from shared.int4 import INT4_FRAMES, INT4_ZSTD, Int4Scheme, encode_int4
 
-FORMAT_VERSION = 1
 # Each sample's first row in a zarr part is a multiple of this; also the row extent of a chunk.
 CHUNK_ROWS = 64
 # Measured on synthetic bf16 activations (DESIGN.md section 3): zstd-1 with byte shuffle beats
@@ -61,8 +61,6 @@ PLANES_BLOSC = {
 }
 # A zstd frame's first four bytes; a Blosc frame starts with its format version (2).
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-STORES = ("bf16", "fp8", "int4")
-FORMATS = ("zarr", "wds")
 
 numcodecs.blosc.use_threads = False
 numcodecs.blosc.set_nthreads(1)
