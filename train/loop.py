@@ -41,12 +41,13 @@ from train.data.feed import DeviceFeed
 from train.data.loader import LoaderState, PlanDataset, checked, make_loader
 from train.data.plan import PlanSpec, epoch_lengths
 from train.drafters.dflash2_loss import selector_loss
+from train.drafters.dspark_loss import dspark_loss
 from train.drafters.mask import flex_kernel_options
 from train.drafters.registry import build_drafter, init_weights
 from train.evaluate import Evaluator
 from train.export import export_drafter
 from train.finite import FiniteGuard
-from train.metrics import SELECTOR_KEYS, MetricsWriter, StatSums
+from train.metrics import EXTRA_KEYS, MetricsWriter, StatSums
 from train.prepared import Prepared
 from train.schedule import warmup_cosine
 from train.step import forward_loss
@@ -124,10 +125,11 @@ class Trainer:
             compile_masks=cfg.compile == "flex" and self.device.type == "cuda",
             ce=cfg.ce,
             compile_ce=cfg.compile == "model",
+            dspark=dspark_loss(cfg),
             # Fewer blocks when a row has fewer candidates changes shapes: only uncompiled.
             trim_anchors=self.device.type == "cpu" and cfg.compile == "none",
         )
-        self.sums = StatSums(cfg.block_size, self.device)
+        self.sums = StatSums(cfg.block_size, self.device, first=prep.first_draft_slot)
         self.guard = FiniteGuard(
             self.device, every=cfg.log_every, total=self.total, data=cfg.data, out=cfg.out
         )
@@ -359,7 +361,7 @@ class Trainer:
             "step_ms": 1e3 * elapsed / steps,
             "data_wait": waited / elapsed,
             "compiled_graphs": compiled_graphs(),
-            **{key: summary[key] for key in SELECTOR_KEYS if key in summary},
+            **{key: summary[key] for key in EXTRA_KEYS if key in summary},
         }
         if self.first_step_s is not None:
             record["first_step_s"], self.first_step_s = self.first_step_s, None
@@ -393,6 +395,7 @@ class Trainer:
             self.save()
         self.evaluate()
         if self.info.is_main:
-            export_drafter(self.model, self.prep.drafter, self.cfg.out / EXPORT_DIR)
+            heads = (self.embed_VH, self.lm_head_VH)
+            export_drafter(self.model, self.prep.drafter, self.cfg.out / EXPORT_DIR, heads=heads)
         self.writer.close()
         barrier()
