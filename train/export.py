@@ -218,7 +218,7 @@ def config_from_hf(data: dict[str, Any]) -> DrafterConfig:
     if is_dspark_config(data):
         extra = dspark_fields(data)
     if dflash2:
-        extra = {name: int(dflash[name]) for name in DFLASH2_FIELDS if name in dflash}
+        extra.update({name: int(dflash[name]) for name in DFLASH2_FIELDS if name in dflash})
         extra.update({name: float(dflash[name]) for name in LOGIT_FIELDS if name in dflash})
     heads = int(data["num_attention_heads"])
     num_layers = int(data["num_hidden_layers"])
