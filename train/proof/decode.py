@@ -102,7 +102,14 @@ class DraftState:
 
     def propose(self, block_ids_1Q: torch.Tensor) -> torch.Tensor:
         """Greedy drafts [1, Q-1] for block offsets 1..Q-1 (block = [last token, MASK...]): the
-        unary argmax, or DFlash2's selector walk from the block's first token."""
+        unary argmax, or DFlash2's selector walk from the block's first token (DSpark, whose
+        anchor slot drafts too: [1, Q], its Markov walk)."""
+        first = 0 if self.cfg.anchor_predicts else 1
+        hidden_1QH = self.block_hidden(block_ids_1Q)[:, first:]
+        return self.drafter.propose(hidden_1QH, self.lm_head_VH, block_ids_1Q[:, 0])
+
+    def block_hidden(self, block_ids_1Q: torch.Tensor) -> torch.Tensor:
+        """The drafter's final hidden states [1, Q, H] (after its norm) of every block slot."""
         q_len = block_ids_1Q.shape[1]
         x_1QH = F.embedding(block_ids_1Q, self.embed_VH).to(self.dtype)
         cos, sin = self._rope(self.length, q_len)
@@ -114,8 +121,7 @@ class DraftState:
                 return self._attend(i, attn, h_1QH, cos, sin, mask)
 
             x_1QH = layer.run(x_1QH, attend)  # the layer's own order (DFlash2: convolutions)
-        hidden_1QH = self.drafter.norm(x_1QH[:, 1:])
-        return self.drafter.propose(hidden_1QH, self.lm_head_VH, block_ids_1Q[:, 0])
+        return self.drafter.norm(x_1QH)
 
     def _mask(self, layer_type: str, q_len: int) -> torch.Tensor | None:
         if layer_type == "full_attention" and not self.cfg.is_causal:
