@@ -133,9 +133,7 @@ class TrainConfig:
     )
     markov_rank: int = option(256, help="dspark: rank of the Markov head (0: no Markov head)")
     confidence_head: bool = option(
-        True,
-        help="dspark: train the confidence head (never with --dspark-loss ce: its target needs "
-        "the target's last hidden state)",
+        True, help="dspark: train the confidence head (never with --dspark-loss ce)"
     )
     confidence_head_with_markov: bool = option(
         True,
@@ -176,11 +174,7 @@ class TrainConfig:
         help="MLP intermediate size of the drafter; default the target's (MoE targets: routed "
         "experts per token x moe_intermediate_size + the shared expert's)",
     )
-    block_size: int | None = option(
-        None,
-        help="tokens per draft block; default 16 (dspark: 7, its anchor slot drafting too, so 7 "
-        "drafts a block)",
-    )
+    block_size: int | None = option(None, help="tokens per draft block; default 16 (dspark: 7)")
     num_anchors: int | None = option(
         None,
         help="anchor blocks drawn per micro-batch row; default --batch-tokens / 6, the recipe's "
@@ -188,8 +182,7 @@ class TrainConfig:
     )
     gamma: float | None = option(
         None,
-        help="loss decay over block offsets; default 7 for block 16, 4 for block 8 (dspark: 4 "
-        "whatever the block, weights exp(-k/4) from the anchor's slot)",
+        help="loss decay over block offsets; default 7 for block 16, 4 for block 8 (dspark: 4)",
     )
     target_layers: str | None = option(
         None,
