@@ -56,6 +56,24 @@ class Result:
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
 
 
+def pooled_tau_se(lengths_per_prompt: Sequence[Sequence[int]]) -> float:
+    """Standard error of the pooled tau (all steps' lengths over all steps) with prompts as
+    independent clusters (a step's length depends on the steps of its own prompt): the ratio
+    estimator's sqrt(sum_i (L_i - tau n_i)^2 / (m (m - 1))) / mean(n_i), L_i and n_i prompt i's
+    summed lengths and steps over m prompts; nan under two prompts with steps.
+
+    >>> round(pooled_tau_se([[1, 1], [3, 3], [2]]), 4)
+    0.6928
+    """
+    sums = [(sum(ls), len(ls)) for ls in lengths_per_prompt if ls]
+    m = len(sums)
+    if m < 2:
+        return float("nan")
+    tau = sum(total for total, _ in sums) / sum(n for _, n in sums)
+    spread = sum((total - tau * n) ** 2 for total, n in sums) / (m * (m - 1))
+    return spread**0.5 / (sum(n for _, n in sums) / m)
+
+
 def context_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]):
     """[1, n, K*H]: target layer i is `hidden_states[i + 1]` (index 0 is the embedding)."""
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)

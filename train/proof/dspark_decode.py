@@ -32,6 +32,7 @@ from train.proof.decode import (
     _keep,
     begin_decoding,
     context_features,
+    pooled_tau_se,
     speculate,
     sync_clock,
 )
@@ -209,6 +210,7 @@ def sampled_summary(
     lengths = [n for run in runs for n in run.acceptance_lengths]
     return {
         "tau": sum(lengths) / len(lengths) if lengths else float("nan"),
+        "tau_se": pooled_tau_se([run.acceptance_lengths for run in runs]),
         "steps": len(lengths),
         "new_tokens": sum(len(run.new_ids) for run in runs),
         "prompts": len(runs),
@@ -223,7 +225,8 @@ def format_sampled(summary: dict[str, Any]) -> str:
     """One line of a `sampled_summary`."""
     cut = summary["confidence_threshold"]
     return (
-        f"tau {summary['tau']:.3f} over {summary['steps']} steps (block {summary['block_size']}, "
+        f"tau {summary['tau']:.3f} +- {summary['tau_se']:.3f} over {summary['steps']} steps "
+        f"(block {summary['block_size']}, "
         f"sampled at temperature {summary['temperature']}, seed {summary['seed']}"
         + ("" if cut is None else f", confidence cut {cut}")
         + f"), {summary['new_tokens']} tokens from {summary['prompts']} prompts"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from shared.models import resolve_target_name
 from train.drafters.config import DrafterConfig
 from train.drafters.dflash import DFlashDrafter
 from train.export import CONFIG_FILE, config_from_hf, load_export
-from train.proof.decode import Result, greedy
+from train.proof.decode import Result, greedy, pooled_tau_se
 from train.proof.dspark_decode import decode, format_sampled, sampled_summary
 
 log = logging.getLogger(__name__)
@@ -275,7 +276,7 @@ def compare_with_greedy(
         decode(target, drafter, prompts[0], **kwargs_spec)
     dtype = next(target.parameters()).dtype
     tolerance = near_tie_tolerance(dtype)
-    rows, lengths, spec_s, base_s, base_tokens = [], [], 0.0, 0.0, 0
+    rows, lengths, spec_s, base_s, base_tokens, per_prompt = [], [], 0.0, 0.0, 0, []
     for n, (ids, base) in enumerate(zip(prompts, baselines, strict=True)):
         spec = decode(target, drafter, ids, **kwargs_spec)
         mismatch = _first_mismatch(spec.new_ids, base.new_ids)
@@ -289,6 +290,7 @@ def compare_with_greedy(
                 _gap_words(gap, tolerance),
             )
         lengths += spec.acceptance_lengths
+        per_prompt.append(spec.acceptance_lengths)
         spec_s, base_s = spec_s + spec.seconds, base_s + base.seconds
         base_tokens += len(base.new_ids)
         rows.append(
@@ -310,6 +312,7 @@ def compare_with_greedy(
     speed, baseline = new_tokens / max(spec_s, 1e-9), base_tokens / max(base_s, 1e-9)
     return {
         "tau": sum(lengths) / len(lengths) if lengths else float("nan"),
+        "tau_se": pooled_tau_se(per_prompt),
         "lossless": all(r["lossless"] for r in rows),
         "near_ties": sum(r["near_tie"] for r in rows),
         "lossless_up_to_near_ties": all(r["lossless"] or r["near_tie"] for r in rows),
@@ -343,7 +346,9 @@ def format_report(summary: dict[str, Any]) -> str:
             f"{r['tau']:>6.2f} {r['tokens_per_s']:>9.1f} {r['baseline_tokens_per_s']:>9.1f}{same}"
         )
     lines.append(
-        f"tau {summary['tau']:.3f} over {summary['steps']} steps (block {summary['block_size']}), "
+        f"tau {summary['tau']:.3f} +- {summary.get('tau_se', math.nan):.3f} over "
+        f"{summary['steps']} steps "
+        f"(block {summary['block_size']}), "
         f"{summary['tokens_per_s']:.1f} tok/s vs greedy {summary['baseline_tokens_per_s']:.1f} "
         f"(x{summary['speedup']:.2f}), lossless: {_lossless_words(summary)}"
     )
