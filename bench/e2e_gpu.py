@@ -47,7 +47,6 @@ from e2e_inputs import long_tailed_lengths, write_rows, write_target  # noqa: E4
 from e2e_report import extraction_figures, print_table, training_figures  # noqa: E402
 
 from extract.config import ExtractConfig  # noqa: E402
-from extract.forward_clock import ForwardClock  # noqa: E402
 from extract.target import build_target_layer_ids  # noqa: E402
 
 
@@ -59,55 +58,50 @@ def in_child(fn, *args):  # noqa: ANN001, ANN201
         return pool.submit(fn, *args).result()
 
 
-def plain_forward(target: Path, rows_path: Path, device: torch.device) -> dict[str, Any]:
-    """tok/s of the target's plain forward (layers up to the last captured one, no hooks) over
-    the rows, in extraction's parts and batches; the faster of two passes after a warm-up."""
-    from types import SimpleNamespace
+def plain_forward(target: Path, rows_path: Path, device: torch.device, mode: str) -> dict[str, Any]:
+    """The target's plain forward (layers up to the last captured one, no hooks) over the rows,
+    `mode` eager (padded batches as `--compile none` cuts them) or compiled (packed rows, the
+    product's default on a GPU), with its FLOPs by count (`bench/forward_modes.py`)."""
+    from forward_modes import forward_flops, measure
 
-    from extract_bench import extraction_batches, pure_forward
-
-    from extract.masks import choose_masks
     from extract.target import load_target, read_config, text_config
 
     defaults = ExtractConfig(out=Path("unused"))
     layers = text_config(read_config(str(target)))["num_hidden_layers"]
     last = max(build_target_layer_ids(layers, defaults.num_layers))
-    rows = [
-        SimpleNamespace(input_ids=np.asarray(json.loads(line)["input_ids"], np.int32))
-        for line in open(rows_path)
-    ]
-    ordered, batches = extraction_batches(rows, defaults.rows_per_part, defaults.batch_tokens)
+    rows = [np.asarray(json.loads(line)["input_ids"], np.int64) for line in open(rows_path)]
     model = load_target(str(target), device=device, last_layer=last)
     body = model.get_decoder()
-    masks = choose_masks(body)
-    pure_forward(body, ordered, batches[:2], device, masks)  # warm-up
-    clock = ForwardClock(body)
-    clock.take()
-    passes = []
-    for _ in range(2):
-        seconds = pure_forward(body, ordered, batches, device, masks)
-        passes.append((seconds, clock.take()))
-    clock.close()
-    seconds, times = min(passes, key=lambda p: p[0])
-    tokens = sum(len(r.input_ids) for r in rows)
-    return {
-        "tokens": tokens,
-        "seconds": seconds,
-        "passes_s": [p[0] for p in passes],
-        "tok_s": tokens / seconds,
-        "device_s": times.device_s,
-        "idle_s": times.idle_s,
-        "host_s": times.host_s,
-    }
+    figures = measure(
+        body,
+        rows,
+        mode,
+        batch_tokens=defaults.batch_tokens,
+        max_length=defaults.max_length,
+        rows_per_part=defaults.rows_per_part,
+    )
+    return {**figures, "flops": forward_flops(body, [len(r) for r in rows])}
 
 
-def command(args: list[str], log: Path, env: dict[str, str]) -> float:
-    """Run one of the product's commands; its output to `log`; wall seconds. Fails loudly."""
+def verify_summary(log: Path) -> str:
+    """extract.verify's closing line, and its largest error against the allowance."""
+    lines = log.read_text().splitlines()
+    worst = max(
+        (ln for ln in lines if "relative error" in ln),
+        key=lambda ln: float(ln.split("relative error ")[1].split()[0]),
+        default="",
+    )
+    return f"{lines[-1] if lines else ''}; worst: {worst.split(': ', 1)[-1]}"
+
+
+def command(args: list[str], log: Path, env: dict[str, str], check: bool = True) -> float:
+    """Run one of the product's commands; its output to `log`; wall seconds. Fails loudly
+    unless `check` is off (the log then tells)."""
     start = time.perf_counter()
     with open(log, "w") as f:
         done = subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     seconds = time.perf_counter() - start
-    if done.returncode != 0:
+    if done.returncode != 0 and check:
         tail = log.read_text()[-3000:]
         raise SystemExit(
             f"{' '.join(args)} failed ({done.returncode}) after {seconds:.0f} s:\n{tail}"
@@ -199,9 +193,10 @@ def main() -> None:
     )
     p.add_argument(
         "--until",
-        choices=("extract", "train"),
+        choices=("extract", "verify", "train"),
         default="train",
-        help="extract: stop after the extraction (its rows of the table only)",
+        help="extract: stop after the extraction (its rows of the table only); verify: after "
+        "extract.verify of its cache",
     )
     args = p.parse_args()
     if args.also_extract and args.until != "extract":
@@ -244,7 +239,12 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
     times["target"] = time.perf_counter() - t
     lengths = long_tailed_lengths(args.tokens, seed=0)
     write_rows(work / "rows.jsonl", lengths, cfg["vocab_size"] - 293, seed=0)
-    plain = in_child(plain_forward, target, work / "rows.jsonl", device)
+    from forward_modes import matmul_tflops
+
+    ceiling = in_child(matmul_tflops, device)
+    plain = in_child(plain_forward, target, work / "rows.jsonl", device, "eager")
+    compiled = in_child(plain_forward, target, work / "rows.jsonl", device, "compiled")
+    times["plain_forwards"] = time.perf_counter() - t - times["target"]
     shards, run = work / "shards", work / "run"
     times["extract"] = command(extract_command(args, work, shards), work / "extract.log", env)
     x = extraction_figures(work / "extract.log", plain["tok_s"])
@@ -263,6 +263,15 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
         "lengths": {"min": min(lengths), "max": max(lengths), "at_max": lengths.count(3072)},
         "plain_forward_tok_s": plain["tok_s"],
         "plain_forward": plain,
+        "compiled_forward": compiled,
+        "ceiling_tflops": ceiling,
+        "mfu": {
+            "eager": plain["flops"] / plain["seconds"] / (ceiling * 1e12),
+            "compiled": compiled["flops"] / compiled["seconds"] / (ceiling * 1e12),
+            "extract": plain["flops"] / x["seconds"] / (ceiling * 1e12),
+        },
+        "extract_vs_compiled": x["tok_s"] / compiled["tok_s"],
+        "extract_compile": x["compile"],
         "extract_s": x["seconds"],
         "extract_tok_s": x["tok_s"],
         "extract_ratio": x["ratio"],
@@ -278,7 +287,13 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
         result["wall_s"] = times
         finish(result, args, work)
         return
-    times["verify"] = command([py, "-m", "extract.verify", str(shards)], work / "verify.log", env)
+    verify = [py, "-m", "extract.verify", str(shards)]
+    times["verify"] = command(verify, work / "verify.log", env, check=args.until == "train")
+    result["verify"] = verify_summary(work / "verify.log")
+    if args.until == "verify":
+        result["wall_s"] = times
+        finish(result, args, work)
+        return
     shutil.rmtree(target)  # the trainer never reads it; the disk is needed for runs
     times["train"] = command(
         [py, "-m", "train", "--gpus", args.gpus, "--data", str(shards), "--out", str(run),

@@ -84,6 +84,21 @@ def end_cell(end: dict[str, float | None] | None) -> str:
     return f"{writers}{disk}, last commit {end['committed_s']:.2f} s"
 
 
+def extraction_compile(log: Path) -> dict[str, Any] | None:
+    """extract's probe line for a compiled target: graphs and seconds, and any recompilation
+    logged at the end (`extract.worker._report_graphs`)."""
+    text = log.read_text()
+    m = re.search(r"(\d+) compiled graphs in ([\d.]+) s", text)
+    if not m:
+        return None
+    more = re.search(r"made (\d+) more graphs during extraction", text)
+    return {
+        "graphs": int(m.group(1)),
+        "seconds": float(m.group(2)),
+        "recompiled": int(more.group(1)) if more else 0,
+    }
+
+
 def extraction_figures(log: Path, plain_tok_s: float) -> dict[str, Any]:
     """An extraction's figures from its log, its rates as fractions of the plain forward's."""
     tokens, seconds, forwards_s, waited = extraction_rate(log)
@@ -98,6 +113,7 @@ def extraction_figures(log: Path, plain_tok_s: float) -> dict[str, Any]:
         "staging_wait_s": waited,
         "forwards": extraction_forwards(log),
         "end": extraction_end(log),
+        "compile": extraction_compile(log),
     }
 
 
@@ -130,11 +146,11 @@ def training_figures(run: Path, skip_steps: int) -> dict[str, Any]:
 
 def forward_split(r: dict[str, Any]) -> str:
     """Device seconds in the forwards and idle between them, plain pass against extraction's."""
-    p, x = r["plain_forward"], r["extract_forwards"]
-    if x is None or not p["device_s"]:
+    x = r["extract_forwards"]
+    if x is None:
         return "n/a"
     return (
-        f"plain {p['device_s']:.1f} ({p['idle_s']:.1f} between) / extract {x['device_s']:.1f} "
+        f"extract {x['device_s']:.1f} "
         f"(first {x['first_s']:.2f}, {x['idle_s']:.1f} between; launching thread {x['host_s']:.1f})"
         + (
             f"; {x['long_gaps']} gaps over 10 ms ({x['long_gaps_s']:.2f} s): {x['longest_gaps']}"
@@ -148,8 +164,9 @@ def print_table(r: dict[str, Any]) -> None:
     rows = [
         ("shape / target layers / device", f"{r['shape']} / {r['target_layers']} / {r['device']}"),
         ("rows, tokens (lengths)", f"{r['rows']:,}, {r['tokens']:,} ({r['lengths']})"),
+        *forward_rows(r),
         (
-            "extract tok/s vs plain forward",
+            "extract tok/s vs eager plain forward",
             f"{r['extract_tok_s']:,.0f} vs "
             f"{r['plain_forward_tok_s']:,.0f} = {r['extract_ratio']:.3f}",
         ),  # fmt: skip
@@ -176,6 +193,8 @@ def print_table(r: dict[str, Any]) -> None:
         ),
         ("stored bytes/token", f"{r['stored_bytes_per_token']:,.0f}"),
     ]
+    if "verify" in r:
+        rows.append(("verify", r["verify"]))
     if "train" in r:
         rows += training_rows(r)
     rows.append(("wall seconds", json.dumps({k: round(v) for k, v in r["wall_s"].items()})))
@@ -212,4 +231,27 @@ def training_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
             )
             for v in r.get("train_variants", [])
         ),
+    ]
+
+
+def forward_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The plain forwards, eager and compiled, and extraction's MFU against the ceiling."""
+    if "compiled_forward" not in r:
+        return []
+    e, c, m = r["plain_forward"], r["compiled_forward"], r["mfu"]
+    x = r.get("extract_compile") or {}
+    return [
+        ("matmul ceiling (bf16 8192^3)", f"{r['ceiling_tflops']:.0f} TFLOP/s"),
+        ("eager plain forward", f"{e['tok_s']:,.0f} tok/s, MFU {m['eager']:.1%}"),
+        (
+            "compiled plain forward",
+            f"{c['tok_s']:,.0f} tok/s = {c['tok_s'] / e['tok_s']:.3f} x eager, MFU "
+            f"{m['compiled']:.1%}; compiled {c['graphs']} graphs in {c['compile_s']:.1f} s",
+        ),
+        (
+            "extraction MFU, compilation",
+            f"{m['extract']:.1%}; {x.get('graphs', 'no')} graphs in {x.get('seconds', 0):.1f} s "
+            f"before the first part, {x.get('recompiled', 0)} recompiled since",
+        ),
+        ("extract vs compiled plain forward", f"{r['extract_vs_compiled']:.3f}"),
     ]

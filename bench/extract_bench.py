@@ -37,10 +37,11 @@ import extract.capture  # noqa: E402
 import extract.masks  # noqa: E402
 import shared.zarr_part  # noqa: E402
 from extract.batching import length_order, make_batches  # noqa: E402
-from extract.capture import DeviceInputs, LayerCapture, padded_inputs  # noqa: E402
+from extract.capture import DeviceInputs, LayerCapture  # noqa: E402
 from extract.data import Tokenized  # noqa: E402
 from extract.forward_clock import ForwardClock  # noqa: E402
 from extract.job import Job, default_writer_threads  # noqa: E402
+from extract.layouts import padded_inputs  # noqa: E402
 from extract.masks import choose_masks, forward_kwargs  # noqa: E402
 from extract.pipeline import PartPipeline  # noqa: E402
 from extract.sink import device_payload  # noqa: E402
@@ -160,6 +161,9 @@ def extract_once(
         format=args.format,
         store=args.store,
         batch_tokens=args.batch_tokens,
+        compile="none",
+        packing="off",
+        attention="auto",
         rows_per_part=per_part,
         total_rows=len(rows),
         units=tuple(range(units)),

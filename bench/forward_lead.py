@@ -38,7 +38,8 @@ from e2e_inputs import long_tailed_lengths  # noqa: E402
 from shapes import SHAPES, random_model  # noqa: E402
 
 from extract.batching import make_batches  # noqa: E402
-from extract.capture import DeviceInputs, padded_inputs  # noqa: E402
+from extract.capture import DeviceInputs  # noqa: E402
+from extract.layouts import padded_inputs  # noqa: E402
 from extract.masks import choose_masks, forward_kwargs  # noqa: E402
 
 

@@ -3,21 +3,21 @@
 Layer id i is the output of decoder layer i (0-based), i.e. Hugging Face
 `outputs.hidden_states[i + 1]`; for the last layer (i = T - 1) that entry is taken after the
 final norm, and so is ours (the hook sits on the norm): z-lab's reference feeds the drafter
-exactly `hidden_states[T]`. Rows are right-padded: in a causal model a real token never
-sees the padding after it, so its states equal those of the row run alone (left padding would
-feed pad tokens into the recurrent state of linear-attention layers first). Only real tokens are
-gathered: padding never leaves the GPU.
+exactly `hidden_states[T]`. Rows reach the target padded or packed (`extract.layouts`); either
+way each token's states are those of its row run alone, and only real tokens are gathered:
+padding never leaves the GPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from extract.masks import choose_masks, forward_kwargs
+from extract.layouts import PaddedLayout
+from extract.packed import PackedLayout
 from extract.target import decoder_layers, final_norm, num_decoder_layers
 
 # Pinned input buffers in rotation: a buffer is refilled only after the copy issued from it
@@ -71,25 +71,6 @@ class DeviceInputs:
         return i, buf
 
 
-def padded_inputs(rows: Sequence[np.ndarray], *, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids [B, L] right-padded with `pad_id`, flat positions of the real tokens in it).
-
-    Built with numpy, which keeps the GIL: each torch call would release it and wait to get it
-    back from the writer threads, on the thread that feeds the GPU.
-
-    >>> ids, index = padded_inputs([np.array([5, 6, 7]), np.array([8])], pad_id=0)
-    >>> ids.tolist(), index.tolist()
-    ([[5, 6, 7], [8, 0, 0]], [0, 1, 2, 3])
-    """
-    lengths = [len(r) for r in rows]
-    width = max(lengths)
-    ids_BL = np.full((len(rows), width), pad_id, dtype=np.int64)
-    for b, r in enumerate(rows):
-        ids_BL[b, : len(r)] = r
-    index = np.concatenate([np.arange(n) + b * width for b, n in enumerate(lengths)])
-    return ids_BL, index
-
-
 class LayerCapture:
     """Hooks on `layer_ids` that write real-token states into one packed tensor.
 
@@ -105,13 +86,17 @@ class LayerCapture:
         *,
         pad_id: int = 0,
         own_masks: bool = False,
+        layout: Callable[[nn.Module], PaddedLayout | PackedLayout] | None = None,
     ):
-        """`own_masks`: let the model build its masks (see `extract.masks`); verification
-        does, so that it checks the premade ones rather than repeats them."""
+        """`layout(body)` makes the layout rows reach the target in (see `extract.layouts`;
+        default: padded batches with `own_masks` as PaddedLayout takes it)."""
         self.model, self.layer_ids, self.pad_id = model, list(layer_ids), pad_id
         self.body = model.get_decoder() if hasattr(model, "get_decoder") else model
-        # Chosen before the hooks exist: the choice runs a probe forward.
-        self.masks = None if own_masks else choose_masks(self.body, pad_id=pad_id)
+        # Chosen before the hooks exist: the choice runs probe forwards.
+        if layout is None:
+            self.layout = PaddedLayout(self.body, pad_id=pad_id, own_masks=own_masks)
+        else:
+            self.layout = layout(self.body)
         layers, last = decoder_layers(model), num_decoder_layers(model) - 1
         self._packed: torch.Tensor | None = None
         self._index: torch.Tensor | None = None
@@ -143,12 +128,11 @@ class LayerCapture:
         """States of `rows` (token id arrays) as [sum(len), K, H] on `device`, rows one after
         another, in the model's dtype: a view of layer-major memory (`.transpose(0, 1)` gives
         the contiguous [K, sum(len), H])."""
-        ids_BL, index = padded_inputs(rows, pad_id=self.pad_id)
         if self._inputs is None or self._inputs.device != device:
             self._inputs = DeviceInputs(device)
-        ids_BL, self._index = self._inputs.send(torch.from_numpy(ids_BL), torch.from_numpy(index))
+        kwargs, self._index = self.layout.inputs(rows, self._inputs.send)
         try:
-            self.body(**forward_kwargs(ids_BL, self.masks))
+            self.body(**kwargs)
             return self._packed.transpose(0, 1)
         finally:
             self._packed, self._index = None, None

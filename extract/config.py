@@ -6,7 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.cli import option
-from shared.codec import FORMATS, STORES
+from shared.format import FORMATS, STORES
+
+COMPILE_MODES = ("auto", "layers", "none")
+PACKING_MODES = ("auto", "on", "off")
 
 
 def parse_layer_list(text: str) -> tuple[int, ...]:
@@ -33,8 +36,9 @@ class ExtractConfig:
     )
     data: tuple[Path, ...] = option(
         (),
-        help="JSONL file(s): OpenAI `messages`, ShareGPT `conversations` or `input_ids` + "
-        "`loss_mask` rows; repeat the option for several. Default: the shipped demo chats.",
+        help="JSONL, parquet or arrow file(s), or Hugging Face `datasets` folders (save_to_disk), "
+        "of OpenAI `messages`, ShareGPT `conversations` or `input_ids` + `loss_mask` rows; "
+        "repeat the option for several. Default: the shipped demo chats.",
     )
     gpus: str | None = option(
         None, help="Devices: 0-4, 0,2,5, cpu or cpu:N. Default: all visible GPUs, else cpu."
@@ -50,7 +54,32 @@ class ExtractConfig:
     store: str = option(
         "bf16", help="bf16 (lossless) or fp8 (e4m3 + a scale per token and layer).", choices=STORES
     )
-    batch_tokens: int = option(16384, help="Tokens per forward batch (padded length x rows).")
+    batch_tokens: int = option(
+        16384,
+        help="Tokens per forward: a packed row's size (rounded up to a multiple of 128 and to "
+        "--max-length), or padded length x rows for padded batches.",
+    )
+    compile: str = option(
+        "auto",
+        help="layers: compile every target layer (static shapes: packed rows); none: eager. "
+        "auto: layers on GPUs, none on CPUs.",
+        choices=COMPILE_MODES,
+    )
+    attention: str = option(
+        "auto",
+        help="Packed rows' attention kernel: flex (flex_attention, compiled into the layers) or "
+        "sdpa (each row's samples as padded batches: cuDNN or FlashAttention); auto: flex on "
+        "GPUs, sdpa on CPUs.",
+        choices=("auto", "flex", "sdpa"),
+    )
+    packing: str = option(
+        "auto",
+        help="on: whole samples back to back in rows of --batch-tokens, attention confined to "
+        "each (no padding computed); off: rows padded to the longest of their batch. auto: on "
+        "when the layers are compiled. Either is checked against rows run alone at start-up, "
+        "and padded batches are kept where packing does not give the same states.",
+        choices=PACKING_MODES,
+    )
     rows_per_part: int = option(512, help="Source rows per part (the unit of work and resume).")
     max_rows: int | None = option(None, help="Only the first N source rows (quick runs).")
     writer_threads: int = option(
@@ -67,6 +96,11 @@ class ExtractConfig:
         False,
         help="Replace a cache in --out made with other settings (only this tool's own files; "
         "any other file in --out is refused, never deleted).",
+    )
+    space_check: bool = option(
+        True,
+        help="Before any work, estimate the cache's size (from a tokenized sample of the rows) "
+        "and refuse to start when its disk has less free space; --no-space-check starts anyway.",
     )
     verbose: bool = option(False, help="Debug logging on every rank.")
 
@@ -85,6 +119,11 @@ class ExtractConfig:
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')}: {getattr(self, name)} is too small")
+        if self.compile == "layers" and self.packing == "off":
+            raise ValueError(
+                "--compile layers needs packed rows (one static shape): drop --packing off, or "
+                "use --compile none"
+            )
 
     @property
     def layer_ids(self) -> tuple[int, ...] | None:

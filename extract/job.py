@@ -22,6 +22,9 @@ class Job:
     format: str
     store: str
     batch_tokens: int
+    compile: str  # ExtractConfig's: resolved per device by extract.layouts.forward_mode
+    packing: str
+    attention: str  # packed rows' kernel, "auto" for extract.packed's default
     rows_per_part: int
     total_rows: int
     units: tuple[int, ...]  # pending units, sorted; rank r takes units[r::world]
@@ -29,6 +32,7 @@ class Job:
     progress_dir: Path
     draw_bar: bool  # rank 0 draws the bar itself (no launching parent to do it)
     verbose: bool = False
+    expected_tokens: int = 0  # of the pending rows, estimated (0: unknown): for the time estimate
     # sys.setswitchinterval while this rank extracts. Qwen3-8B shape, 1M long-tailed tokens, one
     # H200 (bench/e2e_gpu.py, then the same `python -m extract` with --switch-interval-ms):
     # 5 ms (Python's) 0.913-0.916 of the plain forward, 1 and 0.5 ms 0.932: 0.9-1.1 s of device

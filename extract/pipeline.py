@@ -12,11 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from extract.backpressure import EndClocks, RankClocks, limit_warning
-from extract.batching import length_order, make_batches
+from extract.batching import length_order
 from extract.capture import LayerCapture
 from extract.data import Rejected, Tokenized
 from extract.forward_clock import ForwardClock
 from extract.job import Job
+from extract.packing import chunk_size
 from extract.sink import Countdown, Staging, WriterPool, device_payload, write_sample
 from shared.cache import open_part_writer, part_name
 from shared.codec import codec_description
@@ -69,7 +70,8 @@ class PartPipeline:
         """`clock`: told where each part's forwards begin (its log names the gaps there)."""
         self.job, self.device, self.capture, self.counters = job, device, capture, counters
         self.clock = clock
-        self.staging = Staging(STAGING_BUFFERS, pinned=device.type == "cuda", rows=job.batch_tokens)
+        rows = chunk_size(job.batch_tokens, job.max_length)  # the most a forward holds
+        self.staging = Staging(STAGING_BUFFERS, pinned=device.type == "cuda", rows=rows)
         start = time.perf_counter()
         one = torch.zeros(1, len(job.layer_ids), _hidden(capture), device=device)  # [N, K, H]
         self.staging.reserve(device_payload(one, job.store, job.format), tokens=1)
@@ -116,7 +118,7 @@ class PartPipeline:
         futures = []
         if self.clock is not None:
             self.clock.mark_part()
-        for batch in make_batches(lengths, batch_tokens=job.batch_tokens):
+        for batch in self.capture.layout.batches(lengths, batch_tokens=job.batch_tokens):
             packed = self.capture.run([kept[i].input_ids for i in batch], device=self.device)
             host, release = self.staging.stage(
                 device_payload(packed, job.store, job.format), tokens=packed.shape[0]

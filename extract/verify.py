@@ -6,10 +6,13 @@ rounds (bf16 keeps 8 mantissa bits: at least 2e-2 is allowed; fp8 e4m3 keeps 3: 
 GPU a forward of another batch shape rounds differently, by more at each layer: in a 64-layer
 bf16 model the states of one row in a batch and alone differ by 0.25% at layer 0 and 5.3% at
 layer 61 (`bench/verify_noise.py`, Qwen3.6-27B shape, random weights, H200). So verify also runs
-the sample in a batch of extraction's size and measures how far those two fresh forwards differ
-at each layer: a stored layer may differ from the fresh one by `FLOOR_FACTOR` times that, where
-that is more than the storage tolerance. A wrong row, target, layer or mask moves the states
-by far more.
+the sample in other arrangements and measures how far those fresh forwards differ from it alone
+at each layer: in a padded batch of extraction's size, and, where extraction on this device
+packs rows (`--packing`, `--compile`: compiled on a GPU by default), in a packed row of the
+cache's size run the same way. A stored layer may differ from the fresh one by `FLOOR_FACTOR`
+times the larger difference, where that is more than the storage tolerance. A wrong row,
+target, layer or mask moves the states by far more. (Packed rows are proven against rows alone
+when extraction starts, `extract.layouts`, so this allowance never hides a wrong mask.)
 """
 
 from __future__ import annotations
@@ -22,12 +25,10 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import torch
 
-from shared.cache import open_part, verify_part
-from shared.dist import usable_cpus
 from shared.lock import LockHeld, output_lock
 from shared.manifest import (
     CacheMismatch,
@@ -35,9 +36,13 @@ from shared.manifest import (
     PartRecord,
     drop_parts,
     read_manifest,
+    repair_commands,
     update_manifest,
 )
-from shared.target_files import TARGET_DIR, target_problems
+from shared.ranks import usable_cpus
+
+if TYPE_CHECKING:  # torch and the cache's readers are imported where they are used: `--help`
+    import torch  # and a missing cache answer at once
 
 log = logging.getLogger(__name__)
 TOLERANCE = {"bf16": 2e-2, "fp8": 8e-2}
@@ -74,6 +79,8 @@ def check_parts(cache: Path, manifest: Manifest, threads: int | None = None) -> 
 
 
 def _check_part(cache: Path, rec: PartRecord, shard_threads: int) -> list[str]:
+    from shared.cache import open_part, verify_part
+
     path = cache / rec.name
     if not path.exists():
         return [f"{rec.name}: listed in the manifest but missing on disk"]
@@ -93,8 +100,11 @@ def rerun_samples(
     cache: Path, manifest: Manifest, *, samples: int, seed: int, device: torch.device
 ) -> list[str]:
     """Re-run the target on `samples` random stored samples and compare the states."""
+    import torch
+
     from extract.capture import LayerCapture
     from extract.target import load_target
+    from shared.cache import open_part
 
     picks = [(rec, n) for rec in manifest.parts for n in range(rec.rows_kept)]
     picks = random.Random(seed).sample(picks, min(samples, len(picks)))
@@ -104,7 +114,7 @@ def rerun_samples(
     # The model's own masks: an independent check of the premade ones extraction passes.
     capture = LayerCapture(model, manifest.layer_ids, own_masks=True)
     batch_tokens = int(manifest.config.get("batch_tokens", 16384))
-    problems = []
+    runs = []
     for rec, n in picks:
         reader = open_part(cache / rec.name)
         # wds parts stream only: walk to the n-th sample.
@@ -116,12 +126,18 @@ def rerun_samples(
         ids = sample.input_ids
         fresh = capture.run([ids], device=device).float().cpu()
         batched = capture.run(full_batch(ids, batch_tokens), device=device)[: len(ids)]
+        runs.append((rec, n, sample, fresh, batched.float().cpu()))
+    capture.close()
+    packed = packed_runs(model, manifest, [r[2].input_ids for r in runs], device)
+    problems = []
+    for (rec, n, sample, fresh, batched), in_packed in zip(runs, packed, strict=True):
         check = compare_layers(
             sample.hidden_tensor(torch.device("cpu")).float(),
             fresh,
-            batched.float().cpu(),
+            batched,
             manifest.layer_ids,
             manifest.store,
+            packed=in_packed,
         )
         where = f"sample {n} (source row {sample.sample_index})"
         log.info("%s %s: %s", rec.name, where, check.summary())
@@ -129,8 +145,46 @@ def rerun_samples(
         problems += [
             f"{rec.name}: {where} differs from a fresh forward {p}" for p in check.problems
         ]
-    capture.close()
     return problems
+
+
+def packed_runs(model, manifest: Manifest, samples: list, device: torch.device) -> list:  # noqa: ANN001
+    """Each sample's states in a packed row of the cache's size filled with its copies, run as
+    extraction runs packed rows on `device` (None each where it would not pack)."""
+    import functools
+
+    from extract.capture import LayerCapture
+    from extract.layouts import choose_layout, forward_mode
+    from extract.packing import chunk_size
+
+    config = manifest.config
+    compiled, packed = forward_mode(
+        config.get("compile", "none"), config.get("packing", "off"), device.type
+    )
+    if not packed:
+        return [None] * len(samples)
+    chunk = chunk_size(int(config.get("batch_tokens", 16384)), manifest.max_length)
+    attention = config.get("attention", "auto")
+    layout = functools.partial(
+        choose_layout,
+        packed=True,
+        compile_layers=compiled,
+        chunk_tokens=chunk,
+        pad_id=0,
+        attention=None if attention == "auto" else attention,
+    )
+    capture = LayerCapture(model, manifest.layer_ids, layout=layout)
+    try:
+        if capture.layout.name != "packed":
+            return [None] * len(samples)
+        return [
+            capture.run([ids] * max(1, chunk // len(ids)), device=device)[: len(ids)].float().cpu()
+            for ids in samples
+        ]
+    finally:
+        capture.close()
+        if capture.layout.name == "packed":
+            capture.layout.uninstall()
 
 
 def full_batch(ids, batch_tokens: int) -> list:  # noqa: ANN001
@@ -146,6 +200,7 @@ def full_batch(ids, batch_tokens: int) -> list:  # noqa: ANN001
 def layer_errors(a: torch.Tensor, b: torch.Tensor) -> list[float]:
     """Relative error ||a - b|| / ||b|| of each layer's states, both [tokens, layers, H].
 
+    >>> import torch
     >>> b = torch.ones(3, 2, 4)
     >>> a = b.clone(); a[:, 1] *= 1.5
     >>> layer_errors(a, b)
@@ -190,11 +245,15 @@ def compare_layers(
     batched: torch.Tensor,
     layer_ids,  # noqa: ANN001
     store: str,
+    *,
+    packed: torch.Tensor | None = None,
 ) -> LayerCheck:
     """Stored states against the fresh ones, per layer, with each layer's allowance: the
-    storage's tolerance, or `FLOOR_FACTOR` times the difference between the fresh forward
-    alone and in a full batch (`batched`), whichever is larger.
+    storage's tolerance, or `FLOOR_FACTOR` times the larger difference between the fresh
+    forward alone and in another arrangement (`batched`: a full padded batch; `packed`: a
+    packed row, where extraction packs), whichever is larger.
 
+    >>> import torch
     >>> fresh = torch.ones(2, 2, 4)
     >>> stored = fresh * torch.tensor([1.01, 1.2]).view(1, 2, 1)
     >>> batched = fresh * torch.tensor([1.0, 1.1]).view(1, 2, 1)
@@ -205,6 +264,8 @@ def compare_layers(
     'at layer 9: relative error 0.2 > 0.'
     """
     floor = layer_errors(batched, fresh)
+    if packed is not None:
+        floor = [max(a, b) for a, b in zip(floor, layer_errors(packed, fresh), strict=True)]
     return LayerCheck(
         layer_ids=tuple(layer_ids),
         errors=tuple(layer_errors(stored, fresh)),
@@ -215,8 +276,11 @@ def compare_layers(
 
 def repair_manifest(cache: Path, problems: list[str]) -> str:
     """Drop the parts named in `problems` from the manifest, and mark the cache incomplete
-    when `target/` is damaged: the same extract command then redoes exactly those (it
-    rewrites a damaged `target/` on resume). Returns what was done, as a sentence."""
+    when `target/` is damaged: the extract command that wrote the cache then redoes exactly
+    those (it rewrites a damaged `target/` on resume). Returns what was done, and that
+    command, as a sentence."""
+    from shared.target_files import TARGET_DIR
+
     names = {p.split(":", 1)[0] for p in problems if p.startswith("part-")}
     target_damaged = any(p.startswith(f"{TARGET_DIR}/") for p in problems)
 
@@ -225,14 +289,14 @@ def repair_manifest(cache: Path, problems: list[str]) -> str:
         return dataclasses.replace(m, complete=False) if target_damaged else m
 
     with output_lock(cache, "python -m extract.verify --repair"):
-        update_manifest(cache, change)
+        manifest = update_manifest(cache, change)
     done = f"dropped {len(names)} damaged parts from the manifest" if names else ""
     if target_damaged:
         done += (", and " if done else "") + "marked target/ to be written again"
-    return done + ": rerun the same extract command to redo them"
+    return f"{done}: run `{manifest.extract_command(cache)}` to write them again"
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("cache", type=click.Path(path_type=Path))
 @click.option("--samples", default=4, show_default=True, help="Samples to re-run the target on.")
 @click.option("--seed", default=0, show_default=True, help="Which samples.")
@@ -240,42 +304,54 @@ def repair_manifest(cache: Path, problems: list[str]) -> str:
 @click.option(
     "--repair",
     is_flag=True,
-    help="Drop damaged parts from the manifest, so that the same extract command redoes them.",
+    help="Drop damaged parts from the manifest, so that the extract command redoes them.",
 )
 def main(cache: Path, samples: int, seed: int, device: str | None, repair: bool) -> None:
     """Check every part of CACHE and its target/ files against its manifest; exit 1 on any
     mismatch."""
     from shared.logs import setup_logging
+    from shared.target_files import target_problems
 
     setup_logging()
     try:
         manifest = read_manifest(cache)
     except CacheMismatch as e:
         raise click.ClickException(str(e)) from None
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    problems = target_problems(cache, manifest.target_files) + check_parts(cache, manifest)
-    if repair and problems:
-        for p in problems:
+    damaged = target_problems(cache, manifest.target_files) + check_parts(cache, manifest)
+    if repair and damaged:
+        for p in damaged:
             click.echo(f"MISMATCH {p}", err=True)
         try:
-            click.echo(f"repaired: {repair_manifest(cache, problems)}")
+            click.echo(f"repaired: {repair_manifest(cache, damaged)}")
         except LockHeld as e:
             raise click.ClickException(str(e)) from None
         sys.exit(1)
+    problems = list(damaged)
     if not manifest.complete:
         problems.append(
             f"the cache is incomplete ({len(manifest.parts)}/{manifest.num_units} "
-            "parts): rerun the extract command to finish it"
+            f"parts): run `{manifest.extract_command(cache)}` to finish it"
         )
     if samples and not problems:
-        if Path(manifest.target.path).exists():
-            problems += rerun_samples(cache, manifest, samples=samples, seed=seed, device=dev)
-        else:
-            log.warning("target %s not found here: skipping the re-run check", manifest.target.path)
+        problems += _rerun(cache, manifest, samples=samples, seed=seed, device=device)
     for p in problems:
         click.echo(f"MISMATCH {p}", err=True)
     click.echo(f"{len(manifest.parts)} parts checked, {len(problems)} problems")
+    if damaged:
+        click.echo(f"to repair: {repair_commands(cache, manifest)}", err=True)
     sys.exit(1 if problems else 0)
+
+
+def _rerun(
+    cache: Path, manifest: Manifest, *, samples: int, seed: int, device: str | None
+) -> list[str]:
+    if not Path(manifest.target.path).exists():
+        log.warning("target %s not found here: skipping the re-run check", manifest.target.path)
+        return []
+    import torch
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return rerun_samples(cache, manifest, samples=samples, seed=seed, device=dev)
 
 
 if __name__ == "__main__":

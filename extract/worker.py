@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -13,6 +14,8 @@ from extract.capture import LayerCapture
 from extract.disk import disk_full_message
 from extract.forward_clock import ForwardClock
 from extract.job import Job, writer_threads
+from extract.layouts import choose_layout, compiled_graphs, forward_mode
+from extract.packing import chunk_size
 from extract.pipeline import PartPipeline
 from extract.target import load_target
 from extract.units import reader_reading_ahead, run_units
@@ -36,12 +39,26 @@ def rank_main(info: RankInfo, job: Job) -> None:
     read = reader_reading_ahead(job, tokenizer, mine)
     model = load_target(job.target, device=info.device, last_layer=max(job.layer_ids))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    capture = LayerCapture(model, job.layer_ids, pad_id=pad)
+    compiled, packed = forward_mode(job.compile, job.packing, info.device.type)
+    layout = functools.partial(
+        choose_layout,
+        packed=packed,
+        compile_layers=compiled,
+        chunk_tokens=chunk_size(job.batch_tokens, job.max_length),
+        pad_id=pad,
+        attention=None if job.attention == "auto" else job.attention,
+    )
+    capture = LayerCapture(model, job.layer_ids, pad_id=pad, layout=layout)
+    log.info("rank %d: the target runs %s", info.rank, capture.layout.describe())
     counters = RankCounters(job.progress_dir, info.rank)
     bar = None
     if job.draw_bar and info.is_main:
         bar = SummedBar(
-            job.progress_dir, total=job.pending_rows, unit_key="done_rows", desc="extract"
+            job.progress_dir,
+            total=job.pending_rows,
+            unit_key="done_rows",
+            desc="extract",
+            expected_tokens=job.expected_tokens,
         )
         counters.listener = bar.refresh
     threads = writer_threads(job, info)
@@ -82,6 +99,7 @@ def rank_main(info: RankInfo, job: Job) -> None:
         if pipeline.end is not None:  # every commit succeeded, or close would have raised
             log.info("rank %d: %s", info.rank, describe_end(pipeline.end))
         log.info("rank %d: %s", info.rank, clock.take().describe())
+        _report_graphs(info.rank, capture.layout)
     finally:
         sys.setswitchinterval(switch_interval)
         clock.close()
@@ -109,3 +127,24 @@ def _report_rate(rank: int, tokens: int, seconds: float, forwards: float) -> Non
         forwards,
         seconds - forwards,
     )
+
+
+def _report_graphs(rank: int, layout) -> None:  # noqa: ANN001
+    """A compiled target makes its graphs in the start-up probe: any made since is a
+    recompilation, which static shapes exist to prevent."""
+    if getattr(layout, "compiled", False):
+        extra = compiled_graphs() - layout.graphs_after_probe
+        if extra:
+            log.warning(
+                "rank %d: the compiled target made %d more graphs during extraction (a "
+                "recompilation: each costs seconds); please report it with the target's config",
+                rank,
+                extra,
+            )
+        else:
+            log.info(
+                "rank %d: %d compiled graphs, made in %.1f s before the first part; none since",
+                rank,
+                layout.graphs,
+                layout.compile_s,
+            )

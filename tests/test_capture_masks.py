@@ -77,7 +77,7 @@ def test_cuda_forward_never_waits_for_the_device(tiny_qwen3):
     model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3), dtype=torch.bfloat16)
     model = model.to("cuda").eval()
     cap = LayerCapture(model, [0, 1])
-    assert cap.masks is not None
+    assert cap.layout.masks is not None
     batch = rows(model.config.vocab_size)
     cap.run(batch, device=torch.device("cuda"))  # first batch: allocations
     torch.cuda.synchronize()

@@ -130,7 +130,7 @@ def test_incompatible_cache_lists_every_problem(tmp_path):
     result = CliRunner().invoke(
         main,
         ["--data", str(bad), "--out", str(tmp_path / "r"), "--gpus", "cpu"]
-        + ["--target-layers", "0,2,7", "--mask-token-id", "5000"],
+        + ["--target-layers", "0,2,7", "--mask-token-id", "5000", "--no-follow"],
     )
     assert result.exit_code == 1 and "Traceback" not in result.output
     problems = [line for line in result.output.splitlines() if line.startswith("  - ")]

@@ -3,8 +3,10 @@ silent fallback to eager) when the bound is hit."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 
 from train.config import TrainConfig
 
@@ -13,6 +15,14 @@ log = logging.getLogger(__name__)
 
 class RecompileLimitError(RuntimeError):
     """torch.compile would recompile once more than allowed (never a silent fallback)."""
+
+    @classmethod
+    def hit(cls, limit: int) -> RecompileLimitError:
+        return cls(
+            f"torch.compile hit its recompile limit ({limit}): some shape or guard changes from "
+            "step to step. Raise --recompile-limit, or narrow it down with --compile flex or "
+            "--compile none; see TORCH_LOGS=recompiles"
+        )
 
 
 def configure_compile(cfg: TrainConfig) -> None:
@@ -38,6 +48,23 @@ def configure_compile(cfg: TrainConfig) -> None:
         # now fixed, but the analysis stays off until measured without it.
         if hasattr(inductor.triton, "coalesce_tiling_analysis"):
             inductor.triton.coalesce_tiling_analysis = False
+
+
+@contextlib.contextmanager
+def recompile_errors(limit: int) -> Iterator[None]:
+    """Turn torch.compile's recompile-limit failure in the block into a RecompileLimitError
+    that says what to do."""
+    try:
+        yield
+    except Exception as e:
+        dynamo_exc = sys.modules.get("torch._dynamo.exc")
+        if dynamo_exc is None or not isinstance(e, dynamo_exc.FailOnRecompileLimitHit):
+            raise
+        raise RecompileLimitError(
+            f"torch.compile hit its recompile limit ({limit}): some shape or guard changes "
+            "from step to step. Raise --recompile-limit, or narrow it down with --compile flex "
+            "or --compile none; see TORCH_LOGS=recompiles"
+        ) from e
 
 
 def compiled_graphs() -> int:

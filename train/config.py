@@ -33,6 +33,7 @@ HARMLESS_CHANGES = frozenset(
     {
         "data",  # the cache itself is compared by its manifest identity instead
         "gpus",  # the world size is checked against the checkpoint's loader state
+        "follow",  # the plan (followed or not) is the checkpoint's
         "steps",
         "epochs",
         "stop_after_steps",
@@ -85,6 +86,11 @@ class TrainConfig:
     out: Path = option(help="run folder: config.json, checkpoints/, metrics.jsonl, export/")
     gpus: str | None = option(
         None, help="devices: 0-4, 0,2,5, cpu, cpu:N (N gloo processes); default all GPUs, else cpu"
+    )
+    follow: bool = option(
+        True,
+        help="train on a cache that an extraction is still writing, reading parts as they are "
+        "committed and waiting for more; --no-follow refuses a cache that is not complete",
     )
     # drafter
     drafter_type: str = option(
@@ -241,7 +247,11 @@ class TrainConfig:
     warmup: float = option(0.04, help="fraction of steps of linear warmup before cosine decay")
     weight_decay: float = option(0.0, help="AdamW weight decay")
     grad_clip: float = option(1.0, help="clip the global gradient norm to this (0: off)")
-    epochs: int = option(6, help="epochs over the training parts (ignored with --steps)")
+    epochs: int = option(
+        6,
+        help="epochs over the training parts (ignored with --steps); on a cache still being "
+        "written, the run's steps are fixed at start from an estimate of the finished cache",
+    )
     steps: int | None = option(None, help="optimizer steps to train; default from --epochs")
     seed: int = option(0, help="seed of init, data order and anchors")
     # evaluation

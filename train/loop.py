@@ -31,10 +31,11 @@ from shared.dist import (
 )
 from shared.logs import setup_logging
 from shared.progress import progress_bar
+from shared.space import DiskFull, full_disk_stops
 from shared.stopping import StopRequest
 from shared.target_files import load_heads
 from train.checkpoint import load_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
-from train.compiling import RecompileLimitError, compiled_graphs, configure_compile
+from train.compiling import compiled_graphs, configure_compile, recompile_errors
 from train.config import TrainConfig
 from train.data.batch import Batch
 from train.data.feed import DeviceFeed
@@ -45,9 +46,10 @@ from train.drafters.dspark_loss import dspark_loss
 from train.drafters.mask import flex_kernel_options
 from train.drafters.registry import build_drafter, init_weights
 from train.evaluate import Evaluator
-from train.export import export_drafter
+from train.export import export_drafter, export_if_room
 from train.finite import FiniteGuard
-from train.metrics import EXTRA_KEYS, MetricsWriter, StatSums
+from train.following import Following
+from train.metrics import MetricsWriter, StatSums, train_record
 from train.prepared import Prepared
 from train.schedule import warmup_cosine
 from train.step import forward_loss
@@ -67,9 +69,10 @@ def train_rank(info: RankInfo, cfg: TrainConfig, prep: Prepared) -> None:
         torch.set_num_threads(max(1, usable_cpus() // processes_on_this_host(info.world_size)))
     stop = StopRequest().install("saving a checkpoint at the next log step, then stopping")
     try:
-        trainer = Trainer(info, cfg, prep)
-        trainer.guard.stop = stop
-        trainer.fit()
+        with full_disk_stops(cfg.out, rerun="Free space there, then rerun the same command."):
+            trainer = Trainer(info, cfg, prep)
+            trainer.guard.stop = stop
+            trainer.fit()
     finally:
         stop.restore()
 
@@ -99,15 +102,19 @@ class Trainer:
             shuffle_buffer=cfg.shuffle_buffer,
             max_length=cfg.max_length,
         )
-        by_steps = cfg.steps is not None
-        self.limits = epoch_lengths(
-            self.spec,
-            world_size=info.world_size,
-            grad_accum=cfg.grad_accum,
-            epochs=None if by_steps else cfg.epochs,
-            steps=cfg.steps,
-        )
-        self.total = cfg.steps if by_steps else sum(self.limits) // cfg.grad_accum
+        self.follow = Following(cfg, prep.follow, info) if prep.follow else None
+        if self.follow is not None:  # its epochs are planned once the cache is complete
+            self.limits, self.total = [], self.follow.total
+        else:
+            by_steps = cfg.steps is not None
+            self.limits = epoch_lengths(
+                self.spec,
+                world_size=info.world_size,
+                grad_accum=cfg.grad_accum,
+                epochs=None if by_steps else cfg.epochs,
+                steps=cfg.steps,
+            )
+            self.total = cfg.steps if by_steps else sum(self.limits) // cfg.grad_accum
         self.scheduler = warmup_cosine(self.optimizer, total=self.total, warmup=cfg.warmup)
         self.step, self.loader_state = 0, LoaderState()
         self.autocast = (
@@ -175,6 +182,7 @@ class Trainer:
                 ),
                 "rng": rngs,
                 "config": to_json(self.cfg),
+                "plan": self.follow.record() if self.follow else {"follow": False},
             }
             save_checkpoint(
                 self.cfg.out, self.step, state, self.prep.drafter, keep=self.cfg.keep_checkpoints
@@ -197,6 +205,9 @@ class Trainer:
 
     def loader(self) -> Iterator[dict[str, Any]]:
         """The micro-batches of this rank from the loader state on: PlanDataset, DataLoader."""
+        limits, growing = dict(enumerate(self.limits)), None
+        if self.follow is not None:
+            limits, growing = self.follow.loader_plan(self.limits, self.loader_state)
         dataset = PlanDataset(
             self.prep.parts,
             self.spec,
@@ -204,9 +215,10 @@ class Trainer:
             rank=self.info.rank,
             world_size=self.info.world_size,
             workers=self.workers,
-            limits=dict(enumerate(self.limits)),
+            limits=limits,
             start_epoch=self.loader_state.epoch,
             consumed=self.loader_state.consumed,
+            growing=growing,
         )
         loader = make_loader(
             dataset,
@@ -231,7 +243,8 @@ class Trainer:
 
     def fit(self) -> None:
         self.restore()
-        self.prepare()
+        if self.follow is None:  # a follower's loader comes with its first catch_up
+            self.prepare()
         bar = progress_bar(
             total=self.total,
             initial=self.step,
@@ -240,26 +253,36 @@ class Trainer:
             disable=not self.info.is_main,
         )
         try:
-            if self.step < self.total:
-                self.first_step()
-                bar.update(1)
-                if self._after_step(bar, log_now=True):  # a window of the first step alone
-                    return
-            while self.step < self.total:
-                self.train_step()
-                bar.update(1)
-                if self._after_step(bar):
-                    return
-        except torch._dynamo.exc.FailOnRecompileLimitHit as e:
-            raise RecompileLimitError(
-                f"torch.compile hit its recompile limit ({self.cfg.recompile_limit}): some "
-                "shape or guard changes from step to step. Raise --recompile-limit, or narrow it "
-                "down with --compile flex or --compile none; see TORCH_LOGS=recompiles"
-            ) from e
+            with recompile_errors(self.cfg.recompile_limit):
+                first = True
+                while self.step < self.total:
+                    self.catch_up()
+                    self.first_step() if first else self.train_step()
+                    bar.update(1)
+                    if self._after_step(bar, log_now=first):  # the first step: its own window
+                        return
+                    first = False
         finally:
             bar.close()
             self.close_loader()
         self._finish()
+
+    def catch_up(self) -> None:
+        """Following an extraction: wait until the next step's rows are planned on every rank,
+        then read from the grown plan (a new loader, from the loader state on)."""
+        f = self.follow
+        if f is None or f.ready(self.loader_state):
+            return
+        if not f.catch_up(self.loader_state, step=self.step, stop=self.guard.stop):
+            if self.step > 0:
+                self.save()
+            raise f.stopped(self.step, self.guard.stop)
+        self.prep, self.spec, self.limits, self.loader_state = f.grown(
+            self.prep, self.spec, self.loader_state
+        )
+        rank, world = self.info.rank, self.info.world_size
+        self.evaluator = Evaluator.for_run(self.prep, self.cfg, rank=rank, world_size=world)
+        self.prepare()
 
     def first_step(self) -> None:
         """The run's first step, timed to its end (compilation included): a one-off sync."""
@@ -274,6 +297,8 @@ class Trainer:
         """Logs, evaluations and checkpoints due after a step; True to stop as if killed."""
         cfg, step = self.cfg, self.step
         last = step == self.total
+        if self.follow is not None:
+            self.follow.after_step(step, self.loader_state)
         if step % cfg.log_every == 0 or last or log_now:
             record = self._log()
             bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}")
@@ -304,7 +329,6 @@ class Trainer:
         weight_local = torch.zeros((), dtype=torch.float32, device=self.device)
         for i in range(accum):
             item, batch = self._take()
-            gen = torch.Generator().manual_seed(item["anchor_seed"])
             sync = net.no_sync() if ddp and i < accum - 1 else contextlib.nullcontext()
             with sync:
                 with self.autocast():
@@ -313,7 +337,7 @@ class Trainer:
                         self.embed_VH,
                         self.lm_head_VH,
                         batch,
-                        generator=gen,
+                        generator=torch.Generator().manual_seed(item["anchor_seed"]),
                         grad_ckpt=self.cfg.grad_ckpt,
                         selector=selector_loss(self.cfg, self.step, self.total),
                         **self.step_kwargs,
@@ -344,29 +368,18 @@ class Trainer:
         return self.feed.waited - waited
 
     def _log(self) -> dict[str, Any]:
-        summary = self.sums.reduce()  # the one synchronisation of a logging window
         start, waited = self.window[0], self.feed.waited - self.window[1]
-        elapsed = max(time.perf_counter() - start, 1e-9)
-        steps = max(summary["steps"], 1)
-        record = {
-            "kind": "train",
-            "step": self.step,
-            "epoch": self.loader_state.epoch,
-            "loss": summary["loss"],
-            "tau": summary["tau"],
-            "acc": summary["acc"],
-            "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": summary["grad_norm"],
-            "tokens_per_s": summary["tokens"] / elapsed,
-            "step_ms": 1e3 * elapsed / steps,
-            "data_wait": waited / elapsed,
-            "compiled_graphs": compiled_graphs(),
-            **{key: summary[key] for key in EXTRA_KEYS if key in summary},
-        }
+        record = train_record(
+            self.sums.reduce(),  # the one synchronisation of a logging window
+            step=self.step,
+            epoch=self.loader_state.epoch,
+            lr=self.scheduler.get_last_lr()[0],
+            elapsed=max(time.perf_counter() - start, 1e-9),
+            waited=waited,
+            device=self.device,
+        )
         if self.first_step_s is not None:
             record["first_step_s"], self.first_step_s = self.first_step_s, None
-        if self.device.type == "cuda":
-            record["peak_gpu_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
         self.writer.write(record)
         log.debug("step %d: %s", self.step, record)
         self.window = (time.perf_counter(), self.feed.waited)
@@ -391,11 +404,17 @@ class Trainer:
         return record
 
     def _finish(self) -> None:
+        if self.follow is not None:
+            self.follow.say_unfinished(self.step)
+        heads, out = (self.embed_VH, self.lm_head_VH), self.cfg.out / EXPORT_DIR
         if self.step > 0:
-            self.save()
+            try:
+                self.save()
+            except DiskFull as e:  # the export is smaller: written where it fits
+                done = export_if_room(self.model, self.prep.drafter, out, heads=heads)
+                raise DiskFull(f"{e} {done}") from None
         self.evaluate()
         if self.info.is_main:
-            heads = (self.embed_VH, self.lm_head_VH)
-            export_drafter(self.model, self.prep.drafter, self.cfg.out / EXPORT_DIR, heads=heads)
+            export_drafter(self.model, self.prep.drafter, out, heads=heads)
         self.writer.close()
         barrier()

@@ -18,6 +18,7 @@ import torch
 
 from shared.dist import all_reduce_sum
 from shared.fsio import atomic_write_text
+from train.compiling import compiled_graphs
 from train.drafters.dspark_metrics import CALIBRATION_SIZE, auc, ece
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,38 @@ def summarise(values: list[float], block_size: int, *, first: int = 1) -> dict[s
         "grad_norm": gnorm / steps if steps > 0 else math.nan,
         "steps": int(steps),
     }
+
+
+def train_record(
+    summary: dict[str, Any],
+    *,
+    step: int,
+    epoch: int,
+    lr: float,
+    elapsed: float,
+    waited: float,
+    device: torch.device,
+) -> dict[str, Any]:
+    """The record of one training log window: `summary` (`StatSums.reduce`) over `elapsed`
+    seconds, `waited` of them waiting for data."""
+    record = {
+        "kind": "train",
+        "step": step,
+        "epoch": epoch,
+        "loss": summary["loss"],
+        "tau": summary["tau"],
+        "acc": summary["acc"],
+        "lr": lr,
+        "grad_norm": summary["grad_norm"],
+        "tokens_per_s": summary["tokens"] / elapsed,
+        "step_ms": 1e3 * elapsed / max(summary["steps"], 1),
+        "data_wait": waited / elapsed,
+        "compiled_graphs": compiled_graphs(),
+        **{key: summary[key] for key in EXTRA_KEYS if key in summary},
+    }
+    if device.type == "cuda":
+        record["peak_gpu_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    return record
 
 
 class MetricsWriter:

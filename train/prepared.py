@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from train.data.follow import CacheView
 from train.data.loader import PartInfo
 from train.drafters.config import DrafterConfig
+
+
+@dataclass(frozen=True)
+class FollowPlan:
+    """A run on a cache that an extraction is still writing (train/following.py)."""
+
+    view: CacheView  # the committed prefix when the run started
+    rows_estimate: int  # rows of the first pass over the finished cache, fixed at the run's start
+    identity: dict[str, Any]  # the cache's manifest identity: it must not change under the run
 
 
 @dataclass(frozen=True)
@@ -19,6 +30,7 @@ class Prepared:
     eval_lengths: tuple[tuple[int, ...], ...]
     layers: tuple[int, ...]  # positions in the cached layer axis, in the drafter's order
     gamma: float
+    follow: FollowPlan | None = None  # set when the run follows a running extraction
 
     @property
     def first_draft_slot(self) -> int:

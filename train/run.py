@@ -7,14 +7,13 @@ written: a cache that cannot serve the requested drafter (every problem listed i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any
 
 from safetensors import safe_open
 
-from shared.cli import to_json
 from shared.dist import (
     DeviceSpec,
     launch,
@@ -23,14 +22,14 @@ from shared.dist import (
     torchrun_world_size,
     under_torchrun,
 )
-from shared.fsio import atomic_write_json
+from shared.fsio import unwritable_reason
 from shared.lock import LockHeld, output_lock
 from shared.manifest import (
     LAST_LAYER_WARNING,
     CacheMismatch,
     Manifest,
     check_compatible,
-    read_manifest,
+    repair_commands,
 )
 from shared.target_files import (
     EMBED_FILE,
@@ -40,22 +39,18 @@ from shared.target_files import (
     target_problems,
     unused_special_token,
 )
-from train.checkpoint import list_checkpoints, read_meta, resolve_resume
-from train.config import TrainConfig, config_changes
+from train.config import TrainConfig
+from train.data.follow import CacheView, changed_parts, read_view
 from train.data.loader import layer_positions, load_catalog
 from train.data.plan import PlanSpec, holdout_lengths, plan_rows
 from train.drafters.anchors import default_gamma
 from train.drafters.config import DFLASH2_FIELDS, LOGIT_FIELDS, DrafterConfig
+from train.follow_start import await_first_step, await_manifest, holdout, start_following
 from train.loop import EXPORT_DIR, train_rank
-from train.prepared import Prepared
+from train.prepared import FollowPlan, Prepared
+from train.run_dir import RunError, prepare_run_dir, resumed_plan
 
 log = logging.getLogger(__name__)
-
-CONFIG_FILE = "config.json"
-
-
-class RunError(ValueError):
-    """The request cannot run as given (devices, run folder, options); the message says why."""
 
 
 def ascending_layers(ids: tuple[int, ...]) -> tuple[int, ...]:
@@ -77,21 +72,47 @@ def run(cfg: TrainConfig) -> Path:
         spec = parse_gpus(cfg.gpus)
     except ValueError as e:
         raise RunError(str(e)) from None
-    manifest = read_manifest(cfg.data)
-    cfg, prep = prepare(cfg, manifest, device_kind=spec.kind)
+    problem = unwritable_reason(cfg.out)
+    if problem:
+        raise RunError(f"--out {cfg.out}: {problem}")
+    manifest = await_manifest(cfg)
+    saved = resumed_plan(cfg)
+    view = None
+    # A run follows an extraction on a cache not yet complete, and keeps following (the plan is
+    # its checkpoint's) once it is; --no-follow and an unfollowed checkpoint refuse it.
+    follows = saved["follow"] if saved is not None else not manifest.complete
+    if follows and (cfg.follow or manifest.complete):
+        changed = changed_parts(saved.get("parts", []) if saved else [], manifest)
+        if changed:
+            raise RunError("\n".join([f"{cfg.data} changed under the run {cfg.out}:", *changed]))
+        view = read_view(cfg.data, manifest)
+    cfg, prep = prepare(cfg, manifest, device_kind=spec.kind, view=view)
     try:
         with output_lock(cfg.out, "python -m train", enabled=takes_output_lock()):
-            return _run_locked(cfg, prep, manifest, spec)
+            estimate = saved.get("rows_estimate") if saved else None
+            return _run_locked(cfg, prep, manifest, spec, estimate)
     except LockHeld as e:
         raise RunError(str(e)) from None
     except OSError as e:  # creating --out or a file in it (e.g. --out /proc/x, a full disk)
-        raise RunError(f"{e.filename or cfg.out}: {e.strerror or e}") from None
+        where = e.filename or cfg.out
+        raise RunError(f"--out {cfg.out}: cannot write {where} ({e.strerror or e})") from None
 
 
-def _run_locked(cfg: TrainConfig, prep: Prepared, manifest: Manifest, spec: DeviceSpec) -> Path:
+def _run_locked(
+    cfg: TrainConfig, prep: Prepared, manifest: Manifest, spec: DeviceSpec, estimate: int | None
+) -> Path:
     world_size = None if under_torchrun() else spec.nprocs
-    check_size(cfg, prep, world_size or torchrun_world_size())
+    world = world_size or torchrun_world_size()
+    if prep.follow is None:
+        check_size(cfg, prep, world)
     prepare_run_dir(cfg, prep, manifest, world_size=world_size)
+    if prep.follow is not None:
+        view = await_first_step(cfg, prep.follow.view, manifest, world_size=world)
+        train, evals = holdout(cfg, view)
+        plan = start_following(cfg, view, manifest, world_size=world, estimate=estimate)
+        prep = dataclasses.replace(
+            prep, parts=view.parts, train_lengths=train, eval_lengths=evals, follow=plan
+        )
     log.info(
         "training a %d-layer drafter on %d parts (%d samples held out) with %s, target layers %s",
         prep.drafter.num_layers,
@@ -124,15 +145,13 @@ def resolve_devices(cfg: TrainConfig, device_kind: str) -> TrainConfig:
 
 
 def prepare(
-    cfg: TrainConfig, manifest: Manifest, *, device_kind: str
+    cfg: TrainConfig, manifest: Manifest, *, device_kind: str, view: CacheView | None = None
 ) -> tuple[TrainConfig, Prepared]:
-    """The resolved config and what every rank needs; CacheMismatch lists every problem."""
+    """The resolved config and what every rank needs; CacheMismatch lists every problem.
+    `view`: the committed parts of a cache the run follows while it is being written."""
     cfg = resolve_devices(cfg, device_kind)
-    problems = [
-        f"{p}: run `python -m extract.verify {cfg.data} --repair`, then the same extract "
-        "command to write it again"
-        for p in target_problems(cfg.data, manifest.target_files)
-    ]
+    repair = repair_commands(cfg.data, manifest)
+    problems = [f"{p}: {repair}" for p in target_problems(cfg.data, manifest.target_files)]
     wanted = ascending_layers(cfg.target_layer_ids or default_taps(cfg, manifest))
     if manifest.target.num_layers - 1 in wanted:
         log.warning(LAST_LAYER_WARNING, manifest.target.num_layers - 1)
@@ -141,23 +160,37 @@ def prepare(
     embed_rows = _embedding_rows(cfg.data, manifest, problems)
     try:
         check_compatible(
-            manifest, cache=cfg.data, layer_ids=wanted, hidden_size=hidden, vocab_size=embed_rows
+            manifest,
+            cache=cfg.data,
+            layer_ids=wanted,
+            hidden_size=hidden,
+            vocab_size=embed_rows,
+            require_complete=view is None,
         )
     except CacheMismatch as e:
         problems = e.problems + problems
-    parts, part_problems = load_catalog(cfg.data, manifest)
-    problems += part_problems
+    if view is None:
+        parts, part_problems = load_catalog(cfg.data, manifest)
+        problems += [f"{p}: {repair}" for p in part_problems]
+    else:
+        parts = list(view.parts)
     lengths = [p.lengths for p in parts]
     num_samples = sum(map(len, lengths))
     held_parts = cfg.eval_parts or 0
     held = eval_sample_count(cfg.eval_fraction, num_samples) if cfg.eval_parts is None else 0
-    if parts and held_parts >= len(parts):
-        problems.append(f"cannot hold out {held_parts} of {len(parts)} parts for evaluation")
-    if not manifest.parts:
+    units = len(parts) if view is None else view.num_units
+    if units and held_parts >= units:
+        problems.append(f"cannot hold out {held_parts} of {units} parts for evaluation")
+    if not manifest.parts and view is None:
         problems.append("the cache holds no parts")
     if problems or drafter is None:
         raise CacheMismatch(cfg.data, problems)
-    train_lengths, eval_lengths = holdout_lengths(lengths, num_samples=held, num_parts=held_parts)
+    if view is None:
+        train_lengths, eval_lengths = holdout_lengths(
+            lengths, num_samples=held, num_parts=held_parts
+        )
+    else:
+        train_lengths, eval_lengths = holdout(cfg, view)
     gamma = cfg.gamma or default_gamma(cfg.block_size, anchor_predicts=drafter.anchor_predicts)
     cfg = cfg.replace(
         target_layers=",".join(map(str, wanted)),
@@ -176,6 +209,7 @@ def prepare(
         eval_lengths=eval_lengths,
         layers=layer_positions(manifest.layer_ids, read),
         gamma=gamma,
+        follow=None if view is None else FollowPlan(view, 0, manifest.identity()),
     )
     return cfg, prep
 
@@ -334,62 +368,3 @@ def _embedding_rows(cache: Path, manifest: Manifest, problems: list[str]) -> int
             f"{manifest.target.hidden_size}"
         )
     return int(rows)
-
-
-def run_record(cfg: TrainConfig, prep: Prepared, manifest: Manifest) -> dict[str, Any]:
-    """What config.json holds: the resolved options, the drafter and the cache identity."""
-    return {
-        "train": to_json(cfg),
-        "drafter": prep.drafter.to_dict(),
-        "cache": manifest.identity(),
-    }
-
-
-def prepare_run_dir(
-    cfg: TrainConfig, prep: Prepared, manifest: Manifest, *, world_size: int | None = None
-) -> None:
-    """Create the run folder or check that it holds this run; write config.json.
-
-    `world_size` (None when unknown here, as under torchrun) is checked against the checkpoint
-    a resume would start from: the data plan depends on it.
-    """
-    out = Path(cfg.out)
-    path = out / CONFIG_FILE
-    record = run_record(cfg, prep, manifest)
-    if path.is_file():
-        old = json.loads(path.read_text())
-        harmful, harmless = config_changes(old.get("train", {}), record["train"])
-        if old.get("drafter") != record["drafter"]:
-            harmful.append("the drafter derived from the cache differs")
-        if old.get("cache") != record["cache"]:
-            harmful.append("the cache differs (manifest identity)")
-        if harmful:
-            lines = "\n".join(f"  - {h}" for h in harmful)
-            raise RunError(f"{out} holds a different run; use another --out or delete it:\n{lines}")
-        for line in harmless:
-            log.info("run option changed: %s", line)
-    if cfg.resume == "none" and list_checkpoints(out):
-        raise RunError(
-            f"{out} has checkpoints and --resume none was given: use another --out, delete "
-            "the folder, or resume (--resume auto)"
-        )
-    _check_resume_point(cfg, world_size)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, record)
-
-
-def _check_resume_point(cfg: TrainConfig, world_size: int | None) -> None:
-    try:
-        path = resolve_resume(cfg.out, cfg.resume)
-    except ValueError as e:
-        raise RunError(str(e)) from None
-    if path is None or world_size is None:
-        return
-    loader = read_meta(path).get("loader") or {}
-    saved = (loader.get("world_size"), loader.get("workers"))
-    if saved != (world_size, max(cfg.workers, 1)):
-        raise RunError(
-            f"{path} was written by {saved[0]} ranks x {saved[1]} loader streams, this run has "
-            f"{world_size} x {max(cfg.workers, 1)}: resume with the same --gpus count and "
-            "--workers, or start a new --out"
-        )

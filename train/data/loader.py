@@ -27,9 +27,10 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from shared.cache import Sample, open_part
 from shared.codec import dequantize_fp8
-from shared.manifest import Manifest
+from shared.manifest import CacheMismatch, Manifest, PartRecord, read_manifest, repair_commands
 from shared.stopping import StopRun, loader_worker_init
 from train.data.batch import Batch
+from train.data.growing import GrowingRows, interleaved_rows
 from train.data.plan import (
     PlanSpec,
     SampleRef,
@@ -52,11 +53,14 @@ class PartInfo:
     lengths: tuple[int, ...]
 
 
-def load_catalog(cache: Path, manifest: Manifest) -> tuple[list[PartInfo], list[str]]:
-    """Every committed part's path and sample lengths, plus problems found opening them."""
+def load_catalog(
+    cache: Path, manifest: Manifest, records: Sequence[PartRecord] | None = None
+) -> tuple[list[PartInfo], list[str]]:
+    """The path and sample lengths of every committed part (or of `records`), plus problems
+    found opening them."""
     parts, problems = [], []
     expect_layers, expect_hidden = len(manifest.layer_ids), manifest.target.hidden_size
-    for record in manifest.parts:
+    for record in manifest.parts if records is None else records:
         path = Path(cache) / record.name
         try:
             reader = open_part(path)
@@ -179,6 +183,8 @@ class PlanDataset(IterableDataset):
     train/data/plan.py); real items carry `epoch`, `round`, `anchor_seed` and tensors; an item with
     `error` reports an unreadable part (see `checked`). `even` gives every rank the same number
     of rows (training); otherwise ranks get nearly equal shares and nothing is dropped (eval).
+    `growing`: epoch 0 is a first pass that follows the extraction (train/data/growing.py),
+    planned by the rank, its rows interleaved over ranks and workers.
     """
 
     def __init__(
@@ -194,17 +200,24 @@ class PlanDataset(IterableDataset):
         start_epoch: int = 0,
         consumed: int = 0,
         even: bool = True,
+        growing: GrowingRows | None = None,
     ) -> None:
         self.paths = [p.path for p in parts]
+        self.growing = growing
         self.spec, self.layers = spec, tuple(layers)
         self.rank, self.world_size, self.workers = rank, world_size, max(workers, 1)
         self.limits, self.start_epoch, self.consumed = dict(limits), start_epoch, consumed
         self.even = even
 
-    def slices(self, epoch: int) -> tuple[list[list[SampleRef]], list[range]]:
-        """The epoch's rows, and the row numbers of each of this rank's workers."""
-        rows = plan_rows(self.spec, epoch=epoch)
+    def slices(
+        self, epoch: int
+    ) -> tuple[Sequence[list[SampleRef]] | dict[int, list[SampleRef]], list[range]]:
+        """The epoch's rows (by row number), and the row numbers of each of this rank's
+        workers."""
         kw = dict(rank=self.rank, world_size=self.world_size, workers=self.workers)
+        if epoch == 0 and self.growing is not None:
+            return self.growing.rows, interleaved_rows(self.growing.planned, **kw)
+        rows = plan_rows(self.spec, epoch=epoch)
         return rows, worker_rows(len(rows), **kw, even=self.even)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -226,7 +239,7 @@ class PlanDataset(IterableDataset):
     def _read_rows(
         self,
         epoch: int,
-        rows: Sequence[list[SampleRef]],
+        rows: Sequence[list[SampleRef]] | dict[int, list[SampleRef]],
         numbers: range,
         items: Sequence[WorkerItem],
     ) -> Iterator[dict[str, Any]]:
@@ -272,10 +285,14 @@ class PlanDataset(IterableDataset):
     def _describe(self, error: Exception) -> str:
         part = getattr(self, "_current", None)
         where = self.paths[part] if part is not None else "a part of the cache"
+        cache = Path(where).parent
+        try:
+            manifest = read_manifest(cache)
+        except (CacheMismatch, OSError):
+            manifest = None
         return (
             f"cannot read {where} ({type(error).__name__}: {error}). The cache is damaged: "
-            f"run `python -m extract.verify {Path(where).parent}` to list the damaged parts, "
-            "re-extract them, then resume this run with the same command"
+            f"{repair_commands(cache, manifest)}, then resume this run with the same command"
         )
 
 

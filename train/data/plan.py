@@ -221,14 +221,22 @@ def worker_rows(
 
 
 def epoch_lengths(
-    spec: PlanSpec, *, world_size: int, epochs: int | None, steps: int | None, grad_accum: int
+    spec: PlanSpec,
+    *,
+    world_size: int,
+    epochs: int | None,
+    steps: int | None,
+    grad_accum: int,
+    first: Sequence[int] = (),
 ) -> list[int]:
     """Rows per rank of each epoch to run: `epochs` of them, or enough for `steps` steps.
+    `first`: the rows per rank of epochs planned otherwise (a first pass that followed the
+    extraction, `train.data.growing`); the epochs after them are planned from `spec`.
 
     Raises ValueError when an epoch has fewer rows than one optimizer step needs on every rank
     (world_size x grad_accum): the caller turns it into a message about the cache's size.
     """
-    limits: list[int] = []
+    limits: list[int] = list(first)
     need = steps * grad_accum if steps is not None else None
     while len(limits) < (epochs or 0) if need is None else sum(limits) < need:
         rows = len(plan_rows(spec, epoch=len(limits)))

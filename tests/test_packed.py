@@ -1,0 +1,211 @@
+"""Packed rows (`extract.packing`, `extract.packed`, `extract.layouts`): whole samples back to
+back in one static shape give each sample's states as if it ran alone, for dense, hybrid and
+Llama-style targets, eager and compiled; the document mask equals the brute-force one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+from extract.capture import LayerCapture
+from extract.layouts import choose_layout, compiled_graphs
+from extract.packed_attention import (
+    dense_document_mask,
+    document_block_mask,
+    document_mask_mod,
+    packed_attention,
+)
+from extract.packing import pack_rows, packed_inputs
+from extract.target import load_target
+from tests.test_extract import data_file, extract, samples_by_row  # noqa: F401
+
+ROWS = [np.random.default_rng(i).integers(3, 300, n) for i, n in enumerate([50, 120, 7, 1, 33])]
+
+
+def test_pack_rows_keeps_every_row_once_and_within_the_chunk():
+    rng = np.random.default_rng(0)
+    lengths = sorted(rng.integers(1, 300, 200).tolist(), reverse=True)
+    chunks = pack_rows(lengths, chunk_tokens=512)
+    assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in c) <= 512 for c in chunks)
+    # first fit decreasing: all chunks but the last few are nearly full
+    assert sum(lengths) / (512 * len(chunks)) > 0.95
+
+
+def test_packed_inputs_restart_positions_and_close_with_a_pad_segment():
+    p = packed_inputs(ROWS[:3], chunk_tokens=256, pad_id=0)
+    lengths = [len(r) for r in ROWS[:3]]
+    assert p.real == sum(lengths) and p.ids.shape == (256,)
+    assert p.cu_seqlens.tolist() == [0, 50, 170, 177, 256]
+    for k, (a, b) in enumerate(zip(p.cu_seqlens[:-1], p.cu_seqlens[1:], strict=True)):
+        assert (p.doc_ids[a:b] == k).all() and p.positions[a:b].tolist() == list(range(b - a))
+    assert (p.ids[p.real :] == 0).all()
+    full = packed_inputs([np.arange(128)], chunk_tokens=128, pad_id=0)
+    assert full.cu_seqlens.tolist() == [0, 128]
+
+
+@pytest.mark.parametrize("block", [16, 64, 128])
+def test_document_block_mask_equals_the_brute_force_mask(block):
+    rng = np.random.default_rng(block)
+    for _ in range(5):
+        lengths = rng.integers(1, 200, 6).tolist()
+        n = -(-sum(lengths) // 128) * 128
+        p = packed_inputs([np.zeros(k) for k in lengths], chunk_tokens=n, pad_id=0)
+        doc = torch.from_numpy(p.doc_ids).long()
+        mask_mod = document_mask_mod(doc)
+        ours = document_block_mask(doc, mask_mod, block_size=block)
+        ref = create_block_mask(mask_mod, 1, 1, n, n, device="cpu", BLOCK_SIZE=block)
+        assert torch.equal(ours.to_dense(), ref.to_dense())
+        assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
+        q, k, v = torch.randn(1, 4, n, 16), torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
+        flex, _ = packed_attention(None, q, k, v, ours)
+        sdpa, _ = packed_attention(None, q, k, v, dense_document_mask(doc))
+        torch.testing.assert_close(flex, sdpa, atol=1e-4, rtol=1e-4)
+
+
+def _per_row(model, rows, layer_ids, device) -> list[torch.Tensor]:
+    cap = LayerCapture(model, layer_ids, own_masks=True)
+    try:
+        return [cap.run([r], device=device).clone() for r in rows]
+    finally:
+        cap.close()
+
+
+def _packed(model, rows, layer_ids, device, **layout) -> tuple[list[torch.Tensor], object]:
+    """Each row's states through packed rows of 256 tokens (several chunks for ROWS)."""
+    cap = LayerCapture(
+        model,
+        layer_ids,
+        layout=lambda body: choose_layout(body, packed=True, chunk_tokens=256, pad_id=0, **layout),
+    )
+    try:
+        out = {}
+        for chunk in cap.layout.batches([len(r) for r in rows], batch_tokens=256):
+            states, start = cap.run([rows[i] for i in chunk], device=device), 0
+            for i in chunk:
+                out[i] = states[start : start + len(rows[i])].clone()
+                start += len(rows[i])
+        return [out[i] for i in range(len(rows))], cap.layout
+    finally:
+        cap.close()
+
+
+def _llama(tmp_path_factory) -> object:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_qwen3, tiny_qwen35, tmp_path_factory) -> dict:
+    return {"qwen3": tiny_qwen3, "qwen3_5": tiny_qwen35, "llama": _llama(tmp_path_factory)}
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", "llama"])
+@pytest.mark.parametrize("attention", ["dense", "flex", "sdpa"])
+def test_packed_rows_equal_each_row_alone_in_fp32(targets, kind, attention):
+    model = load_target(str(targets[kind]), device=torch.device("cpu"), last_layer=3)
+    cpu = torch.device("cpu")
+    ref = _per_row(model, ROWS * 3, [0, 2, 3], cpu)
+    got, layout = _packed(
+        model, ROWS * 3, [0, 2, 3], cpu, compile_layers=False, attention=attention
+    )
+    assert layout.name == "packed"
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    layout.uninstall()
+    again = _per_row(model, ROWS[:2], [0, 2, 3], cpu)  # the model as loaded once more
+    for a, b in zip(again, ref[:2], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("kind", "attention"), [("qwen3", "dense"), ("qwen3_5", "dense"), ("qwen3", "sdpa")]
+)
+def test_compiled_layers_share_their_graphs_and_never_recompile(targets, kind, attention):
+    """Layers of a kind share their compiled graphs (backend "eager": dynamo's graphs without
+    Inductor's code generation): a model of 8 layers compiles nothing a model of 4 did not, and
+    chunks of other rows compile nothing."""
+    cpu = torch.device("cpu")
+    torch._dynamo.reset()
+    made = []
+    for last in (3, 7):
+        model = load_target(str(targets[kind]), device=cpu, last_layer=last)
+        ref = _per_row(model, ROWS, [1, last], cpu)
+        before = compiled_graphs()
+        got, layout = _packed(
+            model, ROWS, [1, last], cpu, compile_layers=True, backend="eager", attention=attention
+        )
+        assert layout.compiled and compiled_graphs() == layout.graphs_after_probe
+        made.append(compiled_graphs() - before)
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+        layout.uninstall()
+    assert made[0] > 0 and made[1] == 0
+
+
+def test_a_layout_that_changes_the_states_is_refused(targets, monkeypatch, caplog):
+    """The probe compares packed rows with rows alone: a mask that leaks across samples fails it
+    and extraction keeps padded batches."""
+    import extract.packed as packed
+
+    leaky = lambda doc: torch.tril(torch.ones(len(doc), len(doc), dtype=torch.bool))[None, None]
+    monkeypatch.setattr(packed, "dense_document_mask", leaky)
+    model = load_target(str(targets["qwen3"]), device=torch.device("cpu"), last_layer=3)
+    layout = choose_layout(
+        model.get_decoder(),
+        packed=True,
+        compile_layers=False,
+        chunk_tokens=256,
+        pad_id=0,
+        attention="dense",
+    )
+    assert layout.name == "padded"
+    assert "packed rows changed a probe forward" in caplog.text
+
+
+def test_cli_packed_cache_equals_the_padded_one(tmp_path, tiny_qwen35, data_file):  # noqa: F811
+    """Through `python -m extract`'s run: --packing on stores what padded batches store (the
+    hybrid target: its convolution and recurrent state restart at every sample)."""
+    padded = extract(tmp_path / "padded", tiny_qwen35, data_file, packing="off")
+    packed = extract(tmp_path / "packed", tiny_qwen35, data_file, packing="on")
+    counts = lambda m: {k: v for k, v in m.totals().items() if k != "nbytes"}  # compressed size
+    assert counts(packed) == counts(padded)
+    a, b = samples_by_row(tmp_path / "padded"), samples_by_row(tmp_path / "packed")
+    assert a.keys() == b.keys() and len(a) > 10
+    cpu = torch.device("cpu")
+    for row in a:
+        assert np.array_equal(a[row].input_ids, b[row].input_ids)
+        torch.testing.assert_close(
+            b[row].hidden_tensor(cpu).float(), a[row].hidden_tensor(cpu).float(),
+            atol=1e-2, rtol=1e-2,
+        )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", "llama"])
+@pytest.mark.parametrize("attention", ["flex", "sdpa"])
+def test_compiled_packed_rows_on_cuda_match_rows_alone(targets, kind, attention):
+    """The product's default on a GPU: compiled layers (Inductor), the attention by flex or by
+    sdpa over sample groups, and on the hybrid flash-linear-attention's varlen kernels; bf16
+    against each row alone."""
+    cuda = torch.device("cuda")
+    model = load_target(str(targets[kind]), device=cuda, last_layer=7 if kind != "llama" else 3)
+    layers = [1, 3]
+    ref = _per_row(model, ROWS * 2, layers, cuda)
+    got, layout = _packed(model, ROWS * 2, layers, cuda, compile_layers=True, attention=attention)
+    assert layout.name == "packed" and layout.attention == attention and layout.compiled
+    for a, b in zip(got, ref, strict=True):
+        err = (a.float() - b.float()).norm(dim=-1) / b.float().norm(dim=-1).clamp_min(1e-6)
+        assert err.max() < 0.05
+    assert compiled_graphs() == layout.graphs_after_probe
