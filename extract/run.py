@@ -11,6 +11,7 @@ from pathlib import Path
 
 from extract.config import ExtractConfig
 from extract.data import RowIndex, index_rows, source_fingerprint, template_fingerprint
+from extract.fit import LOAD_TIMEOUT, layout_for
 from extract.job import Job
 from extract.outdir import (
     clear_cache,
@@ -19,6 +20,7 @@ from extract.outdir import (
     only_leftovers,
     protected_reason,
 )
+from extract.parallel import Layout, describe_engine, layout_record
 from extract.target import (
     TargetError,
     build_target_layer_ids,
@@ -32,6 +34,7 @@ from shared.cache import missing_or_resized
 from shared.cli import to_json
 from shared.codec import codec_description
 from shared.dist import (
+    DEFAULT_TIMEOUT,
     DeviceSpec,
     RankInfo,
     barrier,
@@ -290,11 +293,17 @@ def run(cfg: ExtractConfig) -> Manifest:
     try:
         spec: DeviceSpec = parse_gpus(cfg.gpus)
         planned, index = plan_manifest(cfg)
+        layout = layout_for(cfg, spec, planned)
     except (TargetError, ValueError) as e:
         raise ExtractError(str(e)) from None
+    if layout.sharded:  # the resolved layout and what ran it, next to the request
+        planned = dataclasses.replace(
+            planned,
+            config={**planned.config, "parallel": str(layout), "engine": describe_engine(layout)},
+        )
     try:
         with output_lock(cfg.out, "python -m extract", enabled=takes_output_lock()):
-            manifest = _run_locked(cfg, spec, planned, index)
+            manifest = _run_locked(cfg, spec, planned, index, layout)
     except (LockHeld, TargetError) as e:
         raise ExtractError(str(e)) from None
     except OSError as e:  # e.g. --out /proc/x as root: mkdir fails although "writable"
@@ -305,7 +314,7 @@ def run(cfg: ExtractConfig) -> Manifest:
 
 
 def _run_locked(
-    cfg: ExtractConfig, spec: DeviceSpec, planned: Manifest, index: RowIndex
+    cfg: ExtractConfig, spec: DeviceSpec, planned: Manifest, index: RowIndex, layout: Layout
 ) -> Manifest:
     resume = existing_state(cfg, planned)
     if resume is not None:
@@ -334,6 +343,8 @@ def _run_locked(
         progress_dir=cfg.out / PROGRESS_DIR,
         draw_bar=not spawned,
         verbose=cfg.verbose,
+        layout=layout if layout.sharded else None,
+        layout_record=layout_record(layout) if layout.sharded else None,
     )
     log.info(
         "%s: %d of %d parts to do, layers %s, %s",
@@ -344,8 +355,9 @@ def _run_locked(
         spec,
     )
     start = time.monotonic()
+    timeout = LOAD_TIMEOUT if layout.sharded else DEFAULT_TIMEOUT
     if under_torchrun():
-        launch(_entry, (job, cfg, planned, resume), spec)
+        launch(_entry, (job, cfg, planned, resume), spec, timeout=timeout)
         return read_manifest(cfg.out)
     _init_output(cfg, planned, resume)
     bar = None
@@ -354,7 +366,7 @@ def _run_locked(
             job.progress_dir, total=job.pending_rows, unit_key="done_rows", desc="extract"
         )
     try:
-        launch(rank_main, (job,), spec, monitor=bar.refresh if bar else None)
+        launch(rank_main, (job,), spec, monitor=bar.refresh if bar else None, timeout=timeout)
     finally:
         if bar is not None:
             bar.close()
