@@ -43,7 +43,9 @@ class TargetSize:
         else:
             dense = self.dense / (layout.tp * layout.fsdp)
             experts = self.experts / (layout.ep if layout.ep > 1 else layout.tp * layout.fsdp)
-        gathered = (self.dense + self.experts) / self.layers if layout.fsdp > 1 else 0
+        # One layer's weights gathered at a time (experts split by ep are not gathered).
+        layer = (self.dense + (self.experts if layout.ep == 1 else 0)) / self.layers
+        gathered = layer if layout.fsdp > 1 else 0
         return int((dense + experts + gathered) * bytes_per_param)
 
 
@@ -196,9 +198,8 @@ def layout_for(cfg: ExtractConfig, spec: DeviceSpec, planned: Manifest) -> Layou
     """The layout of this run (`--parallel` for its processes and devices), refused before
     anything loads where the target does not fit it."""
     world = torchrun_world_size() if under_torchrun() else spec.nprocs
-    if cfg.parallel.strip().lower() in ("", "none"):
-        return Layout(dp=world)
-    if spec.kind == "cpu" and world > 1:
+    plain = cfg.parallel.strip().lower() in ("", "none")
+    if spec.kind == "cpu" and world > 1 and not plain:
         import torch
 
         if torch.cuda.is_available():
@@ -207,7 +208,7 @@ def layout_for(cfg: ExtractConfig, spec: DeviceSpec, planned: Manifest) -> Layou
                 "model out on the accelerator it finds; use --gpus with GPUs here"
             )
     return plan_layout(
-        cfg.parallel,
+        "none" if plain else cfg.parallel,
         Path(planned.target.path),
         num_layers=planned.target.num_layers,
         world=world,
