@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -162,28 +163,46 @@ def test_tensor_parallel_groups_with_data_parallel_across(tmp_path, data_file, f
     assert_plain_forward_states(tmp_path / "c", target)
 
 
-def test_kill_then_resume_under_fsdp(tmp_path, data_file, family):
-    from tests.test_extract import extract as extract_in_process
+def test_sigterm_then_kill_then_resume_under_tensor_parallel(tmp_path, family):
+    """A stop signal reaches both ranks of a tp group at once: they agree on it and stop at the
+    same part boundary (else one would wait forever in a collective); then a kill -9 of the
+    launcher, a resume under the same layout, and extract.verify of the result."""
+    from tests.test_extract import chat
 
-    target = family("qwen3")
-    out = tmp_path / "killed"
-    proc = extract_cli(
-        out, target, data_file, procs=2, parallel="fsdp=2", stderr=subprocess.PIPE, text=True
-    )
-    try:
-        for line in proc.stderr:  # kill -9 the launcher as soon as a part is committed
-            if "committed part-" in line:
-                proc.kill()
-                break
-        proc.wait(timeout=RUN_TIMEOUT_S)
-    finally:
-        proc.kill()
-    assert proc.returncode == -9
-    partial = read_manifest(out)
-    assert not partial.complete and 1 <= len(partial.parts) < partial.num_units
-    extract_cli(out, target, data_file, procs=2, parallel="fsdp=2")
-    extract_in_process(
-        tmp_path / "one", target, data_file, rows_per_part=5, layers=",".join(map(str, LAYERS))
-    )
-    assert checksums(out) == checksums(tmp_path / "one")
+    data = tmp_path / "chats.jsonl"  # enough parts that the run is still going at the signal
+    data.write_text("".join(json.dumps(chat(i)) + "\n" for i in range(120)))
+    target, out = family("qwen3"), tmp_path / "c"
+    run = dict(procs=2, parallel="tp=2", stderr=subprocess.PIPE, text=True)
+
+    def until_a_commit(sig: int) -> tuple[int, str]:
+        proc = extract_cli(out, target, data, **run)
+        try:
+            for line in proc.stderr:
+                if "committed part-" in line:
+                    proc.send_signal(sig)
+                    break
+            _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+        finally:
+            proc.kill()
+        return proc.returncode, err
+
+    code, err = until_a_commit(signal.SIGTERM)
+    assert code == 1 and "stopped by SIGTERM" in err and "resume: python -m extract" in err, err
+    stopped = read_manifest(out)
+    assert not stopped.complete and 1 <= len(stopped.parts) < stopped.num_units
+    code, _ = until_a_commit(signal.SIGKILL)
+    assert code == -9
+    assert not read_manifest(out).complete
+    extract_cli(out, target, data, procs=2, parallel="tp=2")
     assert not list(out.glob("*.tmp"))
+    assert_layout_recorded(out, "tp=2")
+    assert_plain_forward_states(out, target)
+    verify = subprocess.run(
+        [sys.executable, "-m", "extract.verify", str(out), "--samples", "2", "--device", "cpu"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert verify.returncode == 0, verify.stderr[-3000:]
