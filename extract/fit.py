@@ -147,8 +147,19 @@ def device_memory(kind: str, devices: tuple[int, ...]) -> int:
         import torch
 
         return min(torch.cuda.get_device_properties(d).total_memory for d in devices)
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return available // max(1, len(devices))
+    return _available_host_memory() // max(1, len(devices))
+
+
+def _available_host_memory() -> int:
+    """MemAvailable (free memory plus the page cache the kernel can reclaim), else free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def plan_layout(
