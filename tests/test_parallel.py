@@ -169,8 +169,10 @@ def test_sigterm_then_kill_then_resume_under_tensor_parallel(tmp_path, family):
     launcher, a resume under the same layout, and extract.verify of the result."""
     from tests.test_extract import chat
 
-    data = tmp_path / "chats.jsonl"  # enough parts that the run is still going at the signal
-    data.write_text("".join(json.dumps(chat(i)) + "\n" for i in range(120)))
+    # Enough parts that the run is still going when the signal arrives (the launcher passes it
+    # on within half a second): 80 parts, as many as test_stopping's single process has.
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(chat(i)) + "\n" for i in range(400)))
     target, out = family("qwen3"), tmp_path / "c"
     run = dict(procs=2, parallel="tp=2", stderr=subprocess.PIPE, text=True)
 
