@@ -1,4 +1,9 @@
-"""`python -m extract`: target hidden states -> compressed, resumable cache."""
+"""`python -m extract`: target hidden states -> compressed, resumable cache.
+
+Only click and the config are imported before the options are parsed and the output folder's
+lock is checked: `--help`, a bad option and a folder in use answer without torch or
+transformers being imported.
+"""
 
 import time
 
@@ -12,21 +17,32 @@ from shared.cli import build, click_options
 @click_options(ExtractConfig)
 def main(**kwargs) -> None:
     """Run the target over a chat dataset and cache the hidden states of chosen layers."""
-    from extract.run import ExtractError, run
-    from extract.summary import format_summary
+    from shared.lock import LockHeld, refuse_if_held
     from shared.logs import setup_logging
-    from shared.stopping import Stopped, StopRun, resume_command
+    from shared.ranks import takes_output_lock
 
     cfg = build(ExtractConfig, kwargs)
     setup_logging(verbose=cfg.verbose)
     start = time.monotonic()
     try:
-        manifest = run(cfg)
+        if takes_output_lock():
+            refuse_if_held(cfg.out)
+    except LockHeld as e:
+        raise click.ClickException(str(e)) from None
+    from extract.run import ExtractError, run
+    from extract.summary import format_summary
+    from shared.stopping import Stopped, StopRun, resume_command
+
+    started: list[float] = []  # when planning ended and extracting began
+    try:
+        manifest = run(cfg, started=lambda: started.append(time.monotonic()))
     except Stopped as e:
         raise click.ClickException(f"{e}\nresume: {resume_command('extract')}") from None
     except (ExtractError, StopRun) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(format_summary(manifest, seconds=time.monotonic() - start))
+    end = time.monotonic()
+    working = end - started[0] if started else None
+    click.echo(format_summary(manifest, seconds=end - start, extract_seconds=working))
     if not manifest.complete:
         raise SystemExit(1)
 

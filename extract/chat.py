@@ -23,10 +23,12 @@ A token is supervised iff its first char lies inside an assistant span.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # the type only: importing transformers takes seconds
+    from transformers import PreTrainedTokenizerBase
 
 Message = Mapping[str, Any]
 _PROBE_USER, _PROBE_ASSISTANT = "PROBEUSERTEXT", "PROBEASSISTANTTEXT"

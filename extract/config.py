@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.cli import option
-from shared.codec import FORMATS, STORES
+from shared.format import FORMATS, STORES
 
 COMPILE_MODES = ("auto", "layers", "none")
 PACKING_MODES = ("auto", "on", "off")
@@ -37,8 +37,9 @@ class ExtractConfig:
     )
     data: tuple[Path, ...] = option(
         (),
-        help="JSONL file(s): OpenAI `messages`, ShareGPT `conversations` or `input_ids` + "
-        "`loss_mask` rows; repeat the option for several. Default: the shipped demo chats.",
+        help="JSONL, parquet or arrow file(s), or Hugging Face `datasets` folders (save_to_disk), "
+        "of OpenAI `messages`, ShareGPT `conversations` or `input_ids` + `loss_mask` rows; "
+        "repeat the option for several. Default: the shipped demo chats.",
     )
     gpus: str | None = option(
         None, help="Devices: 0-4, 0,2,5, cpu or cpu:N. Default: all visible GPUs, else cpu."
@@ -105,6 +106,11 @@ class ExtractConfig:
         False,
         help="Replace a cache in --out made with other settings (only this tool's own files; "
         "any other file in --out is refused, never deleted).",
+    )
+    space_check: bool = option(
+        True,
+        help="Before any work, estimate the cache's size (from a tokenized sample of the rows) "
+        "and refuse to start when its disk has less free space; --no-space-check starts anyway.",
     )
     verbose: bool = option(False, help="Debug logging on every rank.")
 

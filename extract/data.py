@@ -1,6 +1,8 @@
-"""Source rows (JSONL) -> `Tokenized` samples or `Rejected` rows with a reason, never an exception.
+"""Source rows -> `Tokenized` samples or `Rejected` rows with a reason, never an exception.
 
-Accepted row schemas, one JSON object per line (the first matching key wins, in this order):
+Accepted row schemas, one JSON object per line of a JSONL file, or one row of a parquet or arrow
+file or `datasets` folder with these columns (`extract.sources`); the first matching key wins,
+in this order:
 - OpenAI: `{"messages": [{"role": ..., "content": ...}, ...]}` (extra keys such as
   `reasoning_content` are passed to the chat template);
 - ShareGPT: `{"conversations": [{"from": ..., "value": ...}, ...]}` with `from` one of system,
@@ -11,7 +13,7 @@ Accepted row schemas, one JSON object per line (the first matching key wins, in 
 Rows and lines: several files are read in the given order. A line that is empty or whitespace
 only is not a row and is skipped silently; every other line is a row, numbered 0, 1, ... across
 all files (the global row number, the sample's identity for resume). `line` is the 1-based
-physical line number in its file, for error reports.
+physical line number in its file (a table's rows count from 1), for error reports.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from transformers import PreTrainedTokenizerBase
 
 from extract.chat import ChatTemplateError, tokenize_chat
+from extract.sources import fingerprint, source_kind, table_row_count, table_rows
+
+if TYPE_CHECKING:  # the type only: importing transformers takes seconds
+    from transformers import PreTrainedTokenizerBase
 
 REJECT_REASONS = (
     "malformed_json",  # not valid UTF-8 JSON
@@ -46,6 +51,14 @@ SHAREGPT_ROLES = {
     "assistant": "assistant",
 }
 INDEX_EVERY = 4096  # rows between two seek points of a RowIndex
+ACCEPTED_KEYS = (
+    "a row needs `messages` (OpenAI), `conversations` (ShareGPT), or `input_ids` + `loss_mask`"
+)
+# Said beside a reason's count in the summary, where the reason alone does not say what to do.
+REASON_HINTS = {
+    "malformed_json": "not JSON: is --data a JSONL, parquet or arrow file?",
+    "unknown_schema": ACCEPTED_KEYS,
+}
 
 
 def demo_dataset() -> Path:
@@ -94,9 +107,14 @@ class RowError(Exception):
 
 
 def index_rows(files: Sequence[Path | str], *, every: int = INDEX_EVERY) -> RowIndex:
-    """Scan the files once (no JSON parsing) for their row counts and seek points."""
+    """Scan the JSONL files once (no JSON parsing) for their row counts and seek points; a
+    table's count comes from its metadata, and a row range seeks by its batches instead."""
     counts, seeks = [], []
     for path in files:
+        if source_kind(path) != "jsonl":
+            counts.append(table_row_count(path))
+            seeks.append(())
+            continue
         points, rows, offset = [], 0, 0
         with open(path, "rb") as f:
             for line_no, raw in enumerate(f, start=1):
@@ -152,16 +170,24 @@ def iter_rows(
 
 def raw_rows(
     files: Sequence[Path | str], start: int, stop: int | None, index: RowIndex | None
-) -> Iterator[tuple[int, str, int, bytes]]:
+) -> Iterator[tuple[int, str, int, bytes | dict]]:
     """(global row, source, line number, raw line) of rows start..stop-1 (to the end if stop is
     None), unparsed; with `index` (from `index_rows` on the same files) reading seeks close to
-    `start`."""
+    `start`. A table's row comes as its dict, numbered from 1 in its source
+    (`extract.sources`)."""
     first_row = 0  # global number of the current file's first row
     for file_no, path in enumerate(files):
         if stop is not None and first_row >= stop:
             return
         if index is not None and first_row + index.counts[file_no] <= start:
             first_row += index.counts[file_no]
+            continue
+        if source_kind(path) != "jsonl":
+            local_stop = None if stop is None else stop - first_row
+            for row, obj in table_rows(path, max(0, start - first_row), local_stop):
+                yield first_row + row, str(path), row + 1, obj
+            count = index.counts[file_no] if index is not None else table_row_count(path)
+            first_row += count
             continue
         offset, line_no, row = 0, 0, first_row
         if index is not None and start > first_row:
@@ -183,16 +209,20 @@ def raw_rows(
         first_row = row
 
 
-def parse_row(raw: bytes) -> list[dict[str, Any]] | dict[str, Any]:
-    """The messages of one JSONL row (ShareGPT converted to OpenAI roles), or, for a
-    pre-tokenized row, its JSON object (its tokens are checked by the caller).
+def parse_row(raw: bytes | dict[str, Any]) -> list[dict[str, Any]] | dict[str, Any]:
+    """The messages of one row (a JSONL line, or a table's row as a dict; ShareGPT converted
+    to OpenAI roles), or, for a pre-tokenized row, its object (its tokens are checked by the
+    caller).
 
     Raises `RowError` for bad JSON, an unknown schema, a malformed message or a chat without an
     assistant turn."""
-    try:
-        obj = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, absurd nesting
-        raise RowError("malformed_json", str(e)) from e
+    if isinstance(raw, dict):
+        obj = raw
+    else:
+        try:
+            obj = json.loads(raw)
+        except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, absurd nesting
+            raise RowError("malformed_json", str(e)) from e
     if not isinstance(obj, dict):
         raise RowError("unknown_schema", f"a JSON {type(obj).__name__}, not an object")
     if "messages" in obj:
@@ -202,7 +232,7 @@ def parse_row(raw: bytes) -> list[dict[str, Any]] | dict[str, Any]:
     elif "input_ids" in obj:
         return obj
     else:
-        raise RowError("unknown_schema", f"no messages, conversations or input_ids: {sorted(obj)}")
+        raise RowError("unknown_schema", f"{ACCEPTED_KEYS}; its keys: {sorted(obj)}")
     if not any(m["role"] == "assistant" for m in messages):
         raise RowError("no_assistant_turn", f"roles: {[m['role'] for m in messages]}")
     return messages
@@ -272,12 +302,8 @@ def _pretokenized(obj: dict[str, Any], vocab_size: int) -> tuple[np.ndarray, np.
 
 
 def source_fingerprint(path: Path | str) -> str:
-    """sha256 (hex) of the file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+    """sha256 (hex) of the file's bytes (of a `datasets` folder: `extract.sources.fingerprint`)."""
+    return fingerprint(path)
 
 
 def template_fingerprint(tokenizer: PreTrainedTokenizerBase) -> dict[str, str | None]:

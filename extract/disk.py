@@ -9,11 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from shared.manifest import CacheMismatch, read_manifest
-from shared.stopping import StopRun
-
-
-class DiskFull(StopRun):
-    """The cache's file system is full; the message says where and how much a part needs."""
+from shared.space import DiskFull
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ class Job:
     progress_dir: Path
     draw_bar: bool  # rank 0 draws the bar itself (no launching parent to do it)
     verbose: bool = False
+    expected_tokens: int = 0  # of the pending rows, estimated (0: unknown): for the time estimate
     # sys.setswitchinterval while this rank extracts. Qwen3-8B shape, 1M long-tailed tokens, one
     # H200 (bench/e2e_gpu.py, then the same `python -m extract` with --switch-interval-ms):
     # 5 ms (Python's) 0.913-0.916 of the plain forward, 1 and 0.5 ms 0.932: 0.9-1.1 s of device

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import shutil
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 from extract.config import ExtractConfig
-from extract.data import RowIndex, index_rows, source_fingerprint, template_fingerprint
+from extract.data import RowIndex
+from extract.estimate import CacheEstimate, SpaceError, check_space
 from extract.fit import LOAD_TIMEOUT, layout_for
 from extract.job import Job
 from extract.outdir import (
@@ -21,18 +21,11 @@ from extract.outdir import (
     protected_reason,
 )
 from extract.parallel import Layout, describe_engine, layout_record
-from extract.target import (
-    TargetError,
-    build_target_layer_ids,
-    read_config,
-    target_info,
-    text_config,
-    write_target_files,
-)
+from extract.plan import ExtractError, plan_manifest
+from extract.sources import ACCEPTED_INPUT
+from extract.target import TargetError, write_target_files
 from extract.worker import rank_main
 from shared.cache import missing_or_resized
-from shared.cli import to_json
-from shared.codec import codec_description
 from shared.dist import (
     DEFAULT_TIMEOUT,
     DeviceSpec,
@@ -47,12 +40,9 @@ from shared.dist import (
 from shared.fsio import atomic_write_json
 from shared.lock import LockHeld, output_lock
 from shared.manifest import (
-    FORMAT_VERSION,
-    LAST_LAYER_WARNING,
     MANIFEST,
     CacheMismatch,
     Manifest,
-    SourceFile,
     drop_parts,
     identity_mismatches,
     read_manifest,
@@ -64,116 +54,6 @@ from shared.target_files import target_checksums, target_problems
 
 log = logging.getLogger(__name__)
 PROGRESS_DIR = ".progress"
-
-
-class ExtractError(ValueError):
-    """A problem with the request, found before any work; the message says what to do."""
-
-
-def default_data() -> tuple[Path, ...]:
-    from extract.data import demo_dataset
-
-    return (demo_dataset(),)
-
-
-def resolve_target(cfg: ExtractConfig) -> str:
-    if cfg.target is not None:
-        from extract.models import resolve_target as resolve_name
-
-        return resolve_name(cfg.target)
-    from extract.tiny import tiny_target
-
-    return str(tiny_target())
-
-
-def _check_writable(out: Path) -> None:
-    probe = out
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK):
-        raise ExtractError(f"--out {out}: {probe} is not a writable folder")
-
-
-def _layer_ids(cfg: ExtractConfig, num_target_layers: int) -> tuple[int, ...]:
-    """The ids to capture, ascending: SGLang and vLLM collect a drafter's target states in layer
-    order whatever its `target_layer_ids` say, so the cache (and every drafter trained on it)
-    keeps that order too."""
-    ids = cfg.layer_ids or tuple(build_target_layer_ids(num_target_layers, cfg.num_layers))
-    if cfg.layer_ids is None and len(set(ids)) < len(ids):
-        fits = max(
-            n
-            for n in range(1, num_target_layers + 1)
-            if len(set(build_target_layer_ids(num_target_layers, n))) == n
-        )
-        raise ExtractError(
-            f"--num-layers {cfg.num_layers}: the target has {num_target_layers} decoder layers, "
-            f"and the DFlash rule gives repeated ids {list(ids)}; use --num-layers {fits} or "
-            "less, or name the ids with --layers"
-        )
-    bad = [i for i in ids if not 0 <= i < num_target_layers]
-    if bad:
-        raise ExtractError(
-            f"--layers: ids {bad} out of range: the target has {num_target_layers} decoder "
-            f"layers (ids 0..{num_target_layers - 1})"
-        )
-    if list(ids) != sorted(ids):
-        log.info(
-            "--layers %s: stored in ascending order %s (the order serving engines use)",
-            ",".join(map(str, ids)),
-            ",".join(map(str, sorted(ids))),
-        )
-    if num_target_layers - 1 in ids:
-        log.warning(LAST_LAYER_WARNING, num_target_layers - 1)
-    return tuple(sorted(ids))
-
-
-def plan_manifest(cfg: ExtractConfig) -> tuple[Manifest, RowIndex]:
-    """The manifest this request would write (no parts yet) and the row index of its data.
-    Validates everything; writes nothing."""
-    target = resolve_target(cfg)
-    config = read_config(target)
-    files = cfg.data or default_data()
-    missing = [str(f) for f in files if not Path(f).is_file()]
-    if missing:
-        raise ExtractError(f"--data: no such file: {', '.join(missing)}")
-    layer_ids = _layer_ids(cfg, int(text_config(config)["num_hidden_layers"]))
-    _check_writable(cfg.out)
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(target)
-    except (OSError, ValueError) as e:
-        raise ExtractError(f"--target {target}: cannot load its tokenizer ({e})") from None
-    index = index_rows(list(files))
-    rows = index.counts
-    sources = tuple(
-        SourceFile(path=str(f), sha256=source_fingerprint(f), rows=n)
-        for f, n in zip(files, rows, strict=True)
-    )
-    total = sum(rows) if cfg.max_rows is None else min(sum(rows), cfg.max_rows)
-    if total == 0:
-        raise ExtractError(f"--data: {', '.join(map(str, files))} holds no rows")
-    prints = template_fingerprint(tokenizer)
-    resolved = dataclasses.replace(
-        cfg,
-        target=target,
-        data=tuple(Path(f) for f in files),
-        layers=None if cfg.layers is None else ",".join(map(str, layer_ids)),
-    )
-    return Manifest(
-        format=cfg.format,
-        store=cfg.store,
-        codec=codec_description(cfg.store),
-        target=target_info(target, config, len(tokenizer)),
-        tokenizer_sha256=prints["tokenizer"],
-        chat_template_sha256=prints["chat_template"] or "",
-        layer_ids=layer_ids,
-        max_length=cfg.max_length,
-        rows_per_part=cfg.rows_per_part,
-        sources=sources,
-        total_rows=total,
-        config={**to_json(resolved), "format_version": FORMAT_VERSION},
-    ), index
 
 
 def existing_state(cfg: ExtractConfig, planned: Manifest) -> Manifest | None:
@@ -255,14 +135,14 @@ def checked_resume(out: Path, resume: Manifest, *, write: bool = True) -> Manife
     return resume
 
 
-def nothing_kept(manifest: Manifest) -> str:
+def nothing_kept(manifest: Manifest, out: Path) -> str:
     t = manifest.totals()
     reasons = ", ".join(f"{n} {r}" for r, n in t["rejected"].items()) or "none"
     first = [r for p in manifest.parts for r in p.rejected_rows][:5]
     lines = "".join(f"\n  {r.source}:{r.line}: {r.reason}" for r in first)
     return (
-        f"no row of --data was kept ({t['rows_read']} read; rejected: {reasons}), so the cache "
-        f"is not complete. The first rejected rows:{lines}"
+        f"no row of --data was kept ({t['rows_read']} read; rejected: {reasons}), so no cache "
+        f"was written to {out}. The first rejected rows:{lines}\n{ACCEPTED_INPUT}"
     )
 
 
@@ -288,11 +168,12 @@ def _entry(
         _finalize(cfg.out)
 
 
-def run(cfg: ExtractConfig) -> Manifest:
-    """Extract the cache described by `cfg`; returns the final manifest."""
+def run(cfg: ExtractConfig, *, started: Callable[[], object] | None = None) -> Manifest:
+    """Extract the cache described by `cfg`; returns the final manifest. `started()` is called
+    once planning is done and the extraction itself begins (the summary times the two)."""
     try:
         spec: DeviceSpec = parse_gpus(cfg.gpus)
-        planned, index = plan_manifest(cfg)
+        planned, index, estimate = plan_manifest(cfg)
         layout = layout_for(cfg, spec, planned)
     except (TargetError, ValueError) as e:
         raise ExtractError(str(e)) from None
@@ -303,24 +184,42 @@ def run(cfg: ExtractConfig) -> Manifest:
         )
     try:
         with output_lock(cfg.out, "python -m extract", enabled=takes_output_lock()):
-            manifest = _run_locked(cfg, spec, planned, index, layout)
-    except (LockHeld, TargetError) as e:
+            if started is not None:
+                started()
+            manifest = _run_locked(cfg, spec, planned, index, estimate, layout)
+            if _kept_nothing(manifest):
+                # Committed parts without a single sample: nothing worth keeping or resuming.
+                if takes_output_lock():
+                    clear_cache(cfg.out)
+                raise ExtractError(nothing_kept(manifest, cfg.out))
+    except (LockHeld, TargetError, SpaceError) as e:
         raise ExtractError(str(e)) from None
     except OSError as e:  # e.g. --out /proc/x as root: mkdir fails although "writable"
         raise ExtractError(f"{e.filename or cfg.out}: {e.strerror or e}") from None
-    if len(manifest.parts) == manifest.num_units and manifest.totals()["rows_kept"] == 0:
-        raise ExtractError(nothing_kept(manifest))
     return manifest
 
 
+def _kept_nothing(manifest: Manifest) -> bool:
+    return len(manifest.parts) == manifest.num_units and manifest.totals()["rows_kept"] == 0
+
+
 def _run_locked(
-    cfg: ExtractConfig, spec: DeviceSpec, planned: Manifest, index: RowIndex, layout: Layout
+    cfg: ExtractConfig,
+    spec: DeviceSpec,
+    planned: Manifest,
+    index: RowIndex,
+    estimate: CacheEstimate,
+    layout: Layout,
 ) -> Manifest:
     resume = existing_state(cfg, planned)
     if resume is not None:
         resume = checked_resume(cfg.out, resume, write=takes_output_lock())
     done = resume.done_units() if resume is not None else set()
     pending = tuple(u for u in range(planned.num_units) if u not in done)
+    pending_rows = sum(len(planned.unit_rows(u)) for u in pending)
+    log.info("estimate: %s", estimate.describe())
+    if cfg.space_check and pending:
+        log.info("space: %s", check_space(cfg.out, estimate, rows=pending_rows))
     spawned = spec.nprocs > 1 and not under_torchrun()
     job = Job(
         out=cfg.out,
@@ -345,6 +244,7 @@ def _run_locked(
         verbose=cfg.verbose,
         layout=layout if layout.sharded else None,
         layout_record=layout_record(layout) if layout.sharded else None,
+        expected_tokens=round(estimate.tokens_per_row * pending_rows),
     )
     log.info(
         "%s: %d of %d parts to do, layers %s, %s",
@@ -354,7 +254,12 @@ def _run_locked(
         list(planned.layer_ids),
         spec,
     )
-    start = time.monotonic()
+    if not pending:
+        log.info(
+            "every part is committed: `python -m extract.verify %s` checks them against their "
+            "checksums (with --repair it drops damaged ones, and this command then redoes them)",
+            cfg.out,
+        )
     timeout = LOAD_TIMEOUT if layout.sharded else DEFAULT_TIMEOUT
     if under_torchrun():
         launch(_entry, (job, cfg, planned, resume), spec, timeout=timeout)
@@ -363,13 +268,15 @@ def _run_locked(
     bar = None
     if spawned:
         bar = SummedBar(
-            job.progress_dir, total=job.pending_rows, unit_key="done_rows", desc="extract"
+            job.progress_dir,
+            total=job.pending_rows,
+            unit_key="done_rows",
+            desc="extract",
+            expected_tokens=job.expected_tokens,
         )
     try:
         launch(rank_main, (job,), spec, monitor=bar.refresh if bar else None, timeout=timeout)
     finally:
         if bar is not None:
             bar.close()
-    manifest = _finalize(cfg.out)
-    log.info("extract finished in %.1f s", time.monotonic() - start)
-    return manifest
+    return _finalize(cfg.out)

@@ -25,12 +25,10 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import torch
 
-from shared.cache import open_part, verify_part
-from shared.dist import usable_cpus
 from shared.lock import LockHeld, output_lock
 from shared.manifest import (
     CacheMismatch,
@@ -38,9 +36,13 @@ from shared.manifest import (
     PartRecord,
     drop_parts,
     read_manifest,
+    repair_commands,
     update_manifest,
 )
-from shared.target_files import TARGET_DIR, target_problems
+from shared.ranks import usable_cpus
+
+if TYPE_CHECKING:  # torch and the cache's readers are imported where they are used: `--help`
+    import torch  # and a missing cache answer at once
 
 log = logging.getLogger(__name__)
 TOLERANCE = {"bf16": 2e-2, "fp8": 8e-2}
@@ -82,6 +84,8 @@ def check_parts(cache: Path, manifest: Manifest, threads: int | None = None) -> 
 
 
 def _check_part(cache: Path, rec: PartRecord, shard_threads: int) -> list[str]:
+    from shared.cache import open_part, verify_part
+
     path = cache / rec.name
     if not path.exists():
         return [f"{rec.name}: listed in the manifest but missing on disk"]
@@ -101,8 +105,11 @@ def rerun_samples(
     cache: Path, manifest: Manifest, *, samples: int, seed: int, device: torch.device
 ) -> list[str]:
     """Re-run the target on `samples` random stored samples and compare the states."""
+    import torch
+
     from extract.capture import LayerCapture
     from extract.target import load_target
+    from shared.cache import open_part
 
     picks = [(rec, n) for rec in manifest.parts for n in range(rec.rows_kept)]
     picks = random.Random(seed).sample(picks, min(samples, len(picks)))
@@ -224,6 +231,7 @@ def full_batch(ids, batch_tokens: int) -> list:  # noqa: ANN001
 def layer_errors(a: torch.Tensor, b: torch.Tensor) -> list[float]:
     """Relative error ||a - b|| / ||b|| of each layer's states, both [tokens, layers, H].
 
+    >>> import torch
     >>> b = torch.ones(3, 2, 4)
     >>> a = b.clone(); a[:, 1] *= 1.5
     >>> layer_errors(a, b)
@@ -277,6 +285,7 @@ def compare_layers(
     forward alone and in another arrangement (`batched`: a full padded batch; `packed`: a
     packed row, where extraction packs), whichever is larger.
 
+    >>> import torch
     >>> fresh = torch.ones(2, 2, 4)
     >>> stored = fresh * torch.tensor([1.01, 1.2]).view(1, 2, 1)
     >>> batched = fresh * torch.tensor([1.0, 1.1]).view(1, 2, 1)
@@ -301,8 +310,11 @@ def compare_layers(
 
 def repair_manifest(cache: Path, problems: list[str]) -> str:
     """Drop the parts named in `problems` from the manifest, and mark the cache incomplete
-    when `target/` is damaged: the same extract command then redoes exactly those (it
-    rewrites a damaged `target/` on resume). Returns what was done, as a sentence."""
+    when `target/` is damaged: the extract command that wrote the cache then redoes exactly
+    those (it rewrites a damaged `target/` on resume). Returns what was done, and that
+    command, as a sentence."""
+    from shared.target_files import TARGET_DIR
+
     names = {p.split(":", 1)[0] for p in problems if p.startswith("part-")}
     target_damaged = any(p.startswith(f"{TARGET_DIR}/") for p in problems)
 
@@ -311,14 +323,14 @@ def repair_manifest(cache: Path, problems: list[str]) -> str:
         return dataclasses.replace(m, complete=False) if target_damaged else m
 
     with output_lock(cache, "python -m extract.verify --repair"):
-        update_manifest(cache, change)
+        manifest = update_manifest(cache, change)
     done = f"dropped {len(names)} damaged parts from the manifest" if names else ""
     if target_damaged:
         done += (", and " if done else "") + "marked target/ to be written again"
-    return done + ": rerun the same extract command to redo them"
+    return f"{done}: run `{manifest.extract_command(cache)}` to write them again"
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("cache", type=click.Path(path_type=Path))
 @click.option("--samples", default=4, show_default=True, help="Samples to re-run the target on.")
 @click.option("--seed", default=0, show_default=True, help="Which samples.")
@@ -326,43 +338,55 @@ def repair_manifest(cache: Path, problems: list[str]) -> str:
 @click.option(
     "--repair",
     is_flag=True,
-    help="Drop damaged parts from the manifest, so that the same extract command redoes them.",
+    help="Drop damaged parts from the manifest, so that the extract command redoes them.",
 )
 def main(cache: Path, samples: int, seed: int, device: str | None, repair: bool) -> None:
     """Check every part of CACHE and its target/ files against its manifest; exit 1 on any
     mismatch."""
     from shared.logs import setup_logging
+    from shared.target_files import target_problems
 
     setup_logging()
     try:
         manifest = read_manifest(cache)
     except CacheMismatch as e:
         raise click.ClickException(str(e)) from None
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    problems = target_problems(cache, manifest.target_files) + check_parts(cache, manifest)
-    if repair and problems:
-        for p in problems:
+    damaged = target_problems(cache, manifest.target_files) + check_parts(cache, manifest)
+    if repair and damaged:
+        for p in damaged:
             click.echo(f"MISMATCH {p}", err=True)
         try:
-            click.echo(f"repaired: {repair_manifest(cache, problems)}")
+            click.echo(f"repaired: {repair_manifest(cache, damaged)}")
         except LockHeld as e:
             raise click.ClickException(str(e)) from None
         sys.exit(1)
+    problems = list(damaged)
     if not manifest.complete:
         problems.append(
             f"the cache is incomplete ({len(manifest.parts)}/{manifest.num_units} "
-            "parts): rerun the extract command to finish it"
+            f"parts): run `{manifest.extract_command(cache)}` to finish it"
         )
     if samples and not problems:
-        why_not = _no_rerun(manifest, dev)
-        if why_not is None:
-            problems += rerun_samples(cache, manifest, samples=samples, seed=seed, device=dev)
-        else:
-            log.warning("%s: skipping the re-run check", why_not)
+        problems += _rerun(cache, manifest, samples=samples, seed=seed, device=device)
     for p in problems:
         click.echo(f"MISMATCH {p}", err=True)
     click.echo(f"{len(manifest.parts)} parts checked, {len(problems)} problems")
+    if damaged:
+        click.echo(f"to repair: {repair_commands(cache, manifest)}", err=True)
     sys.exit(1 if problems else 0)
+
+
+def _rerun(
+    cache: Path, manifest: Manifest, *, samples: int, seed: int, device: str | None
+) -> list[str]:
+    import torch
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    why_not = _no_rerun(manifest, dev)
+    if why_not is not None:
+        log.warning("%s: skipping the re-run check", why_not)
+        return []
+    return rerun_samples(cache, manifest, samples=samples, seed=seed, device=dev)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,11 @@ def rank_main(info: RankInfo, job: Job) -> None:
     bar = None
     if job.draw_bar and info.is_main:
         bar = SummedBar(
-            job.progress_dir, total=job.pending_rows, unit_key="done_rows", desc="extract"
+            job.progress_dir,
+            total=job.pending_rows,
+            unit_key="done_rows",
+            desc="extract",
+            expected_tokens=job.expected_tokens,
         )
         counters.listener = bar.refresh
     threads = writer_threads(job, info)

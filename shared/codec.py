@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from numcodecs import Blosc
 
-FORMAT_VERSION = 1
+from shared.format import FORMAT_VERSION, FORMATS, STORES  # noqa: F401 (the format's names)
+
 # Each sample's first row in a zarr part is a multiple of this; also the row extent of a chunk.
 CHUNK_ROWS = 64
 # Measured on synthetic bf16 activations (DESIGN.md section 3): zstd-1 with byte shuffle beats
@@ -58,8 +59,6 @@ PLANES_BLOSC = {
 }
 # A zstd frame's first four bytes; a Blosc frame starts with its format version (2).
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-STORES = ("bf16", "fp8")
-FORMATS = ("zarr", "wds")
 # Largest finite float8 e4m3fn magnitude: scale = amax / FP8_MAX maps each row onto the full range.
 FP8_MAX = 448.0
 

@@ -1,7 +1,8 @@
 """Device lists and process launch: one process per device, torchrun-compatible.
 
-This is the only module that reads RANK / LOCAL_RANK / WORLD_SIZE. Everything below it receives
-a `RankInfo` as an argument.
+This module and `shared.ranks` (the same environment read without torch, for the command lines'
+early checks) are the only ones that read RANK / LOCAL_RANK / WORLD_SIZE. Everything below them
+receives a `RankInfo` as an argument.
 
 `--gpus` grammar: `0-4`, `0,2,5`, `5-7`, `cpu` (one CPU process), `cpu:N` (N CPU processes on
 gloo). Without `--gpus`: all visible GPUs, else `cpu`. Under torchrun the environment wins.
@@ -22,6 +23,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shared.ranks import (  # noqa: F401 (re-exported: the launch's environment)
+    processes_on_this_host,
+    takes_output_lock,
+    torchrun_ranks,
+    torchrun_world_size,
+    under_torchrun,
+    usable_cpus,
+)
 from shared.stopping import StopRequest, StopRun, die_with_parent, stop_error
 
 STOP_EXIT = 3  # exit status of a spawned rank that raised StopRun (its message is queued)
@@ -104,36 +113,6 @@ def parse_gpus(spec: str | None, *, visible: int | None = None) -> DeviceSpec:
             "use --gpus cpu to run on the CPU"
         )
     return DeviceSpec("cuda", tuple(devices))
-
-
-def usable_cpus() -> int:
-    """The cores this process may run on (a cpuset, taskset or Slurm allocation), not the host's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # platforms without affinity masks
-        return os.cpu_count() or 1
-
-
-def processes_on_this_host(world_size: int) -> int:
-    """How many ranks share this host's cores: torchrun's LOCAL_WORLD_SIZE (several nodes), else
-    the world size (our own launcher starts every rank on this host)."""
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return max(1, int(local)) if local.isdigit() else max(1, world_size)
-
-
-def torchrun_world_size() -> int:
-    """WORLD_SIZE as torchrun set it (1 outside torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
-
-
-def takes_output_lock() -> bool:
-    """True in the process that holds a run's output lock for all its ranks: our launcher, or
-    rank 0 under torchrun (torchrun stops every rank when one fails)."""
-    return not under_torchrun() or os.environ.get("RANK") == "0"
 
 
 def _free_port() -> int:
@@ -238,8 +217,7 @@ def launch(
     process is re-raised here.
     """
     if under_torchrun():
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local = int(os.environ["LOCAL_RANK"])
+        rank, world, local = torchrun_ranks()
         if spec.kind == "cuda":
             spec = DeviceSpec("cuda", tuple(range(torch.cuda.device_count())))
         info = _init(rank, world, local, spec, timeout)

@@ -15,6 +15,28 @@ from pathlib import Path
 from typing import Any
 
 
+def unwritable_reason(out: Path) -> str | None:
+    """Why no folder can be made or written at `out`, naming the path at fault (None when one
+    can): `out` is a file, or the nearest existing folder above it is not writable (a
+    read-only file system included). Said before any work, beside the option that named it.
+
+    >>> unwritable_reason(Path("/proc/version/run"))
+    '/proc/version is a file, not a folder'
+    """
+    probe = Path(out)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, not a folder"
+    if not os.access(probe, os.W_OK):
+        try:
+            read_only = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+        except OSError:
+            read_only = False
+        return f"{probe} is not a writable folder" + (" (a read-only file system)" * read_only)
+    return None
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename inside `path` durable (a no-op where directories cannot be opened)."""
     try:

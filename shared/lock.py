@@ -46,6 +46,21 @@ def _holder_text(info: dict[str, Any], path: Path) -> str:
     )
 
 
+def _busy(info: dict[str, Any], path: Path) -> LockHeld:
+    return LockHeld(
+        f"{path.parent} is in use by {_holder_text(info, path)}.\n"
+        "Wait for it to finish, or use another output folder."
+    )
+
+
+def _unchecked(info: dict[str, Any], path: Path) -> LockHeld:
+    """A lock of another host: its flock is not always visible here."""
+    return LockHeld(
+        f"{path.parent} is locked by {_holder_text(info, path)}, which this host cannot check. "
+        f"If that process is gone, delete {path} and run again."
+    )
+
+
 def _read(fd: int) -> dict[str, Any]:
     try:
         data = os.pread(fd, 65536, 0)
@@ -133,19 +148,13 @@ def _take_over_stale(path: Path, tmp: Path, record: dict[str, Any]) -> bool:
     try:
         info = _read(old)
         if not _try_flock(old):
-            raise LockHeld(
-                f"{path.parent} is in use by {_holder_text(info, path)}.\n"
-                "Wait for it to finish, or use another output folder."
-            )
+            raise _busy(info, path)
         if os.fstat(old).st_ino != _inode(path):
             return False  # released and replaced while we looked
         if info.get("host") not in (None, record["host"]):
             # The other host's process may be alive: an flock taken there is not always
             # visible here (NFS without lock support, or some FUSE file systems).
-            raise LockHeld(
-                f"{path.parent} is locked by {_holder_text(info, path)}, which this host cannot "
-                f"check. If that process is gone, delete {path} and run again."
-            )
+            raise _unchecked(info, path)
         state = "no longer running" if not pid_alive(info.get("pid")) else "not holding it"
         log.warning(
             "taking over the stale lock %s of %s (%s)", path, _holder_text(info, path), state
@@ -154,6 +163,27 @@ def _take_over_stale(path: Path, tmp: Path, record: dict[str, Any]) -> bool:
         return True
     finally:
         os.close(old)
+
+
+def refuse_if_held(folder: Path) -> None:
+    """Raise LockHeld, as `acquire` would, when a live process holds `folder`'s lock; take and
+    change nothing. A command line calls it before its slow imports, so a second run on a busy
+    folder is refused at once; `acquire` still decides (a stale lock passes here and is taken
+    over there, with its warning)."""
+    path = Path(folder) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # no lock, or none this process could read: `acquire` will tell
+        return
+    try:
+        info = _read(fd)
+        if not _try_flock(fd):
+            raise _busy(info, path)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        if info.get("host") not in (None, socket.gethostname()):
+            raise _unchecked(info, path)
+    finally:
+        os.close(fd)
 
 
 def _inode(path: Path) -> int | None:

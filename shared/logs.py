@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 
 def setup_logging(rank: int = 0, *, verbose: bool = False) -> None:
+    """Log lines to stderr: through tqdm on a terminal (`_BarSafeHandler`); without one (a
+    job's log file) plain lines only, so Hugging Face's own progress bars (loading weights,
+    saving shards) are turned off there too, unless HF_HUB_DISABLE_PROGRESS_BARS says
+    otherwise. Ranks started after this inherit it."""
+    if not sys.stderr.isatty():
+        # Read by huggingface_hub when transformers is first imported: set before that.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     level = logging.DEBUG if verbose else logging.INFO
     if rank != 0 and not verbose:
         level = logging.WARNING

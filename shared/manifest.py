@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.codec import FORMAT_VERSION
+from shared.format import FORMAT_VERSION
 from shared.fsio import atomic_write_json, file_lock
 
 MANIFEST = "manifest.json"
@@ -213,6 +214,20 @@ class Manifest:
             "sources": [s.sha256 for s in self.sources],
         }
 
+    def extract_command(self, cache: Path | str) -> str:
+        """The `python -m extract` command that resumes this cache in `cache`: the settings that
+        decide its content, from its record. It redoes exactly the parts the manifest does not
+        list (as after `python -m extract.verify --repair`)."""
+        args = ["python", "-m", "extract", "--out", str(cache), "--target", self.target.path]
+        for source in self.sources:
+            args += ["--data", source.path]
+        args += ["--layers", ",".join(map(str, self.layer_ids))]
+        args += ["--max-length", str(self.max_length), "--format", self.format]
+        args += ["--store", self.store, "--rows-per-part", str(self.rows_per_part)]
+        if self.total_rows < sum(s.rows for s in self.sources):
+            args += ["--max-rows", str(self.total_rows)]
+        return shlex.join(args)
+
     def with_part(self, record: PartRecord) -> Manifest:
         parts = [p for p in self.parts if p.unit != record.unit] + [record]
         return dataclasses.replace(self, parts=tuple(sorted(parts, key=lambda p: p.unit)))
@@ -264,6 +279,15 @@ def identity_mismatches(old: Manifest, new: Manifest) -> list[str]:
     """Human-readable differences between two manifests' identities."""
     a, b = old.identity(), new.identity()
     return [f"{k}: cache has {a[k]!r}, requested {b[k]!r}" for k in a if a[k] != b[k]]
+
+
+def repair_commands(cache: Path | str, manifest: Manifest | None = None) -> str:
+    """The commands that repair damaged parts of `cache`, as one clause: `extract.verify
+    --repair` drops them from the manifest, then the extract command writes them again (the
+    exact one when the manifest is at hand)."""
+    again = f"`{manifest.extract_command(cache)}`" if manifest else "the extract command"
+    verify = shlex.join(["python", "-m", "extract.verify", str(cache), "--repair"])
+    return f"run `{verify}`, then {again} to write them again"
 
 
 def manifest_path(cache: Path) -> Path:

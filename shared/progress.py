@@ -172,27 +172,69 @@ def progress_bar(
     return LineProgress(total=total, desc=desc, unit=unit, initial=initial, disable=disable)
 
 
+# Seconds of forwards after the first tokens before the rate is taken for the time estimate.
+RATE_AFTER_S = 10.0
+
+
 class SummedBar:
-    """A progress bar over `total` units of `unit_key`, with rates of the other counters."""
+    """A progress bar over `total` units of `unit_key`, with rates of the other counters.
+
+    With `expected_tokens` (an estimate of the tokens to do), the time the whole run takes is
+    logged once, at the rate measured over the first `RATE_AFTER_S` seconds after the first
+    tokens (set-up and the target's loading left out)."""
 
     def __init__(
-        self, folder: Path, *, total: int, unit_key: str, desc: str, disable: bool = False
+        self,
+        folder: Path,
+        *,
+        total: int,
+        unit_key: str,
+        desc: str,
+        disable: bool = False,
+        expected_tokens: int = 0,
     ):
         self.folder, self.unit_key = Path(folder), unit_key
         self.start = time.monotonic()
         self.bar = progress_bar(total=total, desc=desc, unit="rows", disable=disable)
         self._lock = threading.Lock()  # refreshed by the launcher's loop or a counters thread
+        self.expected_tokens = expected_tokens
+        self._first: tuple[float, float] | None = None  # (time, tokens) when tokens first came
+
+    def _estimate_time(self, tokens: float) -> None:
+        """Log once how long the run takes at the measured rate."""
+        if not self.expected_tokens or tokens <= 0:
+            return
+        now = time.monotonic()
+        if self._first is None:
+            self._first = (now, tokens)
+            return
+        since, first_tokens = self._first
+        if now - since < RATE_AFTER_S or tokens <= first_tokens:
+            return
+        rate = (tokens - first_tokens) / (now - since)
+        left = max(self.expected_tokens - tokens, 0) / rate
+        log.info(
+            "time estimate: %s tok/s over the first %.0f s of forwards; about %s tokens left "
+            "(of about %s estimated) take about %.0f s more",
+            f"{rate:,.0f}",
+            now - since,
+            f"{max(self.expected_tokens - tokens, 0):,.0f}",
+            f"{self.expected_tokens:,}",
+            left,
+        )
+        self.expected_tokens = 0  # once
 
     def refresh(self) -> Counter[str]:
         with self._lock:
             counts = read_counters(self.folder)
             self.bar.n = int(counts.get(self.unit_key, 0))
             elapsed = max(time.monotonic() - self.start, 1e-6)
+            self._estimate_time(counts.get("tokens", 0))
             raw, stored = counts.get("stored_raw_bytes", 0), counts.get("stored_bytes", 0)
             self.bar.set_postfix_str(
                 f"{counts.get('tokens', 0) / elapsed:,.0f} tok/s, "
                 f"{stored / elapsed / 1e6:,.1f} MB/s written, "
-                f"ratio {raw / stored if stored else 0:.2f}",
+                f"{stored / raw if raw else 0:.3f} of raw bf16",
                 refresh=False,
             )
             if isinstance(self.bar, LineProgress):

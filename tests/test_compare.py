@@ -172,3 +172,27 @@ def test_selected_tau_column_when_a_run_has_a_selector(tmp_path):
     assert "| tau | selected tau | acc@1 |" in header
     assert "| 1.500 | - | 0.500 |" in row_a and "| 1.500 | 1.750 | 0.500 |" in row_b
     assert "selected tau" not in markdown_report([read_run(a)])
+
+
+def test_the_plot_draws_training_curves_with_the_eval_points(tmp_path):
+    import pytest
+
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from train.proof.compare import figure
+
+    a, b = two_runs(tmp_path)
+    fig = figure([read_run(a), read_run(b)])
+    _, ax_tau, ax_loss = fig.axes
+    lines = {line.get_label(): line for line in ax_tau.get_lines()}
+    assert list(lines[f"{a} train"].get_xdata()) == [10, 20]  # the training curve
+    assert list(lines[f"{a} train"].get_ydata()) == [1.5, 2.5]
+    assert list(lines[f"{a} eval"].get_ydata()) == [1.4, 2.2]  # and the held-out points on it
+    assert (
+        list(lines[f"{b} eval"].get_xdata()) == [20, 40]
+        and list(lines[f"{b} train"].get_xdata()) == []
+    )  # b logged no train record
+    losses = {line.get_label(): list(line.get_ydata()) for line in ax_loss.get_lines()}
+    assert losses[f"{a} train"] == [3.0, 2.0] and losses[f"{a} eval"] == [3.1, 2.1]

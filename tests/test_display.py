@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import sys
 
 from tqdm import tqdm
@@ -85,5 +86,28 @@ def test_extract_summary_lists_the_first_rejected_rows(tmp_path, tiny_qwen3):
     data.write_text("\n".join(lines) + "\n")
     text = format_summary(extract(tmp_path / "c", tiny_qwen3, data), seconds=1.0)
     assert f"{data}:2: " in text and f"{data}:4: " in text, text
+    assert re.search(r"unknown_schema +1 \(a row needs `messages` \(OpenAI\), `conv", text)
     counts = progress.read_counters(tmp_path / "c" / ".progress")
     assert counts["done_rows"] == 4  # the bar's position: kept rows per batch + rejected rows
+
+
+def test_an_extraction_logged_to_a_file_has_no_carriage_returns(tmp_path):
+    """The whole command with stderr in a file, as a job scheduler runs it: the target's
+    loading (Hugging Face's own bars) and extraction's progress are plain lines."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    log_file = tmp_path / "job.log"
+    with open(log_file, "w") as f:
+        done = subprocess.run(
+            [sys.executable, "-m", "extract", "--out", str(tmp_path / "c"), "--max-rows", "8"],
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root)},
+            stdout=subprocess.DEVNULL,
+            stderr=f,
+        )
+    raw = log_file.read_bytes()  # bytes: a text read turns each carriage return into a newline
+    assert done.returncode == 0, raw.decode()
+    assert b"\r" not in raw and b"INFO shared.progress: extract: 8/8 rows" in raw

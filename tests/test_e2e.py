@@ -72,3 +72,46 @@ def test_extract_train_resume_export(tmp_path, tiny_qwen3):
     ref = dflash.DFlashDraftModel.from_pretrained(str(again))
     assert list(ref.target_layer_ids) == [1, 3, 5]  # trained as given "5,1,3", sorted
     assert ref.fc.weight.shape == (64, 3 * 64)
+
+
+@pytest.mark.slow
+def test_the_commands_each_summary_names_next_run_as_printed(tmp_path, tiny_qwen3):
+    """extract's summary names train, train's names speculate: each runs as printed (the
+    prompt file, which only the user has, filled in)."""
+    import json
+    import os
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from extract.__main__ import main as extract_main
+    from train.__main__ import main as train_main
+
+    def next_lines(output: str) -> list[str]:
+        lines = output.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("next"))
+        return [line.split("  ", 1)[1].strip().split("   (")[0] for line in lines[at:]]
+
+    cache = tmp_path / "shards"
+    args = ["--out", str(cache), "--target", str(tiny_qwen3), "--gpus", "cpu", "--max-rows", "32"]
+    r = CliRunner().invoke(extract_main, args)
+    assert r.exit_code == 0, r.output
+    command = next_lines(r.output)[1].replace("runs/NAME", str(tmp_path / "run"))
+    assert command.startswith("python -m train --data ")
+    more = ["--gpus", "cpu", "--drafter-layers", "1", "--batch-tokens", "512", "--steps", "2"]
+    r = CliRunner().invoke(train_main, [*shlex.split(command)[3:], *more, "--workers", "0"])
+    assert r.exit_code == 0, r.output
+    speculate = next_lines(r.output)[0]
+    assert speculate.startswith(f"python -m train.proof.speculate --target {tiny_qwen3}")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["What is 2 plus 2?"]))
+    argv = shlex.split(speculate.replace("PROMPTS.json", str(prompts)))
+    done = subprocess.run(
+        [sys.executable, *argv[1:], "--max-new-tokens", "8"],
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0 and "lossless" in done.stdout, done.stderr[-2000:]

@@ -273,7 +273,7 @@ def test_clear_errors_before_any_work(tmp_path, qwen3, data_file):
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     r = _cli("--out", str(a_file / "cache"), "--target", str(qwen3))
-    assert r.exit_code != 0 and "writable folder" in r.output
+    assert r.exit_code != 0 and f"{a_file} is a file, not a folder" in r.output
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)

@@ -103,6 +103,22 @@ def test_overwrite_replaces_only_a_cache_and_leftovers_do_not_block(
     assert read_manifest(fresh).complete
 
 
+def _cli(*args: str):
+    from click.testing import CliRunner
+
+    from extract.__main__ import main
+
+    return CliRunner().invoke(main, list(args))
+
+
+def _extract_command(output: str) -> list[str]:
+    """The arguments of the `python -m extract ...` command a message names."""
+    import shlex
+
+    command = output.split("`python -m extract ")[1].split("`")[0]
+    return shlex.split(command)
+
+
 def _verify(cache: Path, *args: str):
     from click.testing import CliRunner
 
@@ -162,22 +178,34 @@ def test_repair_drops_exactly_the_damaged_part(tmp_path, tiny_qwen3, data_file):
     )
     _flip(victim)
     untouched = (cache / "part-000001").stat().st_ino
+    r = _verify(cache)  # says how to repair it, exactly
+    assert r.exit_code == 1 and "part-000000" in r.output
+    assert f"to repair: run `python -m extract.verify {cache} --repair`, then `" in r.output
+    again = _extract_command(r.output)
+    assert again[:4] == ["--out", str(cache), "--target", str(tiny_qwen3)]
+    plain = _cli(*again)  # a plain rerun of a cache listed complete redoes nothing
+    assert plain.exit_code == 0 and "checks them against their checksums" in plain.output
     r = _verify(cache, "--repair")
     assert r.exit_code == 1 and "part-000000" in r.output and "dropped 1 damaged" in r.output
+    assert _extract_command(r.output) == again
     m = read_manifest(cache)
     assert not m.complete and [p.name for p in m.parts] == ["part-000001"]
-    m = extract(cache, tiny_qwen3, data_file)
+    r = _cli(*again, "--gpus", "cpu", "--writer-threads", "1")  # the command, as printed
+    assert r.exit_code == 0, r.output
+    m = read_manifest(cache)
     assert m.complete and _checksums(cache) == before
     assert (cache / "part-000001").stat().st_ino == untouched
     assert _verify(cache).exit_code == 0
 
 
 @contextlib.contextmanager
-def small_disk(path: Path, size: str):
-    """A tmpfs of `size` at `path` (a real full file system); skips where it cannot mount."""
+def small_disk(path: Path, size: str, *, read_only: bool = False):
+    """A tmpfs of `size` at `path` (a real full file system; read-only if asked); skips where
+    it cannot mount."""
     path.mkdir(parents=True)
+    options = f"size={size}" + (",ro" * read_only)
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
         capture_output=True,
         text=True,
     )
@@ -207,7 +235,7 @@ def test_disk_full_in_a_writer_thread_names_the_folder(tmp_path, tiny_qwen3):
     with small_disk(tmp_path / "disk", "1m") as disk:
         out = disk / "c"
         with pytest.raises(StopRun, match="disk holding .* is full .*MB free") as e:
-            extract(out, tiny_qwen3, data, rows_per_part=30, layers="0,1,2,3")
+            extract(out, tiny_qwen3, data, rows_per_part=30, layers="0,1,2,3", space_check=False)
         assert "rerun the same command" in str(e.value)
         m = read_manifest(out)
         assert not m.complete and len(m.parts) < m.num_units
@@ -236,13 +264,19 @@ def test_failures_before_any_work_name_the_file(tmp_path, tiny_qwen3, data_file)
     assert not (tmp_path / "c").exists()
 
 
-def test_every_row_rejected_is_not_a_complete_cache(tmp_path, tiny_qwen3):
+def test_every_row_rejected_leaves_no_cache_and_says_what_is_accepted(tmp_path, tiny_qwen3):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n" + json.dumps({"prompt": "unknown schema"}) + "\n")
-    with pytest.raises(ExtractError, match="no row of --data was kept") as e:
-        extract(tmp_path / "c", tiny_qwen3, bad)
-    assert f"{bad}:1:" in str(e.value) and f"{bad}:2:" in str(e.value)
-    assert not read_manifest(tmp_path / "c").complete
+    r = _cli("--out", str(tmp_path / "c"), "--target", str(tiny_qwen3), "--data", str(bad))
+    assert r.exit_code == 1 and "no row of --data was kept" in r.output, r.output
+    assert f"{bad}:1: malformed_json" in r.output and f"{bad}:2: unknown_schema" in r.output
+    assert "parquet" in r.output and "`input_ids` + `loss_mask`" in r.output
+    assert "extract finished" not in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "c").exists()  # nothing committed: nothing left behind
+    made = tmp_path / "made"
+    made.mkdir()  # a folder the user made stays, empty
+    r = _cli("--out", str(made), "--target", str(tiny_qwen3), "--data", str(bad))
+    assert r.exit_code == 1 and made.is_dir() and list(made.iterdir()) == []
 
 
 def test_parts_checked_on_several_threads_report_as_on_one(tmp_path, tiny_qwen3, data_file):

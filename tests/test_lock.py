@@ -93,3 +93,56 @@ def test_extract_and_train_refuse_a_locked_output(tmp_path, tiny_qwen3):
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)
+
+
+# Runs a command line's main in a fresh interpreter, then says whether the slow stacks were
+# imported: `--help` and a refusal must come before them.
+CLI_RUN = """
+import runpy, sys
+module, args = sys.argv[1], sys.argv[2:]
+sys.argv = [module, *args]
+try:
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    code = e.code
+print("exit", code, "imported", sorted(m for m in ("torch", "transformers") if m in sys.modules))
+"""
+
+
+def run_cli(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", CLI_RUN, module, *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize("module", ["extract", "train", "extract.regen", "extract.verify"])
+def test_help_answers_without_torch_or_transformers(module):
+    done = run_cli(module, "-h")
+    assert "Usage:" in done.stdout and "exit 0 imported []" in done.stdout, done.stdout
+
+
+def test_a_locked_folder_is_refused_before_torch_is_imported(tmp_path):
+    out = tmp_path / "busy"
+    proc = holder(out)
+    try:
+        for module, args in [
+            ("extract", ["--out", str(out)]),
+            ("train", ["--data", str(tmp_path / "no-cache"), "--out", str(out)]),
+        ]:
+            done = run_cli(module, *args)
+            assert f"pid {proc.pid}" in done.stderr, done.stderr
+            assert "exit 1 imported []" in done.stdout, (module, done.stdout)
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
+def test_export_takes_h_for_help():
+    from train.export import main as export_main
+
+    r = CliRunner().invoke(export_main, ["-h"])
+    assert r.exit_code == 0 and "Usage:" in r.output

@@ -281,7 +281,7 @@ def test_settings_mismatch_refused_then_overwritten(target, data_file, tmp_path)
 def test_cli_takes_several_files_after_data(target, data_file, full, tmp_path):
     from click.testing import CliRunner
 
-    from extract.regen.regenerate import main
+    from extract.regen.__main__ import main
 
     lines = data_file.read_text().splitlines(keepends=True)
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
@@ -314,3 +314,34 @@ def test_gpu_run_in_bf16(target, data_file, tmp_path):
     state = regen(out, target, data_file, gpus="0")
     assert state.settings["dtype"] == "bfloat16" and state.merged_rows == 14
     assert [r["source_row"] for r in _read(out)] == [i for i in range(14) if i not in BAD]
+
+
+def test_a_log_file_gets_plain_progress_lines(target, data_file, tmp_path):
+    """Without a terminal (a job's log file) the bar is a plain line, never carriage returns."""
+    out = tmp_path / "logged.jsonl"
+    args = ["--target", str(target), "--data", str(data_file), "--out", str(out), "--gpus", "cpu"]
+    args += ["--max-new-tokens", str(MAX_NEW), "--max-length", str(MAX_LENGTH), "--max-rows", "4"]
+    log_file = tmp_path / "job.log"
+    with open(log_file, "w") as f:
+        done = subprocess.run(
+            [sys.executable, "-m", "extract.regen", *args],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+            stderr=f,
+        )
+    raw = log_file.read_bytes()  # bytes: a text read turns each carriage return into a newline
+    assert done.returncode == 0, raw.decode()
+    assert b"\r" not in raw and re.search(rb"INFO shared.progress: regenerate: 4/4 rows", raw)
+
+
+def test_a_parquet_file_regenerates_as_its_jsonl(target, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    chats = [json.loads(r) for r in _rows() if r.startswith("{") and "messages" in r][:5]
+    jsonl, table = tmp_path / "chats.jsonl", tmp_path / "chats.parquet"
+    jsonl.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    pq.write_table(pa.Table.from_pylist(chats), table, row_group_size=2)
+    a = regen(tmp_path / "a.jsonl", target, jsonl)
+    b = regen(tmp_path / "b.jsonl", target, table)
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    assert a.totals(range(2))["rows_kept"] == b.totals(range(2))["rows_kept"] >= 3

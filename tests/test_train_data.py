@@ -237,4 +237,6 @@ def test_the_cli_reports_a_damaged_part_in_one_message_and_exits(tmp_path):
     done = subprocess.run(args, capture_output=True, text=True, timeout=240)
     assert done.returncode == 1, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
-    assert "part-000001" in done.stderr and "extract.verify" in done.stderr
+    assert "part-000001" in done.stderr
+    repair = f"run `python -m extract.verify {cache} --repair`, then `python -m extract --out"
+    assert repair in done.stderr

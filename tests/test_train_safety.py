@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from shared.manifest import read_manifest, write_manifest
+from shared.space import DiskFull
 from shared.target_files import EMBED_FILE, target_checksums, target_dir
 from tests.cachegen import write_cache
 from tests.test_train_loop import tiny
@@ -105,3 +107,82 @@ def test_an_output_that_cannot_be_made_is_one_message(cache):
     args = ["--data", str(cache), "--out", "/proc/nope/run", "--gpus", "cpu", "--workers", "0"]
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 1 and "/proc/nope" in r.output and "Traceback" not in r.output
+
+
+def _tree_bytes(folder) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def test_a_full_disk_at_the_last_checkpoint_exports_and_keeps_the_last_good_one(
+    cache, tmp_path, monkeypatch
+):
+    """The run folder's disk is simulated at the OS query: `capacity` bytes, less what the run
+    folder holds. Step 2's checkpoint fits; the last one (written before step 2's is pruned)
+    does not; the export, several times smaller, does."""
+    args = ["--data", str(cache), "--gpus", "cpu", "--drafter-layers", "1", "--block-size", "4"]
+    args += ["--num-anchors", "8", "--batch-tokens", "512", "--workers", "0", "--steps", "4"]
+    args += ["--checkpoint-every", "2", "--log-every", "1", "--eval-fraction", "0"]
+    probe = tmp_path / "probe"
+    assert CliRunner().invoke(main, [*args, "--out", str(probe)]).exit_code == 0
+    ckpt = _tree_bytes(list_checkpoints(probe)[-1][1])
+    out = tmp_path / "run"
+    capacity = ckpt + (1 << 20) + ckpt // 2  # room for one checkpoint and a half
+    real = shutil.disk_usage
+
+    def small_disk(path):
+        usage = real(path)
+        used = _tree_bytes(out) if out.is_dir() else 0
+        return usage._replace(free=max(0, capacity - used))
+
+    monkeypatch.setattr(shutil, "disk_usage", small_disk)
+    r = CliRunner().invoke(main, [*args, "--out", str(out)])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert f"the disk holding {out} is full: checkpoint step-4 needs about" in r.output
+    assert f"the newest checkpoint kept is {out}/checkpoints/step-2" in r.output
+    assert f"exported to {out}/export" in r.output
+    assert [s for s, _ in list_checkpoints(out)] == [2]
+    assert not list((out / "checkpoints").glob(".step-*"))  # nothing half-written left
+    monkeypatch.setattr(shutil, "disk_usage", real)  # space freed: the same command resumes
+    r = CliRunner().invoke(main, [*args, "--out", str(out)])
+    assert r.exit_code == 0 and "resumed from" in r.output and "step 2" in r.output, r.output
+    assert list_checkpoints(out)[-1][0] == 4 and (out / "export").is_dir()
+
+
+def test_torch_saves_failing_for_want_of_room_is_the_same_message(tmp_path, monkeypatch):
+    """On a real full file system (a tmpfs of 2 MB; skipped where none can be mounted) torch's
+    writer fails with `RuntimeError: ... unexpected pos`; the checkpoint before stays."""
+    from tests.drafters import tiny_drafter_config
+    from tests.test_extract_safety import small_disk
+    from train.checkpoint import save_checkpoint
+
+    cfg = tiny_drafter_config()
+    with small_disk(tmp_path / "disk", "2m") as disk:
+        save_checkpoint(disk, 1, {"model": {"w": torch.zeros(100_000)}}, cfg, keep=1)
+        real = shutil.disk_usage
+        asked = []
+
+        def roomy_once(path):  # the space another writer was about to take still looked free
+            asked.append(path)
+            usage = real(path)
+            return usage._replace(free=usage.free + (8 << 20)) if len(asked) == 1 else usage
+
+        monkeypatch.setattr(shutil, "disk_usage", roomy_once)
+        with pytest.raises(DiskFull, match="checkpoint step-2 needs about 3.0 MB") as e:
+            save_checkpoint(disk, 2, {"model": {"w": torch.zeros(500_000)}}, cfg, keep=1)
+        assert f"newest checkpoint kept is {disk}/checkpoints/step-1" in str(e.value)
+        assert [s for s, _ in list_checkpoints(disk)] == [1]
+        assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["step-1"]
+
+
+def test_out_that_is_a_file_or_read_only_names_out(cache, tmp_path):
+    from tests.test_extract_safety import small_disk
+
+    base = ["--data", str(cache), "--gpus", "cpu", "--workers", "0"]
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    r = CliRunner().invoke(main, [*base, "--out", str(a_file)])
+    assert r.exit_code == 1 and f"--out {a_file}: {a_file} is a file, not a folder" in r.output
+    with small_disk(tmp_path / "ro", "1m", read_only=True) as disk:
+        r = CliRunner().invoke(main, [*base, "--out", str(disk / "run")])
+        assert r.exit_code == 1 and f"--out {disk}/run: {disk} is not a writable folder" in r.output
+        assert "read-only file system" in r.output and "Traceback" not in r.output

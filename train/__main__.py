@@ -1,4 +1,8 @@
-"""`python -m train --data shards/ --out runs/NAME [--gpus 5-7] ...`: parse, build, run."""
+"""`python -m train --data shards/ --out runs/NAME [--gpus 5-7] ...`: parse, build, run.
+
+Only click and the config are imported before the options are parsed and the run folder's lock
+is checked: `--help`, a bad option and a folder in use answer without torch being imported.
+"""
 
 from __future__ import annotations
 
@@ -7,28 +11,39 @@ import time
 import click
 
 from shared.cli import build, click_options
-from shared.logs import setup_logging
-from shared.manifest import CacheMismatch
-from shared.stopping import Stopped, StopRun, resume_command
 from train.config import TrainConfig
-from train.run import RunError, run
-from train.summary import format_summary
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click_options(TrainConfig)
 def main(**kwargs: object) -> None:
     """Train a DFlash drafter from a hidden-state cache written by `python -m extract`."""
+    from shared.lock import LockHeld, refuse_if_held
+    from shared.logs import setup_logging
+    from shared.ranks import takes_output_lock
+
     cfg = build(TrainConfig, kwargs)
     setup_logging(0, verbose=cfg.verbose)
     start = time.monotonic()
+    try:
+        if takes_output_lock():
+            refuse_if_held(cfg.out)
+    except LockHeld as e:
+        raise click.ClickException(str(e)) from None
+    from shared.manifest import CacheMismatch, read_manifest
+    from shared.stopping import Stopped, StopRun, resume_command
+    from train.run import RunError, run
+    from train.summary import format_summary
+
     try:
         out = run(cfg)
     except Stopped as e:
         raise click.ClickException(f"{e}\nresume: {resume_command('train')}") from None
     except (CacheMismatch, RunError, StopRun) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(format_summary(cfg.out, export=out, seconds=time.monotonic() - start))
+    target = read_manifest(cfg.data).target.path
+    seconds = time.monotonic() - start
+    click.echo(format_summary(cfg.out, export=out, seconds=seconds, target=target))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from shared.fsio import atomic_write_json, fsync_dir, replace_dir
+from shared.space import DiskFull, free_bytes, is_disk_full, size_text
 from train.drafters.config import DrafterConfig
 from train.drafters.dflash import DFlashDrafter
 from train.drafters.registry import build_drafter
@@ -71,23 +72,69 @@ def resolve_resume(run_dir: Path, resume: str) -> Path | None:
 def save_checkpoint(
     run_dir: Path, step: int, state: dict[str, Any], drafter_cfg: DrafterConfig, *, keep: int
 ) -> Path:
-    """Write `state` as checkpoint `step` atomically, then keep only the newest `keep`."""
+    """Write `state` as checkpoint `step` atomically, then keep only the newest `keep`.
+
+    A disk without room for it (checked before writing, and a write that fails for want of
+    space) raises DiskFull, leaving nothing of this checkpoint and every older one in place."""
     folder = checkpoints_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"step-{step}"
     tmp = folder / f".step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    torch.save(state, tmp / STATE_FILE)
-    atomic_write_json(tmp / DRAFTER_FILE, drafter_cfg.to_dict())
-    meta = {"step": step, "files": [STATE_FILE, DRAFTER_FILE], "loader": state.get("loader")}
-    meta["plan"] = state.get("plan")  # a run's view of a cache still being written
-    atomic_write_json(tmp / META_FILE, meta)
-    fsync_dir(tmp)
-    replace_dir(tmp, final)
+    need = state_nbytes(state) + META_BYTES
+    if free_bytes(folder) < need:
+        raise _no_room(run_dir, step, need)
+    try:
+        tmp.mkdir()
+        torch.save(state, tmp / STATE_FILE)
+        atomic_write_json(tmp / DRAFTER_FILE, drafter_cfg.to_dict())
+        meta = {"step": step, "files": [STATE_FILE, DRAFTER_FILE], "loader": state.get("loader")}
+        meta["plan"] = state.get("plan")  # a run's view of a cache still being written
+        atomic_write_json(tmp / META_FILE, meta)
+        fsync_dir(tmp)
+        replace_dir(tmp, final)
+    except (OSError, RuntimeError) as e:  # torch.save's writer: RuntimeError "unexpected pos"
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e, folder, need):
+            raise _no_room(run_dir, step, need) from None
+        raise
     prune(run_dir, keep=keep)
     log.info("saved checkpoint %s", final)
     return final
+
+
+# The two JSON files and the zip container around the tensors: a few KB; a MB to be safe.
+META_BYTES = 1 << 20
+
+
+def state_nbytes(state: Any) -> int:
+    """Bytes of the tensors in a (nested) state dict: what torch.save writes, near enough.
+
+    >>> state_nbytes({"model": {"w": torch.zeros(4, 8)}, "step": 3, "rng": [torch.zeros(2)]})
+    136
+    """
+    if isinstance(state, torch.Tensor):
+        return state.nelement() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_nbytes(v) for v in state)
+    return 0
+
+
+def _no_room(run_dir: Path, step: int, need: int) -> DiskFull:
+    kept = list_checkpoints(run_dir)
+    resume = (
+        f"the newest checkpoint kept is {kept[-1][1]}, which the same command resumes from"
+        if kept
+        else "no checkpoint was written before it, so the same command starts again from step 0"
+    )
+    return DiskFull(
+        f"the disk holding {run_dir} is full: checkpoint step-{step} needs about "
+        f"{size_text(need)} and {size_text(free_bytes(run_dir))} is free there, so it was not "
+        f"written; {resume} once there is room (free space there, or lower "
+        "--keep-checkpoints: a checkpoint is written before the older ones are deleted)."
+    )
 
 
 def prune(run_dir: Path, *, keep: int) -> None:

@@ -16,6 +16,14 @@ log = logging.getLogger(__name__)
 class RecompileLimitError(RuntimeError):
     """torch.compile would recompile once more than allowed (never a silent fallback)."""
 
+    @classmethod
+    def hit(cls, limit: int) -> RecompileLimitError:
+        return cls(
+            f"torch.compile hit its recompile limit ({limit}): some shape or guard changes from "
+            "step to step. Raise --recompile-limit, or narrow it down with --compile flex or "
+            "--compile none; see TORCH_LOGS=recompiles"
+        )
+
 
 def configure_compile(cfg: TrainConfig) -> None:
     """Bound recompiles and make hitting the bound an error rather than a fall back to eager."""

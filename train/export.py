@@ -20,9 +20,11 @@ from typing import Any
 
 import click
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from shared.fsio import public_modes, replace_dir
+from shared.space import is_disk_full, size_text
 from train.drafters.config import (
     DFLASH2_FIELDS,
     LOGIT_FIELDS,
@@ -286,6 +288,20 @@ def export_drafter(drafter: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Pa
     return out
 
 
+def export_if_room(drafter: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Path) -> str:
+    """Export when the last checkpoint did not fit on the disk: the export (bf16 weights, no
+    optimizer state) is several times smaller. Returns a sentence saying whether it was
+    written; raises any error that is not a full disk."""
+    need = sum(2 * p.nelement() for p in drafter.state_dict().values()) + (1 << 20)
+    try:
+        out = export_drafter(drafter, cfg, out_dir)
+    except (OSError, SafetensorError) as e:
+        if not is_disk_full(e, Path(out_dir).parent, need):
+            raise
+        return f"The export ({size_text(need)}) was not written either."
+    return f"The drafter as trained to the last step was exported to {out}."
+
+
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -302,7 +318,7 @@ def load_export(export_dir: str | Path) -> tuple[DFlashDrafter, DrafterConfig]:
     return drafter, cfg
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("checkpoint", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.argument("out_dir", type=click.Path(path_type=Path))
 def main(checkpoint: Path, out_dir: Path) -> None:

@@ -31,6 +31,7 @@ from shared.dist import (
 )
 from shared.logs import setup_logging
 from shared.progress import progress_bar
+from shared.space import DiskFull, full_disk_stops
 from shared.stopping import StopRequest
 from shared.target_files import load_heads
 from train.checkpoint import load_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
@@ -44,7 +45,7 @@ from train.drafters.dflash2_loss import selector_loss
 from train.drafters.mask import flex_kernel_options
 from train.drafters.registry import build_drafter, init_weights
 from train.evaluate import Evaluator
-from train.export import export_drafter
+from train.export import export_drafter, export_if_room
 from train.finite import FiniteGuard
 from train.following import Following
 from train.metrics import MetricsWriter, StatSums, train_record
@@ -67,9 +68,10 @@ def train_rank(info: RankInfo, cfg: TrainConfig, prep: Prepared) -> None:
         torch.set_num_threads(max(1, usable_cpus() // processes_on_this_host(info.world_size)))
     stop = StopRequest().install("saving a checkpoint at the next log step, then stopping")
     try:
-        trainer = Trainer(info, cfg, prep)
-        trainer.guard.stop = stop
-        trainer.fit()
+        with full_disk_stops(cfg.out, rerun="Free space there, then rerun the same command."):
+            trainer = Trainer(info, cfg, prep)
+            trainer.guard.stop = stop
+            trainer.fit()
     finally:
         stop.restore()
 
@@ -404,7 +406,11 @@ class Trainer:
         if self.follow is not None:
             self.follow.say_unfinished(self.step)
         if self.step > 0:
-            self.save()
+            try:
+                self.save()
+            except DiskFull as e:  # the export is smaller: written where it fits
+                done = export_if_room(self.model, self.prep.drafter, self.cfg.out / EXPORT_DIR)
+                raise DiskFull(f"{e} {done}") from None
         self.evaluate()
         if self.info.is_main:
             export_drafter(self.model, self.prep.drafter, self.cfg.out / EXPORT_DIR)

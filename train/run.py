@@ -22,12 +22,14 @@ from shared.dist import (
     torchrun_world_size,
     under_torchrun,
 )
+from shared.fsio import unwritable_reason
 from shared.lock import LockHeld, output_lock
 from shared.manifest import (
     LAST_LAYER_WARNING,
     CacheMismatch,
     Manifest,
     check_compatible,
+    repair_commands,
 )
 from shared.target_files import (
     EMBED_FILE,
@@ -70,6 +72,9 @@ def run(cfg: TrainConfig) -> Path:
         spec = parse_gpus(cfg.gpus)
     except ValueError as e:
         raise RunError(str(e)) from None
+    problem = unwritable_reason(cfg.out)
+    if problem:
+        raise RunError(f"--out {cfg.out}: {problem}")
     manifest = await_manifest(cfg)
     saved = resumed_plan(cfg)
     view = None
@@ -89,7 +94,8 @@ def run(cfg: TrainConfig) -> Path:
     except LockHeld as e:
         raise RunError(str(e)) from None
     except OSError as e:  # creating --out or a file in it (e.g. --out /proc/x, a full disk)
-        raise RunError(f"{e.filename or cfg.out}: {e.strerror or e}") from None
+        where = e.filename or cfg.out
+        raise RunError(f"--out {cfg.out}: cannot write {where} ({e.strerror or e})") from None
 
 
 def _run_locked(
@@ -144,11 +150,8 @@ def prepare(
     """The resolved config and what every rank needs; CacheMismatch lists every problem.
     `view`: the committed parts of a cache the run follows while it is being written."""
     cfg = resolve_devices(cfg, device_kind)
-    problems = [
-        f"{p}: run `python -m extract.verify {cfg.data} --repair`, then the same extract "
-        "command to write it again"
-        for p in target_problems(cfg.data, manifest.target_files)
-    ]
+    repair = repair_commands(cfg.data, manifest)
+    problems = [f"{p}: {repair}" for p in target_problems(cfg.data, manifest.target_files)]
     wanted = ascending_layers(cfg.target_layer_ids or tuple(manifest.layer_ids))
     if manifest.target.num_layers - 1 in wanted:
         log.warning(LAST_LAYER_WARNING, manifest.target.num_layers - 1)
@@ -167,7 +170,7 @@ def prepare(
         problems = e.problems + problems
     if view is None:
         parts, part_problems = load_catalog(cfg.data, manifest)
-        problems += part_problems
+        problems += [f"{p}: {repair}" for p in part_problems]
     else:
         parts = list(view.parts)
     lengths = [p.lengths for p in parts]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,9 @@ def _fig(value: float | None, spec: str) -> str:
     return "n/a" if value is None or math.isnan(value) else format(value, spec)
 
 
-def format_summary(out: Path, *, export: Path, seconds: float) -> str:
-    """Steps, time, the last train and eval loss and tau, and where the outputs are."""
+def format_summary(out: Path, *, export: Path, seconds: float, target: str | None = None) -> str:
+    """Steps, time, the last train and eval loss and tau, where the outputs are, and what to
+    run next with the export (`target`: the target model the cache was extracted from)."""
     out = Path(out)
     records = _read(out / METRICS_FILE)
     train, evals = _last(records, "train"), _last(records, "eval")
@@ -59,5 +61,19 @@ def format_summary(out: Path, *, export: Path, seconds: float) -> str:
     ]
     plots = sorted((out / PLOTS_DIR).glob("*.png"))
     rows.append(("plots", ", ".join(str(p) for p in plots) if plots else "none"))
+    if Path(export).is_dir():
+        rows += [("next" if i == 0 else "", c) for i, c in enumerate(next_commands(export, target))]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def next_commands(export: Path, target: str | None) -> list[str]:
+    """The proof tools on the export: real speculative decoding, then the same through vLLM."""
+    base = ["--target", target or "TARGET", "--drafter", str(export)]
+    prompts = "--prompts PROMPTS.json"
+    return [
+        f"{shlex.join(['python', '-m', 'train.proof.speculate', *base])} {prompts}"
+        "   (tau and lossless, on a JSON list of prompts)",
+        f"{shlex.join(['python', '-m', 'train.proof.serve_check', '--engine', 'vllm', *base])} "
+        f"{prompts}   (the same through vLLM: README, Serve it)",
+    ]

@@ -1,6 +1,44 @@
-"""`python -m extract.regen`: the target's own greedy answers as training data."""
+"""`python -m extract.regen`: the target's own greedy answers as training data.
 
-from extract.regen.regenerate import main
+Only click and the config are imported before the options are parsed: `--help` and a bad option
+answer without torch or transformers being imported.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from extract.regen.config import RegenConfig
+from shared.cli import build, click_options
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click_options(RegenConfig)
+@click.argument("more_data", nargs=-1, type=click.Path(path_type=Path))
+def main(more_data: tuple[Path, ...], **kwargs: Any) -> None:
+    """Replace the assistant turns of chat data by the target's own greedy answers."""
+    from shared.logs import setup_logging
+
+    kwargs["data"] = (*kwargs["data"], *more_data)
+    cfg = build(RegenConfig, kwargs)
+    setup_logging(verbose=cfg.verbose)
+    start = time.monotonic()
+    from extract.regen.config import RegenError
+    from extract.regen.regenerate import run
+    from extract.regen.report import format_summary
+
+    try:
+        state = run(cfg)
+    except RegenError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(format_summary(state, out=cfg.out, seconds=time.monotonic() - start))
+    if state.merged_rows != state.config["total_rows"]:
+        raise SystemExit(1)
+
 
 if __name__ == "__main__":
     main()

@@ -32,8 +32,9 @@ class RegenConfig:
     )
     data: tuple[Path, ...] = option(
         (),
-        help="Input JSONL file(s): OpenAI `messages` or ShareGPT `conversations` rows. "
-        "Several files: repeat --data, or list them after it. Default: the shipped demo chats.",
+        help="Input JSONL, parquet or arrow file(s), or Hugging Face `datasets` folders, of "
+        "OpenAI `messages` or ShareGPT `conversations` rows. Several: repeat --data, or list "
+        "them after it. Default: the shipped demo chats.",
     )
     out: Path = option(
         help="Output JSONL of OpenAI `messages` rows; OUT.parts/ holds chunks and resume state."

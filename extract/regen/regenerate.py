@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import click
 import torch
 
 from extract.data import Rejected, RowIndex
 from extract.regen.config import Chat, RegenConfig, RegenError, iter_chats
 from extract.regen.generation import GreedyGenerator, regenerate_chats
-from extract.regen.report import RowBar, format_summary
+from extract.regen.report import RowBar
 from extract.regen.state import (
     PROGRESS_DIR,
     RegenState,
@@ -44,7 +42,7 @@ from extract.regen.state import (
     read_state,
     update_state,
 )
-from shared.cli import build, click_options, to_json
+from shared.cli import to_json
 from shared.dist import (
     DeviceSpec,
     RankInfo,
@@ -153,12 +151,16 @@ def _plan(cfg: RegenConfig, spec: DeviceSpec) -> _Plan:
     from transformers import AutoTokenizer
 
     from extract.data import index_rows, source_fingerprint, template_fingerprint
+    from extract.sources import check_table, source_kind
     from extract.target import content_hash, read_config, text_config
 
     config = read_config(cfg.target)
-    missing = [str(f) for f in cfg.data if not Path(f).is_file()]
+    missing = [str(f) for f in cfg.data if not Path(f).exists()]
     if missing:
         raise RegenError(f"--data: no such file: {', '.join(missing)}")
+    for path in cfg.data:  # a folder, a DatasetDict or a table without a chat column: refused
+        if source_kind(path) != "jsonl":
+            check_table(path)
     if cfg.out.is_dir():
         raise RegenError(f"--out {cfg.out} is a folder; give a .jsonl file path")
     if any(cfg.out.resolve() == Path(f).resolve() for f in cfg.data):
@@ -272,21 +274,3 @@ def run(cfg: RegenConfig) -> RegenState:
             if bar is not None:
                 bar.close()
     return _finish(cfg.out, job, regenerated=bool(job.chunks))
-
-
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click_options(RegenConfig)
-@click.argument("more_data", nargs=-1, type=click.Path(path_type=Path))
-def main(more_data: tuple[Path, ...], **kwargs: Any) -> None:
-    """Replace the assistant turns of chat data by the target's own greedy answers."""
-    kwargs["data"] = (*kwargs["data"], *more_data)
-    cfg = build(RegenConfig, kwargs)
-    setup_logging(verbose=cfg.verbose)
-    start = time.monotonic()
-    try:
-        state = run(cfg)
-    except RegenError as e:
-        raise click.ClickException(str(e)) from None
-    click.echo(format_summary(state, out=cfg.out, seconds=time.monotonic() - start))
-    if state.merged_rows != state.config["total_rows"]:
-        raise SystemExit(1)

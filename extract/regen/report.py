@@ -5,25 +5,27 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
 from extract.regen.state import RegenState
-from shared.progress import read_counters
+from shared.progress import LineProgress, progress_bar, read_counters
 
 
 class RowBar:
-    """tqdm over rows, summed from every rank's counter file (`shared.progress`)."""
+    """A bar over rows, summed from every rank's counter file (`shared.progress`): tqdm on a
+    terminal, else a plain log line every 30 s (a job's log file gets no redraws)."""
 
     def __init__(self, folder: Path, *, total: int):
         self.folder, self.start = folder, time.monotonic()
-        self.bar = tqdm(total=total, desc="regenerate", unit="rows", dynamic_ncols=True)
+        self.bar = progress_bar(total=total, desc="regenerate", unit="rows")
 
     def refresh(self) -> None:
         counts = read_counters(self.folder)
         self.bar.n = int(counts.get("rows", 0))
         rate = counts.get("new_tokens", 0) / max(time.monotonic() - self.start, 1e-6)
         self.bar.set_postfix_str(f"{rate:,.0f} new tok/s", refresh=False)
-        self.bar.refresh()
+        if isinstance(self.bar, LineProgress):
+            self.bar.refresh(only_when_due=True)
+        else:
+            self.bar.refresh()
 
     def close(self) -> None:
         self.refresh()

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from shared.cache import Sample, open_part
 from shared.codec import dequantize_fp8
-from shared.manifest import Manifest, PartRecord
+from shared.manifest import CacheMismatch, Manifest, PartRecord, read_manifest, repair_commands
 from shared.stopping import StopRun, loader_worker_init
 from train.data.batch import Batch
 from train.data.growing import GrowingRows, interleaved_rows
@@ -285,10 +285,14 @@ class PlanDataset(IterableDataset):
     def _describe(self, error: Exception) -> str:
         part = getattr(self, "_current", None)
         where = self.paths[part] if part is not None else "a part of the cache"
+        cache = Path(where).parent
+        try:
+            manifest = read_manifest(cache)
+        except (CacheMismatch, OSError):
+            manifest = None
         return (
             f"cannot read {where} ({type(error).__name__}: {error}). The cache is damaged: "
-            f"run `python -m extract.verify {Path(where).parent}` to list the damaged parts, "
-            "re-extract them, then resume this run with the same command"
+            f"{repair_commands(cache, manifest)}, then resume this run with the same command"
         )
 
 

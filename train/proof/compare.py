@@ -5,14 +5,16 @@
 Each run folder holds `config.json` (the resolved TrainConfig under "train", the drafter, and the
 cache's manifest identity under "cache") and `metrics.jsonl` (one record per log step: "kind"
 "train" or "eval", "step", "loss", "tau", "acc" = accuracy per block offset 1..B-1, and for
-DFlash2 "selected_tau", shown beside tau when any run has it). A run is
-summarised by its last eval record, else its last train record. The report warns when the runs
-read different caches (manifest identity or folder) or evaluated on different held-out splits,
-since their figures then do not compare.
+DFlash2 "selected_tau", shown beside tau when any run has it). A run is summarised by its last
+eval record, else its last train record; the plot draws every train record as the training
+curve, with the eval records as points on it. The report warns when the runs read different
+caches (manifest identity or folder) or evaluated on different held-out splits, since their
+figures then do not compare.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -50,6 +52,7 @@ class RunSummary:
     config: dict[str, Any]
     source: str  # "eval", "train", or "none" when metrics.jsonl holds no record yet
     history: list[dict[str, Any]]  # the records of `source` kind, in step order
+    train_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def last(self) -> dict[str, Any]:
@@ -77,10 +80,11 @@ def read_run(folder: Path | str) -> RunSummary:
             records.append(json.loads(line))
         except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
             log.warning("%s line %d is not JSON: skipped", path, number)
+    trained = [r for r in records if r.get("kind") == "train"]
     for kind in ("eval", "train"):
         history = [r for r in records if r.get("kind") == kind]
         if history:
-            return RunSummary(str(folder), config, kind, history)
+            return RunSummary(str(folder), config, kind, history, trained)
     log.warning("%s: no metrics yet", folder)
     return RunSummary(str(folder), config, "none", [])
 
@@ -162,7 +166,7 @@ def markdown_report(runs: list[RunSummary]) -> str:
 
 
 def plot_runs(runs: list[RunSummary], path: Path) -> bool:
-    """accuracy per offset, tau and loss by step, one line per run; False without matplotlib."""
+    """`figure(runs)` as a PNG at `path`; False without matplotlib."""
     try:
         import matplotlib
 
@@ -173,23 +177,55 @@ def plot_runs(runs: list[RunSummary], path: Path) -> bool:
             "matplotlib is not installed: no plot written to %s (pip install matplotlib)", path
         )
         return False
-    fig, (ax_acc, ax_tau, ax_loss) = plt.subplots(1, 3, figsize=(15, 4))
-    for run in runs:
-        acc = run.last.get("acc") or []
-        ax_acc.plot(range(1, len(acc) + 1), acc, "o-", label=f"{run.name} ({run.source})")
-        steps = [r["step"] for r in run.history]
-        ax_tau.plot(steps, [r.get("tau") for r in run.history], ".-", label=run.name)
-        ax_loss.plot(steps, [r.get("loss") for r in run.history], ".-", label=run.name)
-    ax_acc.set(xlabel="block offset k", ylabel="accuracy", title="accuracy per offset (last)")
-    ax_tau.set(xlabel="step", ylabel="tau", title="acceptance length tau")
-    ax_loss.set(xlabel="step", ylabel="loss", title="loss")
-    ax_acc.legend(fontsize="small")
+    fig = figure(runs)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, buffer.getvalue())
     return True
+
+
+def figure(runs: list[RunSummary]) -> Any:
+    """Accuracy per offset (the last record), then tau and loss by step: each run's training
+    curve (every train record, a line) and its held-out evaluations (markers), in one colour
+    per run."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax_acc, ax_tau, ax_loss) = plt.subplots(1, 3, figsize=(15, 4))
+    for i, run in enumerate(runs):
+        colour = f"C{i}"
+        acc = run.last.get("acc") or []
+        ax_acc.plot(range(1, len(acc) + 1), acc, "o-", color=colour, label=run.name)
+        for ax, key in ((ax_tau, "tau"), (ax_loss, "loss")):
+            curve = run.train_history
+            ax.plot(
+                [r["step"] for r in curve],
+                [_value(r.get(key)) for r in curve],
+                "-",
+                color=colour,
+                alpha=0.6,
+                label=f"{run.name} train",
+            )
+            if run.source == "eval":
+                ax.plot(
+                    [r["step"] for r in run.history],
+                    [_value(r.get(key)) for r in run.history],
+                    "o",
+                    color=colour,
+                    label=f"{run.name} eval",
+                )
+    ax_acc.set(xlabel="block offset k", ylabel="accuracy", title="accuracy per offset (last)")
+    ax_tau.set(xlabel="step", ylabel="tau", title="acceptance length tau: train, eval")
+    ax_loss.set(xlabel="step", ylabel="loss", title="loss: train, eval")
+    ax_acc.legend(fontsize="small")
+    ax_tau.legend(fontsize="small")
+    return fig
+
+
+def _value(value: Any) -> float:
+    """A figure to plot: null (a window with nothing to average) as a gap."""
+    return math.nan if value is None else float(value)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
