@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Real-model evidence in one command on one H200: SmolLM2-135M-Instruct (real weights), a data
-# set it writes and answers itself, lossless, fp8 and int4 caches, four drafters, real speculation.
+# set it writes and answers itself, lossless, fp8 and int4 caches, five drafters, real speculation.
 #
 #   bash bench/real_target.sh SOURCE [WORK]
 #
@@ -11,13 +11,15 @@
 # SOURCE or in .device-wheels (installed to /tmp/site without its requirements).
 # WORK (default bench-out/real) receives everything; the reports also go to $OUT if it is set.
 # Stages, each timed: materialize; the model writes questions from SEEDS seed chats; it answers
-# the distinct ones (the last HELD_OUT held out); extract bf16 (codec planes), fp8 and int4 caches
-# side by side; codec, store (bench/store_bench.py: every store's bytes, error per layer and
-# coding speed on the bf16 cache's states) and fp8-error reports; three DFlash drafters, same seed
-# and steps, on the three caches side by side, and a DFlash2 one on the bf16 cache;
-# train.proof.compare; train.proof.speculate of the four on the held-out prompts, in one process
-# (one greedy decoding of the target for all four); train.proof.tau: each one's tau with its
-# standard error, and its paired difference from the bf16 cache's drafter.
+# the distinct ones (the last HELD_OUT held out); extract bf16 (codec planes) and fp8 caches side by
+# side, the target's last layer beside the taps 1,8,14,20,27; codec and fp8-error reports; four
+# drafters side by side, same seed, steps and options: DFlash on each cache, DFlash2 and DSpark on
+# the bf16 cache (DFlash and DFlash2 read its taps, DSpark the last layer too); train.proof.compare;
+# train.proof.speculate of the four on the held-out prompts, in one process (one greedy decoding of
+# the target for all). With an int4 cache too (unless BENCH_SKIP=int4): the store report
+# (bench/store_bench.py: every store's bytes, error per layer and coding speed on the bf16
+# cache's states), a DFlash drafter on it, and train.proof.tau: each drafter's tau with its
+# standard error and its paired difference from the bf16 cache's DFlash.
 # BENCH_MODE=cpu: the same on a CPU at a size it can do in about 90 minutes (about 500
 # conversations, a 2-layer drafter, 400 steps of 1024 tokens): real figures, smaller than the GPU's.
 # BENCH_FROM=STAGE: start at that stage, reusing what the earlier ones left in WORK.
@@ -26,7 +28,11 @@
 # decoding is not timed yet: calls of under 10 minutes each are BENCH_UNTIL=answers, then BENCH_FROM=extract
 # BENCH_SKIP=codec BENCH_UNTIL=compare, then BENCH_FROM=speculate, on the same machine (WORK
 # must still be there; bench/README.md has the stage times).
-# BENCH_SKIP=STAGE[,STAGE...]: leave those stages out (e.g. codec, already measured).
+# BENCH_SKIP=STAGE[,STAGE...]: leave those stages out (e.g. codec, already measured); fp8: no
+# fp8 cache, nor its drafter and error report; int4: no int4 cache, nor its drafter and store
+# report (fp8,int4: the family ablation alone).
+# BENCH_DATA=shipped: the data set the package ships (extract/data/smollm2_chats.jsonl and its 32
+# held-out prompts, the CPU mode's regeneration from 800 seeds) instead of writing one.
 # BENCH_TINY=1 (or BENCH_MODE=tiny): a handful of rows and steps on the CPU (a check, not a figure).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +47,7 @@ for pkg in gguf accelerate; do  # the [real] extra, from wheels beside the model
   fi
 done
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
+TAPS=1,8,14,20,27  # DFlash's taps of SmolLM2's 30 layers; 29, the last, is DSpark's target state
 MODE=${BENCH_MODE:-gpu}
 [ "${BENCH_TINY:-0}" = 1 ] && MODE=tiny
 EVAL=(--eval-parts 1)
@@ -120,21 +127,39 @@ shared_cores() {  # shared_cores N CMD...: on the CPU, CMD with 1/N of the cores
     "$@"
   fi
 }
+FP8=1
+[[ " ${SKIP//,/ } " == *" fp8 "* ]] && FP8=0
+INT4=1
+[[ " ${SKIP//,/ } " == *" int4 "* ]] && INT4=0
 stage materialize python3 -m extract.models $T --source "$SOURCE"
-stage seeds python3 -m extract.regen.prompts seeds --out "$WORK/seeds.jsonl" --count "$SEEDS"
-stage questions regen "$WORK/seeds.jsonl" "$WORK/seeds.regen.jsonl" $Q_TOKENS
-stage prompts python3 -m extract.regen.prompts chats --regen "$WORK/seeds.regen.jsonl" \
-  --out "$WORK/chats.jsonl" --held-out "$WORK/held_out.json" --held-out-count "$HELD_OUT"
-stage answers regen "$WORK/chats.jsonl" "$WORK/data.jsonl" "$A_TOKENS"
-extract() {  # extract STORE
-  python3 -m extract --target $T --gpus "$GPUS" --data "$WORK/data.jsonl" --out "$WORK/$1" \
-    --store "$1" --overwrite "${PARTS[@]}"
+shipped() {  # the shipped data set and its held-out prompts, as the data stages would leave them
+  cp extract/data/smollm2_chats.jsonl "$WORK/data.jsonl"
+  cp extract/data/smollm2_held_out.json "$WORK/held_out.json"
+  echo "$(wc -l <"$WORK/data.jsonl") conversations"
 }
-stage extract side_by_side extract bf16 -- extract fp8 -- extract int4
+if [ "${BENCH_DATA:-}" = shipped ]; then
+  stage data shipped
+  HELD_OUT=$(python3 -c "import json, sys; print(len(json.load(open(sys.argv[1]))))" \
+    "$WORK/held_out.json")
+else
+  stage seeds python3 -m extract.regen.prompts seeds --out "$WORK/seeds.jsonl" --count "$SEEDS"
+  stage questions regen "$WORK/seeds.jsonl" "$WORK/seeds.regen.jsonl" $Q_TOKENS
+  stage prompts python3 -m extract.regen.prompts chats --regen "$WORK/seeds.regen.jsonl" \
+    --out "$WORK/chats.jsonl" --held-out "$WORK/held_out.json" --held-out-count "$HELD_OUT"
+  stage answers regen "$WORK/chats.jsonl" "$WORK/data.jsonl" "$A_TOKENS"
+fi
+extract() {  # extract STORE: the taps and the last layer (stored after the final norm)
+  python3 -m extract --target $T --gpus "$GPUS" --data "$WORK/data.jsonl" --out "$WORK/$1" \
+    --store "$1" --layers $TAPS,29 --overwrite "${PARTS[@]}"
+}
+EXTRACTS=(extract bf16)
+[ $FP8 = 0 ] || EXTRACTS+=(-- extract fp8)
+[ $INT4 = 0 ] || EXTRACTS+=(-- extract int4)
+stage extract side_by_side "${EXTRACTS[@]}"
 stage codec python3 bench/codec_bench.py --cache "$WORK/bf16" --max-samples "$CODEC_SAMPLES"
-stage stores python3 bench/store_bench.py --cache "$WORK/bf16" --max-samples "$CODEC_SAMPLES" \
-  --device "$STORE_DEVICE" --json "$WORK/stores.json"
-stage fp8_error python3 bench/fp8_error.py --bf16 "$WORK/bf16" --fp8 "$WORK/fp8" \
+[ $INT4 = 0 ] || stage stores python3 bench/store_bench.py --cache "$WORK/bf16" \
+  --max-samples "$CODEC_SAMPLES" --device "$STORE_DEVICE" --json "$WORK/stores.json"
+[ $FP8 = 0 ] || stage fp8_error python3 bench/fp8_error.py --bf16 "$WORK/bf16" --fp8 "$WORK/fp8" \
   --json "$WORK/fp8_error.json"
 train() {  # train STORE NAME [OPTION...]: a drafter on one cache, into run-NAME
   local store=$1 name=$2
@@ -143,26 +168,34 @@ train() {  # train STORE NAME [OPTION...]: a drafter on one cache, into run-NAME
   python3 -m train --data "$WORK/$store" --out "$WORK/run-$name" --gpus "$GPUS" --steps "$STEPS" \
     --seed 0 "${EVAL[@]}" --checkpoint-every "$STEPS" "${TRAIN[@]}" "$@"
 }
-# Three DFlash drafters on the three caches, and the ablation on the bf16 cache with the same
-# seed, steps and options: DFlash2 (its published defaults); the four side by side.
-stage train side_by_side train bf16 bf16 -- train fp8 fp8 -- train int4 int4 -- \
-  train bf16 dflash2 --drafter-type dflash2
-stage compare python3 -m train.proof.compare "$WORK/run-bf16" "$WORK/run-fp8" "$WORK/run-int4" \
-  "$WORK/run-dflash2" --out "$WORK/compare.md"
-speculate() {  # the four exports in one process: the target's greedy reference is made once
-  python3 -u -m train.proof.speculate --target $T --drafter "$WORK/run-bf16/export" \
-    --drafter "$WORK/run-fp8/export" --drafter "$WORK/run-int4/export" \
-    --drafter "$WORK/run-dflash2/export" \
+# DFlash on each cache, and the family ablation on the bf16 cache with the same seed, steps and
+# options: DFlash2 and DSpark (their published defaults: DSpark's block of 7, its three-term
+# objective on the cached last layer); all side by side.
+RUNS=(bf16)
+TRAINS=(train bf16 bf16 --target-layers $TAPS)
+[ $FP8 = 0 ] || { RUNS+=(fp8); TRAINS+=(-- train fp8 fp8 --target-layers $TAPS); }
+[ $INT4 = 0 ] || { RUNS+=(int4); TRAINS+=(-- train int4 int4 --target-layers $TAPS); }
+RUNS+=(dflash2 dspark)
+TRAINS+=(-- train bf16 dflash2 --drafter-type dflash2 --target-layers $TAPS)
+TRAINS+=(-- train bf16 dspark --drafter-type dspark)
+stage train side_by_side "${TRAINS[@]}"
+stage compare python3 -m train.proof.compare "${RUNS[@]/#/$WORK/run-}" --out "$WORK/compare.md"
+speculate() {  # the exports in one process: the target's greedy reference is made once
+  local run drafters=()
+  for run in "${RUNS[@]}"; do drafters+=(--drafter "$WORK/run-$run/export"); done
+  python3 -u -m train.proof.speculate --target $T "${drafters[@]}" \
     --prompts "$WORK/held_out.json" --max-new-tokens $SPEC_TOKENS --json >"$WORK/spec.txt"
   awk '/^drafter /{d=$2} /^tau /{print d, $0}' "$WORK/spec.txt"
 }
 stage speculate speculate
-# tau with standard errors over the prompts, each drafter against the bf16 cache's, paired
+# tau with standard errors over the prompts, each drafter against the bf16 cache's DFlash, paired
 stage tau python3 -m train.proof.tau "$WORK/spec.txt"
 echo "rows: $(wc -l <"$WORK/data.jsonl") conversations, held-out prompts: $HELD_OUT" | tee -a "$LOG"
 if [ -n "${OUT:-}" ]; then
-  for f in report.txt compare.md fp8_error.json stores.json spec.txt; do  # what the stages left (some may be skipped)
-    [ ! -e "$WORK/$f" ] || cp "$WORK/$f" "$OUT"/
-  done
-  for store in bf16 fp8 int4; do cp "$WORK/$store/manifest.json" "$OUT/manifest-$store.json"; done
+  cp "$LOG" "$WORK"/compare.md "$WORK"/spec.txt "$OUT"/
+  cp "$WORK"/bf16/manifest.json "$OUT"/manifest-bf16.json
+  [ $FP8 = 0 ] || cp "$WORK"/fp8_error.json "$OUT"/
+  [ $FP8 = 0 ] || cp "$WORK"/fp8/manifest.json "$OUT"/manifest-fp8.json
+  [ $INT4 = 0 ] || cp "$WORK"/stores.json "$OUT"/
+  [ $INT4 = 0 ] || cp "$WORK"/int4/manifest.json "$OUT"/manifest-int4.json
 fi

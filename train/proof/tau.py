@@ -27,7 +27,8 @@ import click
 
 def ratio_se(n_P: Sequence[float], s_P: Sequence[float]) -> tuple[float, float]:
     """(tau, its standard error): tau = sum(n) / sum(s) over prompts P, the error from the
-    prompts' residuals n - tau * s (the ratio estimator's linearisation).
+    prompts' residuals n - tau * s (the ratio estimator's linearisation; the estimator of
+    `train.proof.decode.pooled_tau_se`, here from each prompt's sums).
 
     >>> tau, se = ratio_se([20, 30, 10, 40], [10, 20, 10, 20])
     >>> round(tau, 4), round(se, 4)
@@ -84,7 +85,8 @@ def read_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
     runs: list[dict[str, Any]] = []
     for path in paths:
         lines = [ln for ln in Path(path).read_text().splitlines() if ln.startswith("{")]
-        found = [json.loads(ln) for ln in lines]
+        # greedy decodings only: a sampled one (DSpark's --temperature) has no per-prompt rows
+        found = [x for x in map(json.loads, lines) if "per_prompt" in x]
         if runs and len(found) != len(runs):
             raise click.ClickException(
                 f"{path}: {len(found)} drafters, the first file has {len(runs)}"
