@@ -20,7 +20,10 @@ def test_shards_are_joined_per_drafter_and_compared_with_the_first(tmp_path):
     a1, b1 = [(2.0, 10), (1.5, 20)], [(2.0, 10), (1.6, 18)]
     a2, b2 = [(1.0, 30)], [(1.25, 24)]
     one, two = tmp_path / "one.txt", tmp_path / "two.txt"
-    one.write_text("tau 1.6 over ...\n" + summary("A", a1) + "\n" + summary("B", b1) + "\n")
+    sampled = json.dumps({"drafter": "S", "tau": 1.5, "steps": 9})  # no per-prompt rows: skipped
+    one.write_text(
+        "tau 1.6 over ...\n" + summary("A", a1) + "\n" + sampled + "\n" + summary("B", b1) + "\n"
+    )
     two.write_text(summary("A", a2) + "\n" + summary("B", b2, lossless=False) + "\n")
     r = CliRunner().invoke(main, [str(one), str(two), "--json"])
     assert r.exit_code == 0, r.output
