@@ -13,8 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from shared.cli import option
-from train.drafters.config import DFLASH2_FIELDS, DRAFTER_TYPES, DSPARK_BLOCK_SIZE, LOGIT_FIELDS
-from train.drafters.dspark_loss import DSPARK_LOSSES
+from train.drafters.config import (
+    DFLASH2_FIELDS,
+    DRAFTER_TYPES,
+    DSPARK_BLOCK_SIZE,
+    DSPARK_LOSSES,
+    LOGIT_FIELDS,
+)
 
 ATTENTIONS = ("flex", "sdpa")
 COMPILE_MODES = ("none", "flex", "model")
