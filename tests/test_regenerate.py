@@ -77,12 +77,15 @@ def _line(row: int) -> int:
     return row + 1 if row < 5 else row + 2
 
 
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory) -> Path:
+def write_chats(path: Path) -> Path:
     rows = _rows()
-    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
     path.write_text("\n".join(rows[:5] + [""] + rows[5:]) + "\n")
     return path
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    return write_chats(tmp_path_factory.mktemp("data") / "chats.jsonl")
 
 
 def _load(target: Path):
@@ -109,6 +112,10 @@ def _greedy(tok, model, messages: list[dict]) -> tuple[str, bool]:
 
 @pytest.fixture(scope="module")
 def target(tiny_qwen3, tmp_path_factory) -> Path:
+    return eos_target(tiny_qwen3, tmp_path_factory.mktemp("eos-target"))
+
+
+def eos_target(tiny_qwen3: Path, folder: Path) -> Path:
     """The tiny target with its eos logit tied to a token it often predicts (x 1.05), so that
     greedy turns end with eos as well as at MAX_NEW (random weights alone never emit eos)."""
     tok, model = _load(tiny_qwen3)
@@ -132,7 +139,6 @@ def target(tiny_qwen3, tmp_path_factory) -> Path:
             break
     else:
         pytest.fail("no token gives a mix of eos-ended and cut turns")
-    folder = tmp_path_factory.mktemp("eos-target")
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
