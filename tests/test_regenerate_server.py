@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from extract.regen.config import RegenError
-from extract.regen.journal import OpenChunk
+from extract.regen.journal import OpenChunk, journal_path
 from extract.regen.report import format_summary
 from extract.regen.state import parts_dir, read_state
 from tests.completions_server import CompletionsServer
@@ -80,9 +80,7 @@ def _finished_rows(out: Path) -> set[int]:
     rows = {r for record in state.chunks.values() for r in range(record.first_row, record.end_row)}
     for journal in parts.glob("chunk-*.journal"):
         chunk = int(journal.stem.removeprefix("chunk-"))
-        loaded = OpenChunk.load(parts, chunk, range(0, 1 << 30))
-        rows |= set(loaded.entries)
-        assert chunk not in state.chunks
+        rows |= set(OpenChunk.load(parts, chunk, range(0, 1 << 30)).entries)
     return rows
 
 
@@ -223,6 +221,16 @@ def test_sampled_requests_carry_a_seed_per_row_and_turn(serve, target, data_file
     del server.requests[:]
     regen(tmp_path / "b.jsonl", target, data_file, server=server.url, **sampled)
     assert {(json.dumps(r["prompt"]), r["seed"]) for r in server.requests} == first
+
+
+def test_a_journal_left_by_a_crash_after_its_commit_goes(serve, target, data_file, full, tmp_path):
+    server = serve()
+    out = tmp_path / "out.jsonl"
+    regen(out, target, data_file, server=server.url, max_rows=4, **FAST)  # commits chunk 0
+    stale = journal_path(parts_dir(out), 0)
+    stale.write_text(json.dumps({"row": 0, "rejected": {"row": 0}}) + "\n")
+    regen(out, target, data_file, server=server.url, **FAST)
+    assert not stale.exists() and out.read_bytes() == full.read_bytes()
 
 
 def test_a_torn_journal_line_is_dropped(tmp_path):

@@ -7,6 +7,7 @@ When the chunk is complete it is committed like any other and its journal is del
 from __future__ import annotations
 
 import json
+from collections.abc import Container
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ class OpenChunk:
     def load(cls, parts: Path, chunk: int, rows: range) -> OpenChunk:
         """The chunk with its journal's entries; a last line cut short by a crash is dropped
         (the journal is rewritten without it)."""
-        path = parts / (chunk_name(chunk).removesuffix(".jsonl") + ".journal")
+        path = journal_path(parts, chunk)
         open_chunk = cls(chunk, rows, path)
         if not path.is_file():
             return open_chunk
@@ -78,3 +79,15 @@ class OpenChunk:
         if self.file is not None:
             self.file.close()
             self.file = None
+
+
+def journal_path(parts: Path, chunk: int) -> Path:
+    return parts / (chunk_name(chunk).removesuffix(".jsonl") + ".journal")
+
+
+def drop_committed(parts: Path, committed: Container[int]) -> None:
+    """Delete the journals of committed chunks: left by a crash between a commit and the
+    journal's deletion."""
+    for path in parts.glob("chunk-*.journal"):
+        if int(path.stem.removeprefix("chunk-")) in committed:
+            path.unlink()

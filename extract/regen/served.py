@@ -40,7 +40,7 @@ from extract.regen.client import (
     parse_completion,
 )
 from extract.regen.config import Chat, RegenConfig, RegenError, iter_chats
-from extract.regen.journal import OpenChunk
+from extract.regen.journal import OpenChunk, drop_committed
 from extract.regen.report import RowBar
 from extract.regen.state import (
     PROGRESS_DIR,
@@ -334,6 +334,7 @@ def serve(
 
     resume = existing_state(cfg.out, settings, overwrite=cfg.overwrite)
     state = init_output(cfg.out, settings, config, resume)
+    drop_committed(job.parts, state.chunks)
     job = dataclasses.replace(job, chunks=job.pending(state))
     log.info(
         "%s: %d of %d chunks to do on %s", cfg.out, len(job.chunks), job.num_chunks, cfg.server
