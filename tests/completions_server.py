@@ -5,8 +5,9 @@ with the stop token, `finish_reason`), and the faults a test asks for.
 `fault(prompt_text, attempt)` names what the request with that prompt (its `attempt`-th time)
 gets instead of a completion: "503", "drop" (the connection closes without an answer), "hang"
 (no answer until the server stops), "too_long" (vLLM's 400 about the context length), "block"
-(`reached` is set, then no answer until `release`) or "stop" (the server stops: this and every
-later request, on any connection, is dropped or refused).
+(`reached` is set, then the answer waits for `release`; dropped if the server stopped meanwhile)
+or "stop" (the server stops: this and every later request, on any connection, is dropped or
+refused).
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def _handler(server: CompletionsServer) -> type[BaseHTTPRequestHandler]:
                 server.reached.set()
             if fault in ("hang", "block"):
                 server.release.wait()
-                return self._drop()
+                if fault == "hang" or server.stopped.is_set():
+                    return self._drop()
             if fault == "drop":
                 return self._drop()
             if fault == "503":

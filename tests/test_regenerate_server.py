@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -184,6 +185,29 @@ def test_a_killed_run_resumes_without_asking_twice(serve, target, data_file, ful
     server.stop()
     # Row 10 was sent once every earlier row but at most one in flight had been recorded.
     assert len(_finished_rows(out)) >= 9
+    _resumed_asks_only_the_rest(serve, target, out, data_file, full)
+
+
+def test_ctrl_c_first_finishes_the_conversations_in_flight(
+    serve, target, data_file, full, tmp_path
+):
+    server = serve(fault=lambda text, attempt: "block" if "What is 10 plus 0?" in text else None)
+    out = tmp_path / "interrupted.jsonl"
+    proc = _cli(out, target, data_file, server.url)
+    try:
+        assert server.reached.wait(timeout=300), "the run never reached row 10"
+        proc.send_signal(signal.SIGINT)
+        for line in proc.stderr:  # the signal is handled: let the request in flight finish
+            if "finishing the conversations in flight" in line:
+                break
+        server.release.set()
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and "Traceback" not in stdout + stderr
+    assert "the run stopped (stopped by a signal)" in stderr.strip().splitlines()[-1]
+    assert 10 in _finished_rows(out)  # both its turns, the second asked after the signal
+    server.stop()
     _resumed_asks_only_the_rest(serve, target, out, data_file, full)
 
 
