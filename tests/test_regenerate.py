@@ -313,6 +313,26 @@ def test_hybrid_target_batched_equals_plain_generate(tiny_qwen35, data_file, tmp
                 assert _greedy(tok, model, messages[:i])[0] == m["content"]
 
 
+def test_sampling_draws_the_same_again_with_top_k_off_unless_asked(
+    target, data_file, full, tmp_path
+):
+    from extract.regen.generation import BatchGenerator
+    from extract.regen.turns import Prompter
+
+    drawn = dict(temperature=1.0, seed=5, max_rows=8)
+    a = regen(tmp_path / "a.jsonl", target, data_file, **drawn)
+    regen(tmp_path / "b.jsonl", target, data_file, **drawn)
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    assert _read(tmp_path / "a.jsonl") != _read(full)[: len(_read(tmp_path / "a.jsonl"))]
+    assert a.settings["decoding"] == {"temperature": 1.0, "top_p": 1.0, "seed": 5}
+    tok, model = _load(target)
+    prompter = Prompter(tok, max_new_tokens=MAX_NEW, max_length=None)
+    sampled = BatchGenerator(model, prompter, sampling={"temperature": 1.0, "top_p": 1.0}).config
+    assert sampled.do_sample and sampled.top_k == 0
+    with_k = BatchGenerator(model, prompter, sampling={"temperature": 1.0, "top_k": 7}).config
+    assert with_k.top_k == 7 and not BatchGenerator(model, prompter).config.do_sample
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_run_in_bf16(target, data_file, tmp_path):

@@ -38,6 +38,8 @@ class BatchGenerator:
         # the like would otherwise fill every field left unset here. Greedy = argmax each step.
         model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=self.pad)
         drawn = dict(sampling or {})
+        if drawn:  # top_k 0 turns top-k off; left unset, GenerationConfig's default 50 applies
+            drawn.setdefault("top_k", 0)
         self.config = GenerationConfig(
             do_sample=bool(drawn),
             max_new_tokens=prompter.max_new_tokens,
