@@ -67,6 +67,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32, help="local route's batch")
     parser.add_argument("--concurrency", type=int, default=64, help="server route's requests")
+    parser.add_argument(
+        "--threads", type=int, help="local route's torch threads (default: torch's own)"
+    )
     parser.add_argument("--json", type=Path, help="also write the JSON line here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
@@ -75,6 +78,8 @@ def main() -> None:
     from extract.data import demo_dataset
     from extract.tiny import tiny_target
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     target, data = str(tiny_target()), (demo_dataset(),)
     common = dict(target=target, data=data, max_rows=args.rows, max_new_tokens=args.max_new_tokens)
     with tempfile.TemporaryDirectory() as tmp:
