@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -34,6 +35,10 @@ log = logging.getLogger(__name__)
 # Batches in flight between the device and the writer threads: the GPU runs ahead by this many
 # while their samples are compressed in parallel (pinned memory: buffers x batch size).
 STAGING_BUFFERS = 3
+# Parts whose forwards are done and whose writes and commit are not: the device runs at most this
+# many parts ahead of the commits, so a stop (SIGTERM, Ctrl-C) ends within that many parts'
+# writes, and the unfinished work a crash loses stays as small, whatever the disk's budget.
+PARTS_AWAITING_COMMIT = 2
 
 
 @dataclass(frozen=True)
@@ -66,15 +71,21 @@ class PartPipeline:
         threads: int,
         counters: RankCounters,
         clock: ForwardClock | None = None,
+        writes: bool = True,
+        before_forward: Callable[[], None] | None = None,
     ):
-        """`clock`: told where each part's forwards begin (its log names the gaps there)."""
+        """`clock`: told where each part's forwards begin (its log names the gaps there).
+        `writes` False: a rank that runs its input group's forwards (its slice of a sharded
+        target) while another rank of the group writes the parts; `before_forward`: called
+        before each forward (`extract.lockstep`)."""
         self.job, self.device, self.capture, self.counters = job, device, capture, counters
-        self.clock = clock
+        self.clock, self.writes, self.before_forward = clock, writes, before_forward
         rows = chunk_size(job.batch_tokens, job.max_length)  # the most a forward holds
         self.staging = Staging(STAGING_BUFFERS, pinned=device.type == "cuda", rows=rows)
         start = time.perf_counter()
         one = torch.zeros(1, len(job.layer_ids), _hidden(capture), device=device)  # [N, K, H]
-        self.staging.reserve(device_payload(one, job.store, job.format), tokens=1)
+        if writes:
+            self.staging.reserve(device_payload(one, job.store, job.format), tokens=1)
         log.info(
             "%d staging buffers of %.2f GB%s in %.1f s",
             STAGING_BUFFERS,
@@ -88,6 +99,7 @@ class PartPipeline:
         self.disk = DiskQueue() if job.format == "zarr" else None
         self.committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
         self.commits: list[Future] = []
+        self.commit_waited_s = 0.0  # the device's time waiting for parts to commit
         self.threads = threads
         self.started = time.perf_counter()
         self.forwards_end: float | None = None  # set by `mark_forwards_end`
@@ -99,6 +111,8 @@ class PartPipeline:
         disk): safe on another thread than `submit`'s, so it runs on the reader thread."""
         job = self.job
         kept = [kept[i] for i in length_order([len(k.input_ids) for k in kept])]
+        if not self.writes:
+            return OpenPart(unit, kept, rejected, job.unit_rows(unit), None)
         writer = open_part_writer(
             job.out,
             unit,
@@ -114,12 +128,17 @@ class PartPipeline:
     def submit(self, part: OpenPart) -> None:
         """Run the part's forwards and queue its writes and commit."""
         job, kept, writer = self.job, part.kept, part.writer
+        self._wait_for_commits(PARTS_AWAITING_COMMIT - 1)
         lengths = [len(k.input_ids) for k in kept]
         futures = []
         if self.clock is not None:
             self.clock.mark_part()
         for batch in self.capture.layout.batches(lengths, batch_tokens=job.batch_tokens):
+            if self.before_forward is not None:
+                self.before_forward()
             packed = self.capture.run([kept[i].input_ids for i in batch], device=self.device)
+            if writer is None:
+                continue  # its input group's writer stores these states
             host, release = self.staging.stage(
                 device_payload(packed, job.store, job.format), tokens=packed.shape[0]
             )
@@ -134,7 +153,19 @@ class PartPipeline:
                 tokens=packed.shape[0], done_rows=len(batch)
             )
             self.writers.check()
+        if writer is None:
+            return
         self.commits.append(self.committer.submit(_commit, part, job, futures, self.counters))
+        for f in [f for f in self.commits if f.done()]:
+            f.result()
+
+    def _wait_for_commits(self, most: int) -> None:
+        """Block until at most `most` parts await their commit; re-raise a failed one."""
+        pending = [f for f in self.commits if not f.done()]
+        if len(pending) > most:
+            start = time.perf_counter()
+            wait(pending[: len(pending) - most])
+            self.commit_waited_s += time.perf_counter() - start
         for f in [f for f in self.commits if f.done()]:
             f.result()
 
@@ -177,7 +208,14 @@ class PartPipeline:
 
     def _report_backpressure(self, wall_s: float) -> None:
         waited, disk = self.staging.waited_s, self.disk
-        log.info("the device waited %.1f s of %.1f s for a free staging buffer", waited, wall_s)
+        log.info(
+            "the device waited %.1f s of %.1f s for a free staging buffer and %.1f s for "
+            "parts to commit (at most %d await it)",
+            waited,
+            wall_s,
+            self.commit_waited_s,
+            PARTS_AWAITING_COMMIT,
+        )
         if disk is not None:
             log.info(
                 "disk: %.1f GB written by %d threads in %.1f s of their time; the writer "
@@ -191,7 +229,7 @@ class PartPipeline:
             )
         clocks = RankClocks(
             wall_s=wall_s,
-            staging_waited_s=waited,
+            staging_waited_s=waited + self.commit_waited_s,  # both: waiting on the writes
             writer_threads=self.threads,
             out=str(self.job.out),
             disk_waited_s=None if disk is None else disk.waited_s,
@@ -220,6 +258,7 @@ def _commit(part: OpenPart, job: Job, futures: list[Future], counters: RankCount
         name=part_name(unit, job.format),
         unit=unit,
         rows=rows,
+        layout=job.layout_record,
         rows_truncated=sum(k.truncated for k in kept),
         rejected=reasons,
         rejected_rows=tuple(

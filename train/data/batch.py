@@ -46,6 +46,14 @@ class Batch:
         doc_ids_BS = torch.where(inside, 0, -1).to(torch.int32)
         return cls(doc_ids_BS=doc_ids_BS, positions_BS=(pos_BS * inside).int(), **fields)
 
+    def split_last(self) -> tuple[Batch, torch.Tensor]:
+        """(this batch without its last cached layer, that layer [B, S, H]): DSpark reads the
+        target's last hidden state as one more layer after the drafter's taps."""
+        if self.hidden_BSKH is None or self.hidden_BSKH.shape[2] < 2:
+            raise ValueError("Batch.split_last: needs hidden_BSKH with the taps and one more layer")
+        fields = {**vars(self), "hidden_BSKH": self.hidden_BSKH[:, :, :-1]}
+        return Batch(**fields), self.hidden_BSKH[:, :, -1]
+
     def context(self) -> torch.Tensor:
         """Context input [B, S, K*H]."""
         if self.context_BSC is not None:
