@@ -68,6 +68,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="local route's batch")
     parser.add_argument("--concurrency", type=int, default=64, help="server route's requests")
     parser.add_argument(
+        "--max-num-seqs", type=int, help="vLLM's batch of requests (default: its own, 128 on CPUs)"
+    )
+    parser.add_argument(
         "--threads", type=int, help="local route's torch threads (default: torch's own)"
     )
     parser.add_argument("--json", type=Path, help="also write the JSON line here")
@@ -85,7 +88,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         local_out, served_out = Path(tmp) / "local.jsonl", Path(tmp) / "served.jsonl"
         local = timed(RegenConfig(out=local_out, gpus="cpu", batch_size=args.batch_size, **common))
-        with vllm_server(args.vllm_python, Path(target)) as server:
+        with vllm_server(args.vllm_python, Path(target), max_num_seqs=args.max_num_seqs) as server:
             served = timed(
                 RegenConfig(
                     out=served_out, server=server.url, concurrency=args.concurrency, **common
@@ -99,7 +102,12 @@ def main() -> None:
         "rows": args.rows,
         "max_new_tokens": args.max_new_tokens,
         "local": {**local, "batch_size": args.batch_size, "torch_threads": torch.get_num_threads()},
-        "server": {**served, "concurrency": args.concurrency, "engine": "vllm (float32)"},
+        "server": {
+            **served,
+            "concurrency": args.concurrency,
+            "engine": "vllm (float32)",
+            "max_num_seqs": args.max_num_seqs or "vLLM's default",
+        },
         "ratio": round(served["tokens_per_s"] / local["tokens_per_s"], 2),
         "same_rows": same,
         "cpus": os.cpu_count(),
