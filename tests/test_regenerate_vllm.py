@@ -8,6 +8,7 @@ message and a resumable state, not a traceback. Few rows, short turns: one serve
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -125,11 +126,12 @@ def test_a_killed_run_resumes_losing_nothing_asking_nothing_twice(server, demo, 
 
 
 def test_the_server_stopping_mid_run_is_a_message_and_a_resumable_state(server, demo, tmp_path):
-    """Last in this module: it stops the server."""
+    """Last in this module: it kills the server (SIGKILL: a crash, and no graceful drain that
+    would keep answering for a while)."""
     out = tmp_path / "stopped.jsonl"
     proc = _cli(out, demo, server.url)
     _wait_for_commit(proc)
-    server.stop()
+    server.stop(signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 1, stderr
     assert "Traceback" not in stdout + stderr

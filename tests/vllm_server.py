@@ -29,10 +29,10 @@ class Served:
     proc: subprocess.Popen
     lines: list[str] = field(default_factory=list)  # its output so far
 
-    def stop(self) -> None:
-        """SIGTERM to the server and its engine process (one process group), then wait."""
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """`sig` to the server and its engine process (one process group), then wait."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, sig)
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
