@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 # Batches in flight between the device and the writer threads: the GPU runs ahead by this many
 # while their samples are compressed in parallel (pinned memory: buffers x batch size).
 STAGING_BUFFERS = 3
+# Parts whose forwards are done and whose writes and commit are not: the device runs at most this
+# many parts ahead of the commits, so a stop (SIGTERM, Ctrl-C) ends within that many parts'
+# writes, and the unfinished work a crash loses stays as small, whatever the disk's budget.
+PARTS_AWAITING_COMMIT = 2
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ class PartPipeline:
         self.disk = DiskQueue() if job.format == "zarr" else None
         self.committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
         self.commits: list[Future] = []
+        self.commit_waited_s = 0.0  # the device's time waiting for parts to commit
         self.threads = threads
         self.started = time.perf_counter()
         self.forwards_end: float | None = None  # set by `mark_forwards_end`
@@ -114,6 +119,7 @@ class PartPipeline:
     def submit(self, part: OpenPart) -> None:
         """Run the part's forwards and queue its writes and commit."""
         job, kept, writer = self.job, part.kept, part.writer
+        self._wait_for_commits(PARTS_AWAITING_COMMIT - 1)
         lengths = [len(k.input_ids) for k in kept]
         futures = []
         if self.clock is not None:
@@ -135,6 +141,16 @@ class PartPipeline:
             )
             self.writers.check()
         self.commits.append(self.committer.submit(_commit, part, job, futures, self.counters))
+        for f in [f for f in self.commits if f.done()]:
+            f.result()
+
+    def _wait_for_commits(self, most: int) -> None:
+        """Block until at most `most` parts await their commit; re-raise a failed one."""
+        pending = [f for f in self.commits if not f.done()]
+        if len(pending) > most:
+            start = time.perf_counter()
+            wait(pending[: len(pending) - most])
+            self.commit_waited_s += time.perf_counter() - start
         for f in [f for f in self.commits if f.done()]:
             f.result()
 
@@ -177,7 +193,14 @@ class PartPipeline:
 
     def _report_backpressure(self, wall_s: float) -> None:
         waited, disk = self.staging.waited_s, self.disk
-        log.info("the device waited %.1f s of %.1f s for a free staging buffer", waited, wall_s)
+        log.info(
+            "the device waited %.1f s of %.1f s for a free staging buffer and %.1f s for "
+            "parts to commit (at most %d await it)",
+            waited,
+            wall_s,
+            self.commit_waited_s,
+            PARTS_AWAITING_COMMIT,
+        )
         if disk is not None:
             log.info(
                 "disk: %.1f GB written by %d threads in %.1f s of their time; the writer "
@@ -191,7 +214,7 @@ class PartPipeline:
             )
         clocks = RankClocks(
             wall_s=wall_s,
-            staging_waited_s=waited,
+            staging_waited_s=waited + self.commit_waited_s,  # both: waiting on the writes
             writer_threads=self.threads,
             out=str(self.job.out),
             disk_waited_s=None if disk is None else disk.waited_s,
