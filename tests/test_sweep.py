@@ -4,7 +4,10 @@ skipped on a rerun, an interrupted run resumed, and the report's figures over se
 import json
 import math
 import shutil
+import signal
 import statistics
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -148,3 +151,30 @@ def test_differences_against_the_best():
     assert abs(found["c"]["difference"]) < RESOLVE_SE * found["c"]["se"]
     assert not found["c"]["resolved"] and not found["d"]["resolved"]
     assert mean_se([3.0]) == (3.0, None)
+
+
+def test_sigterm_stops_the_sweep_and_the_same_command_finishes_it(cache, swept, tmp_path):
+    """SIGTERM to the sweep while its one unfinished run trains: the run is passed SIGTERM, the
+    sweep exits non-zero printing the resume command, which then finishes it (as the run of the
+    uninterrupted sweep)."""
+    out = tmp_path / "s"
+    shutil.copytree(swept / "runs", out / "runs")
+    folder = out / "runs" / "optimizer=adamw" / "seed-0"
+    shutil.rmtree(folder)
+    cmd = [sys.executable, "-m", "train.sweep", "--data", str(cache), "--out", str(out)]
+    cmd += [*GRID, *TRAIN]
+    sweep_proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    for line in sweep_proc.stderr:  # its log: stop it once the run has started
+        if "starting optimizer=adamw seed 0" in line:
+            sweep_proc.send_signal(signal.SIGTERM)
+            break
+    rest = sweep_proc.stderr.read()
+    assert sweep_proc.wait() == 1, rest
+    assert "stopped by SIGTERM; not finished: optimizer=adamw seed 0" in rest
+    assert "resume: python -m train.sweep --data" in rest
+    assert not (folder / "export").exists()
+    result = sweep(cache, out)
+    assert result.exit_code == 0, result.output
+    a = load_file(str(swept / "runs/optimizer=adamw/seed-0/export/model.safetensors"))
+    b = load_file(str(folder / "export" / "model.safetensors"))
+    assert all((a[k] == b[k]).all() for k in a)

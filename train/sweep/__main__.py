@@ -76,7 +76,7 @@ def main(
             atomic_write_json(out / SWEEP_FILE, record)
             outcome = run_jobs(jobs, out=out, devices=devices)
             unfinished = [*outcome.failed, *((j, None) for j in outcome.not_started)]
-            if outcome.stopped_by or unfinished:
+            if unfinished:
                 lines = [f"{j.variant.name} seed {j.seed}" for j, _ in unfinished]
                 why = f"stopped by {outcome.stopped_by}" if outcome.stopped_by else "runs failed"
                 raise click.ClickException(

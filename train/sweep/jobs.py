@@ -62,22 +62,29 @@ def run_jobs(jobs: Sequence[Job], *, out: Path, devices: Sequence[str]) -> Outco
     todo = [j for j in jobs if not finished(j)]
     log.info("%d runs: %d finished already, %d to run", len(jobs), len(outcome.skipped), len(todo))
     free, running = list(devices), {}  # pid -> (job, device, Popen)
+    told: set[int] = set()  # the children passed SIGTERM since the last stop signal
+
+    def pass_on() -> None:
+        for pid, (_, _, proc) in running.items():
+            if pid not in told:
+                told.add(pid)
+                proc.send_signal(signal.SIGTERM)
 
     def on_signal(signum: int, _frame: object) -> None:
         outcome.stopped_by = signal.Signals(signum).name
-        log.warning(
-            "%s: passing SIGTERM to %d running runs; no new ones", outcome.stopped_by, len(running)
-        )
-        for _, _, proc in running.values():
-            proc.send_signal(signal.SIGTERM)
+        log.warning("%s: passing SIGTERM to the running runs; no new ones", outcome.stopped_by)
+        told.clear()  # a second signal is passed on again: the runs stop at once
+        pass_on()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     try:
         while todo or running:
             while todo and free and outcome.stopped_by is None:
                 job, device = todo.pop(0), free.pop(0)
-                running_proc = _start(job, device, out)
-                running[running_proc.pid] = (job, device, running_proc)
+                proc = _start(job, device, out)
+                running[proc.pid] = (job, device, proc)
+                if outcome.stopped_by is not None:  # a signal came while it was starting
+                    pass_on()
             if not running:
                 break
             pid = _next_exit(running)
