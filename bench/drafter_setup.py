@@ -34,7 +34,7 @@ from train.compiling import configure_compile  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
 from train.data.loader import PartInfo  # noqa: E402
 from train.drafters.anchors import default_gamma  # noqa: E402
-from train.drafters.config import DrafterConfig  # noqa: E402
+from train.drafters.config import DSPARK_BLOCK_SIZE, DrafterConfig  # noqa: E402
 from train.loop import Trainer  # noqa: E402
 from train.prepared import Prepared  # noqa: E402
 from train.run import resolve_devices  # noqa: E402
@@ -56,16 +56,21 @@ def seq_defaults(shape: str) -> tuple[int, int]:
 
 
 def drafter_config(
-    shape: str, *, num_layers: int = DRAFTER_LAYERS, drafter_type: str = "dflash"
+    shape: str,
+    *,
+    num_layers: int = DRAFTER_LAYERS,
+    drafter_type: str = "dflash",
+    block_size: int | None = None,
 ) -> DrafterConfig:
     """The drafter the product would build for a target of `shape` (default capture layers).
     A dflash2 drafter keeps DFlash's attention (all full) so that a comparison of the two
-    times the DFlash2 additions alone."""
+    times the DFlash2 additions alone. `block_size`: default 16 (dspark: its released 7)."""
     target = SHAPES[shape]
     return DrafterConfig.from_target_config(
         target,
         num_layers=num_layers,
         target_layer_ids=build_target_layer_ids(target["num_hidden_layers"], 5),
+        block_size=block_size or (DSPARK_BLOCK_SIZE if drafter_type == "dspark" else 16),
         tokenizer_vocab_size=target["vocab_size"] - SPARE_ROWS,
         drafter_type=drafter_type,
         layer_types=("full_attention",) * num_layers,
@@ -111,10 +116,12 @@ def make_trainer(
     ce: str | None = None,
     ce_chunk_blocks: int | None = None,
     drafter_type: str = "dflash",
+    block_size: int | None = None,
 ) -> Trainer:
     """The product's trainer for one process and device, after `configure_compile`; the
-    caller hands it micro-batches with `Trainer.prepare`, which also wraps the model."""
-    drafter = drafter_config(shape, drafter_type=drafter_type)
+    caller hands it micro-batches with `Trainer.prepare`, which also wraps the model. A dspark
+    trainer reads one more cached layer, the target's last (`random_items` makes it)."""
+    drafter = drafter_config(shape, drafter_type=drafter_type, block_size=block_size)
     cfg = TrainConfig(
         data=cache,
         out=cache / "run",
@@ -142,11 +149,16 @@ def make_trainer(
         parts=tuple(parts),
         train_lengths=tuple(p.lengths for p in parts),
         eval_lengths=tuple((0,) * len(p.lengths) for p in parts),
-        layers=tuple(range(drafter.num_context_layers)),
-        gamma=default_gamma(drafter.block_size),
+        layers=tuple(range(cached_layers(drafter))),
+        gamma=default_gamma(drafter.block_size, anchor_predicts=drafter.anchor_predicts),
     )
     info = RankInfo(rank=0, world_size=1, local_rank=0, device=device)
     return Trainer(info, cfg, prep)
+
+
+def cached_layers(cfg: DrafterConfig) -> int:
+    """Layers a micro-batch holds: the taps, and for DSpark the target's last hidden state."""
+    return cfg.num_context_layers + int(cfg.drafter_type == "dspark")
 
 
 def prompt_mask(batch: int, seq_len: int) -> torch.Tensor:
@@ -162,7 +174,7 @@ def random_items(
     """`count` collated micro-batches (the loader's item dicts) with random ids and hidden
     states, already on `device`."""
     gen = torch.Generator().manual_seed(0)
-    shape_BSKH = (batch, seq_len, cfg.num_context_layers, cfg.hidden_size)
+    shape_BSKH = (batch, seq_len, cached_layers(cfg), cfg.hidden_size)
     items = []
     for n in range(count):
         ids_BS = torch.randint(0, cfg.mask_token_id, (batch, seq_len), generator=gen)
@@ -194,7 +206,10 @@ def feed(trainer: Trainer, items: Iterable[dict[str, Any]]) -> Iterator[dict[str
 def add_drafter_args(p: argparse.ArgumentParser) -> None:
     """Options shared by the benchmarks that time drafter training steps."""
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
-    p.add_argument("--drafter-type", choices=("dflash", "dflash2"), default="dflash")
+    p.add_argument("--drafter-type", choices=("dflash", "dflash2", "dspark"), default="dflash")
+    p.add_argument(
+        "--block-size", type=int, default=None, help="default 16 (dspark: 7, its released block)"
+    )
     p.add_argument("--attention", choices=("sdpa", "flex"), default=None, help="default: product")
     p.add_argument("--compile", choices=("none", "flex", "model"), default=None)
     p.add_argument("--grad-ckpt", choices=("none", "loss", "layers"), default=None)

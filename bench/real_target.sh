@@ -12,9 +12,11 @@
 # WORK (default bench-out/real) receives everything; the reports also go to $OUT if it is set.
 # Stages, each timed: materialize; the model writes questions from SEEDS seed chats; it answers
 # the distinct ones (the last HELD_OUT held out); extract bf16 (codec planes) and fp8 caches side by
-# side; codec and fp8-error reports; two DFlash drafters, same seed and steps, on the two caches
-# side by side, and a DFlash2 one on the bf16 cache; train.proof.compare; train.proof.speculate of the three
-# on the held-out prompts, in one process (one greedy decoding of the target for all three).
+# side, the target's last layer beside the taps 1,8,14,20,27; codec and fp8-error reports; four
+# drafters side by side, same seed, steps and options: DFlash on each cache, DFlash2 and DSpark on
+# the bf16 cache (DFlash and DFlash2 read its taps, DSpark the last layer too); train.proof.compare;
+# train.proof.speculate of the four on the held-out prompts, in one process (one greedy decoding of
+# the target for all).
 # BENCH_MODE=cpu: the same on a CPU at a size it can do in about 90 minutes (about 500
 # conversations, a 2-layer drafter, 400 steps of 1024 tokens): real figures, smaller than the GPU's.
 # BENCH_FROM=STAGE: start at that stage, reusing what the earlier ones left in WORK.
@@ -23,7 +25,10 @@
 # decoding is not timed yet: calls of under 10 minutes each are BENCH_UNTIL=answers, then BENCH_FROM=extract
 # BENCH_SKIP=codec BENCH_UNTIL=compare, then BENCH_FROM=speculate, on the same machine (WORK
 # must still be there; bench/README.md has the stage times).
-# BENCH_SKIP=STAGE[,STAGE...]: leave those stages out (e.g. codec, already measured).
+# BENCH_SKIP=STAGE[,STAGE...]: leave those stages out (e.g. codec, already measured); fp8: no
+# fp8 cache, nor its drafter and error report (the family ablation alone).
+# BENCH_DATA=shipped: the data set the package ships (extract/data/smollm2_chats.jsonl and its 32
+# held-out prompts, the CPU mode's regeneration from 800 seeds) instead of writing one.
 # BENCH_TINY=1 (or BENCH_MODE=tiny): a handful of rows and steps on the CPU (a check, not a figure).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +43,7 @@ for pkg in gguf accelerate; do  # the [real] extra, from wheels beside the model
   fi
 done
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
+TAPS=1,8,14,20,27  # DFlash's taps of SmolLM2's 30 layers; 29, the last, is DSpark's target state
 MODE=${BENCH_MODE:-gpu}
 [ "${BENCH_TINY:-0}" = 1 ] && MODE=tiny
 EVAL=(--eval-parts 1)
@@ -117,19 +123,36 @@ shared_cores() {  # shared_cores N CMD...: on the CPU, CMD with 1/N of the cores
     "$@"
   fi
 }
+FP8=1
+[[ " ${SKIP//,/ } " == *" fp8 "* ]] && FP8=0
 stage materialize python3 -m extract.models $T --source "$SOURCE"
-stage seeds python3 -m extract.regen.prompts seeds --out "$WORK/seeds.jsonl" --count "$SEEDS"
-stage questions regen "$WORK/seeds.jsonl" "$WORK/seeds.regen.jsonl" $Q_TOKENS
-stage prompts python3 -m extract.regen.prompts chats --regen "$WORK/seeds.regen.jsonl" \
-  --out "$WORK/chats.jsonl" --held-out "$WORK/held_out.json" --held-out-count "$HELD_OUT"
-stage answers regen "$WORK/chats.jsonl" "$WORK/data.jsonl" "$A_TOKENS"
-extract() {  # extract STORE
-  python3 -m extract --target $T --gpus "$GPUS" --data "$WORK/data.jsonl" --out "$WORK/$1" \
-    --store "$1" --overwrite "${PARTS[@]}"
+shipped() {  # the shipped data set and its held-out prompts, as the data stages would leave them
+  cp extract/data/smollm2_chats.jsonl "$WORK/data.jsonl"
+  cp extract/data/smollm2_held_out.json "$WORK/held_out.json"
+  echo "$(wc -l <"$WORK/data.jsonl") conversations"
 }
-stage extract side_by_side extract bf16 -- extract fp8
+if [ "${BENCH_DATA:-}" = shipped ]; then
+  stage data shipped
+  HELD_OUT=$(python3 -c "import json, sys; print(len(json.load(open(sys.argv[1]))))" \
+    "$WORK/held_out.json")
+else
+  stage seeds python3 -m extract.regen.prompts seeds --out "$WORK/seeds.jsonl" --count "$SEEDS"
+  stage questions regen "$WORK/seeds.jsonl" "$WORK/seeds.regen.jsonl" $Q_TOKENS
+  stage prompts python3 -m extract.regen.prompts chats --regen "$WORK/seeds.regen.jsonl" \
+    --out "$WORK/chats.jsonl" --held-out "$WORK/held_out.json" --held-out-count "$HELD_OUT"
+  stage answers regen "$WORK/chats.jsonl" "$WORK/data.jsonl" "$A_TOKENS"
+fi
+extract() {  # extract STORE: the taps and the last layer (stored after the final norm)
+  python3 -m extract --target $T --gpus "$GPUS" --data "$WORK/data.jsonl" --out "$WORK/$1" \
+    --store "$1" --layers $TAPS,29 --overwrite "${PARTS[@]}"
+}
+if [ $FP8 = 1 ]; then
+  stage extract side_by_side extract bf16 -- extract fp8
+else
+  stage extract extract bf16
+fi
 stage codec python3 bench/codec_bench.py --cache "$WORK/bf16" --max-samples "$CODEC_SAMPLES"
-stage fp8_error python3 bench/fp8_error.py --bf16 "$WORK/bf16" --fp8 "$WORK/fp8" \
+[ $FP8 = 0 ] || stage fp8_error python3 bench/fp8_error.py --bf16 "$WORK/bf16" --fp8 "$WORK/fp8" \
   --json "$WORK/fp8_error.json"
 train() {  # train STORE NAME [OPTION...]: a drafter on one cache, into run-NAME
   local store=$1 name=$2
@@ -138,21 +161,28 @@ train() {  # train STORE NAME [OPTION...]: a drafter on one cache, into run-NAME
   python3 -m train --data "$WORK/$store" --out "$WORK/run-$name" --gpus "$GPUS" --steps "$STEPS" \
     --seed 0 "${EVAL[@]}" --checkpoint-every "$STEPS" "${TRAIN[@]}" "$@"
 }
-# Two DFlash drafters on the two caches, and the ablation on the bf16 cache with the same seed,
-# steps and options: DFlash2 (its published defaults); the three side by side.
-stage train side_by_side train bf16 bf16 -- train fp8 fp8 -- train bf16 dflash2 --drafter-type dflash2
-stage compare python3 -m train.proof.compare "$WORK/run-bf16" "$WORK/run-fp8" "$WORK/run-dflash2" \
-  --out "$WORK/compare.md"
-speculate() {  # the three exports in one process: the target's greedy reference is made once
-  python3 -u -m train.proof.speculate --target $T --drafter "$WORK/run-bf16/export" \
-    --drafter "$WORK/run-fp8/export" --drafter "$WORK/run-dflash2/export" \
+# DFlash on each cache, and the family ablation on the bf16 cache with the same seed, steps and
+# options: DFlash2 and DSpark (their published defaults: DSpark's block of 7, its three-term
+# objective on the cached last layer); all side by side.
+RUNS=(bf16 dflash2 dspark)
+TRAINS=(train bf16 bf16 --target-layers $TAPS)
+[ $FP8 = 0 ] || { RUNS=(bf16 fp8 dflash2 dspark); TRAINS+=(-- train fp8 fp8 --target-layers $TAPS); }
+TRAINS+=(-- train bf16 dflash2 --drafter-type dflash2 --target-layers $TAPS)
+TRAINS+=(-- train bf16 dspark --drafter-type dspark)
+stage train side_by_side "${TRAINS[@]}"
+stage compare python3 -m train.proof.compare "${RUNS[@]/#/$WORK/run-}" --out "$WORK/compare.md"
+speculate() {  # the exports in one process: the target's greedy reference is made once
+  local run drafters=()
+  for run in "${RUNS[@]}"; do drafters+=(--drafter "$WORK/run-$run/export"); done
+  python3 -u -m train.proof.speculate --target $T "${drafters[@]}" \
     --prompts "$WORK/held_out.json" --max-new-tokens $SPEC_TOKENS --json >"$WORK/spec.txt"
   awk '/^drafter /{d=$2} /^tau /{print d, $0}' "$WORK/spec.txt"
 }
 stage speculate speculate
 echo "rows: $(wc -l <"$WORK/data.jsonl") conversations, held-out prompts: $HELD_OUT" | tee -a "$LOG"
 if [ -n "${OUT:-}" ]; then
-  cp "$LOG" "$WORK"/compare.md "$WORK"/fp8_error.json "$WORK"/spec.txt "$OUT"/
+  cp "$LOG" "$WORK"/compare.md "$WORK"/spec.txt "$OUT"/
   cp "$WORK"/bf16/manifest.json "$OUT"/manifest-bf16.json
-  cp "$WORK"/fp8/manifest.json "$OUT"/manifest-fp8.json
+  [ $FP8 = 0 ] || cp "$WORK"/fp8_error.json "$OUT"/
+  [ $FP8 = 0 ] || cp "$WORK"/fp8/manifest.json "$OUT"/manifest-fp8.json
 fi

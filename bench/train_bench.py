@@ -18,6 +18,10 @@ between steps, perf_counter on CPU), context tokens/s, achieved TFLOP/s, MFU, pe
 
 --drafter-type dflash2 times the DFlash2 drafter (same attention and settings; the convolutions
 and the selector's loss added, `train/drafters/dflash2.py`, `train/drafters/dflash2_loss.py`).
+--drafter-type dspark times DSpark (its Markov and confidence heads and its three-term loss,
+`train/drafters/dspark_loss.py`, reading one more cached layer, the target's last); its block is
+7 unless --block-size says otherwise: `--block-size 16` compares it with DFlash at the same
+block tokens.
 
 Model FLOPs of one micro-batch (`step_flops`), 2 per multiply-add: fc on the context tokens;
 per drafter layer the q/o projections and the SwiGLU MLP on the block tokens, the k/v
@@ -26,10 +30,12 @@ per block query, the context keys before its anchor (the mean over the batch's a
 candidates, which anchors are drawn uniformly from) plus the 16 keys of its block; lm_head on
 the block tokens; for dflash2 also each layer's two convolutions (kernel_projection and the
 per-channel taps) and the selector (hidden_projection and the rank-r scores of the K
-candidates). `mfu` = 3 x forward FLOPs / step time / 989 TFLOP/s (H200 dense bf16,
-datasheet). Activation-checkpoint recomputation is not counted. `mfu_needed` counts only the
-backward work the step has to do: the frozen lm_head needs no weight gradient and fc no input
-gradient, so those two count 2x instead of 3x.
+candidates); for dspark also the Markov bias (W2 on the rank-r embedding of every block token),
+the confidence head, and the target's lm_head on its last hidden state at the block rows (no
+gradient: counted once, forward only). `mfu` = 3 x forward FLOPs / step time / 989 TFLOP/s
+(H200 dense bf16, datasheet). Activation-checkpoint recomputation is not counted. `mfu_needed`
+counts only the backward work the step has to do: the frozen lm_head needs no weight gradient
+and fc no input gradient, so those two count 2x instead of 3x.
 """
 
 from __future__ import annotations
@@ -161,17 +167,24 @@ def step_flops(
         # hidden_projection, the predecessor product and the K candidates' rank-r dot products.
         r = cfg.selector_rank
         out["selector"] = 2 * blk * h * r + blk * r + 2 * blk * cfg.selector_top_k * r
+    if cfg.drafter_type == "dspark":
+        r = cfg.markov_rank
+        out["markov"] = 2 * blk * r * cfg.vocab_size
+        out["confidence"] = 2 * blk * (h + r) if cfg.enable_confidence_head else 0
+        out["target_lm_head"] = 2 * blk * h * cfg.vocab_size  # forward only
     return out
 
 
 def flops_summary(flops: dict[str, float], step_s: float, *, tokens: int) -> dict[str, Any]:
     forward = sum(flops.values())
-    needed = 3 * forward - flops["lm_head"] - flops["fc"]
+    target_head = flops.get("target_lm_head", 0.0)  # no gradient at all: once, not 3x
+    done = 3 * forward - 2 * target_head
+    needed = done - flops["lm_head"] - flops["fc"]
     return {
         "context_tok_s": tokens / step_s,
         "forward_gflop": {k: round(v / 1e9, 3) for k, v in flops.items()},
-        "tflops": 3 * forward / step_s / 1e12,
-        "mfu": 3 * forward / step_s / PEAK_BF16_FLOPS,
+        "tflops": done / step_s / 1e12,
+        "mfu": done / step_s / PEAK_BF16_FLOPS,
         "tflops_needed": needed / step_s / 1e12,
         "mfu_needed": needed / step_s / PEAK_BF16_FLOPS,
     }
@@ -204,6 +217,7 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         ce=args.ce,
         ce_chunk_blocks=args.ce_chunk_blocks,
         drafter_type=args.drafter_type,
+        block_size=args.block_size,
         steps=total,
         seq_len=args.seq_len,
         anchors=args.anchors,

@@ -10,6 +10,7 @@ padding never leaves the GPU.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -87,14 +88,21 @@ class LayerCapture:
         pad_id: int = 0,
         own_masks: bool = False,
         layout: Callable[[nn.Module], PaddedLayout | PackedLayout] | None = None,
+        sharded: bool = False,
     ):
         """`layout(body)` makes the layout rows reach the target in (see `extract.layouts`;
-        default: padded batches with `own_masks` as PaddedLayout takes it)."""
+        default: padded batches with `own_masks` as PaddedLayout takes it). `sharded`: a model
+        that transformers sharded over the process group (`extract.parallel`): padded batches
+        with the model's own masks, the whole causal LM called (FSDP runs only from its root
+        module; the lm_head on one position per row), under no_grad (expert parallel
+        dispatch fails under inference_mode)."""
         self.model, self.layer_ids, self.pad_id = model, list(layer_ids), pad_id
         self.body = model.get_decoder() if hasattr(model, "get_decoder") else model
+        self._forward = functools.partial(model, logits_to_keep=1) if sharded else self.body
+        self._grad_off = torch.no_grad if sharded else torch.inference_mode
         # Chosen before the hooks exist: the choice runs probe forwards.
         if layout is None:
-            self.layout = PaddedLayout(self.body, pad_id=pad_id, own_masks=own_masks)
+            self.layout = PaddedLayout(self.body, pad_id=pad_id, own_masks=own_masks or sharded)
         else:
             self.layout = layout(self.body)
         layers, last = decoder_layers(model), num_decoder_layers(model) - 1
@@ -123,16 +131,16 @@ class LayerCapture:
         for h in self._handles:
             h.remove()
 
-    @torch.inference_mode()
     def run(self, rows: Sequence[np.ndarray], *, device: torch.device) -> torch.Tensor:
         """States of `rows` (token id arrays) as [sum(len), K, H] on `device`, rows one after
         another, in the model's dtype: a view of layer-major memory (`.transpose(0, 1)` gives
         the contiguous [K, sum(len), H])."""
         if self._inputs is None or self._inputs.device != device:
             self._inputs = DeviceInputs(device)
-        kwargs, self._index = self.layout.inputs(rows, self._inputs.send)
-        try:
-            self.body(**kwargs)
-            return self._packed.transpose(0, 1)
-        finally:
-            self._packed, self._index = None, None
+        with self._grad_off():
+            kwargs, self._index = self.layout.inputs(rows, self._inputs.send)
+            try:
+                self._forward(**kwargs)
+                return self._packed.transpose(0, 1)
+            finally:
+                self._packed, self._index = None, None

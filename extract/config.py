@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +81,15 @@ class ExtractConfig:
         "and padded batches are kept where packing does not give the same states.",
         choices=PACKING_MODES,
     )
+    parallel: str = option(
+        "none",
+        help="How the target is laid out over the processes (transformers' distributed "
+        "loading): none (a whole model per process), tp=N (tensor parallel groups of N sharing "
+        "inputs), fsdp=N (fully sharded over N, inputs of their own), ep=N (a MoE target's "
+        "experts over N), with data parallel copies over the rest (dp=M); auto: none where the "
+        "target fits one device, else the first layout that fits. Sharded layouts run eager "
+        "padded batches.",
+    )
     rows_per_part: int = option(512, help="Source rows per part (the unit of work and resume).")
     max_rows: int | None = option(None, help="Only the first N source rows (quick runs).")
     writer_threads: int = option(
@@ -119,6 +129,13 @@ class ExtractConfig:
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')}: {getattr(self, name)} is too small")
+        sizes = re.findall(r"(?:tp|fsdp|ep)=(\d+)", self.parallel.lower())
+        sharded = any(int(n) > 1 for n in sizes)
+        if sharded and (self.compile == "layers" or self.packing == "on"):
+            raise ValueError(
+                f"--parallel {self.parallel}: a sharded target runs eager padded batches; "
+                "drop --compile layers and --packing on"
+            )
         if self.compile == "layers" and self.packing == "off":
             raise ValueError(
                 "--compile layers needs packed rows (one static shape): drop --packing off, or "

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from extract.data import RowIndex
+from extract.parallel import Layout
 from shared.dist import RankInfo, processes_on_this_host, usable_cpus
 
 
@@ -38,6 +39,10 @@ class Job:
     # 5 ms (Python's) 0.913-0.916 of the plain forward, 1 and 0.5 ms 0.932: 0.9-1.1 s of device
     # time between forwards instead of 1.6 s (`extract.forward_clock`).
     switch_interval_s: float = 0.001
+    # A sharded layout of the target over the ranks (`extract.parallel`); None: one model per
+    # rank. `layout_record`: what each part made under it records (None for one model per rank).
+    layout: Layout | None = None
+    layout_record: str | None = None
 
     def unit_rows(self, unit: int) -> range:
         first = unit * self.rows_per_part

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -70,15 +71,21 @@ class PartPipeline:
         threads: int,
         counters: RankCounters,
         clock: ForwardClock | None = None,
+        writes: bool = True,
+        before_forward: Callable[[], None] | None = None,
     ):
-        """`clock`: told where each part's forwards begin (its log names the gaps there)."""
+        """`clock`: told where each part's forwards begin (its log names the gaps there).
+        `writes` False: a rank that runs its input group's forwards (its slice of a sharded
+        target) while another rank of the group writes the parts; `before_forward`: called
+        before each forward (`extract.lockstep`)."""
         self.job, self.device, self.capture, self.counters = job, device, capture, counters
-        self.clock = clock
+        self.clock, self.writes, self.before_forward = clock, writes, before_forward
         rows = chunk_size(job.batch_tokens, job.max_length)  # the most a forward holds
         self.staging = Staging(STAGING_BUFFERS, pinned=device.type == "cuda", rows=rows)
         start = time.perf_counter()
         one = torch.zeros(1, len(job.layer_ids), _hidden(capture), device=device)  # [N, K, H]
-        self.staging.reserve(device_payload(one, job.store, job.format), tokens=1)
+        if writes:
+            self.staging.reserve(device_payload(one, job.store, job.format), tokens=1)
         log.info(
             "%d staging buffers of %.2f GB%s in %.1f s",
             STAGING_BUFFERS,
@@ -104,6 +111,8 @@ class PartPipeline:
         disk): safe on another thread than `submit`'s, so it runs on the reader thread."""
         job = self.job
         kept = [kept[i] for i in length_order([len(k.input_ids) for k in kept])]
+        if not self.writes:
+            return OpenPart(unit, kept, rejected, job.unit_rows(unit), None)
         writer = open_part_writer(
             job.out,
             unit,
@@ -125,7 +134,11 @@ class PartPipeline:
         if self.clock is not None:
             self.clock.mark_part()
         for batch in self.capture.layout.batches(lengths, batch_tokens=job.batch_tokens):
+            if self.before_forward is not None:
+                self.before_forward()
             packed = self.capture.run([kept[i].input_ids for i in batch], device=self.device)
+            if writer is None:
+                continue  # its input group's writer stores these states
             host, release = self.staging.stage(
                 device_payload(packed, job.store, job.format), tokens=packed.shape[0]
             )
@@ -140,6 +153,8 @@ class PartPipeline:
                 tokens=packed.shape[0], done_rows=len(batch)
             )
             self.writers.check()
+        if writer is None:
+            return
         self.commits.append(self.committer.submit(_commit, part, job, futures, self.counters))
         for f in [f for f in self.commits if f.done()]:
             f.result()
@@ -243,6 +258,7 @@ def _commit(part: OpenPart, job: Job, futures: list[Future], counters: RankCount
         name=part_name(unit, job.format),
         unit=unit,
         rows=rows,
+        layout=job.layout_record,
         rows_truncated=sum(k.truncated for k in kept),
         rejected=reasons,
         rejected_rows=tuple(

@@ -11,6 +11,7 @@ from pathlib import Path
 from extract.config import ExtractConfig
 from extract.data import RowIndex
 from extract.estimate import CacheEstimate, SpaceError, check_space
+from extract.fit import LOAD_TIMEOUT, layout_for
 from extract.job import Job
 from extract.outdir import (
     clear_cache,
@@ -19,12 +20,14 @@ from extract.outdir import (
     only_leftovers,
     protected_reason,
 )
+from extract.parallel import Layout, describe_engine, layout_record
 from extract.plan import ExtractError, plan_manifest
 from extract.sources import ACCEPTED_INPUT
 from extract.target import TargetError, write_target_files
 from extract.worker import rank_main
 from shared.cache import missing_or_resized
 from shared.dist import (
+    DEFAULT_TIMEOUT,
     DeviceSpec,
     RankInfo,
     barrier,
@@ -171,13 +174,19 @@ def run(cfg: ExtractConfig, *, started: Callable[[], object] | None = None) -> M
     try:
         spec: DeviceSpec = parse_gpus(cfg.gpus)
         planned, index, estimate = plan_manifest(cfg)
+        layout = layout_for(cfg, spec, planned)
     except (TargetError, ValueError) as e:
         raise ExtractError(str(e)) from None
+    if layout.sharded:  # the resolved layout and what ran it, next to the request
+        planned = dataclasses.replace(
+            planned,
+            config={**planned.config, "parallel": str(layout), "engine": describe_engine(layout)},
+        )
     try:
         with output_lock(cfg.out, "python -m extract", enabled=takes_output_lock()):
             if started is not None:
                 started()
-            manifest = _run_locked(cfg, spec, planned, index, estimate)
+            manifest = _run_locked(cfg, spec, planned, index, estimate, layout)
             if _kept_nothing(manifest):
                 # Committed parts without a single sample: nothing worth keeping or resuming.
                 if takes_output_lock():
@@ -200,6 +209,7 @@ def _run_locked(
     planned: Manifest,
     index: RowIndex,
     estimate: CacheEstimate,
+    layout: Layout,
 ) -> Manifest:
     resume = existing_state(cfg, planned)
     if resume is not None:
@@ -232,6 +242,8 @@ def _run_locked(
         progress_dir=cfg.out / PROGRESS_DIR,
         draw_bar=not spawned,
         verbose=cfg.verbose,
+        layout=layout if layout.sharded else None,
+        layout_record=layout_record(layout) if layout.sharded else None,
         expected_tokens=round(estimate.tokens_per_row * pending_rows),
     )
     log.info(
@@ -248,8 +260,9 @@ def _run_locked(
             "checksums (with --repair it drops damaged ones, and this command then redoes them)",
             cfg.out,
         )
+    timeout = LOAD_TIMEOUT if layout.sharded else DEFAULT_TIMEOUT
     if under_torchrun():
-        launch(_entry, (job, cfg, planned, resume), spec)
+        launch(_entry, (job, cfg, planned, resume), spec, timeout=timeout)
         return read_manifest(cfg.out)
     _init_output(cfg, planned, resume)
     bar = None
@@ -262,7 +275,7 @@ def _run_locked(
             expected_tokens=job.expected_tokens,
         )
     try:
-        launch(rank_main, (job,), spec, monitor=bar.refresh if bar else None)
+        launch(rank_main, (job,), spec, monitor=bar.refresh if bar else None, timeout=timeout)
     finally:
         if bar is not None:
             bar.close()

@@ -188,20 +188,30 @@ def num_decoder_layers(model: nn.Module) -> int:
     return int(layers) if layers is not None else len(decoder_layers(model))
 
 
-def load_target(target: str, *, device: torch.device, last_layer: int) -> nn.Module:
+def load_target(
+    target: str, *, device: torch.device, last_layer: int, sharding: dict | None = None
+) -> nn.Module:
     """Load the causal LM for capture: bf16 on GPU, fp32 on CPU, eval mode, and without the
-    layers after `last_layer` (they would be computed for nothing)."""
+    layers after `last_layer` (they would be computed for nothing). `sharding`: the arguments
+    of transformers' DistributedConfig that shard it over this process group
+    (`extract.parallel.engine_kwargs`); it then places the weights itself."""
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    # device_map loads weights straight onto the GPU (it needs `accelerate`); CPU needs none.
-    placement = {"device_map": str(device)} if device.type == "cuda" else {}
+    if sharding:
+        from transformers.distributed import DistributedConfig
+
+        placement = {"distributed_config": DistributedConfig(**sharding)}
+    else:
+        # device_map loads weights straight onto the GPU (it needs `accelerate`); CPU needs none.
+        placement = {"device_map": str(device)} if device.type == "cuda" else {}
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **placement)
     layer_types = text_config(model.config.to_dict()).get("layer_types")
     notice = linear_attention_notice(layer_types, device.type, fla_installed=_fla_usable())
     if notice is not None:
         log.log(*notice)
-    return truncate(model.eval().requires_grad_(False), last_layer).to(device)
+    model = truncate(model.eval().requires_grad_(False), last_layer)
+    return model if sharding else model.to(device)
 
 
 def linear_attention_notice(

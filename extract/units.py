@@ -36,7 +36,8 @@ def run_units(
         for k in range(len(units)):
             part = ahead.result()
             if stop is not None and stop.requested:
-                part.writer.abort()
+                if part.writer is not None:
+                    part.writer.abort()
                 break
             if k + 1 < len(units):
                 ahead = reader.submit(prepare, units[k + 1])

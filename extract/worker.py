@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 
+import numpy as np
 import torch
 
 from extract.backpressure import describe_end
@@ -15,7 +16,9 @@ from extract.disk import disk_full_message
 from extract.forward_clock import ForwardClock
 from extract.job import Job, writer_threads
 from extract.layouts import choose_layout, compiled_graphs, forward_mode
+from extract.lockstep import LockStep, cpu_group
 from extract.packing import chunk_size
+from extract.parallel import describe_engine, engine_kwargs
 from extract.pipeline import PartPipeline
 from extract.target import load_target
 from extract.units import reader_reading_ahead, run_units
@@ -34,21 +37,38 @@ def rank_main(info: RankInfo, job: Job) -> None:
     if info.device.type == "cpu":
         # Respects OMP_NUM_THREADS; several CPU ranks share the cores.
         torch.set_num_threads(max(1, torch.get_num_threads() // info.world_size))
-    mine = job.units[info.rank :: info.world_size]
+    sharded = job.layout is not None and job.layout.sharded
+    mine, writes = _my_units(info, job)
     tokenizer = AutoTokenizer.from_pretrained(job.target)
     read = reader_reading_ahead(job, tokenizer, mine)
-    model = load_target(job.target, device=info.device, last_layer=max(job.layer_ids))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    compiled, packed = forward_mode(job.compile, job.packing, info.device.type)
-    layout = functools.partial(
-        choose_layout,
-        packed=packed,
-        compile_layers=compiled,
-        chunk_tokens=chunk_size(job.batch_tokens, job.max_length),
-        pad_id=pad,
-        attention=None if job.attention == "auto" else job.attention,
+    model = load_target(
+        job.target,
+        device=info.device,
+        last_layer=max(job.layer_ids),
+        sharding=engine_kwargs(job.layout) if sharded else None,
     )
-    capture = LayerCapture(model, job.layer_ids, pad_id=pad, layout=layout)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if sharded:
+        capture = LayerCapture(model, job.layer_ids, pad_id=pad, sharded=True)
+        if info.is_main:
+            log.info(
+                "--parallel %s: %s; eager padded batches (packed compiled rows are for one "
+                "model per process); %d input groups, each written by its first rank",
+                job.layout,
+                describe_engine(job.layout),
+                job.layout.groups,
+            )
+    else:
+        compiled, packed = forward_mode(job.compile, job.packing, info.device.type)
+        layout = functools.partial(
+            choose_layout,
+            packed=packed,
+            compile_layers=compiled,
+            chunk_tokens=chunk_size(job.batch_tokens, job.max_length),
+            pad_id=pad,
+            attention=None if job.attention == "auto" else job.attention,
+        )
+        capture = LayerCapture(model, job.layer_ids, pad_id=pad, layout=layout)
     log.info("rank %d: the target runs %s", info.rank, capture.layout.describe())
     counters = RankCounters(job.progress_dir, info.rank)
     bar = None
@@ -64,10 +84,18 @@ def rank_main(info: RankInfo, job: Job) -> None:
     threads = writer_threads(job, info)
     clock = ForwardClock(capture.body)  # after LayerCapture's mask probe
     stop = StopRequest().install("finishing the parts in progress, then stopping")
+    lockstep = LockStep(cpu_group(), stop) if sharded else None
     switch_interval = sys.getswitchinterval()
     try:
         pipeline = PartPipeline(
-            job, info.device, capture, threads=threads, counters=counters, clock=clock
+            job,
+            info.device,
+            capture,
+            threads=threads,
+            counters=counters,
+            clock=clock,
+            writes=writes,
+            before_forward=lockstep.before_forward if lockstep is not None else None,
         )
         sys.setswitchinterval(job.switch_interval_s)
         log.info(
@@ -86,8 +114,11 @@ def rank_main(info: RankInfo, job: Job) -> None:
                     mine,
                     read=read,
                     after_part=bar.refresh if bar is not None else None,
-                    stop=stop,
+                    stop=lockstep or stop,
                 )
+                if lockstep is not None:
+                    dummy = [np.full(1, pad, dtype=np.int64)]
+                    lockstep.drain(lambda: capture.run(dummy, device=info.device))
                 if info.device.type == "cuda":
                     torch.cuda.synchronize(info.device)
                 forwards = time.perf_counter() - start
@@ -108,12 +139,30 @@ def rank_main(info: RankInfo, job: Job) -> None:
         stop.restore()
         if bar is not None:
             bar.close()
+    if lockstep is not None:
+        log.info(
+            "rank %d: %d forwards of its own, %d dummy forwards to keep the ranks in step",
+            info.rank,
+            lockstep.forwards,
+            lockstep.dummies,
+        )
     if done < len(mine):
+        signal_name = (lockstep or stop).signal_name
         raise Stopped(
-            f"stopped by {stop.signal_name}: rank {info.rank} committed {done} of its "
+            f"stopped by {signal_name}: rank {info.rank} committed {done} of its "
             f"{len(mine)} parts in this run, and no part was left half-written; rerun the same "
             "command to resume."
         )
+
+
+def _my_units(info: RankInfo, job: Job) -> tuple[tuple[int, ...], bool]:
+    """This rank's units, and whether it writes them: one model per rank takes every
+    world-size-th unit; under a sharded layout each input group takes its share, and only the
+    group's first rank writes (the others run the same forwards for their slices)."""
+    if job.layout is None or not job.layout.sharded:
+        return job.units[info.rank :: info.world_size], True
+    group, writes = job.layout.group(info.rank)
+    return job.units[group :: job.layout.groups], writes
 
 
 def _report_rate(rank: int, tokens: int, seconds: float, forwards: float) -> None:

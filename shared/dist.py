@@ -121,7 +121,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init(rank: int, world: int, local_rank: int, spec: DeviceSpec) -> RankInfo:
+# How long a collective may wait for the other ranks before the process group fails it.
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def _init(
+    rank: int,
+    world: int,
+    local_rank: int,
+    spec: DeviceSpec,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> RankInfo:
     if spec.kind == "cuda":
         device = torch.device("cuda", spec.devices[local_rank])
         torch.cuda.set_device(device)
@@ -129,16 +139,25 @@ def _init(rank: int, world: int, local_rank: int, spec: DeviceSpec) -> RankInfo:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if spec.kind == "cuda" else "gloo"
-        kwargs: dict[str, Any] = {"timeout": datetime.timedelta(minutes=30)}
+        kwargs: dict[str, Any] = {"timeout": timeout}
         if spec.kind == "cuda":
             kwargs["device_id"] = device
         dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
     return RankInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 
-def _spawned(local_rank: int, fn: Callable, spec: DeviceSpec, args: tuple, errors: Any) -> None:
+def _spawned(
+    local_rank: int,
+    fn: Callable,
+    spec: DeviceSpec,
+    args: tuple,
+    errors: Any,
+    timeout: datetime.timedelta,
+) -> None:
     die_with_parent()  # a launcher killed by -9 takes its ranks with it
-    info = _init(local_rank, spec.nprocs, local_rank, spec)
+    if spec.kind == "cuda":  # transformers' distributed loading uses cuda:LOCAL_RANK
+        os.environ["LOCAL_RANK"] = str(spec.devices[local_rank])
+    info = _init(local_rank, spec.nprocs, local_rank, spec, timeout)
     try:
         fn(info, *args)
     except StopRun as e:
@@ -187,19 +206,21 @@ def launch(
     *,
     monitor: Callable[[], None] | None = None,
     monitor_every: float = 0.5,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> None:
     """Run `fn(rank_info, *args)` once per device.
 
     Under torchrun this process is one rank (devices come from LOCAL_RANK; `spec` picks cuda or
     cpu). Otherwise one process runs in place, or N are spawned; while spawned processes run,
     `monitor()` is called in the parent every `monitor_every` seconds (for a progress bar).
-    An exception in any process is re-raised here.
+    `timeout`: the process group's (a collective waiting longer fails). An exception in any
+    process is re-raised here.
     """
     if under_torchrun():
         rank, world, local = torchrun_ranks()
         if spec.kind == "cuda":
             spec = DeviceSpec("cuda", tuple(range(torch.cuda.device_count())))
-        info = _init(rank, world, local, spec)
+        info = _init(rank, world, local, spec, timeout)
         try:
             fn(info, *args)
         finally:
@@ -207,14 +228,14 @@ def launch(
                 dist.destroy_process_group()
         return
     if spec.nprocs == 1:
-        fn(_init(0, 1, 0, spec), *args)
+        fn(_init(0, 1, 0, spec, timeout), *args)
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(_free_port())
     errors = mp.get_context("spawn").SimpleQueue()
     ctx = mp.start_processes(
         _spawned,
-        args=(fn, spec, args, errors),
+        args=(fn, spec, args, errors, timeout),
         nprocs=spec.nprocs,
         join=False,
         start_method="spawn",

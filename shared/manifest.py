@@ -89,6 +89,9 @@ class PartRecord:
     # written on a resume by a version whose codec changed. None: the manifest's (older
     # manifests have no such key). Readers go by each chunk's own frames either way.
     codec: dict[str, Any] | None = None
+    # How the target was laid out over the ranks that made this part where it was sharded
+    # (`tp=2; transformers 5.24.0 ...`); None: one model per process (and no such key).
+    layout: str | None = None
 
     def with_codec(self, codec: dict[str, Any], manifest_codec: dict[str, Any]) -> PartRecord:
         """This record, naming `codec` where it is not the manifest's."""
@@ -106,6 +109,7 @@ class PartRecord:
         name: str,
         unit: int,
         rows: range,
+        layout: str | None = None,
         rows_truncated: int = 0,
         rejected: dict[str, int] | None = None,
         rejected_rows: tuple[RejectedRow, ...] = (),
@@ -125,6 +129,7 @@ class PartRecord:
             stored_rows=stats.stored_rows,
             nbytes=stats.nbytes,
             checksum=stats.checksum,
+            layout=layout,
         )
 
 
@@ -229,9 +234,10 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for part in out["parts"]:  # the key only where a part has its own codec: older
-            if part["codec"] is None:  # versions of this tool read the rest as before
-                del part["codec"]
+        for part in out["parts"]:  # these keys only where set: older versions of this tool
+            for key in ("codec", "layout"):  # read the rest as before
+                if part[key] is None:
+                    del part[key]
         out["totals"] = self.totals()
         return out
 

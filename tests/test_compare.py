@@ -174,6 +174,19 @@ def test_selected_tau_column_when_a_run_has_a_selector(tmp_path):
     assert "selected tau" not in markdown_report([read_run(a)])
 
 
+def test_tau_prob_column_when_a_run_is_dspark(tmp_path):
+    rec = {"kind": "eval", "step": 5, "loss": 1.0, "tau": 1.5, "acc": [0.5, 0.25, 0.1]}
+    a = write_run(tmp_path / "dflash", records=[rec])
+    b = write_run(
+        tmp_path / "dspark", records=[{**rec, "tau_prob": 1.625, "acc": [0.75, 0.5, 0.25, 0.2]}]
+    )
+    report = markdown_report([read_run(a), read_run(b)])
+    header, _, row_a, row_b = report.split("\n\n")[1].splitlines()[:4]
+    assert "| tau | tau_prob | acc@1 | acc@2 | acc@3 | acc@4 |" in header
+    assert "| 1.500 | - | 0.500 |" in row_a and row_a.endswith("| - |")
+    assert "| 1.500 | 1.625 | 0.750 |" in row_b
+
+
 def test_the_plot_draws_training_curves_with_the_eval_points(tmp_path):
     import pytest
 

@@ -13,7 +13,6 @@ from train.data.batch import Batch
 from train.drafters.config import DrafterConfig
 from train.drafters.registry import build_drafter
 from train.loop import Trainer
-from train.noise import noised
 from train.optim import MuonAdamW, build_optimizer, hidden_matrices
 from train.run import prepare as prepare_run
 from train.run import run
@@ -127,15 +126,15 @@ def test_noise_touches_real_tokens_only_and_repeats_per_seed():
     batch = Batch.one_per_row(
         lengths, ids_BS=ids, loss_mask_BS=ids, hidden_BSKH=torch.ones(2, 4, 2, 8)
     )
-    a, b = noised(batch, std=0.1, seed=7), noised(batch, std=0.1, seed=7)
+    a, b = batch.noised(std=0.1, seed=7), batch.noised(std=0.1, seed=7)
     assert torch.equal(a.hidden_BSKH, b.hidden_BSKH)
-    assert not torch.equal(a.hidden_BSKH, noised(batch, std=0.1, seed=8).hidden_BSKH)
+    assert not torch.equal(a.hidden_BSKH, batch.noised(std=0.1, seed=8).hidden_BSKH)
     delta = a.hidden_BSKH - 1
     assert torch.equal(delta[0, 3], torch.zeros(2, 8)) and torch.equal(
         delta[1, 1:], 0 * delta[1, 1:]
     )
     assert delta[0, :3].abs().min() > 0 and 0.05 < delta[0, :3].std() < 0.2
-    assert noised(batch, std=0.0, seed=7) is batch
+    assert batch.noised(std=0.0, seed=7) is batch
 
 
 def make_trainer(cache, out, **kw) -> Trainer:

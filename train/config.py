@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from shared.cli import option
-from train.drafters.config import DFLASH2_FIELDS, DRAFTER_TYPES, LOGIT_FIELDS
+from train.drafters.config import DFLASH2_FIELDS, DRAFTER_TYPES, DSPARK_BLOCK_SIZE, LOGIT_FIELDS
+from train.drafters.dspark_loss import DSPARK_LOSSES
 
 ATTENTIONS = ("flex", "sdpa")
 COMPILE_MODES = ("none", "flex", "model")
@@ -96,8 +97,9 @@ class TrainConfig:
     drafter_type: str = option(
         "dflash",
         choices=DRAFTER_TYPES,
-        help="dflash, or dflash2 (DFlash plus grouped dynamic convolutions and a candidate "
-        "selector; same cache)",
+        help="dflash, dflash2 (DFlash plus grouped dynamic convolutions and a candidate "
+        "selector) or dspark (the anchor slot drafts too, plus a Markov head and a confidence "
+        "head); one cache serves all three",
     )
     drafter_layers: int = option(5, help="number of drafter layers")
     layer_types: str | None = option(
@@ -136,6 +138,24 @@ class TrainConfig:
     selector_stop_grad: bool = option(
         False, help="dflash2: the selector's CE trains the selector only, not the backbone"
     )
+    markov_rank: int = option(256, help="dspark: rank of the Markov head (0: no Markov head)")
+    confidence_head: bool = option(
+        True, help="dspark: train the confidence head (never with --dspark-loss ce)"
+    )
+    confidence_head_with_markov: bool = option(
+        True,
+        help="dspark: the confidence head reads the previous token's Markov embedding beside the "
+        "hidden state (as the released drafters; SGLang refuses false)",
+    )
+    dspark_loss: str = option(
+        "full",
+        choices=DSPARK_LOSSES,
+        help="dspark: full (CE, L1 to the target's distribution and the confidence BCE; the cache "
+        "must hold the target's last layer) or ce (CE alone, no confidence head; any cache)",
+    )
+    dspark_ce_weight: float = option(0.1, help="dspark: weight of the CE term (full loss)")
+    dspark_l1_weight: float = option(0.9, help="dspark: weight of the L1 term (full loss)")
+    dspark_conf_weight: float = option(1.0, help="dspark: weight of the confidence BCE term")
     init_from: Path | None = option(
         None,
         help="warm start: a checkpoint folder (step-N) or an export of a DFlash or DFlash2 "
@@ -161,14 +181,15 @@ class TrainConfig:
         help="MLP intermediate size of the drafter; default the target's (MoE targets: routed "
         "experts per token x moe_intermediate_size + the shared expert's)",
     )
-    block_size: int = option(16, help="tokens per draft block")
+    block_size: int | None = option(None, help="tokens per draft block; default 16 (dspark: 7)")
     num_anchors: int | None = option(
         None,
         help="anchor blocks drawn per micro-batch row; default --batch-tokens / 6, the recipe's "
         "512 per 3072 tokens (fewer candidates: the rest are dropped, weight 0)",
     )
     gamma: float | None = option(
-        None, help="loss decay over block offsets; default 7 for block 16, 4 for block 8"
+        None,
+        help="loss decay over block offsets; default 7 for block 16, 4 for block 8 (dspark: 4)",
     )
     target_layers: str | None = option(
         None,
@@ -279,6 +300,8 @@ class TrainConfig:
         for name in ("log_every", "checkpoint_every", "keep_checkpoints", "prefetch"):
             _check(getattr(self, name) >= 1, name, "must be >= 1")
         _check(self.recompile_limit >= 1, "recompile_limit", "must be >= 1")
+        if self.block_size is None:  # the family's default, fixed at construction
+            object.__setattr__(self, "block_size", self.default_block_size)
         _check(self.block_size >= 2, "block_size", "must be >= 2 (offset 0 is never a target)")
         _check(
             self.max_length is None or self.max_length >= self.block_size,
@@ -286,6 +309,7 @@ class TrainConfig:
             f"must be at least block_size ({self.block_size}): no draft block fits in a shorter "
             "sample",
         )
+        self._check_dspark()
         _check(self.ce_chunk_blocks >= 1, "ce_chunk_blocks", "must be >= 1")
         for name in DFLASH2_FIELDS:
             _check(getattr(self, name) >= 1, name, "must be >= 1")
@@ -343,6 +367,30 @@ class TrainConfig:
         if "sliding_attention" in types and self.sliding_window is None:
             raise ValueError("sliding_window: required when a drafter layer slides")
 
+    def _check_dspark(self) -> None:
+        _check(self.markov_rank >= 0, "markov_rank", "must be >= 0")
+        for name in ("dspark_ce_weight", "dspark_l1_weight", "dspark_conf_weight"):
+            _check(getattr(self, name) >= 0, name, "must be >= 0")
+        if self.drafter_type != "dspark":
+            return
+        _check(
+            self.markov_rank > 0
+            or not self.with_confidence_head
+            or not self.confidence_head_with_markov,
+            "markov_rank",
+            "0 leaves the confidence head without its Markov input: give --no-confidence-head "
+            "(the plain anchor-first drafter) or --no-confidence-head-with-markov",
+        )
+
+    @property
+    def default_block_size(self) -> int:
+        return DSPARK_BLOCK_SIZE if self.drafter_type == "dspark" else 16
+
+    @property
+    def with_confidence_head(self) -> bool:
+        """Whether a DSpark drafter gets a confidence head: asked for, and trainable (full loss)."""
+        return self.confidence_head and self.dspark_loss == "full"
+
     @property
     def anchors_per_row(self) -> int:
         """num_anchors, or the recipe's density: 512 blocks per 3072 context tokens."""
@@ -368,13 +416,3 @@ class TrainConfig:
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name}: {message}")
-
-
-def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(harmful, harmless) field differences between two saved configs, as readable lines."""
-    harmful, harmless = [], []
-    for key in sorted(set(old) | set(new)):
-        if old.get(key) != new.get(key):
-            line = f"{key}: run has {old.get(key)!r}, now {new.get(key)!r}"
-            (harmless if key in HARMLESS_CHANGES else harmful).append(line)
-    return harmful, harmless

@@ -37,6 +37,7 @@ class Evaluator:
         batch_tokens: int,
         max_length: int | None,
         max_batches: int = 0,
+        first: int = 1,
     ) -> None:
         spec = PlanSpec(
             lengths=tuple(tuple(ls) for ls in lengths),
@@ -50,6 +51,7 @@ class Evaluator:
         mine = len(PlanDataset(parts, spec, limits={}, **kw).slices(0)[1][0])
         self.rows = min(mine, max_batches) if max_batches else mine
         self.dataset = PlanDataset(parts, spec, limits={0: self.rows}, **kw)
+        self.first = first  # the first drafting block offset (StatSums)
 
     @classmethod
     def for_run(cls, prep: Any, cfg: Any, *, rank: int, world_size: int) -> Evaluator | None:
@@ -66,6 +68,7 @@ class Evaluator:
             batch_tokens=cfg.batch_tokens,
             max_length=cfg.max_length,
             max_batches=cfg.eval_batches,
+            first=prep.first_draft_slot,
         )
 
     @torch.no_grad()
@@ -80,7 +83,7 @@ class Evaluator:
         **step_kwargs: Any,
     ) -> dict[str, Any]:
         """Metrics summed over every rank (a collective: all ranks call it together)."""
-        sums = StatSums(step_kwargs["block_size"], device)
+        sums = StatSums(step_kwargs["block_size"], device, first=self.first)
         was_training = drafter.training
         drafter.eval()
         loader = make_loader(self.dataset, workers=0, prefetch=1, pin_memory=False)

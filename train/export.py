@@ -1,10 +1,12 @@
-"""Export a trained drafter as the folder SGLang, vLLM and the reference `dflash` package load.
+"""Export a trained drafter as the folder SGLang, vLLM and the reference packages load.
 
 `config.json` is a Qwen3 config with `architectures: ["DFlashDraftModel"]` (or
 `["DFlash2DraftModel"]`, its fields inside `dflash_config`) plus the DFlash fields;
 `model.safetensors` holds exactly `export_keys(cfg)` in bf16 with `export_shapes(cfg)`. No
-embedding, no lm_head, no `auto_map`. SGLang ignores unknown weight names silently (a DFlash2
-selector then degrades to top-1 without an error), so names and shapes are checked both ways.
+embedding, no lm_head, no `auto_map`. A DSpark drafter goes out in DeepSpec's dense format
+instead (train/export_dspark.py: `Qwen3DSparkModel`, its fields at the top level, the target's
+embedding and lm_head shipped). SGLang ignores unknown weight names silently (a DFlash2 selector
+then degrades to top-1 without an error), so names and shapes are checked both ways.
 """
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ from train.drafters.config import (
 )
 from train.drafters.dflash import DFlashDrafter
 from train.drafters.registry import build_drafter
+from train.export_dspark import (
+    HEAD_KEYS,
+    dspark_fields,
+    dspark_hf_config,
+    dspark_keys,
+    dspark_shapes,
+    is_dspark_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +85,14 @@ _SELECTOR_KEYS = tuple(
 
 
 def export_keys(cfg: DrafterConfig) -> tuple[str, ...]:
-    """The exact weight names of an export of `cfg`'s type (DFlash2: 15 L + 6 tensors).
+    """The exact weight names of an export of `cfg`'s type (DFlash2: 15 L + 6 tensors; DSpark:
+    11 L + 5, its heads and the target's embedding and lm_head).
 
     The codebooks have no `.weight` suffix, as in the public DFlash2 checkpoints.
     """
     keys = EXPORT_KEYS(cfg.num_layers)
+    if cfg.drafter_type == "dspark":
+        return (*keys, *dspark_keys(cfg))
     if cfg.drafter_type != "dflash2":
         return keys
     conv = tuple(f"layers.{i}.{key}" for i in range(cfg.num_layers) for key in _CONV_KEYS)
@@ -112,6 +125,8 @@ def export_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     shapes["norm.weight"] = (h,)
     for i in range(cfg.num_layers):
         shapes.update({f"layers.{i}.{key}": shape for key, shape in layer.items()})
+    if cfg.drafter_type == "dspark":
+        shapes.update(dspark_shapes(cfg))
     if cfg.drafter_type == "dflash2":
         r, v = cfg.selector_rank, cfg.vocab_size
         shapes["candidate_selector.hidden_projection.weight"] = (r, h)
@@ -194,16 +209,18 @@ def hf_config(cfg: DrafterConfig) -> dict[str, Any]:
         for name in LOGIT_FIELDS:
             if getattr(cfg, name) is not None:
                 out["dflash_config"][name] = getattr(cfg, name)
-    return out
+    return dspark_hf_config(out, cfg) if cfg.drafter_type == "dspark" else out
 
 
 def config_from_hf(data: dict[str, Any]) -> DrafterConfig:
     """Inverse of `hf_config` (also reads public DFlash configs with the same fields)."""
     dflash = data.get("dflash_config", {})
     dflash2 = "DFlash2DraftModel" in (data.get("architectures") or ())
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"drafter_type": "dflash2" if dflash2 else "dflash"}
+    if is_dspark_config(data):
+        extra = dspark_fields(data)
     if dflash2:
-        extra = {name: int(dflash[name]) for name in DFLASH2_FIELDS if name in dflash}
+        extra.update({name: int(dflash[name]) for name in DFLASH2_FIELDS if name in dflash})
         extra.update({name: float(dflash[name]) for name in LOGIT_FIELDS if name in dflash})
     heads = int(data["num_attention_heads"])
     num_layers = int(data["num_hidden_layers"])
@@ -227,7 +244,6 @@ def config_from_hf(data: dict[str, Any]) -> DrafterConfig:
         layer_types=tuple(data.get("layer_types") or ("full_attention",) * num_layers),
         sliding_window=data.get("sliding_window"),
         is_causal=data.get("is_causal"),
-        drafter_type="dflash2" if dflash2 else "dflash",
         **extra,
     )
 
@@ -258,19 +274,32 @@ def sort_target_layers(
     return state, new_cfg
 
 
-def export_drafter(drafter: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Path) -> Path:
+def export_drafter(
+    drafter: DFlashDrafter,
+    cfg: DrafterConfig,
+    out_dir: str | Path,
+    *,
+    heads: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> Path:
     """Write config.json and bf16 model.safetensors into `out_dir` atomically; return it.
 
-    Target layer ids are written ascending (`sort_target_layers`). The files are written into a
-    temporary sibling folder that is renamed to `out_dir` (an existing `out_dir` is replaced), so
-    readers never see a half-written export.
+    Target layer ids are written ascending (`sort_target_layers`). `heads`: the target's
+    (embedding, lm_head), which a DSpark export ships. The files are written into a temporary
+    sibling folder that is renamed to `out_dir` (an existing `out_dir` is replaced), so readers
+    never see a half-written export.
     """
     out = Path(out_dir)
-    state = drafter.state_dict()
+    state = dict(drafter.state_dict())
+    if cfg.drafter_type == "dspark":
+        if heads is None:
+            raise ValueError("a DSpark export ships the target's embedding and lm_head: give heads")
+        state.update(zip(HEAD_KEYS, heads, strict=True))
     check_tensors(state, cfg)
     state, cfg = sort_target_layers(state, cfg)
+    # clone: tied heads are one tensor, and safetensors refuses two names for one storage
     tensors = {
-        key: state[key].detach().to("cpu", torch.bfloat16).contiguous() for key in export_keys(cfg)
+        key: state[key].detach().to("cpu", torch.bfloat16).clone().contiguous()
+        for key in export_keys(cfg)
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -288,13 +317,19 @@ def export_drafter(drafter: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Pa
     return out
 
 
-def export_if_room(drafter: DFlashDrafter, cfg: DrafterConfig, out_dir: str | Path) -> str:
+def export_if_room(
+    drafter: DFlashDrafter,
+    cfg: DrafterConfig,
+    out_dir: str | Path,
+    *,
+    heads: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> str:
     """Export when the last checkpoint did not fit on the disk: the export (bf16 weights, no
     optimizer state) is several times smaller. Returns a sentence saying whether it was
     written; raises any error that is not a full disk."""
     need = sum(2 * p.nelement() for p in drafter.state_dict().values()) + (1 << 20)
     try:
-        out = export_drafter(drafter, cfg, out_dir)
+        out = export_drafter(drafter, cfg, out_dir, heads=heads)
     except (OSError, SafetensorError) as e:
         if not is_disk_full(e, Path(out_dir).parent, need):
             raise
@@ -314,25 +349,39 @@ def load_export(export_dir: str | Path) -> tuple[DFlashDrafter, DrafterConfig]:
     tensors = load_file(str(folder / WEIGHTS_FILE))
     check_tensors(tensors, cfg)
     drafter = build_drafter(cfg)
-    drafter.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+    own = {k: v.float() for k, v in tensors.items() if k not in HEAD_KEYS}
+    drafter.load_state_dict(own, strict=True)
     return drafter, cfg
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("checkpoint", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.argument("out_dir", type=click.Path(path_type=Path))
-def main(checkpoint: Path, out_dir: Path) -> None:
-    """Export the drafter of CHECKPOINT (a `runs/NAME/checkpoints/step-N` folder) to OUT_DIR in
-    the format SGLang, vLLM and the reference `dflash` package load."""
+@click.option(
+    "--cache",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    default=None,
+    help="DSpark: the cache whose target embedding and lm_head the export ships; default the "
+    "cache the checkpoint was trained on",
+)
+def main(checkpoint: Path, out_dir: Path, cache: Path | None) -> None:
+    """Export the drafter of CHECKPOINT (a `runs/NAME/checkpoints/step-N` folder) of any family
+    (DFlash, DFlash2, DSpark) to OUT_DIR in the format the serving engines load."""
     from shared.logs import setup_logging
-    from train.checkpoint import load_drafter
+    from shared.target_files import load_heads
+    from train.checkpoint import load_drafter, load_state
 
     setup_logging()
     try:
         drafter, cfg = load_drafter(checkpoint)
-    except (ValueError, FileNotFoundError) as e:
+        heads = None
+        if cfg.drafter_type == "dspark":
+            cache = cache or Path(load_state(checkpoint)["config"]["data"])
+            heads = load_heads(cache)
+        out = export_drafter(drafter, cfg, out_dir, heads=heads)
+    except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"exported to {export_drafter(drafter, cfg, out_dir)}")
+    click.echo(f"exported to {out}")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from train.data.feed import DeviceFeed
 from train.data.loader import LoaderState, PlanDataset, checked, make_loader
 from train.data.plan import PlanSpec, epoch_lengths
 from train.drafters.dflash2_loss import selector_loss
+from train.drafters.dspark_loss import dspark_loss
 from train.drafters.mask import flex_kernel_options
 from train.drafters.registry import build_drafter, init_weights
 from train.evaluate import Evaluator
@@ -49,7 +50,6 @@ from train.export import export_drafter, export_if_room
 from train.finite import FiniteGuard
 from train.following import Following
 from train.metrics import MetricsWriter, StatSums, train_record
-from train.noise import noised
 from train.optim import build_optimizer
 from train.prepared import Prepared
 from train.schedule import warmup_cosine
@@ -131,10 +131,11 @@ class Trainer:
             compile_masks=cfg.compile == "flex" and self.device.type == "cuda",
             ce=cfg.ce,
             compile_ce=cfg.compile == "model",
+            dspark=dspark_loss(cfg),
             # Fewer blocks when a row has fewer candidates changes shapes: only uncompiled.
             trim_anchors=self.device.type == "cpu" and cfg.compile == "none",
         )
-        self.sums = StatSums(cfg.block_size, self.device)
+        self.sums = StatSums(cfg.block_size, self.device, first=prep.first_draft_slot)
         self.guard = FiniteGuard(
             self.device, every=cfg.log_every, total=self.total, data=cfg.data, out=cfg.out
         )
@@ -311,8 +312,7 @@ class Trainer:
 
     def _take(self) -> tuple[dict[str, Any], Batch]:
         item, batch = self.feed.take()
-        if self.cfg.noise_std > 0:  # training steps only: evaluation reads its own batches
-            batch = noised(batch, std=self.cfg.noise_std, seed=item["anchor_seed"])
+        batch = batch.noised(std=self.cfg.noise_std, seed=item["anchor_seed"])  # training only
         if item["epoch"] != self.loader_state.epoch:
             raise RuntimeError(
                 f"loader out of step: got epoch {item['epoch']}, expected {self.loader_state.epoch}"
@@ -329,7 +329,6 @@ class Trainer:
         weight_local = torch.zeros((), dtype=torch.float32, device=self.device)
         for i in range(accum):
             item, batch = self._take()
-            gen = torch.Generator().manual_seed(item["anchor_seed"])
             sync = net.no_sync() if ddp and i < accum - 1 else contextlib.nullcontext()
             with sync:
                 with self.autocast():
@@ -338,7 +337,7 @@ class Trainer:
                         self.embed_VH,
                         self.lm_head_VH,
                         batch,
-                        generator=gen,
+                        generator=torch.Generator().manual_seed(item["anchor_seed"]),
                         grad_ckpt=self.cfg.grad_ckpt,
                         selector=selector_loss(self.cfg, self.step, self.total),
                         **self.step_kwargs,
@@ -407,14 +406,15 @@ class Trainer:
     def _finish(self) -> None:
         if self.follow is not None:
             self.follow.say_unfinished(self.step)
+        heads, out = (self.embed_VH, self.lm_head_VH), self.cfg.out / EXPORT_DIR
         if self.step > 0:
             try:
                 self.save()
             except DiskFull as e:  # the export is smaller: written where it fits
-                done = export_if_room(self.model, self.prep.drafter, self.cfg.out / EXPORT_DIR)
+                done = export_if_room(self.model, self.prep.drafter, out, heads=heads)
                 raise DiskFull(f"{e} {done}") from None
         self.evaluate()
         if self.info.is_main:
-            export_drafter(self.model, self.prep.drafter, self.cfg.out / EXPORT_DIR)
+            export_drafter(self.model, self.prep.drafter, out, heads=heads)
         self.writer.close()
         barrier()

@@ -19,6 +19,7 @@ import torch
 from shared.dist import all_reduce_sum
 from shared.fsio import atomic_write_text
 from train.compiling import compiled_graphs
+from train.drafters.dspark_metrics import CALIBRATION_SIZE, auc, ece
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +28,11 @@ PLOTS_DIR = "plots"
 
 
 class StatSums:
-    """Running sums of a window of micro-batches: loss terms, per-offset counts, tau terms."""
+    """Running sums of a window of micro-batches: loss terms, per-offset counts, tau terms.
+    `first`: the first block offset that drafts (1; 0 for DSpark, whose anchor slot drafts)."""
 
-    def __init__(self, block_size: int, device: torch.device) -> None:
-        self.block_size, self.device = block_size, device
+    def __init__(self, block_size: int, device: torch.device, *, first: int = 1) -> None:
+        self.block_size, self.device, self.first = block_size, device, first
         # [weighted_sum, weight_total, accepted_sum, num_blocks, tokens, grad_norm, steps]
         self.scalars = torch.zeros(7, dtype=torch.float64, device=device)
         self.correct = torch.zeros(block_size, dtype=torch.float64, device=device)
@@ -39,6 +41,11 @@ class StatSums:
         # [micro-batches with a selector, selected accepted_sum, ce_base_sum, selector_ce_sum,
         #  selector_weight, selected correct per offset x block_size]
         self.selected = torch.zeros(5 + block_size, dtype=torch.float64, device=device)
+        # DSpark's (zero for the others): [micro-batches with a target's distribution, ce_sum,
+        #  l1_sum, conf_sum, accepted_prob_sum, L1 per slot x block_size, calibration sums]
+        self.dspark = torch.zeros(
+            5 + block_size + CALIBRATION_SIZE, dtype=torch.float64, device=device
+        )
 
     def add(
         self,
@@ -61,6 +68,11 @@ class StatSums:
             self.selected[0] += 1
             self.selected[1:5] += torch.stack([stats[k].double() for k in keys])
             self.selected[5:] += stats["selected_correct_per_offset"].double()
+        if "l1_per_slot" in stats:
+            keys = ("has_target", "ce_sum", "l1_sum", "conf_sum", "accepted_prob_sum")
+            self.dspark[:5] += torch.stack([stats[k].detach().double() for k in keys])
+            self.dspark[5 : 5 + self.block_size] += stats["l1_per_slot"].double()
+            self.dspark[5 + self.block_size :] += stats["calibration"].double()
 
     def add_step(self, grad_norm: torch.Tensor) -> None:
         self.scalars[5] += grad_norm.detach().double()
@@ -68,13 +80,44 @@ class StatSums:
 
     def reduce(self) -> dict[str, Any]:
         """Sum over ranks, copy to the host, summarise, reset. Every rank must call it."""
-        packed = all_reduce_sum(torch.cat([self.scalars, self.correct, self.count, self.selected]))
-        values = packed.tolist()
-        self.scalars.zero_(), self.correct.zero_(), self.count.zero_(), self.selected.zero_()
-        return summarise(values, self.block_size)
+        parts = [self.scalars, self.correct, self.count, self.selected, self.dspark]
+        values = all_reduce_sum(torch.cat(parts)).tolist()
+        for part in parts:
+            part.zero_()
+        size = 7 + 2 * self.block_size + 5 + self.block_size
+        return {
+            **summarise(values[:size], self.block_size, first=self.first),
+            **summarise_dspark(values[size:], values, self.block_size),
+        }
 
 
 SELECTOR_KEYS = ("selected_tau", "selected_acc", "ce_base", "selector_ce", "selector_coverage")
+DSPARK_KEYS = ("ce", "l1", "conf", "accept_prob", "tau_prob", "conf_ece", "conf_auc")
+# The family-specific keys a metrics record carries beside loss, tau and acc.
+EXTRA_KEYS = SELECTOR_KEYS + DSPARK_KEYS
+
+
+def summarise_dspark(sums: list[float], values: list[float], block_size: int) -> dict[str, Any]:
+    """DSpark's terms (each a mean over the weight), the acceptance probability 1 - L1/2 per
+    slot, tau_prob, and the confidence calibration (`train.drafters.dspark_metrics`); only the
+    CE without the target's distribution (`--dspark-loss ce`); {} for the other families."""
+    wt, blocks = values[1], values[3]
+    count = values[7 + block_size : 7 + 2 * block_size]
+    if wt <= 0 or not any(count[:1]):
+        return {}
+    has_target, ce, l1, conf, accepted = sums[:5]
+    out: dict[str, Any] = {"ce": ce / wt}
+    if has_target <= 0:
+        return out
+    l1_slots, calibration = sums[5 : 5 + block_size], sums[5 + block_size :]
+    out["l1"], out["conf"] = l1 / wt, conf / wt
+    out["accept_prob"] = [
+        1.0 - 0.5 * s / n if n > 0 else math.nan for s, n in zip(l1_slots, count, strict=True)
+    ]
+    out["tau_prob"] = 1.0 + accepted / blocks if blocks > 0 else math.nan
+    if any(calibration):
+        out["conf_ece"], out["conf_auc"] = ece(calibration), auc(calibration)
+    return out
 
 
 def _summarise_selected(values: list[float], block_size: int) -> dict[str, Any]:
@@ -98,17 +141,17 @@ def _summarise_selected(values: list[float], block_size: int) -> dict[str, Any]:
     }
 
 
-def summarise(values: list[float], block_size: int) -> dict[str, Any]:
-    """Loss, tau and accuracy per block offset (1..B-1) from packed sums (see StatSums); with a
-    DFlash2 selector also SELECTOR_KEYS."""
+def summarise(values: list[float], block_size: int, *, first: int = 1) -> dict[str, Any]:
+    """Loss, tau and accuracy per drafting block offset (`first`..B-1: the k-th draft at
+    index k - 1) from packed sums (see StatSums); with a DFlash2 selector also SELECTOR_KEYS."""
     ws, wt, accepted, blocks, tokens, gnorm, steps = values[:7]
-    correct = values[7 : 7 + block_size]
-    count = values[7 + block_size : 7 + 2 * block_size]
+    correct = values[7 : 7 + block_size][first:]
+    count = values[7 + block_size : 7 + 2 * block_size][first:]
     return {
         **_summarise_selected(values, block_size),
         "loss": ws / wt if wt > 0 else math.nan,
         "tau": 1.0 + accepted / blocks if blocks > 0 else math.nan,
-        "acc": [c / n if n > 0 else math.nan for c, n in zip(correct[1:], count[1:], strict=True)],
+        "acc": [c / n if n > 0 else math.nan for c, n in zip(correct, count, strict=True)],
         "tokens": tokens,
         "grad_norm": gnorm / steps if steps > 0 else math.nan,
         "steps": int(steps),
@@ -140,7 +183,7 @@ def train_record(
         "step_ms": 1e3 * elapsed / max(summary["steps"], 1),
         "data_wait": waited / elapsed,
         "compiled_graphs": compiled_graphs(),
-        **{key: summary[key] for key in SELECTOR_KEYS if key in summary},
+        **{key: summary[key] for key in EXTRA_KEYS if key in summary},
     }
     if device.type == "cuda":
         record["peak_gpu_gb"] = torch.cuda.max_memory_allocated(device) / 1e9

@@ -33,5 +33,10 @@ class Prepared:
     follow: FollowPlan | None = None  # set when the run follows a running extraction
 
     @property
+    def first_draft_slot(self) -> int:
+        """The first block offset that drafts: 0 when the anchor's slot predicts (DSpark)."""
+        return 0 if self.drafter.anchor_predicts else 1
+
+    @property
     def num_eval(self) -> int:
         return sum(1 for ls in self.eval_lengths for n in ls if n > 0)

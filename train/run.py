@@ -152,9 +152,10 @@ def prepare(
     cfg = resolve_devices(cfg, device_kind)
     repair = repair_commands(cfg.data, manifest)
     problems = [f"{p}: {repair}" for p in target_problems(cfg.data, manifest.target_files)]
-    wanted = ascending_layers(cfg.target_layer_ids or tuple(manifest.layer_ids))
+    wanted = ascending_layers(cfg.target_layer_ids or default_taps(cfg, manifest))
     if manifest.target.num_layers - 1 in wanted:
         log.warning(LAST_LAYER_WARNING, manifest.target.num_layers - 1)
+    read = wanted + last_layer(cfg, manifest, problems)
     drafter, hidden = _drafter_config(cfg, manifest, wanted, problems)
     embed_rows = _embedding_rows(cfg.data, manifest, problems)
     try:
@@ -190,7 +191,7 @@ def prepare(
         )
     else:
         train_lengths, eval_lengths = holdout(cfg, view)
-    gamma = cfg.gamma or default_gamma(cfg.block_size)
+    gamma = cfg.gamma or default_gamma(cfg.block_size, anchor_predicts=drafter.anchor_predicts)
     cfg = cfg.replace(
         target_layers=",".join(map(str, wanted)),
         layer_types=",".join(drafter.layer_types),
@@ -206,11 +207,40 @@ def prepare(
         parts=tuple(parts),
         train_lengths=train_lengths,
         eval_lengths=eval_lengths,
-        layers=layer_positions(manifest.layer_ids, wanted),
+        layers=layer_positions(manifest.layer_ids, read),
         gamma=gamma,
         follow=None if view is None else FollowPlan(view, 0, manifest.identity()),
     )
     return cfg, prep
+
+
+def default_taps(cfg: TrainConfig, manifest: Manifest) -> tuple[int, ...]:
+    """Without --target-layers: every cached layer; for DSpark every one but the target's last,
+    which it reads as the target's own distribution (and engines cannot feed as a tap)."""
+    cached, last = tuple(manifest.layer_ids), manifest.target.num_layers - 1
+    taps = tuple(i for i in cached if i != last)
+    if cfg.drafter_type != "dspark" or not taps or taps == cached:
+        return cached
+    log.info("dspark: taps %s (the cached layers but the last, %d)", list(taps), last)
+    return taps
+
+
+def last_layer(cfg: TrainConfig, manifest: Manifest, problems: list[str]) -> tuple[int, ...]:
+    """(the target's last layer,) when a DSpark run reads it (`--dspark-loss full`), else ();
+    a cache without it is a problem naming the extract flag that adds it."""
+    if cfg.drafter_type != "dspark" or cfg.dspark_loss != "full":
+        return ()
+    last, cached = manifest.target.num_layers - 1, list(manifest.layer_ids)
+    if last in cached:
+        return (last,)
+    problems.append(
+        f"--drafter-type dspark trains its L1 and confidence terms on the target's last hidden "
+        f"state (layer {last}, after the final norm), which this cache lacks (cached layers "
+        f"{cached}): extract it again adding layer {last}, `python -m extract --layers "
+        f"{','.join(map(str, sorted({*cached, last})))} ...`, or train with `--dspark-loss ce` "
+        "(CE alone, no confidence head)"
+    )
+    return ()
 
 
 def eval_sample_count(fraction: float, num_samples: int) -> int:
@@ -294,7 +324,7 @@ def _drafter_config(
             unused_token=unused_special_token(cfg.data),
             drafter_type=cfg.drafter_type,
             is_causal=cfg.causal,
-            **dflash2_fields(cfg),
+            **family_fields(cfg),
         )
     except (ValueError, KeyError) as e:
         problems.append(f"drafter config: {e}")
@@ -302,12 +332,21 @@ def _drafter_config(
     return drafter, hidden
 
 
-def dflash2_fields(cfg: TrainConfig) -> dict[str, int | float]:
-    """The DFlash2 fields of the drafter config (none for a DFlash drafter); the logit
-    transform only where given (else the target's, see `target_logit_transform`)."""
+def family_fields(cfg: TrainConfig) -> dict[str, int | float | bool]:
+    """The drafter config's fields of `cfg`'s family (none for a DFlash drafter). DFlash2: its
+    sizes and the logit transform only where given (else the target's, see
+    `target_logit_transform`). DSpark: its heads (a confidence head only with the full loss)
+    and the anchors per row, which its export records."""
+    if cfg.drafter_type == "dspark":
+        return {
+            "markov_rank": cfg.markov_rank,
+            "enable_confidence_head": cfg.with_confidence_head,
+            "confidence_head_with_markov": cfg.confidence_head_with_markov,
+            "num_anchors": cfg.anchors_per_row,
+        }
     if cfg.drafter_type != "dflash2":
         return {}
-    fields: dict[str, int | float] = {name: getattr(cfg, name) for name in DFLASH2_FIELDS}
+    fields: dict[str, int | float | bool] = {name: getattr(cfg, name) for name in DFLASH2_FIELDS}
     for name in LOGIT_FIELDS:
         if getattr(cfg, name) is not None:
             fields[name] = getattr(cfg, name)

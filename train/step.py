@@ -14,6 +14,7 @@ from train.data.batch import Batch
 from train.drafters.anchors import (
     block_inputs,
     block_positions,
+    block_rows,
     block_targets,
     context_starts,
     loss_weights,
@@ -21,6 +22,7 @@ from train.drafters.anchors import (
 )
 from train.drafters.dflash import DFlashDrafter
 from train.drafters.dflash2_loss import SelectorLoss, selector_step_terms
+from train.drafters.dspark_loss import DSparkLoss, dspark_step_terms
 from train.drafters.loss import acceptance_stats, chunked_ce, fused_chunked_ce
 from train.drafters.mask import build_masks
 
@@ -93,6 +95,7 @@ def anchored_loss(
     ce: str = "fused",
     compile_ce: bool = False,
     selector: SelectorLoss | None = None,
+    dspark: DSparkLoss | None = None,
 ) -> StepOut:
     """The training forward of one micro-batch for given anchors (a pure function of them).
 
@@ -102,7 +105,9 @@ def anchored_loss(
     `ce="fused"` forms each CE chunk's hidden-gradient in the forward
     (`train.drafters.loss.fused_chunked_ce`): no logits are kept or recomputed, whatever
     `grad_ckpt`; `compile_ce` runs its chunk body through torch.compile. `selector`: this step's
-    selector-loss weight and stop-gradient (DFlash2 drafters only; default alpha 1). `compile_masks`
+    selector-loss weight and stop-gradient (DFlash2 drafters only; default alpha 1). `dspark`: the
+    DSpark objective's weights and mode (DSpark drafters only; in mode "full" the batch holds the
+    target's last hidden state as its last layer, after the taps). `compile_masks`
     builds flex BlockMasks with the compiled create_block_mask. Measured on an H200 (Qwen3-8B shape,
     S 3072, 512 blocks of 16, flex): steady step 221 ms compiled vs 224 ms eager, but the first step
     210 s vs 13 s (compiling the mask for the second layer type alone took 215 s), so it is off by
@@ -118,6 +123,10 @@ def anchored_loss(
     if block_size != cfg.block_size:
         raise ValueError(f"block_size {block_size} differs from the drafter's {cfg.block_size}")
     ids_BS, loss_mask_BS, doc_ids_BS = batch.ids_BS, batch.loss_mask_BS, batch.doc_ids_BS
+    dspark = dspark or DSparkLoss()
+    last_BSH = None
+    if cfg.drafter_type == "dspark" and dspark.mode == "full":
+        batch, last_BSH = batch.split_last()
     with torch.no_grad():
         block_ids_BQ = block_inputs(
             ids_BS, anchors_BN, block_size=block_size, mask_token_id=mask_token_id
@@ -144,11 +153,26 @@ def anchored_loss(
         attention=attention,
         checkpoint_layers=grad_ckpt == "layers",
     )
-    targets_BQ = block_targets(ids_BS, anchors_BN, block_size=block_size)
+    # DSpark: slot k predicts x[a + k + 1], and counts only after every slot before it counts.
+    shift = int(cfg.anchor_predicts)
+    targets_BQ = block_targets(ids_BS, anchors_BN, block_size=block_size, shift=shift)
     w_BQ = loss_weights(
-        loss_mask_BS, doc_ids_BS, anchors_BN, keep_BN, block_size=block_size, gamma=gamma
-    )
+        loss_mask_BS, doc_ids_BS, anchors_BN, keep_BN, block_size=block_size, gamma=gamma,
+        shift=shift, cumulative=cfg.anchor_predicts,
+    )  # fmt: skip
     chunk_rows = ce_chunk_blocks * block_size
+    if cfg.drafter_type == "dspark":
+        last_BQH = None
+        if last_BSH is not None:  # the target's last state at rows a + k: its prediction of a+k+1
+            rows_BQ = block_rows(anchors_BN, block_size=block_size).clamp(max=ids_BS.shape[1] - 1)
+            last_BQH = last_BSH.gather(1, rows_BQ[..., None].expand(-1, -1, last_BSH.shape[-1]))
+        weighted_sum, weight_total, stats = dspark_step_terms(
+            _unwrap(drafter), hidden_BQH, lm_head_weight_VH, targets_BQ,
+            block_targets(ids_BS, anchors_BN, block_size=block_size), last_BQH, w_BQ, keep_BN,
+            chunk_rows=chunk_rows, checkpoint=grad_ckpt != "none", fused=ce == "fused",
+            compiled=compile_ce, options=dspark,
+        )  # fmt: skip
+        return StepOut(weighted_sum=weighted_sum, weight_total=weight_total, stats=stats)
     if cfg.drafter_type == "dflash2":  # CE_base plus the candidate selector's CE
         weighted_sum, weight_total, stats = selector_step_terms(
             hidden_BQH, lm_head_weight_VH, targets_BQ, w_BQ, keep_BN,

@@ -3,9 +3,11 @@
 A row of S context tokens holds whole samples back to back (`doc_ids` numbers them, -1 on
 padding; `positions` restart at 0 at each sample). A block j starts at anchor a = anchors[b, j]
 (a row index). Its query at offset k (0..block_size-1) sits at row a + k, RoPE position
-positions[a] + k, and predicts token x[a + k] (same position, no shift) when a + k is still in
-a's sample; offset 0 holds the known token x[a] and is never a target. Block tensors are laid out
-[B, Q] with Q = N * block_size, block j occupying columns j*block_size .. (j+1)*block_size - 1.
+positions[a] + k, and predicts token x[a + k + shift] when that row is still in a's sample. DFlash
+(shift 0): the same position, offset 0 holds the known token x[a] and is never a target. DSpark
+(shift 1): the next token, so offset 0 (the anchor's slot) predicts x[a + 1] too. Block tensors
+are laid out [B, Q] with Q = N * block_size, block j occupying columns j*block_size ..
+(j+1)*block_size - 1.
 Every function here treats a packed row exactly as its samples one by one.
 """
 
@@ -134,15 +136,18 @@ def block_inputs(
 
 
 def block_targets(
-    ids_BS: torch.Tensor, anchors_BN: torch.Tensor, *, block_size: int
+    ids_BS: torch.Tensor, anchors_BN: torch.Tensor, *, block_size: int, shift: int = 0
 ) -> torch.Tensor:
-    """Targets [B, Q]: x[a + k] at query offset k. Past the end: the last id (weight 0 there).
+    """Targets [B, Q]: x[a + k + shift] at query offset k. Past the end: the last id (weight 0
+    there). With shift 0 these are also DSpark's teacher-forced previous tokens (x[a + k]).
 
     >>> block_targets(torch.tensor([[10, 11, 12, 13]]), torch.tensor([[1, 2]]), block_size=3)
     tensor([[11, 12, 13, 12, 13, 13]])
+    >>> block_targets(torch.tensor([[10, 11, 12, 13]]), torch.tensor([[1]]), block_size=3, shift=1)
+    tensor([[12, 13, 13]])
     """
-    pos_BQ = block_rows(anchors_BN, block_size=block_size).clamp(max=ids_BS.shape[1] - 1)
-    return ids_BS.gather(1, pos_BQ)
+    pos_BQ = block_rows(anchors_BN + shift, block_size=block_size)
+    return ids_BS.gather(1, pos_BQ.clamp(max=ids_BS.shape[1] - 1))
 
 
 def loss_weights(
@@ -153,38 +158,57 @@ def loss_weights(
     *,
     block_size: int,
     gamma: float,
+    shift: int = 0,
+    cumulative: bool = False,
 ) -> torch.Tensor:
-    """w[b, j*block_size + k] = keep * [a+k in a's sample] * [k > 0] * loss_mask[a+k] *
-    exp(-(k-1)/gamma). Float32 [B, Q].
+    """w[b, j*block_size + k] = keep * [t in a's sample] * loss_mask[t] * [k + shift > 0] *
+    exp(-(k + shift - 1)/gamma) with t = a + k + shift, the row of the slot's target. Float32
+    [B, Q]. `cumulative` (DSpark): a slot counts only where every earlier slot of its block
+    counts (its targets are in range and supervised), as acceptance stops at the first miss.
 
     >>> w = loss_weights(torch.tensor([[1, 1, 1, 1]]), torch.tensor([[0, 0, 0, 1]]),
     ...                  torch.tensor([[0]]), torch.tensor([[True]]), block_size=4, gamma=1.0)
     >>> [round(x, 4) for x in w[0].tolist()]
     [0.0, 1.0, 0.3679, 0.0]
+    >>> w = loss_weights(torch.tensor([[1, 1, 0, 1, 1]]), torch.tensor([[0, 0, 0, 0, 0]]),
+    ...                  torch.tensor([[0]]), torch.tensor([[True]]), block_size=4, gamma=1.0,
+    ...                  shift=1, cumulative=True)
+    >>> [round(x, 4) for x in w[0].tolist()]
+    [1.0, 0.0, 0.0, 0.0]
     """
     seq = loss_mask_BS.shape[1]
     k_K = _offsets(block_size, anchors_BN.device)
-    pos_BNK = anchors_BN[..., None] + k_K
+    pos_BNK = anchors_BN[..., None] + k_K + shift
     idx_BQ = pos_BNK.clamp(max=seq - 1).flatten(1)
     doc_BN = doc_ids_BS.gather(1, anchors_BN)
     same_doc_BNK = (doc_ids_BS.gather(1, idx_BQ).view_as(pos_BNK) == doc_BN[..., None]) & (
         pos_BNK < seq
     )
-    supervised_BNK = loss_mask_BS.gather(1, idx_BQ).view_as(pos_BNK)
-    decay_K = torch.exp(-(k_K.float() - 1.0) / gamma) * (k_K > 0)
-    w_BNK = keep_BN[..., None] * same_doc_BNK * supervised_BNK.bool() * decay_K
+    supervised_BNK = loss_mask_BS.gather(1, idx_BQ).view_as(pos_BNK).bool()
+    counts_BNK = same_doc_BNK & supervised_BNK
+    if cumulative:
+        counts_BNK = counts_BNK.long().cumprod(dim=-1).bool()
+    decay_K = torch.exp(-(k_K.float() + shift - 1.0) / gamma) * (k_K + shift > 0)
+    w_BNK = keep_BN[..., None] * counts_BNK * decay_K
     return w_BNK.float().flatten(1)
 
 
-def default_gamma(block_size: int) -> float:
-    """Loss decay gamma for a block size: 7 for 16, 4 for 8 (the published settings).
+# DSpark's slot weights are exp(-k / 4) whatever the block (DeepSpec's constant).
+DSPARK_GAMMA = 4.0
+
+
+def default_gamma(block_size: int, *, anchor_predicts: bool = False) -> float:
+    """Loss decay gamma for a block size: 7 for 16, 4 for 8 (the published settings); 4 for any
+    DSpark block (`anchor_predicts`).
 
     Other sizes scale linearly with the block, rounded half up, at least 1:
     gamma = max(1, floor(7 * block_size / 16 + 0.5)).
 
-    >>> [default_gamma(b) for b in (4, 8, 10, 16, 32)]
-    [2.0, 4.0, 4.0, 7.0, 14.0]
+    >>> [default_gamma(b) for b in (4, 8, 10, 16, 32)], default_gamma(16, anchor_predicts=True)
+    ([2.0, 4.0, 4.0, 7.0, 14.0], 4.0)
     """
     if block_size < 2:
         raise ValueError(f"block_size must be >= 2, got {block_size}")
+    if anchor_predicts:
+        return DSPARK_GAMMA
     return float(max(1, math.floor(7 * block_size / 16 + 0.5)))

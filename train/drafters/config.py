@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-DRAFTER_TYPES = ("dflash", "dflash2")
+DRAFTER_TYPES = ("dflash", "dflash2", "dspark")
 # Published DFlash2 drafters: every layer slides over 2048 keys, non-causal inside the block.
 DFLASH2_SLIDING_WINDOW = 2048
 SUPPORTED_ROPE_TYPES = ("default", "linear")
@@ -37,6 +37,10 @@ _POSITIVE_FIELDS = (
 # The DFlash2 fields of a drafter config, and its logit transform (set only when used).
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 LOGIT_FIELDS = ("output_multiplier", "final_logit_softcapping")
+# The DSpark fields (DSPARK.md): Markov head rank (0: none), the confidence head and its input.
+DSPARK_FIELDS = ("markov_rank", "enable_confidence_head", "confidence_head_with_markov")
+# DSpark's released block (B drafts per block, the anchor slot predicting).
+DSPARK_BLOCK_SIZE = 7
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,13 @@ class DrafterConfig:
     # Set only when the target transforms its own logits (scale, then tanh softcap).
     output_multiplier: float | None = None
     final_logit_softcapping: float | None = None
+    # DSpark only (DSPARK.md): the Markov head's rank (0: no head), the confidence head, and
+    # whether it reads the Markov embedding of the previous token beside the hidden state.
+    markov_rank: int = 256
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    # Anchors per sequence the drafter was trained with: DSpark's export records it.
+    num_anchors: int = 512
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
@@ -121,6 +132,32 @@ class DrafterConfig:
             raise ValueError(f"selector_top_k {self.selector_top_k} exceeds the vocabulary")
         if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
             raise ValueError("final_logit_softcapping must be positive when set")
+        if self.drafter_type == "dspark" and (
+            set(self.layer_types) != {"full_attention"} or self.is_causal
+        ):
+            raise ValueError(
+                "layer_types: DSpark's layers are all full_attention, non-causal inside the block "
+                f"(its export has no window nor causality field), got {self.layer_types}, "
+                f"is_causal {self.is_causal}"
+            )
+        if self.markov_rank < 0 or self.num_anchors < 1:
+            raise ValueError("markov_rank must be >= 0 and num_anchors >= 1")
+        if (
+            self.drafter_type == "dspark"
+            and self.enable_confidence_head
+            and self.confidence_head_with_markov
+            and not self.markov_rank
+        ):
+            raise ValueError(
+                "confidence_head_with_markov needs a Markov head (markov_rank > 0): give "
+                "markov_rank > 0, no confidence head, or confidence_head_with_markov false"
+            )
+
+    @property
+    def anchor_predicts(self) -> bool:
+        """Whether block slot 0 (the anchor's) predicts the next token (DSpark: slot k predicts
+        token p + k + 1, B drafts per block) or only holds the known token (DFlash, DFlash2)."""
+        return self.drafter_type == "dspark"
 
     @property
     def num_context_layers(self) -> int:
@@ -157,7 +194,7 @@ class DrafterConfig:
         unused_token: int | None = None,
         drafter_type: str = "dflash",
         is_causal: bool | None = None,
-        **dflash2_fields: Any,
+        **family_fields: Any,
     ) -> DrafterConfig:
         """Build a drafter config from a Hugging Face target config.json dict.
 
@@ -169,11 +206,14 @@ class DrafterConfig:
         multimodal rope sections are not carried over.
         A DFlash2 drafter without explicit layer types takes the published DFlash2 attention:
         every layer sliding (window 2048 unless given), non-causal unless `is_causal` says
-        otherwise; `dflash2_fields` are the DFlash2 fields (conv_kernel_size, selector_top_k...),
-        and its logit transform is the target's (`target_logit_transform`) unless they set it.
+        otherwise; its logit transform is the target's (`target_logit_transform`) unless
+        `family_fields` set it. `family_fields` are the family's own fields (DFLASH2_FIELDS,
+        LOGIT_FIELDS, DSPARK_FIELDS, num_anchors).
         """
+        if drafter_type == "dspark" and layer_types is None:  # all full, whatever the target
+            layer_types = ("full_attention",) * num_layers
         if drafter_type == "dflash2":
-            dflash2_fields = {**target_logit_transform(target_cfg), **dflash2_fields}
+            family_fields = {**target_logit_transform(target_cfg), **family_fields}
             if layer_types is None:
                 layer_types = ("sliding_attention",) * num_layers
                 sliding_window = sliding_window or DFLASH2_SLIDING_WINDOW
@@ -220,7 +260,7 @@ class DrafterConfig:
             sliding_window=sliding_window,
             is_causal=is_causal,
             drafter_type=drafter_type,
-            **dflash2_fields,
+            **family_fields,
         )
 
 

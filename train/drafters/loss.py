@@ -249,12 +249,14 @@ def acceptance_stats(
     keep_BN: torch.Tensor,
     *,
     block_size: int,
+    first: int = 1,
 ) -> dict[str, torch.Tensor]:
     """Per-offset accuracy counts and the acceptance-length estimate tau (all tensors, no sync).
 
     An offset k counts when it has a valid target (w > 0: kept block, inside the sequence,
     supervised, k > 0). A block's accepted length is the run of correct valid offsets from
-    k = 1: sum_{k=1}^{B-1} prod_{i=1}^{k} (correct_i and valid_i), so an offset without a valid
+    k = `first` (1 for DFlash; 0 for DSpark, whose anchor slot drafts too):
+    sum_{k>=first} prod_{first<=i<=k} (correct_i and valid_i), so an offset without a valid
     target ends the run, as verification could not confirm it. tau = 1 + accepted / blocks over
     kept blocks: accepted draft tokens plus the target's bonus token, as at inference.
 
@@ -271,7 +273,7 @@ def acceptance_stats(
     shape = (batch, q_len // block_size, block_size)
     valid_BNK = (w_BQ > 0).view(shape)
     ok_BNK = correct_BQ.bool().view(shape) & valid_BNK
-    accepted_BN = ok_BNK[..., 1:].long().cumprod(dim=-1).sum(dim=-1)
+    accepted_BN = ok_BNK[..., first:].long().cumprod(dim=-1).sum(dim=-1)
     kept_BN = keep_BN.bool()
     accepted_sum = (accepted_BN * kept_BN).sum().float()
     num_blocks = kept_BN.sum().float()

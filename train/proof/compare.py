@@ -4,8 +4,9 @@
 
 Each run folder holds `config.json` (the resolved TrainConfig under "train", the drafter, and the
 cache's manifest identity under "cache") and `metrics.jsonl` (one record per log step: "kind"
-"train" or "eval", "step", "loss", "tau", "acc" = accuracy per block offset 1..B-1, and for
-DFlash2 "selected_tau", shown beside tau when any run has it). A run is summarised by its last
+"train" or "eval", "step", "loss", "tau", "acc" = accuracy of a block's k-th draft (offsets
+1..B-1; DSpark's slots 0..B-1, its anchor slot drafting too), for DFlash2 "selected_tau" and for
+DSpark "tau_prob", each shown beside tau when any run has it). A run is summarised by its last
 eval record, else its last train record; the plot draws every train record as the training
 curve, with the eval records as points on it. The report warns when the runs read different
 caches (manifest identity or folder) or evaluated on different held-out splits, since their
@@ -141,16 +142,19 @@ def markdown_table(header: list[str], rows: list[list[str]], numeric_from: int) 
 def markdown_report(runs: list[RunSummary]) -> str:
     """The comparison as markdown: warnings, the metrics table, the settings that differ."""
     offsets = max((len(run.last.get("acc") or []) for run in runs), default=0)
-    # DFlash2 runs also report the tau of the tokens their selector picks.
+    # DFlash2 runs also report the tau of the tokens their selector picks, DSpark runs the
+    # tau of their acceptance probabilities (1 - L1/2 to the target's distribution).
     selected = any("selected_tau" in run.last for run in runs)
+    prob = any("tau_prob" in run.last for run in runs)
     header = ["run", "metrics", "step", "loss", "tau"] + ["selected tau"] * selected
-    header += [f"acc@{k}" for k in range(1, offsets + 1)]
+    header += ["tau_prob"] * prob + [f"acc@{k}" for k in range(1, offsets + 1)]
     rows = []
     for run in runs:
         acc = list(run.last.get("acc") or [])
         acc += [None] * (offsets - len(acc))
         figures = [fmt(run.last.get("loss")), fmt(run.last.get("tau"), 3)]
         figures += [fmt(run.last.get("selected_tau"), 3)] * selected
+        figures += [fmt(run.last.get("tau_prob"), 3)] * prob
         rows.append([run.name, run.source, fmt(run.last.get("step"))] + figures)
         rows[-1] += [fmt(a, 3) for a in acc]
     lines = ["# Drafter runs", ""]

@@ -56,6 +56,24 @@ class Result:
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
 
 
+def pooled_tau_se(lengths_per_prompt: Sequence[Sequence[int]]) -> float:
+    """Standard error of the pooled tau (all steps' lengths over all steps) with prompts as
+    independent clusters (a step's length depends on the steps of its own prompt): the ratio
+    estimator's sqrt(sum_i (L_i - tau n_i)^2 / (m (m - 1))) / mean(n_i), L_i and n_i prompt i's
+    summed lengths and steps over m prompts; nan under two prompts with steps.
+
+    >>> round(pooled_tau_se([[1, 1], [3, 3], [2]]), 4)
+    0.6928
+    """
+    sums = [(sum(ls), len(ls)) for ls in lengths_per_prompt if ls]
+    m = len(sums)
+    if m < 2:
+        return float("nan")
+    tau = sum(total for total, _ in sums) / sum(n for _, n in sums)
+    spread = sum((total - tau * n) ** 2 for total, n in sums) / (m * (m - 1))
+    return spread**0.5 / (sum(n for _, n in sums) / m)
+
+
 def context_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]):
     """[1, n, K*H]: target layer i is `hidden_states[i + 1]` (index 0 is the embedding)."""
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
@@ -102,7 +120,14 @@ class DraftState:
 
     def propose(self, block_ids_1Q: torch.Tensor) -> torch.Tensor:
         """Greedy drafts [1, Q-1] for block offsets 1..Q-1 (block = [last token, MASK...]): the
-        unary argmax, or DFlash2's selector walk from the block's first token."""
+        unary argmax, or DFlash2's selector walk from the block's first token (DSpark, whose
+        anchor slot drafts too: [1, Q], its Markov walk)."""
+        first = 0 if self.cfg.anchor_predicts else 1
+        hidden_1QH = self.block_hidden(block_ids_1Q)[:, first:]
+        return self.drafter.propose(hidden_1QH, self.lm_head_VH, block_ids_1Q[:, 0])
+
+    def block_hidden(self, block_ids_1Q: torch.Tensor) -> torch.Tensor:
+        """The drafter's final hidden states [1, Q, H] (after its norm) of every block slot."""
         q_len = block_ids_1Q.shape[1]
         x_1QH = F.embedding(block_ids_1Q, self.embed_VH).to(self.dtype)
         cos, sin = self._rope(self.length, q_len)
@@ -114,8 +139,7 @@ class DraftState:
                 return self._attend(i, attn, h_1QH, cos, sin, mask)
 
             x_1QH = layer.run(x_1QH, attend)  # the layer's own order (DFlash2: convolutions)
-        hidden_1QH = self.drafter.norm(x_1QH[:, 1:])
-        return self.drafter.propose(hidden_1QH, self.lm_head_VH, block_ids_1Q[:, 0])
+        return self.drafter.norm(x_1QH)
 
     def _mask(self, layer_type: str, q_len: int) -> torch.Tensor | None:
         if layer_type == "full_attention" and not self.cfg.is_causal:

@@ -1,10 +1,11 @@
 """`python -m train.proof.speculate --target PATH --drafter runs/NAME/export --prompts prompts.json`
 
-Runs speculative decoding (`train.proof.decode`) and plain greedy decoding of the target over the
-prompts, checks that both give the same tokens, and reports tau (accepted drafts + 1 per verify
-step, as `dflash.model.dflash_generate` reports it), per-prompt figures and tokens/s. `--drafter`
-repeated compares several drafters of one target on the same prompts: the target and its greedy
-decoding are loaded and run once for all of them.
+Runs speculative decoding (`train.proof.decode`, DSpark's `train.proof.dspark_decode`) and plain
+greedy decoding of the target over the prompts, checks that both give the same tokens, and reports
+tau (accepted drafts + 1 per verify step, as `dflash.model.dflash_generate` reports it), per-prompt
+figures and tokens/s. `--drafter` repeated compares drafters of one target on the same prompts,
+the target and its greedy decoding run once for all. DSpark also decodes sampled (`--temperature`:
+tau alone) and with a confidence cut (`--confidence-threshold`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +29,8 @@ from shared.models import resolve_target_name
 from train.drafters.config import DrafterConfig
 from train.drafters.dflash import DFlashDrafter
 from train.export import CONFIG_FILE, config_from_hf, load_export
-from train.proof.decode import Result, greedy, speculate
+from train.proof.decode import Result, greedy, pooled_tau_se
+from train.proof.dspark_decode import decode, format_sampled, sampled_summary
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +63,20 @@ class SpeculateConfig:
     as_json: bool = option(
         False, flag="--json", help="print a one-line JSON summary last (one per drafter)"
     )
+    temperature: float = option(
+        0.0, help="dspark: sample at this temperature (0: greedy, checked against greedy)"
+    )
+    confidence_threshold: float | None = option(
+        None, help="dspark: cut each block before the first draft whose confidence is below this"
+    )
+    seed: int = option(0, help="seed of the sampling (--temperature above 0)")
 
     def __post_init__(self) -> None:
-        for name, low in (("max_new_tokens", 1), ("warmup", 0)):
+        for name, low in (("max_new_tokens", 1), ("warmup", 0), ("temperature", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if self.confidence_threshold is not None and not 0 <= self.confidence_threshold <= 1:
+            raise ValueError("confidence_threshold must be in [0, 1]")
 
 
 def load_prompts(path: Path, tokenizer: Any, vocab_size: int) -> list[list[int]]:
@@ -157,6 +169,12 @@ def load(
             raise SpeculateError(
                 f"the drafter{which} does not fit the target:\n  - " + "\n  - ".join(problems)
             )
+        dspark = cfg.temperature > 0 or cfg.confidence_threshold is not None
+        if dspark and drafter_cfg.drafter_type != "dspark":
+            raise SpeculateError(
+                f"--temperature and --confidence-threshold decode DSpark drafters only; the "
+                f"drafter{which} is {drafter_cfg.drafter_type}"
+            )
         if target_config.get_text_config().num_hidden_layers - 1 in drafter_cfg.target_layer_ids:
             log.warning(
                 "the drafter%s reads the last target layer: SGLang and vLLM cannot serve it "
@@ -243,22 +261,24 @@ def compare_with_greedy(
     eos_ids: Sequence[int],
     warmup: int = 0,
     baselines: Sequence[Result] | None = None,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Speculative vs plain greedy decoding of every prompt: tau, losslessness, tokens/s.
     `baselines`: the prompts' greedy decodings already made (`greedy_baselines`, same prompts
-    and limits), else they are made here."""
+    and limits), else they are made here. `options`: a DSpark drafter's (a confidence cut)."""
     kwargs = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids)
     if baselines is None:
         baselines = greedy_baselines(target, prompts, **kwargs, warmup=warmup)
     if len(baselines) != len(prompts):
         raise ValueError(f"{len(baselines)} greedy baselines for {len(prompts)} prompts")
+    kwargs_spec = {**kwargs, **(options or {})}
     for _ in range(warmup):
-        speculate(target, drafter, prompts[0], **kwargs)
+        decode(target, drafter, prompts[0], **kwargs_spec)
     dtype = next(target.parameters()).dtype
     tolerance = near_tie_tolerance(dtype)
-    rows, lengths, spec_s, base_s, base_tokens = [], [], 0.0, 0.0, 0
+    rows, lengths, spec_s, base_s, base_tokens, per_prompt = [], [], 0.0, 0.0, 0, []
     for n, (ids, base) in enumerate(zip(prompts, baselines, strict=True)):
-        spec = speculate(target, drafter, ids, **kwargs)
+        spec = decode(target, drafter, ids, **kwargs_spec)
         mismatch = _first_mismatch(spec.new_ids, base.new_ids)
         gap = None
         if mismatch is not None:
@@ -270,6 +290,7 @@ def compare_with_greedy(
                 _gap_words(gap, tolerance),
             )
         lengths += spec.acceptance_lengths
+        per_prompt.append(spec.acceptance_lengths)
         spec_s, base_s = spec_s + spec.seconds, base_s + base.seconds
         base_tokens += len(base.new_ids)
         rows.append(
@@ -291,6 +312,7 @@ def compare_with_greedy(
     speed, baseline = new_tokens / max(spec_s, 1e-9), base_tokens / max(base_s, 1e-9)
     return {
         "tau": sum(lengths) / len(lengths) if lengths else float("nan"),
+        "tau_se": pooled_tau_se(per_prompt),
         "lossless": all(r["lossless"] for r in rows),
         "near_ties": sum(r["near_tie"] for r in rows),
         "lossless_up_to_near_ties": all(r["lossless"] or r["near_tie"] for r in rows),
@@ -324,7 +346,9 @@ def format_report(summary: dict[str, Any]) -> str:
             f"{r['tau']:>6.2f} {r['tokens_per_s']:>9.1f} {r['baseline_tokens_per_s']:>9.1f}{same}"
         )
     lines.append(
-        f"tau {summary['tau']:.3f} over {summary['steps']} steps (block {summary['block_size']}), "
+        f"tau {summary['tau']:.3f} +- {summary.get('tau_se', math.nan):.3f} over "
+        f"{summary['steps']} steps "
+        f"(block {summary['block_size']}), "
         f"{summary['tokens_per_s']:.1f} tok/s vs greedy {summary['baseline_tokens_per_s']:.1f} "
         f"(x{summary['speedup']:.2f}), lossless: {_lossless_words(summary)}"
     )
@@ -362,16 +386,22 @@ def main(**kwargs: Any) -> None:
     except SpeculateError as e:
         raise click.ClickException(str(e)) from None
     limits = dict(max_new_tokens=cfg.max_new_tokens, eos_ids=eos)
-    baselines = greedy_baselines(target, prompts, **limits, warmup=cfg.warmup)
+    sampled = cfg.temperature > 0  # no single right output: tau alone, no greedy comparison
+    baselines = None if sampled else greedy_baselines(target, prompts, **limits, warmup=cfg.warmup)
+    options = dict(temperature=cfg.temperature, confidence_threshold=cfg.confidence_threshold)
     summaries = []
     for path, drafter in zip(cfg.drafter, drafters, strict=True):
-        summary = compare_with_greedy(
-            target, drafter, prompts, **limits, warmup=cfg.warmup, baselines=baselines
-        )
+        if sampled:
+            summary = sampled_summary(target, drafter, prompts, **limits, **options, seed=cfg.seed)
+        else:
+            summary = compare_with_greedy(
+                target, drafter, prompts, **limits, warmup=cfg.warmup, baselines=baselines,
+                options=options,
+            )  # fmt: skip
         summaries.append({"drafter": str(path), **summary})
         if len(drafters) > 1:
             click.echo(f"drafter {path}:")
-        click.echo(format_report(summary))
+        click.echo(format_sampled(summary) if sampled else format_report(summary))
     if cfg.as_json:  # one line per drafter, in --drafter's order
         for summary in summaries:
             click.echo(json.dumps(summary))
