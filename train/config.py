@@ -25,6 +25,7 @@ ATTENTIONS = ("flex", "sdpa")
 COMPILE_MODES = ("none", "flex", "model")
 GRAD_CKPT_MODES = ("none", "loss", "layers")
 CE_MODES = ("fused", "autograd")
+OPTIMIZERS = ("adamw", "muon")
 LAYER_TYPE_ALIASES = {
     "full": "full_attention",
     "full_attention": "full_attention",
@@ -248,7 +249,22 @@ class TrainConfig:
     prefetch: int = option(2, help="micro-batches each worker prepares ahead")
     # recipe
     grad_accum: int = option(1, help="micro-batches per optimizer step (per rank)")
+    optimizer: str = option(
+        "adamw",
+        choices=OPTIMIZERS,
+        help="adamw (every parameter), or muon: torch.optim.Muon on the hidden weight matrices "
+        "(the nn.Linear weights) at --muon-lr, AdamW on the rest (norms, DFlash2's kernels and "
+        "codebooks) at --lr",
+    )
     lr: float = option(6e-4, help="peak learning rate (AdamW)")
+    muon_lr: float = option(
+        0.02, help="peak learning rate of Muon's matrices (--optimizer muon; same schedule)"
+    )
+    noise_std: float = option(
+        0.0,
+        help="standard deviation of Gaussian noise added to the cached hidden states of real "
+        "tokens fed to the drafter in training (not in evaluation); 0: off",
+    )
     warmup: float = option(0.04, help="fraction of steps of linear warmup before cosine decay")
     weight_decay: float = option(0.0, help="AdamW weight decay")
     grad_clip: float = option(1.0, help="clip the global gradient norm to this (0: off)")
@@ -319,6 +335,8 @@ class TrainConfig:
             "selector_warmup + selector_ramp must be <= 1",
         )
         _check(self.lr > 0, "lr", "must be > 0")
+        _check(self.muon_lr > 0, "muon_lr", "must be > 0")
+        _check(self.noise_std >= 0, "noise_std", "must be >= 0")
         _check(0 <= self.warmup < 1, "warmup", "must be in [0, 1)")
         _check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         _check(self.grad_clip >= 0, "grad_clip", "must be >= 0")
@@ -344,6 +362,7 @@ class TrainConfig:
             ("compile", COMPILE_MODES),
             ("grad_ckpt", GRAD_CKPT_MODES),
             ("ce", CE_MODES),
+            ("optimizer", OPTIMIZERS),
         ):
             value = getattr(self, name)
             _check(value is None or value in allowed, name, f"must be one of {allowed}")
@@ -402,13 +421,3 @@ class TrainConfig:
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name}: {message}")
-
-
-def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(harmful, harmless) field differences between two saved configs, as readable lines."""
-    harmful, harmless = [], []
-    for key in sorted(set(old) | set(new)):
-        if old.get(key) != new.get(key):
-            line = f"{key}: run has {old.get(key)!r}, now {new.get(key)!r}"
-            (harmless if key in HARMLESS_CHANGES else harmful).append(line)
-    return harmful, harmless
