@@ -13,13 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.cli import option
-from train.drafters.config import (
-    DFLASH2_FIELDS,
-    DRAFTER_TYPES,
-    DSPARK_BLOCK_SIZE,
-    DSPARK_LOSSES,
-    LOGIT_FIELDS,
-)
+from train.drafters import config as drafter_names  # the drafters' names, fields and defaults
 
 ATTENTIONS = ("flex", "sdpa")
 COMPILE_MODES = ("none", "flex", "model")
@@ -101,7 +95,7 @@ class TrainConfig:
     # drafter
     drafter_type: str = option(
         "dflash",
-        choices=DRAFTER_TYPES,
+        choices=drafter_names.DRAFTER_TYPES,
         help="dflash, dflash2 (DFlash plus grouped dynamic convolutions and a candidate "
         "selector) or dspark (the anchor slot drafts too, plus a Markov head and a confidence "
         "head); one cache serves all three",
@@ -154,7 +148,7 @@ class TrainConfig:
     )
     dspark_loss: str = option(
         "full",
-        choices=DSPARK_LOSSES,
+        choices=drafter_names.DSPARK_LOSSES,
         help="dspark: full (CE, L1 to the target's distribution and the confidence BCE; the cache "
         "must hold the target's last layer) or ce (CE alone, no confidence head; any cache)",
     )
@@ -316,10 +310,10 @@ class TrainConfig:
         )
         self._check_dspark()
         _check(self.ce_chunk_blocks >= 1, "ce_chunk_blocks", "must be >= 1")
-        for name in DFLASH2_FIELDS:
+        for name in drafter_names.DFLASH2_FIELDS:
             _check(getattr(self, name) >= 1, name, "must be >= 1")
         _check(self.selector_weight >= 0, "selector_weight", "must be >= 0")
-        for name in LOGIT_FIELDS:
+        for name in drafter_names.LOGIT_FIELDS:
             value = getattr(self, name)
             _check(value is None or value > 0, name, "must be > 0")
             _check(
@@ -389,7 +383,7 @@ class TrainConfig:
 
     @property
     def default_block_size(self) -> int:
-        return DSPARK_BLOCK_SIZE if self.drafter_type == "dspark" else 16
+        return drafter_names.DSPARK_BLOCK_SIZE if self.drafter_type == "dspark" else 16
 
     @property
     def with_confidence_head(self) -> bool:
