@@ -77,12 +77,15 @@ def _line(row: int) -> int:
     return row + 1 if row < 5 else row + 2
 
 
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory) -> Path:
+def write_chats(path: Path) -> Path:
     rows = _rows()
-    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
     path.write_text("\n".join(rows[:5] + [""] + rows[5:]) + "\n")
     return path
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    return write_chats(tmp_path_factory.mktemp("data") / "chats.jsonl")
 
 
 def _load(target: Path):
@@ -109,6 +112,10 @@ def _greedy(tok, model, messages: list[dict]) -> tuple[str, bool]:
 
 @pytest.fixture(scope="module")
 def target(tiny_qwen3, tmp_path_factory) -> Path:
+    return eos_target(tiny_qwen3, tmp_path_factory.mktemp("eos-target"))
+
+
+def eos_target(tiny_qwen3: Path, folder: Path) -> Path:
     """The tiny target with its eos logit tied to a token it often predicts (x 1.05), so that
     greedy turns end with eos as well as at MAX_NEW (random weights alone never emit eos)."""
     tok, model = _load(tiny_qwen3)
@@ -132,7 +139,6 @@ def target(tiny_qwen3, tmp_path_factory) -> Path:
             break
     else:
         pytest.fail("no token gives a mix of eos-ended and cut turns")
-    folder = tmp_path_factory.mktemp("eos-target")
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
@@ -305,6 +311,26 @@ def test_hybrid_target_batched_equals_plain_generate(tiny_qwen35, data_file, tmp
         for i, m in enumerate(messages):
             if m["role"] == "assistant":
                 assert _greedy(tok, model, messages[:i])[0] == m["content"]
+
+
+def test_sampling_draws_the_same_again_with_top_k_off_unless_asked(
+    target, data_file, full, tmp_path
+):
+    from extract.regen.generation import BatchGenerator
+    from extract.regen.turns import Prompter
+
+    drawn = dict(temperature=1.0, seed=5, max_rows=8)
+    a = regen(tmp_path / "a.jsonl", target, data_file, **drawn)
+    regen(tmp_path / "b.jsonl", target, data_file, **drawn)
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    assert _read(tmp_path / "a.jsonl") != _read(full)[: len(_read(tmp_path / "a.jsonl"))]
+    assert a.settings["decoding"] == {"temperature": 1.0, "top_p": 1.0, "seed": 5}
+    tok, model = _load(target)
+    prompter = Prompter(tok, max_new_tokens=MAX_NEW, max_length=None)
+    sampled = BatchGenerator(model, prompter, sampling={"temperature": 1.0, "top_p": 1.0}).config
+    assert sampled.do_sample and sampled.top_k == 0
+    with_k = BatchGenerator(model, prompter, sampling={"temperature": 1.0, "top_k": 7}).config
+    assert with_k.top_k == 7 and not BatchGenerator(model, prompter).config.do_sample
 
 
 @pytest.mark.gpu

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from shared.cli import to_json
-from train.config import TrainConfig, config_changes
+from train.config import TrainConfig
+from train.run_dir import config_changes
 
 
 def cfg(**kw) -> TrainConfig:

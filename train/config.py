@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from shared.cli import option
-from train.drafters.config import DFLASH2_FIELDS, DRAFTER_TYPES, DSPARK_BLOCK_SIZE, LOGIT_FIELDS
-from train.drafters.dspark_loss import DSPARK_LOSSES
+from train.drafters import config as drafter_names  # the drafters' names, fields and defaults
 
 ATTENTIONS = ("flex", "sdpa")
 COMPILE_MODES = ("none", "flex", "model")
 GRAD_CKPT_MODES = ("none", "loss", "layers")
 CE_MODES = ("fused", "autograd")
+OPTIMIZERS = ("adamw", "muon")
 LAYER_TYPE_ALIASES = {
     "full": "full_attention",
     "full_attention": "full_attention",
@@ -95,7 +95,7 @@ class TrainConfig:
     # drafter
     drafter_type: str = option(
         "dflash",
-        choices=DRAFTER_TYPES,
+        choices=drafter_names.DRAFTER_TYPES,
         help="dflash, dflash2 (DFlash plus grouped dynamic convolutions and a candidate "
         "selector) or dspark (the anchor slot drafts too, plus a Markov head and a confidence "
         "head); one cache serves all three",
@@ -148,7 +148,7 @@ class TrainConfig:
     )
     dspark_loss: str = option(
         "full",
-        choices=DSPARK_LOSSES,
+        choices=drafter_names.DSPARK_LOSSES,
         help="dspark: full (CE, L1 to the target's distribution and the confidence BCE; the cache "
         "must hold the target's last layer) or ce (CE alone, no confidence head; any cache)",
     )
@@ -243,7 +243,22 @@ class TrainConfig:
     prefetch: int = option(2, help="micro-batches each worker prepares ahead")
     # recipe
     grad_accum: int = option(1, help="micro-batches per optimizer step (per rank)")
+    optimizer: str = option(
+        "adamw",
+        choices=OPTIMIZERS,
+        help="adamw (every parameter), or muon: torch.optim.Muon on the hidden weight matrices "
+        "(the nn.Linear weights) at --muon-lr, AdamW on the rest (norms, DFlash2's kernels and "
+        "codebooks) at --lr",
+    )
     lr: float = option(6e-4, help="peak learning rate (AdamW)")
+    muon_lr: float = option(
+        0.02, help="peak learning rate of Muon's matrices (--optimizer muon; same schedule)"
+    )
+    noise_std: float = option(
+        0.0,
+        help="standard deviation of Gaussian noise added to the cached hidden states of real "
+        "tokens fed to the drafter in training (not in evaluation); 0: off",
+    )
     warmup: float = option(0.04, help="fraction of steps of linear warmup before cosine decay")
     weight_decay: float = option(0.0, help="AdamW weight decay")
     grad_clip: float = option(1.0, help="clip the global gradient norm to this (0: off)")
@@ -295,10 +310,10 @@ class TrainConfig:
         )
         self._check_dspark()
         _check(self.ce_chunk_blocks >= 1, "ce_chunk_blocks", "must be >= 1")
-        for name in DFLASH2_FIELDS:
+        for name in drafter_names.DFLASH2_FIELDS:
             _check(getattr(self, name) >= 1, name, "must be >= 1")
         _check(self.selector_weight >= 0, "selector_weight", "must be >= 0")
-        for name in LOGIT_FIELDS:
+        for name in drafter_names.LOGIT_FIELDS:
             value = getattr(self, name)
             _check(value is None or value > 0, name, "must be > 0")
             _check(
@@ -314,6 +329,8 @@ class TrainConfig:
             "selector_warmup + selector_ramp must be <= 1",
         )
         _check(self.lr > 0, "lr", "must be > 0")
+        _check(self.muon_lr > 0, "muon_lr", "must be > 0")
+        _check(self.noise_std >= 0, "noise_std", "must be >= 0")
         _check(0 <= self.warmup < 1, "warmup", "must be in [0, 1)")
         _check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         _check(self.grad_clip >= 0, "grad_clip", "must be >= 0")
@@ -339,6 +356,7 @@ class TrainConfig:
             ("compile", COMPILE_MODES),
             ("grad_ckpt", GRAD_CKPT_MODES),
             ("ce", CE_MODES),
+            ("optimizer", OPTIMIZERS),
         ):
             value = getattr(self, name)
             _check(value is None or value in allowed, name, f"must be one of {allowed}")
@@ -365,7 +383,7 @@ class TrainConfig:
 
     @property
     def default_block_size(self) -> int:
-        return DSPARK_BLOCK_SIZE if self.drafter_type == "dspark" else 16
+        return drafter_names.DSPARK_BLOCK_SIZE if self.drafter_type == "dspark" else 16
 
     @property
     def with_confidence_head(self) -> bool:
@@ -397,13 +415,3 @@ class TrainConfig:
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name}: {message}")
-
-
-def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(harmful, harmless) field differences between two saved configs, as readable lines."""
-    harmful, harmless = [], []
-    for key in sorted(set(old) | set(new)):
-        if old.get(key) != new.get(key):
-            line = f"{key}: run has {old.get(key)!r}, now {new.get(key)!r}"
-            (harmless if key in HARMLESS_CHANGES else harmful).append(line)
-    return harmful, harmless

@@ -50,6 +50,7 @@ from train.export import export_drafter, export_if_room
 from train.finite import FiniteGuard
 from train.following import Following
 from train.metrics import MetricsWriter, StatSums, train_record
+from train.optim import build_optimizer
 from train.prepared import Prepared
 from train.schedule import warmup_cosine
 from train.step import forward_loss
@@ -91,9 +92,7 @@ class Trainer:
             warm_start(self.model, cfg.init_from)
         self.model.to(self.device)
         self.model.use_flex_options(flex_kernel_options(prep.drafter.head_dim, self.device))
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=cuda
-        )
+        self.optimizer = build_optimizer(self.model, cfg, fused=cuda)
         self.workers = max(cfg.workers, 1)
         self.spec = PlanSpec(
             lengths=prep.train_lengths,
@@ -313,6 +312,7 @@ class Trainer:
 
     def _take(self) -> tuple[dict[str, Any], Batch]:
         item, batch = self.feed.take()
+        batch = batch.noised(std=self.cfg.noise_std, seed=item["anchor_seed"])  # training only
         if item["epoch"] != self.loader_state.epoch:
             raise RuntimeError(
                 f"loader out of step: got epoch {item['epoch']}, expected {self.loader_state.epoch}"

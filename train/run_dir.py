@@ -12,7 +12,7 @@ from shared.cli import to_json
 from shared.fsio import atomic_write_json
 from shared.manifest import Manifest
 from train.checkpoint import list_checkpoints, read_meta, resolve_resume
-from train.config import TrainConfig, config_changes
+from train.config import HARMLESS_CHANGES, TrainConfig
 from train.prepared import Prepared
 
 log = logging.getLogger(__name__)
@@ -91,3 +91,13 @@ def _check_resume_point(cfg: TrainConfig, world_size: int | None) -> None:
             f"{world_size} x {max(cfg.workers, 1)}: resume with the same --gpus count and "
             "--workers, or start a new --out"
         )
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(harmful, harmless) field differences between two saved configs, as readable lines."""
+    harmful, harmless = [], []
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            line = f"{key}: run has {old.get(key)!r}, now {new.get(key)!r}"
+            (harmless if key in HARMLESS_CHANGES else harmful).append(line)
+    return harmful, harmless

@@ -20,7 +20,8 @@ from shared.cli import build, click_options
 @click_options(RegenConfig)
 @click.argument("more_data", nargs=-1, type=click.Path(path_type=Path))
 def main(more_data: tuple[Path, ...], **kwargs: Any) -> None:
-    """Replace the assistant turns of chat data by the target's own greedy answers."""
+    """Replace the assistant turns of chat data by the target's own answers (greedy unless
+    --temperature), generated here or by a running server (--server)."""
     from shared.logs import setup_logging
 
     kwargs["data"] = (*kwargs["data"], *more_data)

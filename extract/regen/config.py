@@ -19,8 +19,9 @@ REGEN_REJECT_REASONS = (
     "no_assistant_turn",  # nothing to regenerate
     "empty",  # no messages, or a prompt that renders to no tokens
     "template_error",  # the chat template failed on a prompt
-    "too_long",  # a turn's prompt plus --max-new-tokens exceeds --max-length
+    "too_long",  # a turn's prompt plus --max-new-tokens exceeds --max-length (or the server's)
 )
+THINKING = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,13 +47,49 @@ class RegenConfig:
     max_length: int | None = option(
         None,
         help="Reject a conversation when a turn's prompt plus --max-new-tokens exceeds this "
-        "many tokens. Default: the target's max_position_embeddings.",
+        "many tokens. Default: the context length --server reports, else the target's "
+        "max_position_embeddings.",
     )
     batch_size: int = option(32, help="Conversations generated together on one device.")
     rows_per_chunk: int = option(256, help="Source rows per chunk (the unit of work and resume).")
     max_rows: int | None = option(None, help="Only the first N source rows (quick runs).")
     overwrite: bool = option(
         False, help="Replace an existing output that was made with other settings."
+    )
+    server: str | None = option(
+        None,
+        help="URL of an OpenAI-compatible server already serving the target (vllm serve, "
+        "SGLang, ...), e.g. http://localhost:8000: each turn goes to its completions endpoint "
+        "as token ids of our chat template rendering. --target names the folder it serves "
+        "(its tokenizer and template are used here).",
+    )
+    server_model: str | None = option(
+        None, help="Model name to ask --server for. Default: the one model it lists."
+    )
+    concurrency: int = option(64, help="Conversations in flight at once with --server.")
+    request_timeout: float = option(
+        600.0, help="Seconds a --server request may take before it counts as timed out."
+    )
+    retries: int = option(
+        4,
+        help="Retries of a --server request that timed out, was refused or got a server error, "
+        "after waits doubling from --retry-wait; then the conversation counts as failed and the "
+        "next run requests it again.",
+    )
+    retry_wait: float = option(1.0, help="Seconds before the first retry (doubling, at most 60).")
+    temperature: float = option(
+        0.0, help="0: greedy decoding (default). Above 0: sampling, with --top-p and --top-k."
+    )
+    top_p: float = option(1.0, help="Nucleus sampling (with --temperature above 0).")
+    top_k: int = option(0, help="Top-k sampling, 0 for none (with --temperature above 0).")
+    seed: int = option(
+        0, help="Sampling seed; with --server, each turn's request gets its own, derived from it."
+    )
+    thinking: str = option(
+        "auto",
+        choices=THINKING,
+        help="The chat template's enable_thinking (Qwen3 and the like): on or off, or auto for "
+        "the template's default. Recorded with the output.",
     )
     verbose: bool = option(False, help="Debug logging on every rank.")
 
@@ -63,10 +100,35 @@ class RegenConfig:
             "batch_size": self.batch_size >= 1,
             "rows_per_chunk": self.rows_per_chunk >= 1,
             "max_rows": self.max_rows is None or self.max_rows >= 1,
+            "concurrency": self.concurrency >= 1,
+            "request_timeout": self.request_timeout > 0,
+            "retries": self.retries >= 0,
+            "retry_wait": self.retry_wait >= 0,
+            "temperature": self.temperature >= 0,
+            "top_p": self.top_p > 0,
+            "top_k": self.top_k >= 0,
         }
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')}: {getattr(self, name)} is too small")
+        if self.top_p > 1:
+            raise ValueError(f"--top-p: {self.top_p} is above 1")
+        if self.server is None:
+            if self.server_model is not None:
+                raise ValueError("--server-model: names a model of --server, which is not given")
+            return
+        if not self.server.startswith(("http://", "https://")):
+            raise ValueError(f"--server: {self.server!r} is no http:// or https:// URL")
+        if self.gpus is not None:
+            raise ValueError("--gpus: the server's devices are its own; drop --gpus with --server")
+
+    @property
+    def sampling(self) -> dict[str, float] | None:
+        """None for greedy decoding, else the sampling parameters that are set."""
+        if self.temperature == 0:
+            return None
+        drawn = {"temperature": self.temperature, "top_p": self.top_p}
+        return {**drawn, "top_k": self.top_k} if self.top_k else drawn
 
 
 class RegenError(ValueError):

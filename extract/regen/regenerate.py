@@ -1,10 +1,11 @@
-"""`python -m extract.regen`: the target's own greedy answers as training data.
+"""`python -m extract.regen`: the target's own answers as training data.
 
 A drafter learns the target's distribution only from the target's outputs, so the assistant
-turns of a chat dataset are replaced, turn by turn, by the target's greedy continuation of the
-conversation so far (system and user turns kept, earlier assistant turns already replaced),
-until eos or `--max-new-tokens`. Output rows are OpenAI `messages` rows plus `source_row` (the
-global row number) and `turns_at_limit` (indices of the messages cut by `--max-new-tokens`).
+turns of a chat dataset are replaced, turn by turn, by the target's continuation (greedy unless
+`--temperature`) of the conversation so far (system and user turns kept, earlier assistant
+turns already replaced), until eos or `--max-new-tokens`. Output rows are OpenAI `messages` rows
+plus `source_row` (the global row number) and `turns_at_limit` (indices of the messages cut by
+`--max-new-tokens`).
 
 Rows are cut into fixed chunks (`--rows-per-chunk`) spread over the ranks; each chunk is written
 to `OUT.parts/chunk-NNNNNN.jsonl` and recorded in `OUT.parts/state.json` (see
@@ -12,7 +13,8 @@ to `OUT.parts/chunk-NNNNNN.jsonl` and recorded in `OUT.parts/state.json` (see
 end. Chunk files are kept, so a later run with more rows only generates the new ones.
 
 This module plans the run and drives one process per device; the generation itself is in
-`extract.regen.generation`.
+`extract.regen.generation`. With `--server URL` a running inference server generates instead
+(`extract.regen.served`), into the same chunks.
 """
 
 from __future__ import annotations
@@ -25,23 +27,22 @@ from typing import Any
 
 import torch
 
-from extract.data import Rejected, RowIndex
+from extract.data import Rejected
 from extract.regen.config import Chat, RegenConfig, RegenError, iter_chats
-from extract.regen.generation import GreedyGenerator, regenerate_chats
+from extract.regen.generation import BatchGenerator, regenerate_chats
 from extract.regen.report import RowBar
 from extract.regen.state import (
     PROGRESS_DIR,
+    Job,
     RegenState,
-    chunk_rows,
     commit_chunk,
     existing_state,
+    finish_output,
     init_output,
-    merge_chunks,
     parts_dir,
-    pending_chunks,
     read_state,
-    update_state,
 )
+from extract.regen.turns import THINKING_KWARGS, Prompter
 from shared.cli import to_json
 from shared.dist import (
     DeviceSpec,
@@ -58,60 +59,17 @@ from shared.progress import RankCounters
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Job:
-    """What every process needs; picklable, identical on all ranks."""
-
-    target: str
-    files: tuple[Path, ...]
-    index: RowIndex  # seek points into `files`, so a rank reads only its rows
-    parts: Path
-    rows_per_chunk: int
-    total_rows: int
-    max_new_tokens: int
-    max_length: int | None
-    batch_size: int
-    chunks: tuple[int, ...] = ()  # pending chunks, sorted; rank r takes chunks[r::world]
-    draw_bar: bool = True  # rank 0 draws the bar itself (no launching parent to do it)
-    verbose: bool = False
-
-    @property
-    def num_chunks(self) -> int:
-        return -(-self.total_rows // self.rows_per_chunk)
-
-    def chunk_rows(self, chunk: int) -> range:
-        return chunk_rows(chunk, rows_per_chunk=self.rows_per_chunk, total_rows=self.total_rows)
-
-    def pending(self, state: RegenState) -> tuple[int, ...]:
-        return pending_chunks(
-            state, self.parts, rows_per_chunk=self.rows_per_chunk, total_rows=self.total_rows
-        )
-
-    @property
-    def pending_rows(self) -> int:
-        return sum(len(self.chunk_rows(c)) for c in self.chunks)
-
-
 def rank_main(info: RankInfo, job: Job) -> None:
     """One process: load the target on its device, regenerate and commit its chunks."""
     setup_logging(info.rank, verbose=job.verbose)
     mine = job.chunks[info.rank :: info.world_size]
     if not mine:
         return
-    from transformers import AutoTokenizer
-
-    from extract.target import load_target, read_config, text_config
-
     if info.device.type == "cpu":
         # Share the cores the process may use (OMP_NUM_THREADS, or all) among the CPU ranks:
         # oversubscribed intra-op threads spin and run ~10x slower.
         torch.set_num_threads(max(1, torch.get_num_threads() // info.world_size))
-    tokenizer = AutoTokenizer.from_pretrained(job.target)
-    layers = int(text_config(read_config(job.target))["num_hidden_layers"])
-    model = load_target(job.target, device=info.device, last_layer=layers - 1)
-    gen = GreedyGenerator(
-        model, tokenizer, max_new_tokens=job.max_new_tokens, max_length=job.max_length
-    )
+    gen = _generator(job, info)
     counters = RankCounters(job.parts / PROGRESS_DIR, info.rank)
     bar = RowBar(counters.path.parent, total=job.pending_rows) if job.draw_bar else None
     bar = bar if info.is_main else None
@@ -129,6 +87,8 @@ def rank_main(info: RankInfo, job: Job) -> None:
             bad = [x for x in items if isinstance(x, Rejected)]
             progress(len(bad), 0)
             chats = [x for x in items if isinstance(x, Chat)]
+            if job.sampling:  # one draw per chunk: the same answers after a resume
+                torch.manual_seed(job.seed + chunk)
             result = regenerate_chats(chats, gen, batch_size=job.batch_size, progress=progress)
             result.rejected = sorted([*bad, *result.rejected], key=lambda r: r.row)
             commit_chunk(job.parts, chunk, rows, result)
@@ -139,6 +99,24 @@ def rank_main(info: RankInfo, job: Job) -> None:
             bar.close()
 
 
+def _generator(job: Job, info: RankInfo) -> BatchGenerator:
+    """The target of one process on its device, with the chat template's prompter."""
+    from transformers import AutoTokenizer
+
+    from extract.target import load_target, read_config, text_config
+
+    tokenizer = AutoTokenizer.from_pretrained(job.target)
+    prompter = Prompter(
+        tokenizer,
+        max_new_tokens=job.max_new_tokens,
+        max_length=job.max_length,
+        template_kwargs=job.template_kwargs,
+    )
+    layers = int(text_config(read_config(job.target))["num_hidden_layers"])
+    model = load_target(job.target, device=info.device, last_layer=layers - 1)
+    return BatchGenerator(model, prompter, sampling=job.sampling)
+
+
 @dataclass(frozen=True)
 class _Plan:
     settings: dict[str, Any]  # must match to resume
@@ -146,8 +124,9 @@ class _Plan:
     job: Job
 
 
-def _plan(cfg: RegenConfig, spec: DeviceSpec) -> _Plan:
-    """Validate the request and work out its settings; writes nothing."""
+def _plan(cfg: RegenConfig, spec: DeviceSpec, server: tuple[str, int | None] | None) -> _Plan:
+    """Validate the request and work out its settings; writes nothing. `server`: the model
+    name and context length a --server reported."""
     from transformers import AutoTokenizer
 
     from extract.data import index_rows, source_fingerprint, template_fingerprint
@@ -171,19 +150,26 @@ def _plan(cfg: RegenConfig, spec: DeviceSpec) -> _Plan:
         raise RegenError(f"--target {cfg.target}: cannot load its tokenizer ({e})") from None
     index = index_rows(list(cfg.data))
     total = sum(index.counts) if cfg.max_rows is None else min(sum(index.counts), cfg.max_rows)
-    max_length = cfg.max_length or text_config(config).get("max_position_embeddings")
+    server_length = server[1] if server else None
+    max_length = cfg.max_length or server_length or text_config(config)["max_position_embeddings"]
     prints = template_fingerprint(tokenizer)
     settings = {
         "target_revision": content_hash(Path(cfg.target)),
         "tokenizer_sha256": prints["tokenizer"],
         "chat_template_sha256": prints["chat_template"],
         "sources_sha256": [source_fingerprint(f) for f in cfg.data],
-        "decoding": "greedy",
+        "decoding": "greedy" if cfg.sampling is None else {**cfg.sampling, "seed": cfg.seed},
         "dtype": "bfloat16" if spec.kind == "cuda" else "float32",
         "max_new_tokens": cfg.max_new_tokens,
         "max_length": max_length,
         "rows_per_chunk": cfg.rows_per_chunk,
     }
+    # Keys only where they differ from the first version's runs, which stay resumable.
+    if server is not None:  # the server's dtype is its own
+        del settings["dtype"]
+        settings.update(engine="server", server_model=server[0])
+    if cfg.thinking != "auto":
+        settings["thinking"] = cfg.thinking
     job = Job(
         target=cfg.target,
         files=tuple(Path(f) for f in cfg.data),
@@ -194,25 +180,13 @@ def _plan(cfg: RegenConfig, spec: DeviceSpec) -> _Plan:
         max_new_tokens=cfg.max_new_tokens,
         max_length=max_length,
         batch_size=cfg.batch_size,
+        sampling=cfg.sampling,
+        seed=cfg.seed,
+        template_kwargs=THINKING_KWARGS[cfg.thinking],
         verbose=cfg.verbose,
     )
     resolved = {**to_json(cfg), "max_length": max_length, "total_rows": total}
     return _Plan(settings=settings, config=resolved, job=job)
-
-
-def _finish(out: Path, job: Job, *, regenerated: bool) -> RegenState:
-    state = read_state(job.parts)
-    left = job.pending(state)
-    if left:
-        log.error("%d chunks are not done (first: %d); run again to resume", len(left), left[0])
-        return state
-    if regenerated or state.merged_rows != job.total_rows or not out.is_file():
-        merge_chunks(out, job.parts, job.num_chunks)
-        state = update_state(
-            job.parts, lambda s: dataclasses.replace(s, merged_rows=job.total_rows)
-        )
-        log.info("wrote %s: rows 0..%d of the source", out, job.total_rows - 1)
-    return state
 
 
 def _torchrun_entry(info: RankInfo, cfg: RegenConfig, plan: _Plan) -> None:
@@ -232,7 +206,7 @@ def _torchrun_entry(info: RankInfo, cfg: RegenConfig, plan: _Plan) -> None:
     rank_main(info, job)
     barrier()
     if info.is_main:
-        _finish(cfg.out, job, regenerated=bool(job.chunks))
+        finish_output(cfg.out, job, regenerated=bool(job.chunks))
     barrier()  # every rank returns the final state
 
 
@@ -253,11 +227,18 @@ def run(cfg: RegenConfig) -> RegenState:
 
         target = cfg.target if cfg.target is not None else str(tiny_target())
         cfg = dataclasses.replace(cfg, target=target, data=cfg.data or (demo_dataset(),))
+    server = None
+    if cfg.server is not None:
+        from extract.regen.served import connect, serve
+
+        client, server = connect(cfg)
     try:
         spec = parse_gpus(cfg.gpus)
-        plan = _plan(cfg, spec)
+        plan = _plan(cfg, spec, server)
     except (TargetError, ValueError) as e:
         raise RegenError(str(e)) from None
+    if cfg.server is not None:
+        return serve(cfg, plan.settings, plan.config, plan.job, client)
     if under_torchrun():
         launch(_torchrun_entry, (cfg, plan), spec)
         return read_state(plan.job.parts)
@@ -273,4 +254,4 @@ def run(cfg: RegenConfig) -> RegenState:
         finally:
             if bar is not None:
                 bar.close()
-    return _finish(cfg.out, job, regenerated=bool(job.chunks))
+    return finish_output(cfg.out, job, regenerated=bool(job.chunks))

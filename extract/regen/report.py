@@ -49,10 +49,18 @@ def format_summary(state: RegenState, *, out: Path, seconds: float, listed: int 
         where = [f"{Path(r['source']).name}:{r['line']}" for r in bad]
         more = ", ..." if n > listed else ""
         rows.append((f"  {reason}", f"{n:,} (lines {', '.join(where[:listed])}{more})"))
+    if state.failed:
+        rows.append(("failed, to retry", f"{sum(state.failed.values()):,} (this run)"))
+        rows += [(f"  {reason}", f"{n:,}") for reason, n in sorted(state.failed.items())]
     rows += [
         ("turns", f"{t['turns']:,} ({t['turns_at_limit']:,} stopped at --max-new-tokens)"),
         ("new tokens", f"{t['new_tokens']:,}"),
-        ("time", f"{seconds:,.1f} s this run"),
     ]
+    if t["turns_retokenized"]:  # the drafter will see tokens the target did not generate
+        rows.append(("turns retokenized", f"{t['turns_retokenized']:,} (text -> other token ids)"))
+    engine = state.settings.get("engine", "hf")
+    if engine == "server":
+        engine = f"{state.config.get('server')} ({state.settings['server_model']})"
+    rows += [("engine", engine), ("time", f"{seconds:,.1f} s this run")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

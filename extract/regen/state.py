@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from extract.data import Rejected
+from extract.data import Rejected, RowIndex
 from extract.regen.config import RegenError
 from shared.fsio import atomic_write_json, atomic_write_text, file_lock, fsync_dir
 
@@ -58,6 +58,7 @@ class ChunkRecord:
     turns: int  # assistant turns generated
     turns_at_limit: int  # of which stopped by --max-new-tokens, not by eos
     new_tokens: int
+    turns_retokenized: int = 0  # turns extraction will read as other tokens (`turns`)
 
     @property
     def name(self) -> str:
@@ -72,6 +73,9 @@ class RegenState:
     config: dict[str, Any]
     chunks: dict[int, ChunkRecord] = field(default_factory=dict)
     merged_rows: int | None = None  # rows 0..merged_rows-1 are in OUT, None before a merge
+    # The latest run's conversations that failed (--server: timeouts, server errors), by reason;
+    # their chunks stay pending, so the next run requests them again.
+    failed: dict[str, int] = field(default_factory=dict)
     version: int = STATE_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -89,6 +93,7 @@ class RegenState:
             config=obj["config"],
             chunks=chunks,
             merged_rows=obj["merged_rows"],
+            failed=obj.get("failed", {}),
             version=obj["version"],
         )
 
@@ -112,6 +117,7 @@ class RegenState:
             "turns": sum(r.turns for r in records),
             "turns_at_limit": sum(r.turns_at_limit for r in records),
             "new_tokens": sum(r.new_tokens for r in records),
+            "turns_retokenized": sum(r.turns_retokenized for r in records),
         }
 
 
@@ -195,7 +201,7 @@ def init_output(
         parts.mkdir(parents=True)
         write_state(parts, RegenState(settings=settings, config=config))
     else:
-        update_state(parts, lambda s: dataclasses.replace(s, config=config))
+        update_state(parts, lambda s: dataclasses.replace(s, config=config, failed={}))
     shutil.rmtree(parts / PROGRESS_DIR, ignore_errors=True)
     for leftover in [*parts.glob(".*.tmp.*"), *out.parent.glob(f".{out.name}.tmp.*")]:
         leftover.unlink(missing_ok=True)  # an atomic write cut short by a crash
@@ -218,6 +224,59 @@ def pending_chunks(
     return tuple(c for c in range(num_chunks) if not done(c))
 
 
+@dataclass(frozen=True)
+class Job:
+    """What every process needs; picklable, identical on all ranks."""
+
+    target: str
+    files: tuple[Path, ...]
+    index: RowIndex  # seek points into `files`, so a rank reads only its rows
+    parts: Path
+    rows_per_chunk: int
+    total_rows: int
+    max_new_tokens: int
+    max_length: int | None
+    batch_size: int
+    sampling: dict[str, float] | None = None  # None: greedy
+    seed: int = 0
+    template_kwargs: dict[str, Any] | None = None  # the chat template's (enable_thinking)
+    chunks: tuple[int, ...] = ()  # pending chunks, sorted; rank r takes chunks[r::world]
+    draw_bar: bool = True  # rank 0 draws the bar itself (no launching parent to do it)
+    verbose: bool = False
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.total_rows // self.rows_per_chunk)
+
+    def chunk_rows(self, chunk: int) -> range:
+        return chunk_rows(chunk, rows_per_chunk=self.rows_per_chunk, total_rows=self.total_rows)
+
+    def pending(self, state: RegenState) -> tuple[int, ...]:
+        return pending_chunks(
+            state, self.parts, rows_per_chunk=self.rows_per_chunk, total_rows=self.total_rows
+        )
+
+    @property
+    def pending_rows(self) -> int:
+        return sum(len(self.chunk_rows(c)) for c in self.chunks)
+
+
+def finish_output(out: Path, job: Job, *, regenerated: bool) -> RegenState:
+    """Merge the chunks into OUT once all are done (again if this run regenerated any)."""
+    state = read_state(job.parts)
+    left = job.pending(state)
+    if left:
+        log.error("%d chunks are not done (first: %d); run again to resume", len(left), left[0])
+        return state
+    if regenerated or state.merged_rows != job.total_rows or not out.is_file():
+        merge_chunks(out, job.parts, job.num_chunks)
+        state = update_state(
+            job.parts, lambda s: dataclasses.replace(s, merged_rows=job.total_rows)
+        )
+        log.info("wrote %s: rows 0..%d of the source", out, job.total_rows - 1)
+    return state
+
+
 @dataclass
 class ChunkResult:
     """What regenerating one chunk gave: output rows and rejected rows, in row order."""
@@ -227,6 +286,7 @@ class ChunkResult:
     turns: int = 0
     turns_at_limit: int = 0
     new_tokens: int = 0
+    turns_retokenized: int = 0
 
 
 def commit_chunk(parts: Path, chunk: int, rows: range, result: ChunkResult) -> ChunkRecord:
@@ -247,6 +307,7 @@ def commit_chunk(parts: Path, chunk: int, rows: range, result: ChunkResult) -> C
         turns=result.turns,
         turns_at_limit=result.turns_at_limit,
         new_tokens=result.new_tokens,
+        turns_retokenized=result.turns_retokenized,
     )
     update_state(parts, lambda s: s.with_chunk(record))
     log.info(

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+
+# Added to a micro-batch's anchor seed, so that its noise and its anchors come from two streams.
+NOISE_SEED_OFFSET = 0x6E6F697365
 
 
 @dataclass
@@ -60,6 +64,31 @@ class Batch:
             return self.context_BSC
         batch, seq, layers, hidden = self.hidden_BSKH.shape
         return self.hidden_BSKH.reshape(batch, seq, layers * hidden)
+
+    def noised(self, *, std: float, seed: int) -> Batch:
+        """This batch with N(0, std^2) noise added to the hidden states of its real tokens
+        (padding stays zero), drawn on the batch's device from a generator seeded with `seed +
+        NOISE_SEED_OFFSET`: the same micro-batch gets the same noise in a resumed run. `std` 0
+        returns the batch itself. The training step's `--noise-std`: the drafter learns from
+        states near the cached ones, as a serving engine's (other kernels, batch shapes,
+        precision) are; evaluation and decoding see the states unchanged.
+
+        >>> ids = torch.zeros(1, 3, dtype=torch.long)
+        >>> b = Batch.one_per_row(torch.tensor([2]), ids_BS=ids, loss_mask_BS=ids,
+        ...                       hidden_BSKH=torch.zeros(1, 3, 2, 4))
+        >>> n = b.noised(std=0.5, seed=1).hidden_BSKH
+        >>> bool(n[0, :2].abs().gt(0).all()), bool(n[0, 2].eq(0).all())
+        (True, True)
+        """
+        if std == 0:
+            return self
+        field = "hidden_BSKH" if self.hidden_BSKH is not None else "context_BSC"
+        states = getattr(self, field)
+        gen = torch.Generator(device=states.device).manual_seed(seed + NOISE_SEED_OFFSET)
+        noise = torch.randn(states.shape, generator=gen, device=states.device, dtype=torch.float32)
+        real = (self.doc_ids_BS >= 0).reshape(*self.doc_ids_BS.shape, *[1] * (states.ndim - 2))
+        out = (states.float() + noise * std * real).to(states.dtype)
+        return dataclasses.replace(self, **{field: out})
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -41,6 +41,7 @@ LOGIT_FIELDS = ("output_multiplier", "final_logit_softcapping")
 DSPARK_FIELDS = ("markov_rank", "enable_confidence_head", "confidence_head_with_markov")
 # DSpark's released block (B drafts per block, the anchor slot predicting).
 DSPARK_BLOCK_SIZE = 7
+DSPARK_LOSSES = ("full", "ce")  # the whole objective, or its CE term alone
 
 
 @dataclass(frozen=True)

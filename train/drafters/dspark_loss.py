@@ -32,11 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
+from train.drafters.config import DSPARK_LOSSES
 from train.drafters.dspark import DSparkDrafter
 from train.drafters.dspark_metrics import slot_stats
 from train.drafters.loss import acceptance_stats, autocast_dtype
-
-DSPARK_LOSSES = ("full", "ce")
 
 
 @dataclass(frozen=True)

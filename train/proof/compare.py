@@ -128,13 +128,13 @@ def differing_settings(runs: list[RunSummary]) -> list[tuple[str, list[Any]]]:
     return [(k, values) for k, values in rows if any(v != values[0] for v in values)]
 
 
-def _fmt(value: Any, digits: int = 4) -> str:
+def fmt(value: Any, digits: int = 4) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def _table(header: list[str], rows: list[list[str]], numeric_from: int) -> list[str]:
+def markdown_table(header: list[str], rows: list[list[str]], numeric_from: int) -> list[str]:
     align = ["---" if i < numeric_from else "---:" for i in range(len(header))]
     return ["| " + " | ".join(cells) + " |" for cells in (header, align, *rows)]
 
@@ -152,20 +152,20 @@ def markdown_report(runs: list[RunSummary]) -> str:
     for run in runs:
         acc = list(run.last.get("acc") or [])
         acc += [None] * (offsets - len(acc))
-        figures = [_fmt(run.last.get("loss")), _fmt(run.last.get("tau"), 3)]
-        figures += [_fmt(run.last.get("selected_tau"), 3)] * selected
-        figures += [_fmt(run.last.get("tau_prob"), 3)] * prob
-        rows.append([run.name, run.source, _fmt(run.last.get("step"))] + figures)
-        rows[-1] += [_fmt(a, 3) for a in acc]
+        figures = [fmt(run.last.get("loss")), fmt(run.last.get("tau"), 3)]
+        figures += [fmt(run.last.get("selected_tau"), 3)] * selected
+        figures += [fmt(run.last.get("tau_prob"), 3)] * prob
+        rows.append([run.name, run.source, fmt(run.last.get("step"))] + figures)
+        rows[-1] += [fmt(a, 3) for a in acc]
     lines = ["# Drafter runs", ""]
     for warning in mismatch_warnings(runs):  # one quote block each: markdown joins adjacent ones
         lines += [f"> **Warning:** {warning}", ""]
-    lines += _table(header, rows, numeric_from=2)
+    lines += markdown_table(header, rows, numeric_from=2)
     settings = differing_settings(runs)
     if settings:
         lines += ["", "Settings that differ:", ""]
-        body = [[key] + [_fmt(v) for v in values] for key, values in settings]
-        lines += _table(["setting"] + [run.name for run in runs], body, numeric_from=1)
+        body = [[key] + [fmt(v) for v in values] for key, values in settings]
+        lines += markdown_table(["setting"] + [run.name for run in runs], body, numeric_from=1)
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,135 @@
+"""A small OpenAI-compatible completions server for tests, in the test's process: the target's
+plain one-prompt greedy `generate` on the prompt ids, answered as vLLM answers (`token_ids`
+with the stop token, `finish_reason`), and the faults a test asks for.
+
+`fault(prompt_text, attempt)` names what the request with that prompt (its `attempt`-th time)
+gets instead of a completion: "503", "drop" (the connection closes without an answer), "hang"
+(no answer until the server stops), "too_long" (vLLM's 400 about the context length), "block"
+(`reached` is set, then the answer waits for `release`; dropped if the server stopped meanwhile)
+or "stop" (the server stops: this and every later request, on any connection, is dropped or
+refused).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+
+Fault = Callable[[str, int], str | None]
+
+
+class CompletionsServer:
+    def __init__(
+        self, target: Path, *, fault: Fault | None = None, models: tuple[str, ...] = ("tiny",)
+    ):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(target))
+        self.model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+        self.fault = fault or (lambda text, attempt: None)
+        self.models = models
+        self.requests: list[dict[str, Any]] = []  # every completion request's body
+        self.attempts: Counter = Counter()
+        self.lock = threading.Lock()
+        self.reached, self.release = threading.Event(), threading.Event()
+        self.stopped = threading.Event()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def stop(self) -> None:
+        """Stop serving: new connections are refused, open ones dropped, hung requests end."""
+        if not self.stopped.is_set():
+            self.stopped.set()
+            self.httpd.shutdown()
+            self.httpd.server_close()
+        self.release.set()
+
+    def prompts(self) -> list[str]:
+        return [self.tokenizer.decode(r["prompt"]) for r in self.requests]
+
+    def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        from transformers import GenerationConfig
+
+        stop = body["stop_token_ids"]
+        config = GenerationConfig(
+            do_sample=False, max_new_tokens=body["max_tokens"], eos_token_id=stop, pad_token_id=0
+        )
+        ids = torch.tensor([body["prompt"]])
+        with self.lock, torch.no_grad():
+            out = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), generation_config=config
+            )
+        new = out[0, ids.shape[1] :].tolist()
+        end = next((i + 1 for i, t in enumerate(new) if t in stop), None)
+        new = new if end is None else new[:end]
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        finish = "length" if end is None else "stop"
+        return {"choices": [{"index": 0, "text": text, "token_ids": new, "finish_reason": finish}]}
+
+
+def _handler(server: CompletionsServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # kept-alive connections, as real servers keep them
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _send(self, status: int, body: Any) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _drop(self) -> None:
+            self.close_connection = True
+
+        def do_GET(self) -> None:
+            if server.stopped.is_set():
+                return self._drop()
+            cards = [{"id": m, "object": "model", "max_model_len": 4096} for m in server.models]
+            self._send(200, {"object": "list", "data": cards})
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if server.stopped.is_set():
+                return self._drop()
+            text = server.tokenizer.decode(body["prompt"])
+            with server.lock:
+                server.requests.append(body)
+                server.attempts[text] += 1
+                attempt = server.attempts[text]
+            fault = server.fault(text, attempt)
+            if fault == "stop":
+                server.stop()
+                return self._drop()
+            if fault == "block":
+                server.reached.set()
+            if fault in ("hang", "block"):
+                server.release.wait()
+                if fault == "hang" or server.stopped.is_set():
+                    return self._drop()
+            if fault == "drop":
+                return self._drop()
+            if fault == "503":
+                return self._send(503, {"error": {"message": "overloaded"}})
+            if fault == "too_long":
+                message = "This model's maximum context length is 64 tokens. However, ..."
+                return self._send(400, {"error": {"message": message}})
+            self._send(200, server.complete(body))
+
+    return Handler

@@ -1,0 +1,265 @@
+"""`python -m extract.regen --server URL` against a small completions server in the test
+(`tests/completions_server.py`: the tiny target's greedy `generate` behind HTTP, with faults):
+the same rows as the local run, failures counted and requested again, a server that stops, a
+killed run resumed, and nothing requested twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from extract.regen.config import RegenError
+from extract.regen.journal import OpenChunk, journal_path
+from extract.regen.report import format_summary
+from extract.regen.state import parts_dir, read_state
+from tests.completions_server import CompletionsServer
+from tests.test_regenerate import (
+    MAX_LENGTH,
+    MAX_NEW,
+    ROWS_PER_CHUNK,
+    _read,
+    eos_target,
+    regen,
+    write_chats,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = dict(gpus=None, concurrency=3, retries=1, retry_wait=0.0)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def target(tiny_qwen3, tmp_path_factory) -> Path:
+    return eos_target(tiny_qwen3, tmp_path_factory.mktemp("eos-target"))
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    return write_chats(tmp_path_factory.mktemp("data") / "chats.jsonl")
+
+
+@pytest.fixture(scope="module")
+def full(target, data_file, tmp_path_factory) -> Path:
+    """The local run (Hugging Face `generate` in batches): its output file."""
+    out = tmp_path_factory.mktemp("full") / "out.jsonl"
+    regen(out, target, data_file)
+    return out
+
+
+@pytest.fixture()
+def serve(target):
+    """Start completions servers on the target; all are stopped after the test."""
+    started = []
+
+    def start(**kwargs) -> CompletionsServer:
+        started.append(CompletionsServer(target, **kwargs))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def _turns(local: Path) -> dict[int, int]:
+    """Assistant turns of each kept source row."""
+    return {
+        r["source_row"]: sum(m["role"] == "assistant" for m in r["messages"]) for r in _read(local)
+    }
+
+
+def _finished_rows(out: Path) -> set[int]:
+    """Rows a stopped run finished: in committed chunks, or in the journals of open ones."""
+    state, parts = read_state(parts_dir(out)), parts_dir(out)
+    rows = {r for record in state.chunks.values() for r in range(record.first_row, record.end_row)}
+    for journal in parts.glob("chunk-*.journal"):
+        chunk = int(journal.stem.removeprefix("chunk-"))
+        rows |= set(OpenChunk.load(parts, chunk, range(0, 1 << 30)).entries)
+    return rows
+
+
+def test_rows_equal_the_local_run_and_none_is_asked_twice(serve, target, data_file, full, tmp_path):
+    server = serve()
+    out = tmp_path / "served.jsonl"
+    state = regen(out, target, data_file, server=server.url, **FAST)
+    assert out.read_bytes() == full.read_bytes()
+    local = read_state(parts_dir(full))
+    ours, theirs = state.totals(range(len(state.chunks))), local.totals(range(len(local.chunks)))
+    for key in ("rows_kept", "rejected", "turns", "turns_at_limit", "new_tokens"):
+        assert ours[key] == theirs[key], key
+    assert len(server.requests) == sum(_turns(full).values())  # the too-long row is not sent
+    assert {r["temperature"] for r in server.requests} == {0.0}
+    assert all(r["repetition_penalty"] == 1.0 and r["return_token_ids"] for r in server.requests)
+    assert state.settings["engine"] == "server" and state.settings["server_model"] == "tiny"
+    assert "tiny" in format_summary(state, out=out, seconds=1.0)
+    again = regen(out, target, data_file, server=server.url, **FAST)
+    assert again.merged_rows == 14 and len(server.requests) == sum(_turns(full).values())
+
+
+def test_failures_are_retried_counted_and_requested_again(serve, target, data_file, full, tmp_path):
+    def fault(text: str, attempt: int) -> str | None:
+        if "What is 10 plus 0?" in text:
+            return "503"  # every attempt
+        if "Name 11." in text:
+            return "hang"
+        if "What is 0 plus 0?" in text and attempt == 1:
+            return "503"  # the retry succeeds
+        if "What is 1 plus 1?" in text and attempt == 1:
+            return "drop"
+        return None
+
+    flaky = serve(fault=fault)
+    out = tmp_path / "flaky.jsonl"
+    state = regen(out, target, data_file, server=flaky.url, request_timeout=1.0, **FAST)
+    assert state.failed == {"server_error": 1, "timeout": 1}
+    assert state.merged_rows is None and not out.exists()
+    summary = format_summary(state, out=out, seconds=1.0)
+    assert "failed, to retry" in summary and "server_error" in summary
+    assert _finished_rows(out) == set(range(14)) - {10, 11}
+    server = serve()
+    state = regen(out, target, data_file, server=server.url, **FAST)
+    assert out.read_bytes() == full.read_bytes() and state.failed == {}
+    turns = _turns(full)
+    assert len(server.requests) == turns[10] + turns[11]  # only the failed rows, again
+
+
+def _cli(out: Path, model: Path, data: Path, url: str) -> subprocess.Popen:
+    args = ["--target", str(model), "--data", str(data), "--out", str(out), "--server", url]
+    args += ["--max-new-tokens", str(MAX_NEW), "--max-length", str(MAX_LENGTH)]
+    args += ["--rows-per-chunk", str(ROWS_PER_CHUNK), "--concurrency", "2"]
+    args += ["--retries", "2", "--retry-wait", "0"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "extract.regen", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _resumed_asks_only_the_rest(serve, model: Path, out: Path, data: Path, local: Path) -> None:
+    finished = _finished_rows(out)
+    assert finished and finished != set(range(14))
+    server = serve()
+    state = regen(out, model, data, server=server.url, **FAST)
+    assert out.read_bytes() == local.read_bytes() and state.merged_rows == 14
+    rest = sum(n for row, n in _turns(local).items() if row not in finished)
+    assert len(server.requests) == rest
+
+
+def test_a_server_that_stops_is_a_message_and_a_resumable_state(
+    serve, target, data_file, full, tmp_path
+):
+    dying = serve(fault=lambda text, attempt: "stop" if "What is 4 plus 1?" in text else None)
+    out = tmp_path / "stopped.jsonl"
+    proc = _cli(out, target, data_file, dying.url)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr
+    assert "Traceback" not in stderr + stdout
+    message = stderr.strip().splitlines()[-1]
+    assert message.startswith("Error: --server") and "the run stopped (refused:" in message
+    assert "start the server again" in message and "run the same command to resume" in message
+    assert read_state(parts_dir(out)).merged_rows is None and not out.exists()
+    _resumed_asks_only_the_rest(serve, target, out, data_file, full)
+
+
+def test_a_killed_run_resumes_without_asking_twice(serve, target, data_file, full, tmp_path):
+    server = serve(fault=lambda text, attempt: "block" if "What is 10 plus 0?" in text else None)
+    out = tmp_path / "killed.jsonl"
+    proc = _cli(out, target, data_file, server.url)
+    try:
+        assert server.reached.wait(timeout=300), "the run never reached row 10"
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == -9
+    server.stop()
+    # Row 10 was sent once every earlier row but at most one in flight had been recorded.
+    assert len(_finished_rows(out)) >= 9
+    _resumed_asks_only_the_rest(serve, target, out, data_file, full)
+
+
+def test_ctrl_c_first_finishes_the_conversations_in_flight(
+    serve, target, data_file, full, tmp_path
+):
+    server = serve(fault=lambda text, attempt: "block" if "What is 10 plus 0?" in text else None)
+    out = tmp_path / "interrupted.jsonl"
+    proc = _cli(out, target, data_file, server.url)
+    try:
+        assert server.reached.wait(timeout=300), "the run never reached row 10"
+        proc.send_signal(signal.SIGINT)
+        for line in proc.stderr:  # the signal is handled: let the request in flight finish
+            if "finishing the conversations in flight" in line:
+                break
+        server.release.set()
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and "Traceback" not in stdout + stderr
+    assert "the run stopped (stopped by a signal)" in stderr.strip().splitlines()[-1]
+    assert 10 in _finished_rows(out)  # both its turns, the second asked after the signal
+    server.stop()
+    _resumed_asks_only_the_rest(serve, target, out, data_file, full)
+
+
+def test_a_turn_the_server_finds_too_long_is_a_rejected_row(
+    serve, target, data_file, full, tmp_path
+):
+    server = serve(fault=lambda text, attempt: "too_long" if "What is 13" in text else None)
+    out = tmp_path / "long.jsonl"
+    state = regen(out, target, data_file, server=server.url, **FAST)
+    rejected = state.totals(range(len(state.chunks)))["rejected_rows"]
+    assert {r["row"]: r["reason"] for r in rejected}[13] == "too_long"
+    assert _read(out) == [r for r in _read(full) if r["source_row"] != 13]
+
+
+def test_no_server_or_no_single_model_is_a_message(serve, target, data_file, tmp_path):
+    two = serve(models=("a", "b"))
+    url = two.url
+    with pytest.raises(RegenError, match=r"serves \['a', 'b'\]; name one"):
+        regen(tmp_path / "x.jsonl", target, data_file, server=url, **FAST)
+    with pytest.raises(RegenError, match="--server-model c:"):
+        regen(tmp_path / "x.jsonl", target, data_file, server=url, server_model="c", **FAST)
+    two.stop()
+    with pytest.raises(RegenError, match="no OpenAI-compatible server answers there"):
+        regen(tmp_path / "x.jsonl", target, data_file, server=url, **FAST)
+    assert not (tmp_path / "x.jsonl.parts").exists()
+
+
+def test_sampled_requests_carry_a_seed_per_row_and_turn(serve, target, data_file, tmp_path):
+    server = serve()
+    sampled = dict(temperature=0.7, top_p=0.9, top_k=20, seed=3, **FAST)
+    regen(tmp_path / "a.jsonl", target, data_file, server=server.url, **sampled)
+    first = {(json.dumps(r["prompt"]), r["seed"]) for r in server.requests}
+    assert {(r["temperature"], r["top_p"], r["top_k"]) for r in server.requests} == {(0.7, 0.9, 20)}
+    assert len({seed for _, seed in first}) == len(server.requests)
+    del server.requests[:]
+    regen(tmp_path / "b.jsonl", target, data_file, server=server.url, **sampled)
+    assert {(json.dumps(r["prompt"]), r["seed"]) for r in server.requests} == first
+
+
+def test_a_journal_left_by_a_crash_after_its_commit_goes(serve, target, data_file, full, tmp_path):
+    server = serve()
+    out = tmp_path / "out.jsonl"
+    regen(out, target, data_file, server=server.url, max_rows=4, **FAST)  # commits chunk 0
+    stale = journal_path(parts_dir(out), 0)
+    stale.write_text(json.dumps({"row": 0, "rejected": {"row": 0}}) + "\n")
+    regen(out, target, data_file, server=server.url, **FAST)
+    assert not stale.exists() and out.read_bytes() == full.read_bytes()
+
+
+def test_a_torn_journal_line_is_dropped(tmp_path):
+    journal = tmp_path / "chunk-000000.journal"
+    whole = json.dumps({"row": 1, "rejected": {"row": 1}}) + "\n"
+    journal.write_text(whole + '{"row": 2, "kept"')
+    loaded = OpenChunk.load(tmp_path, 0, range(0, 4))
+    assert set(loaded.entries) == {1} and journal.read_text() == whole

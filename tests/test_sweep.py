@@ -1,0 +1,180 @@
+"""python -m train.sweep: a tiny grid x seeds through the real train command, finished runs
+skipped on a rerun, an interrupted run resumed, and the report's figures over seeds."""
+
+import json
+import math
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from tests.cachegen import write_cache
+from train.proof.compare import read_run
+from train.run import run
+from train.sweep.__main__ import main
+from train.sweep.grid import GridError, check, parse_vary, plan_jobs
+from train.sweep.report import RESOLVE_SE, differences, mean_se
+
+TRAIN = [
+    "--drafter-layers", "1", "--block-size", "4", "--num-anchors", "8", "--batch-tokens", "512",
+    "--workers", "0", "--shuffle-buffer", "4", "--lr", "3e-3", "--steps", "6", "--log-every", "2",
+    "--eval-parts", "1", "--checkpoint-every", "2",
+]  # fmt: skip
+GRID = ["--vary", "optimizer=adamw,muon", "--seeds", "2", "--gpus", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return write_cache(tmp_path_factory.mktemp("cache"), num_parts=3, samples_per_part=6)
+
+
+def sweep(cache, out):
+    result = CliRunner().invoke(main, ["--data", str(cache), "--out", str(out), *GRID, *TRAIN])
+    return result
+
+
+@pytest.fixture(scope="module")
+def swept(cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep") / "s"
+    result = sweep(cache, out)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def jobs_of(cache, out):
+    grid = parse_vary(["optimizer=adamw,muon"])
+    return plan_jobs(data=cache, out=out, grid=grid, seeds=2, train_args=TRAIN)
+
+
+def test_report_is_the_mean_and_error_of_the_runs(cache, swept):
+    report = json.loads((swept / "report.json").read_text())
+    assert [v["variant"] for v in report["variants"]] == ["optimizer=adamw", "optimizer=muon"]
+    for variant in report["variants"]:
+        runs = [read_run(swept / "runs" / variant["variant"] / f"seed-{s}") for s in (0, 1)]
+        assert {r.source for r in runs} == {"eval"} and [r.last["step"] for r in runs] == [6, 6]
+        assert runs[0].train["optimizer"] == variant["settings"]["optimizer"]
+        for key in ("tau", "loss"):
+            values = [r.last[key] for r in runs]
+            assert variant[key]["values"] == values
+            assert variant[key]["mean"] == pytest.approx(statistics.fmean(values))
+            assert variant[key]["se"] == pytest.approx(statistics.stdev(values) / math.sqrt(2))
+    # the two seeds of a variant differ (init, data order, anchors); the variants differ too
+    losses = [v["loss"]["values"] for v in report["variants"]]
+    assert losses[0][0] != losses[0][1] and losses[0] != losses[1]
+    text = (swept / "report.md").read_text()
+    assert "| optimizer=adamw | 2 | 6 |" in text and "## Every run" in text
+    assert (swept / "tau.png").stat().st_size > 0 and (swept / "curves.png").stat().st_size > 0
+    logs = sorted(p.name for p in (swept / "logs").iterdir())
+    assert logs == [f"optimizer={o}.seed-{s}.log" for o in ("adamw", "muon") for s in (0, 1)]
+
+
+def test_a_rerun_skips_finished_runs(cache, swept):
+    before = {p: p.read_bytes() for p in swept.glob("runs/*/*/metrics.jsonl")}
+    result = sweep(cache, swept)
+    assert result.exit_code == 0, result.output
+    assert {p: p.read_bytes() for p in swept.glob("runs/*/*/metrics.jsonl")} == before
+    assert len(before) == 4
+    assert all(p.read_text().count("\n$ ") == 0 for p in (swept / "logs").iterdir())
+
+
+def test_an_interrupted_run_resumes(cache, swept, tmp_path):
+    out = tmp_path / "s"
+    shutil.copytree(swept / "runs", out / "runs")
+    job = next(j for j in jobs_of(cache, out) if j.variant.name == "optimizer=muon" and j.seed == 1)
+    shutil.rmtree(job.folder)
+    run(check(job.variant, [*job.argv, "--stop-after-steps", "3"]))  # as if killed at step 3
+    assert not (job.folder / "export").exists()
+    result = sweep(cache, out)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["optimizer=muon.seed-1.log"]
+    first = read_run(swept / "runs" / "optimizer=muon" / "seed-1")
+    again = read_run(job.folder)
+
+    # the same records but for the logging windows around the stop (a resumed first step is
+    # a window of its own)
+    def losses(summary):
+        return {r["step"]: r["loss"] for r in summary.train_history if r["step"] not in (3, 4)}
+
+    assert losses(again) == losses(first) and sorted(losses(first)) == [1, 2, 6]
+    assert again.last == first.last
+    a = load_file(str(swept / "runs/optimizer=muon/seed-1/export/model.safetensors"))
+    b = load_file(str(job.folder / "export" / "model.safetensors"))
+    assert all((a[k] == b[k]).all() for k in a)
+    ours = json.loads((out / "report.json").read_text())["variants"]
+    theirs = json.loads((swept / "report.json").read_text())["variants"]
+    assert ours == theirs
+
+
+def test_the_grid_is_checked_before_any_run(cache, tmp_path):
+    def plan(vary, train=()):
+        return plan_jobs(
+            data=cache, out=tmp_path, grid=parse_vary(vary), seeds=1, train_args=list(train)
+        )
+
+    with pytest.raises(GridError, match="same for every run"):
+        plan(["steps=5,10"])
+    with pytest.raises(GridError, match="no option of python -m train"):
+        plan(["optimiser=muon"])
+    with pytest.raises(GridError, match="set by the sweep"):
+        plan(["lr=1e-3"], ["--seed", "3"])
+    with pytest.raises(GridError, match="varied by --vary"):
+        plan(["lr=1e-3,3e-3"], ["--lr", "1e-3"])
+    with pytest.raises(GridError, match="variant optimizer=sgd: .*sgd"):
+        plan(["optimizer=sgd"])
+    with pytest.raises(GridError, match="variant noise_std=-1: .*--noise-std"):
+        plan(["noise-std=-1"])
+    jobs = plan(["selector-stop-grad=true,false", "target-layers=0,1;1,3"])
+    assert [j.variant.args()[0] for j in jobs[::2]] == [
+        "--selector-stop-grad",
+        "--no-selector-stop-grad",
+    ]
+    assert jobs[1].argv[-2:] == ("--target-layers", "1,3") and len(jobs) == 4
+    assert not tmp_path.joinpath("runs").exists()  # planning writes nothing
+
+
+def test_differences_against_the_best():
+    records = [
+        {"variant": "a", "tau": {"mean": 2.0, "se": 0.1}},
+        {"variant": "b", "tau": {"mean": 1.5, "se": 0.1}},
+        {"variant": "c", "tau": {"mean": 1.9, "se": 0.1}},
+        {"variant": "d", "tau": {"mean": 1.0, "se": None}},
+    ]
+    found = {d["a"]: d for d in differences(records)}
+    assert set(found) == {"b", "c", "d"} and all(d["b"] == "a" for d in found.values())
+    assert found["b"]["difference"] == pytest.approx(-0.5)
+    assert found["b"]["se"] == pytest.approx(math.sqrt(0.02)) and found["b"]["resolved"]
+    assert abs(found["c"]["difference"]) < RESOLVE_SE * found["c"]["se"]
+    assert not found["c"]["resolved"] and not found["d"]["resolved"]
+    assert mean_se([3.0]) == (3.0, None)
+
+
+def test_sigterm_stops_the_sweep_and_the_same_command_finishes_it(cache, swept, tmp_path):
+    """SIGTERM to the sweep while its one unfinished run trains: the run is passed SIGTERM, the
+    sweep exits non-zero printing the resume command, which then finishes it (as the run of the
+    uninterrupted sweep)."""
+    out = tmp_path / "s"
+    shutil.copytree(swept / "runs", out / "runs")
+    folder = out / "runs" / "optimizer=adamw" / "seed-0"
+    shutil.rmtree(folder)
+    cmd = [sys.executable, "-m", "train.sweep", "--data", str(cache), "--out", str(out)]
+    cmd += [*GRID, *TRAIN]
+    sweep_proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    for line in sweep_proc.stderr:  # its log: stop it once the run has started
+        if "starting optimizer=adamw seed 0" in line:
+            sweep_proc.send_signal(signal.SIGTERM)
+            break
+    rest = sweep_proc.stderr.read()
+    assert sweep_proc.wait() == 1, rest
+    assert "stopped by SIGTERM; not finished: optimizer=adamw seed 0" in rest
+    assert "resume: python -m train.sweep --data" in rest
+    assert not (folder / "export").exists()
+    result = sweep(cache, out)
+    assert result.exit_code == 0, result.output
+    a = load_file(str(swept / "runs/optimizer=adamw/seed-0/export/model.safetensors"))
+    b = load_file(str(folder / "export" / "model.safetensors"))
+    assert all((a[k] == b[k]).all() for k in a)

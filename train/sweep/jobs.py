@@ -1,0 +1,137 @@
+"""Running a sweep's jobs: each one the real `python -m train` command in a child process, as
+many at once as there are device slots, skipping finished runs and resuming interrupted ones.
+
+A run is finished when its export exists (train writes it last, after the final evaluation).
+Any other run folder is started again with the same command, and train's `--resume auto` takes
+it from its newest checkpoint (train refuses, with a message, a folder holding another run).
+Children run in their own session, so a Ctrl-C or SIGTERM reaches the sweep alone: it passes
+SIGTERM on once to every running child (each saves a checkpoint at its next log step and stops)
+and starts no more; a second signal is passed on again (they stop at once). A child also gets
+SIGTERM when the sweep dies without a word (`kill -9`: the kernel's parent-death signal).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import shlex
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.stopping import STOP_SIGNALS, die_with_parent
+from train.sweep.grid import Job
+
+log = logging.getLogger(__name__)
+
+LOGS_DIR = "logs"
+EXPORT_WEIGHTS = Path("export") / "model.safetensors"
+
+
+def finished(job: Job) -> bool:
+    return (job.folder / EXPORT_WEIGHTS).is_file()
+
+
+def command(job: Job, device: str, python: str = sys.executable) -> list[str]:
+    return [python, "-m", "train", *job.argv, "--gpus", device]
+
+
+def log_path(out: Path, job: Job) -> Path:
+    return Path(out) / LOGS_DIR / f"{job.variant.name}.seed-{job.seed}.log"
+
+
+@dataclass
+class Outcome:
+    """What a call of `run_jobs` did."""
+
+    skipped: list[Job] = field(default_factory=list)  # finished before it started
+    done: list[Job] = field(default_factory=list)
+    failed: list[tuple[Job, int]] = field(default_factory=list)  # (job, exit status)
+    not_started: list[Job] = field(default_factory=list)  # left after a stop signal
+    stopped_by: str | None = None
+
+
+def run_jobs(jobs: Sequence[Job], *, out: Path, devices: Sequence[str]) -> Outcome:
+    """Run the unfinished jobs in order, one per device slot at a time (a device may appear
+    more than once: that many at once on it). Each child's output goes to `logs/`."""
+    outcome = Outcome(skipped=[j for j in jobs if finished(j)])
+    todo = [j for j in jobs if not finished(j)]
+    log.info("%d runs: %d finished already, %d to run", len(jobs), len(outcome.skipped), len(todo))
+    free, running = list(devices), {}  # pid -> (job, device, Popen)
+    told: set[int] = set()  # the children passed SIGTERM since the last stop signal
+
+    def pass_on() -> None:
+        for pid, (_, _, proc) in running.items():
+            if pid not in told:
+                told.add(pid)
+                proc.send_signal(signal.SIGTERM)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        outcome.stopped_by = signal.Signals(signum).name
+        log.warning("%s: passing SIGTERM to the running runs; no new ones", outcome.stopped_by)
+        told.clear()  # a second signal is passed on again: the runs stop at once
+        pass_on()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
+    try:
+        while todo or running:
+            while todo and free and outcome.stopped_by is None:
+                job, device = todo.pop(0), free.pop(0)
+                proc = _start(job, device, out)
+                running[proc.pid] = (job, device, proc)
+                if outcome.stopped_by is not None:  # a signal came while it was starting
+                    pass_on()
+            if not running:
+                break
+            pid = _next_exit(running)
+            job, device, proc = running.pop(pid)
+            code = proc.wait()
+            free.append(device)
+            if code == 0 and finished(job):
+                outcome.done.append(job)
+                log.info("finished %s seed %d", job.variant.name, job.seed)
+            else:
+                outcome.failed.append((job, code))
+                log.warning(
+                    "%s seed %d ended with status %d before its export: see %s",
+                    job.variant.name, job.seed, code, log_path(out, job),
+                )  # fmt: skip
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    outcome.not_started = todo
+    return outcome
+
+
+def _next_exit(running: dict[int, tuple[Job, str, subprocess.Popen]]) -> int:
+    """The pid of a running child that has exited, waiting for one (pidfds: no other child of
+    this process is reaped, and a signal to the sweep is handled while it waits)."""
+    fds = {os.pidfd_open(pid): pid for pid in running}
+    try:
+        ready, _, _ = select.select(list(fds), [], [])
+        return fds[ready[0]]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _start(job: Job, device: str, out: Path) -> subprocess.Popen:
+    path = log_path(out, job)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = command(job, device)
+    log.info("starting %s seed %d on %s: %s", job.variant.name, job.seed, device, shlex.join(cmd))
+    with open(path, "ab") as sink:  # appended: a resumed run's log follows its first part
+        sink.write(f"$ {shlex.join(cmd)}\n".encode())
+        sink.flush()
+        return subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: die_with_parent(signal.SIGTERM),
+        )
