@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Real-model evidence in one command on one H200: SmolLM2-135M-Instruct (real weights), a data
-# set it writes and answers itself, lossless and fp8 caches, two drafters, real speculation.
+# set it writes and answers itself, lossless, fp8 and int4 caches, five drafters, real speculation.
 #
 #   bash bench/real_target.sh SOURCE [WORK]
 #
@@ -16,7 +16,10 @@
 # drafters side by side, same seed, steps and options: DFlash on each cache, DFlash2 and DSpark on
 # the bf16 cache (DFlash and DFlash2 read its taps, DSpark the last layer too); train.proof.compare;
 # train.proof.speculate of the four on the held-out prompts, in one process (one greedy decoding of
-# the target for all).
+# the target for all). With an int4 cache too (unless BENCH_SKIP=int4): the store report
+# (bench/store_bench.py: every store's bytes, error per layer and coding speed on the bf16
+# cache's states), a DFlash drafter on it, and train.proof.tau: each drafter's tau with its
+# standard error and its paired difference from the bf16 cache's DFlash.
 # BENCH_MODE=cpu: the same on a CPU at a size it can do in about 90 minutes (about 500
 # conversations, a 2-layer drafter, 400 steps of 1024 tokens): real figures, smaller than the GPU's.
 # BENCH_FROM=STAGE: start at that stage, reusing what the earlier ones left in WORK.
@@ -26,7 +29,8 @@
 # BENCH_SKIP=codec BENCH_UNTIL=compare, then BENCH_FROM=speculate, on the same machine (WORK
 # must still be there; bench/README.md has the stage times).
 # BENCH_SKIP=STAGE[,STAGE...]: leave those stages out (e.g. codec, already measured); fp8: no
-# fp8 cache, nor its drafter and error report (the family ablation alone).
+# fp8 cache, nor its drafter and error report; int4: no int4 cache, nor its drafter and store
+# report (fp8,int4: the family ablation alone).
 # BENCH_DATA=shipped: the data set the package ships (extract/data/smollm2_chats.jsonl and its 32
 # held-out prompts, the CPU mode's regeneration from 800 seeds) instead of writing one.
 # BENCH_TINY=1 (or BENCH_MODE=tiny): a handful of rows and steps on the CPU (a check, not a figure).
@@ -49,18 +53,18 @@ MODE=${BENCH_MODE:-gpu}
 EVAL=(--eval-parts 1)
 case $MODE in
   tiny)
-    GPUS=cpu SEEDS=${SEEDS:-12} HELD_OUT=${HELD_OUT:-3} Q_TOKENS=24 A_TOKENS=16 BATCH=12
+    GPUS=cpu STORE_DEVICE=cpu SEEDS=${SEEDS:-12} HELD_OUT=${HELD_OUT:-3} Q_TOKENS=24 A_TOKENS=16 BATCH=12
     STEPS=${STEPS:-3} SPEC_TOKENS=16 TRAIN=(--drafter-layers 1 --num-anchors 8 --batch-tokens 512)
     PARTS=(--rows-per-part 8) ;;  # training holds a part out: at least two
   cpu)  # real figures a 2-core machine can produce in about an hour: ~1K conversations
-    GPUS=cpu SEEDS=${SEEDS:-800} HELD_OUT=${HELD_OUT:-32} Q_TOKENS=48 A_TOKENS=${A_TOKENS:-128}
+    GPUS=cpu STORE_DEVICE=cpu SEEDS=${SEEDS:-800} HELD_OUT=${HELD_OUT:-32} Q_TOKENS=48 A_TOKENS=${A_TOKENS:-128}
     BATCH=${BATCH:-64} STEPS=${STEPS:-400} SPEC_TOKENS=${SPEC_TOKENS:-32}
     TRAIN=(--drafter-layers 2 --num-anchors 64 --batch-tokens 1024 --lr 2e-3)
     EVAL=(--eval-fraction 0.02) PARTS=() ;;
   gpu)
     # 50,500 seeds (then all there were) gave 19,923 distinct questions on an H200 (2026-12-01):
     # 60K (of 64,640) for 20K+ chats.
-    GPUS=${GPUS:-0} SEEDS=${SEEDS:-60000} HELD_OUT=${HELD_OUT:-32} Q_TOKENS=48
+    GPUS=${GPUS:-0} STORE_DEVICE=cuda SEEDS=${SEEDS:-60000} HELD_OUT=${HELD_OUT:-32} Q_TOKENS=48
     A_TOKENS=${A_TOKENS:-128} BATCH=${BATCH:-1024} STEPS=${STEPS:-800} SPEC_TOKENS=96 TRAIN=()
     PARTS=() ;;
   *) echo "BENCH_MODE must be gpu, cpu or tiny, not $MODE" >&2; exit 2 ;;
@@ -125,6 +129,8 @@ shared_cores() {  # shared_cores N CMD...: on the CPU, CMD with 1/N of the cores
 }
 FP8=1
 [[ " ${SKIP//,/ } " == *" fp8 "* ]] && FP8=0
+INT4=1
+[[ " ${SKIP//,/ } " == *" int4 "* ]] && INT4=0
 stage materialize python3 -m extract.models $T --source "$SOURCE"
 shipped() {  # the shipped data set and its held-out prompts, as the data stages would leave them
   cp extract/data/smollm2_chats.jsonl "$WORK/data.jsonl"
@@ -146,12 +152,13 @@ extract() {  # extract STORE: the taps and the last layer (stored after the fina
   python3 -m extract --target $T --gpus "$GPUS" --data "$WORK/data.jsonl" --out "$WORK/$1" \
     --store "$1" --layers $TAPS,29 --overwrite "${PARTS[@]}"
 }
-if [ $FP8 = 1 ]; then
-  stage extract side_by_side extract bf16 -- extract fp8
-else
-  stage extract extract bf16
-fi
+EXTRACTS=(extract bf16)
+[ $FP8 = 0 ] || EXTRACTS+=(-- extract fp8)
+[ $INT4 = 0 ] || EXTRACTS+=(-- extract int4)
+stage extract side_by_side "${EXTRACTS[@]}"
 stage codec python3 bench/codec_bench.py --cache "$WORK/bf16" --max-samples "$CODEC_SAMPLES"
+[ $INT4 = 0 ] || stage stores python3 bench/store_bench.py --cache "$WORK/bf16" \
+  --max-samples "$CODEC_SAMPLES" --device "$STORE_DEVICE" --json "$WORK/stores.json"
 [ $FP8 = 0 ] || stage fp8_error python3 bench/fp8_error.py --bf16 "$WORK/bf16" --fp8 "$WORK/fp8" \
   --json "$WORK/fp8_error.json"
 train() {  # train STORE NAME [OPTION...]: a drafter on one cache, into run-NAME
@@ -164,9 +171,11 @@ train() {  # train STORE NAME [OPTION...]: a drafter on one cache, into run-NAME
 # DFlash on each cache, and the family ablation on the bf16 cache with the same seed, steps and
 # options: DFlash2 and DSpark (their published defaults: DSpark's block of 7, its three-term
 # objective on the cached last layer); all side by side.
-RUNS=(bf16 dflash2 dspark)
+RUNS=(bf16)
 TRAINS=(train bf16 bf16 --target-layers $TAPS)
-[ $FP8 = 0 ] || { RUNS=(bf16 fp8 dflash2 dspark); TRAINS+=(-- train fp8 fp8 --target-layers $TAPS); }
+[ $FP8 = 0 ] || { RUNS+=(fp8); TRAINS+=(-- train fp8 fp8 --target-layers $TAPS); }
+[ $INT4 = 0 ] || { RUNS+=(int4); TRAINS+=(-- train int4 int4 --target-layers $TAPS); }
+RUNS+=(dflash2 dspark)
 TRAINS+=(-- train bf16 dflash2 --drafter-type dflash2 --target-layers $TAPS)
 TRAINS+=(-- train bf16 dspark --drafter-type dspark)
 stage train side_by_side "${TRAINS[@]}"
@@ -179,10 +188,14 @@ speculate() {  # the exports in one process: the target's greedy reference is ma
   awk '/^drafter /{d=$2} /^tau /{print d, $0}' "$WORK/spec.txt"
 }
 stage speculate speculate
+# tau with standard errors over the prompts, each drafter against the bf16 cache's DFlash, paired
+stage tau python3 -m train.proof.tau "$WORK/spec.txt"
 echo "rows: $(wc -l <"$WORK/data.jsonl") conversations, held-out prompts: $HELD_OUT" | tee -a "$LOG"
 if [ -n "${OUT:-}" ]; then
   cp "$LOG" "$WORK"/compare.md "$WORK"/spec.txt "$OUT"/
   cp "$WORK"/bf16/manifest.json "$OUT"/manifest-bf16.json
   [ $FP8 = 0 ] || cp "$WORK"/fp8_error.json "$OUT"/
   [ $FP8 = 0 ] || cp "$WORK"/fp8/manifest.json "$OUT"/manifest-fp8.json
+  [ $INT4 = 0 ] || cp "$WORK"/stores.json "$OUT"/
+  [ $INT4 = 0 ] || cp "$WORK"/int4/manifest.json "$OUT"/manifest-int4.json
 fi

@@ -16,7 +16,7 @@ from extract.estimate import CacheEstimate, estimate_cache
 from extract.sources import check_table, source_kind
 from extract.target import build_target_layer_ids, read_config, target_info, text_config
 from shared.cli import to_json
-from shared.codec import codec_description
+from shared.codec import codec_description, payload_width
 from shared.fsio import unwritable_reason
 from shared.manifest import FORMAT_VERSION, LAST_LAYER_WARNING, Manifest, SourceFile
 
@@ -94,6 +94,10 @@ def plan_manifest(cfg: ExtractConfig) -> tuple[Manifest, RowIndex, CacheEstimate
     files = cfg.data or default_data()
     _check_data(files)
     layer_ids = _layer_ids(cfg, int(text_config(config)["num_hidden_layers"]))
+    try:  # the int4 code's groups must tile the hidden size
+        payload_width(cfg.store, int(text_config(config)["hidden_size"]))
+    except ValueError as e:
+        raise ExtractError(str(e)) from None
     problem = unwritable_reason(cfg.out)
     if problem:
         raise ExtractError(f"--out {cfg.out}: {problem}")

@@ -20,6 +20,7 @@ import torch
 
 from extract.data import Tokenized
 from shared.codec import Bf16Planes, hidden_codec, quantize_fp8
+from shared.int4 import Int4Scheme, encode_int4
 from shared.planes import split_planes
 
 
@@ -134,13 +135,17 @@ class WriterPool:
 
 def device_payload(packed: torch.Tensor, store: str, fmt: str) -> dict[str, torch.Tensor]:
     """What is staged to the host: layer-major payload [K, N, H] (one layer's rows contiguous,
-    see LayerCapture) and, for fp8, the scales [N, K]. bf16 for zarr parts goes as its two
+    see LayerCapture) and, for fp8, the scales [N, K]; int4 records [K, N, H + 4], encoded on
+    the device (`shared.int4.encode_int4`). bf16 for zarr parts goes as its two
     `planes` byte planes, split on the device (`shared.planes.split_planes`): as many bytes as
     the bf16 values, and the writer threads, which share the host's cores and its GIL with the
     thread launching the forwards, only compress."""
     if store == "fp8":
         q, scale = quantize_fp8(packed)
         return {"q": q.transpose(0, 1).contiguous(), "scale": scale.contiguous()}
+    if store == "int4":
+        records = encode_int4(packed.transpose(0, 1), Int4Scheme(hidden=packed.shape[-1]))
+        return {"int4": records}
     hidden = packed.transpose(0, 1).to(torch.bfloat16)
     if fmt == "zarr" and hidden_codec(store) == "planes":
         planes = split_planes(hidden)
@@ -169,6 +174,8 @@ def write_sample(writer, n: int, row: Tokenized, host: dict, rows: slice, countd
         # [L, K, H] views of the layer-major buffers: the writers take them without a copy.
         if "q" in host:
             hidden = (host["q"][:, rows].transpose(0, 1), host["scale"][rows])
+        elif "int4" in host:
+            hidden = host["int4"][:, rows].transpose(0, 1)
         elif "exponent" in host:
             e, sm = (host[name][:, rows].transpose(0, 1) for name in ("exponent", "sign_mantissa"))
             hidden = Bf16Planes(e, sm)

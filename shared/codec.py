@@ -23,6 +23,8 @@ import torch
 from numcodecs import Blosc
 
 from shared.format import FORMAT_VERSION, FORMATS, STORES  # noqa: F401 (the format's names)
+from shared.fp8 import FP8_MAX, dequantize_fp8, quantize_fp8  # noqa: F401  (the fp8 store)
+from shared.int4 import INT4_FRAMES, INT4_ZSTD, Int4Scheme, encode_int4
 
 # Each sample's first row in a zarr part is a multiple of this; also the row extent of a chunk.
 CHUNK_ROWS = 64
@@ -59,8 +61,6 @@ PLANES_BLOSC = {
 }
 # A zstd frame's first four bytes; a Blosc frame starts with its format version (2).
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-# Largest finite float8 e4m3fn magnitude: scale = amax / FP8_MAX maps each row onto the full range.
-FP8_MAX = 448.0
 
 numcodecs.blosc.use_threads = False
 numcodecs.blosc.set_nthreads(1)
@@ -110,9 +110,20 @@ def check_format(fmt: str) -> None:
 
 
 def payload_dtype(store: str) -> np.dtype:
-    """numpy dtype of the stored hidden payload: bf16 bit patterns or e4m3 bit patterns."""
+    """numpy dtype of the stored hidden payload: bf16 bit patterns, or bytes (e4m3 bits, int4
+    records)."""
     check_store(store)
     return np.dtype(np.uint16) if store == "bf16" else np.dtype(np.uint8)
+
+
+def payload_width(store: str, hidden_size: int) -> int:
+    """The payload's last dimension: the hidden size, or an int4 record's bytes.
+
+    >>> payload_width("fp8", 576), payload_width("int4", 576)
+    (576, 580)
+    """
+    check_store(store)
+    return Int4Scheme(hidden=hidden_size).width if store == "int4" else hidden_size
 
 
 def blosc_settings(typesize: int) -> dict:
@@ -149,7 +160,7 @@ def blosc_compressor(typesize: int) -> Callable[[np.ndarray], bytes]:
 def hidden_codec(store: str) -> str:
     """The codec the writers use for a store's hidden payload (readers take what a part says)."""
     check_store(store)
-    return BF16_CODEC if store == "bf16" else "blosc"
+    return {"bf16": BF16_CODEC, "fp8": "blosc", "int4": "int4"}[store]
 
 
 def codec_description(store: str) -> dict:
@@ -164,18 +175,28 @@ def codec_description(store: str) -> dict:
                 "sign_mantissa": {"id": "blosc", **PLANES_BLOSC["sign_mantissa"]},
             },
         }
+    elif store == "int4":
+        compressor = {"id": "int4", "layout": INT4_FRAMES, "zstd": INT4_ZSTD}
     else:
         compressor = {"id": "blosc", **blosc_settings(ptype.itemsize)}
-    return {
+    meaning = {
+        "bf16": "bfloat16 bits",
+        "fp8": "float8_e4m3fn bits",
+        "int4": "int4 records of H + 4 bytes (shared.int4), H the target's hidden size",
+    }
+    out = {
         "format_version": FORMAT_VERSION,
         "store": store,
         "hidden_dtype": str(ptype),
-        "hidden_meaning": "bfloat16 bits" if store == "bf16" else "float8_e4m3fn bits",
-        "scale": None if store == "bf16" else "float32 per token per layer, amax/448",
+        "hidden_meaning": meaning[store],
+        "scale": "float32 per token per layer, amax/448" if store == "fp8" else None,
         "compressor": compressor,
         "checksum": "crc32c",
         "chunk_rows": CHUNK_ROWS,
     }
+    if store == "int4":  # the scheme's parameters (each part records its own, with H)
+        out["int4"] = {k: v for k, v in Int4Scheme(hidden=64).to_dict().items() if k != "hidden"}
+    return out
 
 
 def bf16_to_u16(t: torch.Tensor) -> np.ndarray:
@@ -190,38 +211,11 @@ def u16_to_bf16(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a)).view(torch.bfloat16)
 
 
-def quantize_fp8(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row float8 e4m3 quantisation over the last dim, on ``h``'s device.
-
-    Returns ``(q, scale)``: q uint8 [..., H] holding e4m3 bits and scale float32 [...] with
-    ``h ~= e4m3(q) * scale``. scale = amax / 448 so a row's largest value lands on e4m3's largest
-    finite value; an all-zero row gets scale 1. A plain cast would clip massive activations.
-
-    >>> q, s = quantize_fp8(torch.tensor([[3000.0, 1.0, -2.0]]))
-    >>> dequantize_fp8(q, s, torch.float32)[0, 0].item()
-    3000.0
-    """
-    h32 = h.detach().float()
-    amax = h32.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (h32 / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(torch.uint8), scale
-
-
-def dequantize_fp8(
-    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
-) -> torch.Tensor:
-    """Inverse of quantize_fp8 on ``q``'s device: e4m3 bits [..., H] times scale [...]."""
-    if q.dtype != torch.uint8:
-        raise TypeError(f"expected uint8 e4m3 bits, got {q.dtype}")
-    values = q.view(torch.float8_e4m3fn).float() * scale.float().unsqueeze(-1)
-    return values.to(dtype)
-
-
 def encode_hidden(
     hidden: HiddenInput, store: str, shape: tuple[int, int, int]
 ) -> tuple[np.ndarray | Bf16Planes, np.ndarray | None]:
-    """The stored payload of one sample: (uint16 or uint8 [L, K, H], float32 scale [L, K] or None).
+    """The stored payload of one sample: (uint16 or uint8 [L, K, H], float32 scale [L, K] or None;
+    int4: uint8 records [L, K, H + 4] and None). ``shape`` is (L, K, H).
 
     The payload keeps the input's strides (a layer-major [L, K, H] view stays one, see
     `extract.capture.LayerCapture`); writers that need C order call `c_contiguous`.
@@ -229,8 +223,11 @@ def encode_hidden(
     bf16 takes a bf16 tensor or its planes (`Bf16Planes`, from `shared.planes.split_planes`:
     the payload is then a `Bf16Planes` of numpy uint8 [L, K, H]); fp8 takes a bf16/float tensor
     (quantised here, on its device) or an already quantised ``(q uint8 [L, K, H], scale float32
-    [L, K])``.
+    [L, K])``; int4 takes a bf16/float tensor (encoded here, on its device: `shared.int4`) or its
+    records (uint8 [L, K, H + 4]).
     """
+    if store == "int4":
+        return _int4_payload(hidden, shape), None
     if isinstance(hidden, Bf16Planes):
         if store != "bf16":
             raise TypeError("bf16 planes are only accepted by store 'bf16'")
@@ -256,6 +253,19 @@ def encode_hidden(
         if scale.shape != shape[:2]:
             raise ValueError(f"scale must be float32 {shape[:2]}, got {scale.shape}")
     return q, scale
+
+
+def _int4_payload(hidden: HiddenInput, shape: tuple[int, int, int]) -> np.ndarray:
+    scheme = Int4Scheme(hidden=shape[2])
+    if isinstance(hidden, torch.Tensor) and hidden.is_floating_point():
+        hidden = encode_int4(hidden, scheme)
+    if not isinstance(hidden, torch.Tensor | np.ndarray):
+        raise TypeError(f"store 'int4' takes states or their records, got {type(hidden).__name__}")
+    records = host_array(hidden)
+    want = (*shape[:2], scheme.width)
+    if records.shape != want or records.dtype != np.uint8:
+        raise ValueError(f"int4 records must be uint8 {want}, got {records.dtype} {records.shape}")
+    return records
 
 
 def _bf16_bits(t: torch.Tensor) -> np.ndarray:

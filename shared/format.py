@@ -5,5 +5,5 @@ torch, numcodecs or transformers is imported (`shared.codec` holds the codec its
 """
 
 FORMAT_VERSION = 1
-STORES = ("bf16", "fp8")
+STORES = ("bf16", "fp8", "int4")
 FORMATS = ("zarr", "wds")

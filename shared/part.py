@@ -31,11 +31,13 @@ from shared.codec import (
     check_store,
     dequantize_fp8,
     encode_hidden,
+    payload_width,
     token_array,
     u16_to_bf16,
 )
 from shared.diskqueue import DiskQueue, drain
 from shared.fsio import fsync_dir, replace_dir
+from shared.int4 import Int4Scheme, decode_int4
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +60,21 @@ def aligned_offsets(lengths: Sequence[int]) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class Sample:
-    """One cached sample. hidden holds bf16 bits (uint16) or e4m3 bits (uint8) [L, K', H]."""
+    """One cached sample. hidden holds bf16 bits (uint16), e4m3 bits (uint8) [L, K', H] (with
+    their `scale`) or int4 records (uint8 [L, K', H + 4], with their `scheme`)."""
 
     sample_index: int
     input_ids: np.ndarray
     loss_mask: np.ndarray
     hidden: np.ndarray
     scale: np.ndarray | None = None
+    scheme: Int4Scheme | None = None
 
     def hidden_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """bf16 [L, K', H] on ``device``; fp8 payloads are dequantised there."""
+        """bf16 [L, K', H] on ``device``; fp8 and int4 payloads are decoded there."""
+        if self.scheme is not None:
+            records = torch.from_numpy(np.ascontiguousarray(self.hidden)).to(device)
+            return decode_int4(records, self.scheme)
         if self.scale is None:
             return u16_to_bf16(self.hidden).to(device)
         q = torch.from_numpy(np.ascontiguousarray(self.hidden)).to(device)
@@ -117,6 +124,7 @@ class PartWriter:
         self._io, self._io_futures = io, []
         self.tmp = final.with_name(final.name + ".tmp")
         self.store, self.num_layers, self.hidden_size = store, num_layers, hidden_size
+        self.scheme = Int4Scheme(hidden=hidden_size) if store == "int4" else None
         self.lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
         if (self.lengths <= 0).any():
             raise ValueError("every sample length must be > 0")
@@ -126,6 +134,15 @@ class PartWriter:
         self._written = np.zeros(len(self.lengths), dtype=bool)
         self._supervised = 0
         self._closed = False
+
+    @property
+    def width(self) -> int:
+        """The payload's last dimension (`shared.codec.payload_width`)."""
+        return payload_width(self.store, self.hidden_size)
+
+    def store_attrs(self) -> dict[str, Any]:
+        """What a part records about its store besides its name: an int4 part its scheme."""
+        return {} if self.scheme is None else {"int4": self.scheme.to_dict()}
 
     def write(
         self,
@@ -255,10 +272,22 @@ class PartReader:
         hidden_size: int,
         lengths: np.ndarray,
         sample_indices: np.ndarray,
+        int4: dict[str, Any] | None = None,
     ) -> None:
+        """`int4`: an int4 part's recorded scheme (`Int4Scheme.to_dict`)."""
         check_store(store)
         self.path = path
         self.store, self.num_layers, self.hidden_size = store, num_layers, hidden_size
+        self.width = payload_width(store, hidden_size)
+        self.scheme = None
+        if store == "int4":
+            if int4 is None:
+                raise ValueError(f"{path}: an int4 part without its scheme")
+            self.scheme = Int4Scheme.from_dict(int4)
+            if self.scheme.hidden != hidden_size:
+                raise ValueError(
+                    f"{path}: int4 scheme of hidden {self.scheme.hidden}, not {hidden_size}"
+                )
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.sample_indices = np.asarray(sample_indices, dtype=np.int64)
 

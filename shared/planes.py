@@ -8,7 +8,6 @@ reads the exponent frames of caches written before they were zstd (Blosc, named 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import numcodecs.blosc
@@ -24,6 +23,7 @@ from shared.codec import (
     Bf16Planes,
     c_contiguous,
 )
+from shared.zstd_frames import zstd_frame
 
 # Values per step of `split_planes` (its int16 temporaries: 128 MiB each).
 SPLIT_ELEMENTS = 1 << 26
@@ -65,27 +65,9 @@ def planes_frames(
     return [len(e).to_bytes(4, "little"), e, sm]
 
 
-_zstd = threading.local()  # a zstd compressor per thread: one is not safe to share
-
-
 def exponent_frame(plane: np.ndarray) -> bytes:
-    """The exponent bytes as a zstd frame (PLANES_EXPONENT_ZSTD; python-zstandard releases the
-    GIL while it compresses, so N writer threads use N cores)."""
-    cctx = getattr(_zstd, "cctx", None)
-    if cctx is None:
-        try:
-            import zstandard
-        except ImportError as e:  # a dependency of the package; named for a bare environment
-            raise ImportError(
-                "writing bf16 states needs the zstandard package: pip install zstandard"
-            ) from e
-        settings = dict(PLANES_EXPONENT_ZSTD)
-        strategy = getattr(zstandard, f"STRATEGY_{settings.pop('strategy').upper()}")
-        params = zstandard.ZstdCompressionParameters(  # the content size lets any reader
-            strategy=strategy, write_content_size=True, write_checksum=False, **settings
-        )  # size its output (the chunk is crc32c-checked by zarr)
-        cctx = _zstd.cctx = zstandard.ZstdCompressor(compression_params=params)
-    return cctx.compress(plane)
+    """The exponent bytes as a zstd frame (PLANES_EXPONENT_ZSTD)."""
+    return zstd_frame(plane, PLANES_EXPONENT_ZSTD)
 
 
 def blosc_exponent_frame(plane: np.ndarray) -> bytes:

@@ -4,13 +4,13 @@ A part is ``part-XXXXXX.tar``. Its first member, ``__part__``, holds the part's 
 (format version, store, layer count, hidden size, sample count); webdataset's tar iterator skips
 names of that shape. Then per sample, with KEY = ``s{sample_index:012d}``:
 
-    KEY.hidden.blosc   Blosc-based frames of the [L, K, H] payload (bf16 or e4m3 bits), C order
+    KEY.hidden.blosc   frames of the [L, K, W] payload (bf16 or e4m3 bits, int4 records), C order
     KEY.scale.npy      float32 [L, K] (fp8 store only)
     KEY.ids.npy        int32 [L]
     KEY.mask.npy       uint8 [L]
     KEY.json           sample_index, codec, length, shape, dtype, store, frames, crc32c of the
                        payload (codec: "planes" or "blosc" for bf16, see `shared.codec`; none
-                       before "planes" existed: Blosc)
+                       before "planes" existed: Blosc; "int4" for int4 records)
 
 Members of one sample are adjacent; samples are in order of completion, which readers do not
 rely on. Compression happens in the writing thread (numcodecs releases the GIL), only the tar
@@ -39,6 +39,7 @@ from shared.codec import (
     payload_dtype,
 )
 from shared.fsio import start_writeback
+from shared.int4 import int4_frames, int4_unframe
 from shared.part import PartReader, PartWriter, Sample
 from shared.planes import merge_planes, planes_compress, planes_decompress
 
@@ -58,9 +59,14 @@ def required_exts(store: str) -> frozenset[str]:
     return frozenset(_BASE_EXTS + (("scale.npy",) if store == "fp8" else ()))
 
 
-def compress_payload(payload: np.ndarray, codec: str = "blosc") -> list[bytes]:
+def compress_payload(payload: np.ndarray, codec: str = "blosc", split: int = 0) -> list[bytes]:
     """Frames of a C-contiguous array's bytes: Blosc (cache settings, typesize = itemsize) or,
-    for bf16 bits, `planes` (`shared.planes.planes_compress`)."""
+    for bf16 bits, `planes` (`shared.planes.planes_compress`), or for int4 records [..., W]
+    `shared.int4.int4_frames` (`split`: the records' int4 bytes)."""
+    if codec == "int4":
+        rows = c_contiguous(payload).reshape(-1, payload.shape[-1])
+        step = max(1, FRAME_BYTES // rows.shape[1])
+        return [b"".join(int4_frames(rows[i : i + step], split)) for i in range(0, len(rows), step)]
     if codec == "planes":
         flat = c_contiguous(payload).reshape(-1)
         step = FRAME_BYTES // 2
@@ -79,6 +85,8 @@ def decompress_payload(
 ) -> np.ndarray:
     """Inverse of compress_payload; ``frames`` are the compressed frame sizes."""
     out = np.empty(tuple(shape), dtype)
+    if codec == "int4":
+        return _decompress_int4(blob, frames, out)
     planes = codec == "planes"
     flat = out.reshape(-1) if planes else out.reshape(-1).view(np.uint8)
     step = FRAME_BYTES // 2 if planes else FRAME_BYTES
@@ -93,6 +101,17 @@ def decompress_payload(
         pos, done = pos + size, done + n
     if pos != len(view) or done != flat.size:
         raise ValueError(f"payload of {len(view)} bytes does not decode to {tuple(shape)}")
+    return out
+
+
+def _decompress_int4(blob: bytes, frames: Sequence[int], out: np.ndarray) -> np.ndarray:
+    rows = out.reshape(-1, out.shape[-1])
+    view, pos, done = memoryview(blob), 0, 0
+    for size in frames:
+        n = len(int4_unframe(view[pos : pos + size], rows.shape[1], out=rows[done:]))
+        pos, done = pos + size, done + n
+    if pos != len(view) or done != len(rows):
+        raise ValueError(f"payload of {len(view)} bytes does not decode to {out.shape}")
     return out
 
 
@@ -121,6 +140,7 @@ class WdsPartWriter(PartWriter):
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
             num_samples=len(self.lengths),
+            **self.store_attrs(),
         )
         self._add(PART_MEMBER, json.dumps(meta).encode())
 
@@ -136,7 +156,8 @@ class WdsPartWriter(PartWriter):
             payload = merge_planes(payload)
         payload = c_contiguous(payload)  # the tar stores [L, K, H] in C order
         codec = hidden_codec(self.store)
-        frames = compress_payload(payload, codec)  # outside the lock: the expensive part
+        split = 0 if self.scheme is None else self.scheme.int4_bytes
+        frames = compress_payload(payload, codec, split)  # outside the lock: the expensive part
         meta = dict(
             sample_index=sample_index,
             codec=codec,
@@ -246,12 +267,13 @@ class WdsPartReader(PartReader):
             hidden_size=int(meta["hidden_size"]),
             lengths=np.asarray([r["length"] for r in records], dtype=np.int64),
             sample_indices=np.asarray([r["sample_index"] for r in records], dtype=np.int64),
+            int4=meta.get("int4"),
         )
 
     def decode(self, rec: dict[str, bytes], layers: np.ndarray | None = None) -> Sample:
         """A Sample from one key's members; raises ValueError if the payload's crc32c differs."""
         meta = json.loads(rec["json"])
-        shape = (meta["length"], self.num_layers, self.hidden_size)
+        shape = (meta["length"], self.num_layers, self.width)
         hidden = decompress_payload(
             rec["hidden.blosc"],
             meta["frames"],
@@ -276,6 +298,7 @@ class WdsPartReader(PartReader):
             loss_mask=mask,
             hidden=hidden,
             scale=scale,
+            scheme=self.scheme,
         )
 
     def iter_samples(self, layers: Sequence[int] | None = None) -> Iterator[Sample]:

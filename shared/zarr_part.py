@@ -1,8 +1,9 @@
 """The zarr part format: writer, reader and verification.
 
-zarr layout of ``hidden``: shards [64, K, H] holding inner chunks [64, 1, H], so a reader of one
-layer decodes only that layer's inner chunks (via the shard index), and a part has one file per
-64 rows rather than K.
+zarr layout of ``hidden``: shards [64, K, H] holding inner chunks [64, 1, H] (H: the payload's
+width, the hidden size or an int4 record's bytes), so a reader of one layer decodes only that
+layer's inner chunks (via the shard index), and a part has one file per 64 rows rather than K.
+The chunks' codecs, and zarr's side of ours: ``shared/zarr_codecs.py``.
 
 Where compression runs: in the writing thread. ``shard_buffers`` encodes each hidden shard
 exactly as the array's zarr metadata declares and ``write_buffers`` writes it as a plain file
@@ -20,39 +21,22 @@ and 3.4.2. Writer throughput against plain Blosc: ``python bench/write_bench.py`
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import crc32c
 import numpy as np
 import zarr
-import zarr.registry
-from zarr.abc.codec import BytesBytesCodec
-from zarr.codecs import BloscCodec, Crc32cCodec
-from zarr.core.array_spec import ArraySpec
-from zarr.core.buffer import Buffer
 
-from shared.codec import (
-    CHUNK_ROWS,
-    FORMAT_VERSION,
-    Bf16Planes,
-    blosc_compressor,
-    blosc_settings,
-    c_contiguous,
-    hidden_codec,
-    payload_dtype,
-)
+from shared.codec import CHUNK_ROWS, FORMAT_VERSION, Bf16Planes, payload_dtype, payload_width
 from shared.fsio import start_writeback, sync_tree
 from shared.part import PartReader, PartWriter, Sample, aligned_offsets, layout_problems
-from shared.planes import planes_compress, planes_decompress, planes_frames
+from shared.zarr_codecs import hidden_compressor, hidden_compressors, zarr_compressors
 from shared.zarr_shards import (
-    PLANES_CODEC_NAME,
     ShardFiles,
     inner_codec,
     shard_buffers,
@@ -68,62 +52,6 @@ SMALL_CHUNK_ROWS = 1 << 14
 # Start each shard file's writeback as soon as it is written (`shared.fsio.start_writeback`);
 # off only to measure what it changes (`bench/extract_bench.py --writeback commit`).
 EARLY_WRITEBACK = True
-
-
-def zarr_compressors(typesize: int) -> list:
-    """Blosc (cache settings) then crc32c, so every chunk is checksummed when decoded."""
-    return [BloscCodec(**blosc_settings(typesize)), Crc32cCodec()]
-
-
-@dataclass(frozen=True)
-class PlanesCodec(BytesBytesCodec):
-    """zarr's side of `shared.planes.planes_compress` (bf16 chunks), registered by name, so zarr
-    reads such chunks like any other; `hidden` arrays written before it name Blosc instead."""
-
-    is_fixed_size = False
-
-    @classmethod
-    def from_dict(cls, data: dict) -> PlanesCodec:
-        return cls()
-
-    def to_dict(self) -> dict:
-        return {"name": PLANES_CODEC_NAME}
-
-    def _decode_sync(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> Buffer:
-        values = planes_decompress(memoryview(chunk_bytes.as_numpy_array()))
-        return chunk_spec.prototype.buffer.from_array_like(values.view(np.uint8))
-
-    async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> Buffer:
-        return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
-
-    def _encode_sync(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> Buffer:
-        data = chunk_bytes.as_numpy_array().view(np.uint16)
-        return chunk_spec.prototype.buffer.from_bytes(planes_compress(data))
-
-    async def _encode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> Buffer:
-        return await asyncio.to_thread(self._encode_sync, chunk_bytes, chunk_spec)
-
-    def compute_encoded_size(self, _input_byte_length: int, _chunk_spec: ArraySpec) -> int:
-        raise NotImplementedError
-
-
-zarr.registry.register_codec(PLANES_CODEC_NAME, PlanesCodec)
-
-
-def hidden_compressors(store: str) -> list:
-    """The `hidden` array's codecs: the store's codec (`shared.codec.hidden_codec`), crc32c."""
-    if hidden_codec(store) == "planes":
-        return [PlanesCodec(), Crc32cCodec()]
-    return zarr_compressors(payload_dtype(store).itemsize)
-
-
-def hidden_compressor(store: str) -> Callable[[np.ndarray | Bf16Planes], list[bytes]]:
-    """The function encoding one inner chunk of `hidden` ([CHUNK_ROWS, H]: the store's bits, or
-    bf16 planes) as `hidden_compressors` declares, as buffers to write one after another."""
-    if hidden_codec(store) == "planes":
-        return planes_frames
-    blosc = blosc_compressor(payload_dtype(store).itemsize)
-    return lambda block: [blosc(c_contiguous(block))]
 
 
 def write_buffers(path: Path | str, buffers: list[bytes]) -> tuple[int, int]:
@@ -158,7 +86,7 @@ class ZarrPartWriter(PartWriter):
     def __init__(self, final: Path, **kw) -> None:
         super().__init__(final, **kw)
         self.offsets = aligned_offsets(self.lengths)
-        rows, K, H = int(self.offsets[-1]), self.num_layers, self.hidden_size
+        rows, K, H = int(self.offsets[-1]), self.num_layers, self.width
         self._group = zarr.open_group(zarr.storage.LocalStore(self.tmp), mode="w")
         ptype = payload_dtype(self.store)
         self._group.create_array(
@@ -184,7 +112,7 @@ class ZarrPartWriter(PartWriter):
 
     def _store(self, n, sample_index, ids, mask, payload, scale) -> None:  # noqa: ANN001
         start, stop, length = int(self.offsets[n]), int(self.offsets[n + 1]), len(ids)
-        compress = hidden_compressor(self.store)
+        compress = hidden_compressor(self.store, self.hidden_size)
         if not isinstance(payload, Bf16Planes):  # planes are bytes: no byte order
             payload = payload.astype(payload.dtype.newbyteorder("<"), copy=False)  # as stored
         files, nbytes = [], 0
@@ -245,6 +173,7 @@ class ZarrPartWriter(PartWriter):
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
             chunk_rows=CHUNK_ROWS,
+            **self.store_attrs(),
         )
         sync_tree(self.tmp)
 
@@ -272,12 +201,13 @@ class ZarrPartReader(PartReader):
             hidden_size=int(attrs["hidden_size"]),
             lengths=group["lengths"][...],
             sample_indices=group["sample_index"][...],
+            int4=attrs.get("int4"),
         )
         self.offsets = group["offsets"][...]
         self._hidden = group["hidden"]
         # Our own shard layout is read directly (`ShardFiles`): several times less CPU a token
         # than through zarr; any other layout through zarr.
-        inner = inner_codec(Path(path, "hidden", "zarr.json"), self.num_layers, self.hidden_size)
+        inner = inner_codec(Path(path, "hidden", "zarr.json"), self.num_layers, self.width)
         self._shards = (
             None
             if inner is None
@@ -311,6 +241,7 @@ class ZarrPartReader(PartReader):
             loss_mask=self._mask[rows],
             hidden=hidden,
             scale=scale,
+            scheme=self.scheme,
         )
 
     def iter_samples(self, layers: Sequence[int] | None = None) -> Iterator[Sample]:
@@ -330,7 +261,11 @@ def verify_zarr(path: Path, threads: int = 1) -> list[str]:
     if attrs.get("format_version") != FORMAT_VERSION:
         problems.append(f"format_version {attrs.get('format_version')} != {FORMAT_VERSION}")
     T, K, H = hidden.shape
-    if [K, H] != [attrs.get("num_layers"), attrs.get("hidden_size")]:
+    try:
+        width = payload_width(attrs.get("store"), attrs.get("hidden_size"))
+    except (ValueError, TypeError) as e:
+        return [*problems, f"store: {e}"]
+    if [K, H] != [attrs.get("num_layers"), width]:
         problems.append(f"hidden shape {hidden.shape} disagrees with the group attributes")
     small = {}
     for name in ["offsets", "lengths", "sample_index", "input_ids", "loss_mask", "scale"]:
@@ -367,7 +302,7 @@ def verify_zarr(path: Path, threads: int = 1) -> list[str]:
             problems.append(f"hidden rows {start}..{start + CHUNK_ROWS}: {type(e).__name__}: {e}")
     shards = range(-(-T // CHUNK_ROWS))
     try:
-        shard_files = ShardFiles(path, attrs.get("store"), inner, K, H)
+        shard_files = ShardFiles(path, attrs.get("store"), inner, K, attrs.get("hidden_size"))
     except ValueError as e:
         return [*problems, f"store: {e}"]
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="verify-shards") as pool:

@@ -20,17 +20,21 @@ import crc32c
 import numcodecs.blosc
 import numpy as np
 
-from shared.codec import CHUNK_ROWS, Bf16Planes, payload_dtype, torch_bits
+from shared.codec import CHUNK_ROWS, Bf16Planes, payload_dtype, payload_width, torch_bits
+from shared.int4 import int4_unframe
 from shared.planes import planes_decompress
 
-# The name under which the `planes` codec is registered with zarr (``shared.zarr_part``).
+# The names under which the `planes` and `int4` codecs are registered with zarr
+# (``shared.zarr_part``).
 PLANES_CODEC_NAME = "dflash_offline.planes"
+INT4_CODEC_NAME = "dflash_offline.int4"
 
 
 def inner_codec(meta: Path, K: int, H: int) -> str | None:
-    """'planes' or 'blosc' when the hidden array's metadata is the layout `shard_buffers` writes
-    (shards [CHUNK_ROWS, K, H] of inner chunks [CHUNK_ROWS, 1, H], bytes -> codec -> crc32c,
-    index at the end with crc32c, '/' keys); None otherwise."""
+    """'planes', 'int4' or 'blosc' when the hidden array's metadata is the layout
+    `shard_buffers` writes (shards [CHUNK_ROWS, K, H] of inner chunks [CHUNK_ROWS, 1, H], H the
+    payload's width, bytes -> codec -> crc32c, index at the end with crc32c, '/' keys); None
+    otherwise."""
     try:
         m = json.loads(meta.read_text())
         (shard,) = m["codecs"]
@@ -52,7 +56,7 @@ def inner_codec(meta: Path, K: int, H: int) -> str | None:
         return None
     if not layout_ok:
         return None
-    return {PLANES_CODEC_NAME: "planes", "blosc": "blosc"}.get(names[1])
+    return {PLANES_CODEC_NAME: "planes", INT4_CODEC_NAME: "int4", "blosc": "blosc"}.get(names[1])
 
 
 def shard_problems(shards: ShardFiles, i: int) -> list[str]:
@@ -79,18 +83,19 @@ class ShardError(ValueError):
 class ShardFiles:
     """Direct reads of the hidden shards `shard_buffers` writes, as zarr would read them: per
     shard the index (its crc32c checked), then only the requested layers' inner chunks, each
-    crc32c-checked and decoded with the part's codec (`inner_codec`) to [CHUNK_ROWS, H]. Plain
-    preads of one file, no event loop: several times less CPU than zarr's read path."""
+    crc32c-checked and decoded with the part's codec (`inner_codec`) to [CHUNK_ROWS, W] (W the
+    payload's width: the hidden size, or an int4 record's). Plain preads of one file, no event
+    loop: several times less CPU than zarr's read path."""
 
     def __init__(self, path: Path, store: str, inner: str, num_layers: int, hidden_size: int):
         self.root, self.inner, self.dtype = f"{path}/hidden/c", inner, payload_dtype(store)
-        self.num_layers, self.hidden_size = num_layers, hidden_size
+        self.num_layers, self.width = num_layers, payload_width(store, hidden_size)
 
     def read(self, rows: slice, layers: Sequence[int]) -> np.ndarray:
         """[rows, len(layers), H] of the payload; raises ShardError, or FileNotFoundError for a
         missing shard (zarr would return zeros: a part that misses one is damaged)."""
         start, stop = int(rows.start), int(rows.stop)
-        out = np.empty((stop - start, len(layers), self.hidden_size), self.dtype)
+        out = np.empty((stop - start, len(layers), self.width), self.dtype)
         for shard in range(start // CHUNK_ROWS, -(-stop // CHUNK_ROWS)):
             first = shard * CHUNK_ROWS
             lo, hi = max(start, first), min(stop, first + CHUNK_ROWS)
@@ -99,7 +104,7 @@ class ShardFiles:
         return out
 
     def chunks(self, shard: int, layers: Sequence[int]) -> list[np.ndarray]:
-        """The decoded [CHUNK_ROWS, H] chunks of `layers` in shard file `shard`."""
+        """The decoded [CHUNK_ROWS, W] chunks of `layers` in shard file `shard`."""
         file = f"{self.root}/{shard}/0/0"
         fd = os.open(file, os.O_RDONLY)
         try:
@@ -127,15 +132,17 @@ class ShardFiles:
         try:
             if self.inner == "planes":
                 values = planes_decompress(chunk)
+            elif self.inner == "int4":
+                values = int4_unframe(chunk, self.width)
             else:
                 values = np.frombuffer(numcodecs.blosc.decompress(chunk), self.dtype)
         except Exception as e:  # whatever the codec raises, named as a damaged chunk
             raise ShardError(
                 file, f"layer {k}'s chunk does not decode: {type(e).__name__}: {e}"
             ) from e
-        if values.size != CHUNK_ROWS * self.hidden_size:
+        if values.size != CHUNK_ROWS * self.width:
             raise ShardError(file, f"layer {k}'s chunk decodes to the wrong size")
-        return values.reshape(CHUNK_ROWS, self.hidden_size)
+        return values.reshape(CHUNK_ROWS, self.width)
 
 
 def shard_buffers(

@@ -21,7 +21,8 @@ from shared.cache import (
     verify_part,
 )
 from shared.checksum import part_checksum
-from shared.codec import CHUNK_ROWS, FORMATS, STORES, quantize_fp8
+from shared.codec import CHUNK_ROWS, FORMATS, STORES, payload_width, quantize_fp8
+from shared.int4 import Int4Scheme, decode_int4, encode_int4
 
 K, H, VOCAB = 3, 64, 300
 LENGTHS = [5, 64, 70, 1, 130]
@@ -88,6 +89,9 @@ def assert_matches(sample, record: Record, store: str, layers=None) -> None:
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     if store == "bf16":
         assert torch.equal(got, want)
+    elif store == "int4":  # the records come back byte for byte: decoded as if never stored
+        scheme = Int4Scheme(hidden=H)
+        assert torch.equal(got, decode_int4(encode_int4(want, scheme), scheme))
     else:
         # e4m3 rounding (2^-4 relative, or half a subnormal step 2^-10 * scale near zero) plus
         # the bf16 rounding of the dequantised value.
@@ -126,7 +130,8 @@ def test_round_trip_all_layers_and_subsets(tmp_path, fmt, store):
         samples = list(reader.iter_samples(layers=layers))
         assert len(samples) == len(records)
         for sample, record in zip(samples, records, strict=True):
-            assert sample.hidden.shape == (len(record.input_ids), len(layers), H)
+            width = payload_width(store, H)
+            assert sample.hidden.shape == (len(record.input_ids), len(layers), width)
             assert_matches(sample, record, store, layers)
     with pytest.raises(IndexError):
         next(reader.iter_samples(layers=[K]))

@@ -52,20 +52,20 @@ def test_staging_copies_and_reuses_buffers_sized_for_the_budget():
     release()
 
 
-@pytest.mark.parametrize("store", ["bf16", "fp8"])
+@pytest.mark.parametrize("store", ["bf16", "fp8", "int4"])
 @pytest.mark.parametrize("fmt", ["zarr", "webdataset"])
 def test_reserved_buffers_take_every_batch_of_the_budget_without_allocating(store, fmt):
     """Reserved as the worker does (a one-token float32 payload), every staged bf16 batch of up
     to the budget lands in the reserved buffers: no allocation, the same memory."""
     staging = Staging(2, pinned=False, rows=10)
-    staging.reserve(device_payload(torch.zeros(1, 3, 4), store, fmt), tokens=1)
+    staging.reserve(device_payload(torch.zeros(1, 3, 64), store, fmt), tokens=1)
     reserved = staging.nbytes
     slots = [staging._free.get() for _ in range(2)]
     memory = {(name, buf.data_ptr(), buf.dtype) for slot in slots for name, buf in slot.items()}
     for slot in slots:
         staging._free.put(slot)
     for tokens in (10, 7, 10):
-        packed = torch.randn(tokens, 3, 4, dtype=torch.bfloat16)
+        packed = torch.randn(tokens, 3, 64, dtype=torch.bfloat16)
         batch = device_payload(packed, store, fmt)
         views, release = staging.stage(batch, tokens=tokens)
         assert all(torch.equal(views[k], batch[k]) for k in batch)

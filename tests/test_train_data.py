@@ -8,6 +8,7 @@ import torch
 
 from shared.cache import open_part
 from shared.codec import FORMATS
+from shared.int4 import Int4Scheme, decode_int4, encode_int4
 from shared.manifest import read_manifest
 from tests.cachegen import write_cache
 from train.data.loader import (
@@ -194,7 +195,7 @@ def test_a_damaged_part_stops_with_one_message_naming_it(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("store", ["bf16", "fp8"])
+@pytest.mark.parametrize("store", ["bf16", "fp8", "int4"])
 def test_formats_and_stores_give_the_same_batches(tmp_path, fmt, store):
     if fmt == "wds":
         pytest.importorskip("shared.wds")
@@ -212,6 +213,11 @@ def test_formats_and_stores_give_the_same_batches(tmp_path, fmt, store):
         assert b.hidden_BSKH.dtype == torch.bfloat16
         if store == "bf16":
             assert torch.equal(a.hidden_BSKH, b.hidden_BSKH)
+        elif store == "int4":  # decoded on the device as if never stored (padding: zeros)
+            scheme = Int4Scheme(hidden=a.hidden_BSKH.shape[-1])
+            assert torch.equal(
+                b.hidden_BSKH, decode_int4(encode_int4(a.hidden_BSKH, scheme), scheme)
+            )
         else:  # e4m3 keeps 3 mantissa bits: relative error <= 2^-4, then a bf16 rounding
             want, have = a.hidden_BSKH.float(), b.hidden_BSKH.float()
             amax = want.abs().amax(-1, keepdim=True)

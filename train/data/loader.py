@@ -5,8 +5,9 @@ rank's rows and what it yields (`rank_schedule`), read each row's samples and co
 one row of exactly `row_tokens` tokens with document ids and per-sample positions. zarr parts are
 read at random, sample by sample, in row order (one row in memory); webdataset tars are streamed
 in stored order, keeping only samples a pending row still needs. fp8 payloads stay e4m3 bits
-until `device_batch` dequantises them on the device. Resuming skips planned rows without reading
-them. A part that fails to decode ends the run with one message naming it (`CacheReadError`).
+and int4 payloads records (`shared.int4`) until `device_batch` decodes them on the device.
+Resuming skips planned rows without reading them. A part that fails to decode ends the run with
+one message naming it (`CacheReadError`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from shared.cache import Sample, open_part
 from shared.codec import dequantize_fp8
+from shared.int4 import decode_int4
 from shared.manifest import CacheMismatch, Manifest, PartRecord, read_manifest, repair_commands
 from shared.stopping import StopRun, loader_worker_init
 from train.data.batch import Batch
@@ -131,7 +133,9 @@ def collate_row(
         "positions": torch.from_numpy(pos),
         "tokens": torch.tensor(start, dtype=torch.int64),
     }
-    if scale is None:
+    if samples[0].scheme is not None:  # int4 records, and how to decode them
+        out["hidden_int4"], out["int4_scheme"] = torch.from_numpy(payload), samples[0].scheme
+    elif scale is None:
         out["hidden"] = torch.from_numpy(payload).view(torch.bfloat16)
     else:
         out["hidden_q"], out["hidden_scale"] = torch.from_numpy(payload), torch.from_numpy(scale)
@@ -139,12 +143,15 @@ def collate_row(
 
 
 def device_batch(item: dict[str, Any], device: torch.device) -> Batch:
-    """A collated row on `device` (non-blocking from pinned memory), fp8 dequantised."""
+    """A collated row on `device` (non-blocking from pinned memory), fp8 and int4 decoded there
+    (the int4 rotation undone before the drafter: `shared.int4.decode_int4`)."""
 
     def move(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
 
-    if "hidden_q" in item:
+    if "hidden_int4" in item:
+        hidden = decode_int4(move(item["hidden_int4"]), item["int4_scheme"])
+    elif "hidden_q" in item:
         hidden = dequantize_fp8(move(item["hidden_q"]), move(item["hidden_scale"]))
     else:
         hidden = move(item["hidden"])

@@ -1,0 +1,343 @@
+"""The `int4` store: a token's state at a layer in a 4-bit code, about a quarter of raw bf16.
+
+Each vector x (H values, as bf16), on the extraction device (`encode_int4`):
+
+1. its `topk` largest |values| are kept exactly (bf16 value and index) and set to 0 in x;
+2. the rest is rotated group by group: `group` values times fixed random signs, then the
+   normalised Walsh-Hadamard matrix (`rotate_NH`), which spreads a group's outliers over it;
+3. each group is coded with 16 levels (q + 0.5) * s, q in -8..7, under one scale s, a power of
+   2^(1/8) stored in a byte: of the `clips` powers from the smallest with 7.5 s >= the group's
+   max |value| downwards, the one with the least squared error (a byte against bf16's two:
+   0.4% of raw bf16 less on disk, the same error);
+4. a massive-activation vector (its `topk` values hold at least `massive_energy` of its energy:
+   on SmolLM2 a sequence's first token at its later layers, |h| ~ 25,000 in one channel) or one
+   whose code errs by more than `fp8_above` (relative) is stored in fp8 (`shared.fp8`) instead.
+
+The trainer decodes on its device (`decode_int4`): codes times scales, the rotation undone (the
+matrix is its own inverse; the signs follow), the exact values put back, fp8 vectors taken
+where they are. `bench/store_bench.py` measures the choices on SmolLM2's real states.
+
+A vector's record (uint8 [W], W = H + 4, little-endian):
+    int4: codes [H/2] (value i in byte i // 2, low nibble for even i, q + 8), scales uint8
+          [H / group] (s = 2^((b - 128) / 8), 0 for b = 0), indices uint16 [topk] (ascending),
+          values bf16 [topk], zeros, float32 0
+    fp8:  e4m3 bits [H], float32 scale (> 0)
+so a record says which it is by its last 4 bytes. On disk (`int4_frames`), per 64 rows: a zstd frame
+of the int4 bytes column by column (each byte position over the rows: codes, then scales and
+indices, which repeat) and one of the rest row by row (zeros, and the few fp8 vectors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from shared.fp8 import quantize_fp8
+from shared.zstd_frames import zstd_frame, zstd_unframe
+
+INT4_LAYOUT = (
+    "per vector uint8 [H + 4], little-endian: int4 = codes [H/2] (low nibble first, q + 8, value "
+    "(q + 0.5) * s), scales uint8 [H/group] (s = 2^((b - 128)/8), b = 0: s = 0), top-k indices "
+    "uint16 [topk] ascending, values bf16 [topk], zeros, float32 0; fp8 = e4m3 [H], float32 "
+    "scale > 0; rotation: per group, signs (splitmix64 of seed, i), then Walsh-Hadamard / "
+    "sqrt(group)"
+)
+# Scales are 2^((b - SCALE_ZERO) / SCALE_STEPS) for a byte b >= 1 (b = 0: an all-zero group):
+# 2^-15.9 to 2^15.9 in steps of 9%. A group beyond that errs, and its vector goes to fp8.
+SCALE_STEPS, SCALE_ZERO = 8, 128
+INT4_FRAMES = (
+    "u32le size of frame 1; frame 1: zstd of the int4 bytes [rows, int4_bytes] transposed "
+    "(column by column); frame 2: zstd of the other bytes [rows, W - int4_bytes], row by row"
+)
+# zstd as for the `planes` exponent bytes (`shared.codec.PLANES_EXPONENT_ZSTD`): zstd's fast
+# strategy with a 64-entry hash table and 7-byte matches codes bytes nearly as Huffman literals
+# and finds the long runs (zeros, repeated indices); `bench/store_bench.py` measures it.
+INT4_ZSTD = dict(strategy="fast", window_log=18, hash_log=6, chain_log=6, search_log=1, min_match=7)
+# Rows encoded or decoded per step: bounds the float32 temporaries (a few of [rows, H]).
+STEP_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True, kw_only=True)
+class Int4Scheme:
+    """The `int4` store's parameters, recorded in the manifest and in every part. Decoding needs
+    `hidden`, `group`, `topk` and `seed`; `clips`, `massive_energy` and `fp8_above` are the
+    encoder's choices.
+
+    >>> s = Int4Scheme(hidden=576)
+    >>> s.width, s.int4_bytes
+    (580, 305)
+    """
+
+    hidden: int
+    group: int = 64
+    topk: int = 2
+    seed: int = 0
+    clips: int = 2
+    massive_energy: float = 0.99
+    fp8_above: float = 0.2
+
+    def __post_init__(self) -> None:
+        g, h = self.group, self.hidden
+        if g < 2 or g & (g - 1):
+            raise ValueError(f"int4 group must be a power of two, got {g}")
+        if h % g or h >= 1 << 16:
+            raise ValueError(
+                f"--store int4 needs a hidden size that is a multiple of {g} and below 65536, "
+                f"got {h}"
+            )
+        if not 0 <= self.topk < h or self.int4_bytes > h:
+            raise ValueError(f"int4 topk {self.topk} does not fit a record of hidden {h}")
+        if self.clips < 1:
+            raise ValueError(f"int4 clips must be at least 1, got {self.clips}")
+
+    @property
+    def width(self) -> int:
+        """Bytes of a record: an fp8 vector and its float32 scale."""
+        return self.hidden + 4
+
+    @property
+    def int4_bytes(self) -> int:
+        """Bytes of an int4 record before its zeros: codes, scales, top-k indices and values."""
+        return self.hidden // 2 + self.hidden // self.group + 4 * self.topk
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "layout": INT4_LAYOUT}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Int4Scheme:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def rotation_signs_H(hidden: int, seed: int) -> torch.Tensor:
+    """float32 [hidden] of +-1: bit 63 of splitmix64 of (seed, i). Defined here, not by a
+    library's random generator, so that every version decodes every cache alike.
+
+    >>> rotation_signs_H(8, 0).tolist()
+    [-1.0, 1.0, 1.0, -1.0, 1.0, 1.0, 1.0, -1.0]
+    """
+    z = np.arange(1, hidden + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    z += np.uint64((seed * 0xD1B54A32D192ED03) & (1 << 64) - 1)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return torch.from_numpy(1.0 - 2.0 * (z >> np.uint64(63)).astype(np.float32))
+
+
+def hadamard_GG(group: int) -> torch.Tensor:
+    """The normalised Walsh-Hadamard matrix (Sylvester's), float32 [group, group]: symmetric and
+    orthogonal, so its own inverse.
+
+    >>> (hadamard_GG(4) * 2).tolist()[1]
+    [1.0, -1.0, 1.0, -1.0]
+    """
+    m = torch.ones(1, 1)
+    while m.shape[0] < group:
+        m = torch.cat([torch.cat([m, m], 1), torch.cat([m, -m], 1)])
+    return m / group**0.5
+
+
+def rotate_NH(x_NH: torch.Tensor, signs_H: torch.Tensor, hadamard: torch.Tensor) -> torch.Tensor:
+    """Each group of x's last dim (the matrix's size) times its signs, then the matrix.
+
+    >>> x = torch.tensor([[3.0, 1.0, 0.0, 2.0]])
+    >>> y = rotate_NH(x, rotation_signs_H(4, 0), hadamard_GG(2))
+    >>> torch.allclose(unrotate_NH(y, rotation_signs_H(4, 0), hadamard_GG(2)), x)
+    True
+    """
+    g = hadamard.shape[0]
+    return ((x_NH * signs_H).unflatten(-1, (-1, g)) @ hadamard).flatten(-2)
+
+
+def unrotate_NH(y_NH: torch.Tensor, signs_H: torch.Tensor, hadamard: torch.Tensor) -> torch.Tensor:
+    """Inverse of `rotate_NH`."""
+    g = hadamard.shape[0]
+    return (y_NH.unflatten(-1, (-1, g)) @ hadamard).flatten(-2) * signs_H
+
+
+def _tables(scheme: Int4Scheme, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    signs = rotation_signs_H(scheme.hidden, scheme.seed).to(device)
+    return signs, hadamard_GG(scheme.group).to(device)
+
+
+def quantize_groups_NGC(
+    y_NGC: torch.Tensor, clips: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """16-level codes of groups [N, G, C] (float32): (q in -8..7 as float [N, G, C], scale byte
+    uint8 [N, G], squared error [N, G]). Of `clips` scales on the grid from the smallest with
+    7.5 s >= the group's max |value| downwards, each group takes the one that errs least.
+
+    >>> q, b, e = quantize_groups_NGC(torch.tensor([[[-3.0, 0.0, 1.0, 3.0]]]), 1)
+    >>> q.tolist(), b.tolist(), scale_of(b).tolist()  # s = 2^(-10/8) = 0.42: 7.5 s >= 3
+    ([[[-8.0, 0.0, 2.0, 7.0]]], [[118]], [[0.4204482138156891]])
+    """
+    amax = y_NGC.abs().amax(-1)
+    top = torch.ceil(torch.log2(amax / 7.5) * SCALE_STEPS).clamp_(-SCALE_ZERO + 1, SCALE_ZERO - 1)
+    best = None
+    for j in range(clips):
+        b = torch.where(amax > 0, (top - j + SCALE_ZERO).clamp_(min=1), 0.0).to(torch.uint8)
+        s = scale_of(b).unsqueeze(-1)
+        # an all-zero group: code 0 (q = -8), so that its bytes are zeros too
+        q = torch.where(s > 0, torch.floor(y_NGC / torch.where(s > 0, s, 1.0)).clamp_(-8, 7), -8)
+        err = ((q + 0.5) * s - y_NGC).square_().sum(-1)
+        if best is None:
+            best = (q, b, err)
+            continue
+        better = err < best[2]
+        best = (
+            torch.where(better.unsqueeze(-1), q, best[0]),
+            torch.where(better, b, best[1]),
+            torch.minimum(err, best[2]),
+        )
+    return best
+
+
+def scale_of(b: torch.Tensor) -> torch.Tensor:
+    """float32 scales of scale bytes (0 for b = 0).
+
+    >>> scale_of(torch.tensor([0, 128, 136, 120], dtype=torch.uint8)).tolist()
+    [0.0, 1.0, 2.0, 0.5]
+    """
+    s = torch.exp2((b.float() - SCALE_ZERO) / SCALE_STEPS)
+    return torch.where(b > 0, s, 0.0)
+
+
+def _le_bytes(t: torch.Tensor) -> torch.Tensor:
+    """[N, n] of a 2- or 4-byte dtype -> uint8 [N, n * size], little-endian (as stored)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _from_le_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 [N, n * size] (little-endian) -> [N, n] of a 2- or 4-byte dtype. A copy: a slice
+    of records need not start at a multiple of the size, which a view needs."""
+    return b.clone().view(dtype)
+
+
+def _encode_rows(x: torch.Tensor, scheme: Int4Scheme, signs, hadamard) -> torch.Tensor:  # noqa: ANN001
+    """uint8 records [n, W] of float32 rows [n, H] holding bf16 values."""
+    n, H, g = x.shape[0], scheme.hidden, scheme.group
+    energy = x.square().sum(-1)
+    idx = x.abs().topk(scheme.topk, dim=-1).indices.sort(dim=-1).values  # ascending: they repeat
+    idx = torch.where(energy.unsqueeze(-1) > 0, idx, 0)  # all-zero vectors: all-zero bytes
+    vals = x.gather(-1, idx)
+    y = rotate_NH(x.scatter(-1, idx, 0.0), signs, hadamard).view(n, H // g, g)
+    q, s, _ = quantize_groups_NGC(y, scheme.clips)
+    codes = (q.view(n, H) + 8).to(torch.uint8)
+    record = torch.zeros(n, scheme.width, dtype=torch.uint8, device=x.device)
+    parts = [
+        codes[:, 0::2] | (codes[:, 1::2] << 4),
+        s,
+        torch.stack([idx & 0xFF, idx >> 8], -1).flatten(1).to(torch.uint8),
+        _le_bytes(vals.to(torch.bfloat16)),
+    ]
+    record[:, : scheme.int4_bytes] = torch.cat(parts, 1)
+    massive = vals.square().sum(-1) >= scheme.massive_energy * energy
+    # The error as decoded: in the rotated code's, a part lies on the exact values' positions.
+    decoded = unrotate_NH(((q + 0.5) * scale_of(s).unsqueeze(-1)).view(n, H), signs, hadamard)
+    wrong = (decoded.scatter_(-1, idx, vals) - x).square().sum(-1) > scheme.fp8_above**2 * energy
+    use_fp8 = (massive | wrong) & (energy > 0)
+    fq, fscale = quantize_fp8(x)
+    fp8 = torch.cat([fq, _le_bytes(fscale.unsqueeze(-1))], 1)
+    return torch.where(use_fp8.unsqueeze(-1), fp8, record)
+
+
+def encode_int4(h: torch.Tensor, scheme: Int4Scheme) -> torch.Tensor:
+    """uint8 records [..., W] of states [..., H] (rounded to bf16 first: the reference is the
+    bf16 cache), computed on h's device.
+
+    >>> h = torch.zeros(2, 64); h[0] = torch.linspace(-1, 1, 64); h[1, 9] = 3e4
+    >>> r = encode_int4(h, Int4Scheme(hidden=64))
+    >>> r.shape, r[0, -4:].tolist(), r[1, -4:].tolist() != [0, 0, 0, 0]  # int4, then fp8
+    (torch.Size([2, 68]), [0, 0, 0, 0], True)
+    >>> back = decode_int4(r, Int4Scheme(hidden=64), torch.float32)
+    >>> back[0, [0, 63]].tolist(), round(back[1, 9].item())  # exact top-k; fp8 of bf16(3e4)
+    ([-1.0, 1.0], 29952)
+    >>> round(((back[0] - h[0]).norm() / h[0].norm()).item(), 3)  # relative error
+    0.091
+    """
+    if h.shape[-1] != scheme.hidden:
+        raise ValueError(f"states of hidden {h.shape[-1]}, the scheme's is {scheme.hidden}")
+    x = h.detach().reshape(-1, scheme.hidden)
+    out = torch.empty(x.shape[0], scheme.width, dtype=torch.uint8, device=h.device)
+    signs, hadamard = _tables(scheme, h.device)
+    step = max(1, STEP_ELEMENTS // scheme.hidden)
+    for start in range(0, x.shape[0], step):
+        rows = x[start : start + step].to(torch.bfloat16).float()
+        out[start : start + step] = _encode_rows(rows, scheme, signs, hadamard)
+    return out.view(*h.shape[:-1], scheme.width)
+
+
+def _decode_rows(r: torch.Tensor, scheme: Int4Scheme, signs, hadamard) -> torch.Tensor:  # noqa: ANN001
+    """float32 [n, H] of records [n, W]."""
+    n, H, g, k = r.shape[0], scheme.hidden, scheme.group, scheme.topk
+    a, b = H // 2, H // 2 + H // g
+    codes = r[:, :a]
+    q = torch.stack([codes & 0xF, codes >> 4], -1).view(n, H).float() - 7.5
+    s = scale_of(r[:, a:b])
+    x = unrotate_NH((q.view(n, H // g, g) * s.unsqueeze(-1)).view(n, H), signs, hadamard)
+    idx = r[:, b : b + 2 * k].long().view(n, k, 2)
+    idx = (idx[..., 0] | (idx[..., 1] << 8)).clamp_(max=H - 1)  # fp8 records: any bytes there
+    vals = _from_le_bytes(r[:, b + 2 * k : b + 4 * k], torch.bfloat16).float()
+    x.scatter_(-1, idx, vals)
+    fscale = _from_le_bytes(r[:, H : H + 4], torch.float32)
+    fp8 = r[:, :H].view(torch.float8_e4m3fn).float() * fscale
+    return torch.where(fscale > 0, fp8, x)
+
+
+def decode_int4(
+    records: torch.Tensor, scheme: Int4Scheme, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """States [..., H] in `dtype` of uint8 records [..., W], on their device (`encode_int4`)."""
+    if records.dtype != torch.uint8 or records.shape[-1] != scheme.width:
+        raise ValueError(
+            f"expected uint8 int4 records [..., {scheme.width}], got {records.dtype} "
+            f"{tuple(records.shape)}"
+        )
+    r = records.reshape(-1, scheme.width)
+    out = torch.empty(r.shape[0], scheme.hidden, dtype=dtype, device=records.device)
+    signs, hadamard = _tables(scheme, records.device)
+    step = max(1, STEP_ELEMENTS // scheme.hidden)
+    for start in range(0, r.shape[0], step):
+        out[start : start + step] = _decode_rows(r[start : start + step], scheme, signs, hadamard)
+    return out.view(*records.shape[:-1], scheme.hidden)
+
+
+def int4_frames(records: np.ndarray, split: int) -> list[bytes]:
+    """The stored bytes of uint8 records [..., W] (rows in C order) as consecutive pieces: the
+    size of frame 1, frame 1 (zstd of bytes [:, :split] column by column: each byte position's
+    values over the rows, a few symbols each), frame 2 (zstd of the rest, row by row).
+
+    >>> r = np.zeros((64, 20), np.uint8); r[:, :8] = np.arange(8)
+    >>> pieces = int4_frames(r, 8)
+    >>> np.array_equal(int4_unframe(b"".join(pieces), 20), r), sum(map(len, pieces)) < 60
+    (True, True)
+    """
+    rows = records.reshape(-1, records.shape[-1])
+    cols = zstd_frame(np.ascontiguousarray(rows[:, :split].T), INT4_ZSTD)
+    rest = zstd_frame(np.ascontiguousarray(rows[:, split:]), INT4_ZSTD)
+    return [len(cols).to_bytes(4, "little"), cols, rest]
+
+
+def int4_unframe(buf: bytes | memoryview, width: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of `int4_frames`: uint8 [rows, width] (into the first rows of `out`, C-contiguous
+    [>= rows, width], if given)."""
+    view = memoryview(buf)
+    n = int.from_bytes(view[:4], "little")
+    cols = np.frombuffer(zstd_unframe(view[4 : 4 + n]), np.uint8)
+    rest = np.frombuffer(zstd_unframe(view[4 + n :]), np.uint8)
+    rows, left = divmod(cols.size + rest.size, width)
+    split = cols.size // max(rows, 1)
+    if left or rows == 0 or split * rows != cols.size:
+        raise ValueError(f"int4 frames of {cols.size} + {rest.size} bytes for records of {width}")
+    if out is None:
+        out = np.empty((rows, width), np.uint8)
+    out = out.reshape(-1, width)[:rows]
+    if len(out) != rows:
+        raise ValueError(f"int4 frames of {rows} records, room for {len(out)}")
+    out[:, :split] = cols.reshape(split, rows).T
+    out[:, split:] = rest.reshape(rows, width - split)
+    return out

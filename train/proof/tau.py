@@ -1,0 +1,133 @@
+"""`python -m train.proof.tau SPEC [SPEC...]`: the acceptance length of drafters decoded on the
+same prompts, with standard errors, and each one's paired difference from the first.
+
+SPEC: the output of `python -m train.proof.speculate ... --json` (its JSON lines, one per
+drafter; other lines are skipped); several files are the same drafters on more prompts (one
+prompt set cut into shards decoded side by side), joined in order.
+
+tau = (tokens accepted + 1 per verify step, summed) / verify steps, over all prompts (what
+`train.proof.speculate` reports). Prompts are the unit of sampling: tau's standard error is the
+ratio estimator's, from each prompt's tokens n and steps s (`ratio_se`). Two drafters decoded
+on the same prompts differ far less than two independent samples of prompts would: a prompt
+easy for one is easy for the other. `paired_difference` gives tau_b / tau_a - 1 with the
+standard error of the paired per-prompt terms, and the one the two independent errors would
+give, so a report shows how much the pairing resolves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+def ratio_se(n_P: Sequence[float], s_P: Sequence[float]) -> tuple[float, float]:
+    """(tau, its standard error): tau = sum(n) / sum(s) over prompts P, the error from the
+    prompts' residuals n - tau * s (the ratio estimator's linearisation; the estimator of
+    `train.proof.decode.pooled_tau_se`, here from each prompt's sums).
+
+    >>> tau, se = ratio_se([20, 30, 10, 40], [10, 20, 10, 20])
+    >>> round(tau, 4), round(se, 4)
+    (1.6667, 0.2029)
+    """
+    P, N, S = len(n_P), float(sum(n_P)), float(sum(s_P))
+    if P < 2 or S <= 0:
+        raise ValueError(f"tau's standard error needs 2 or more prompts with steps, got {P}")
+    tau = N / S
+    residual = sum((n - tau * s) ** 2 for n, s in zip(n_P, s_P, strict=True))
+    return tau, math.sqrt(residual * P / (P - 1)) / S
+
+
+def _log_terms(n_P: Sequence[float], s_P: Sequence[float]) -> list[float]:
+    """Each prompt's term of log tau's linearisation: n / N - s / S (they sum to 0)."""
+    N, S = float(sum(n_P)), float(sum(s_P))
+    return [n / N - s / S for n, s in zip(n_P, s_P, strict=True)]
+
+
+def paired_difference(
+    a: tuple[Sequence[float], Sequence[float]], b: tuple[Sequence[float], Sequence[float]]
+) -> dict[str, float]:
+    """tau_b / tau_a - 1 for two drafters' (n, s) on the same prompts, with its standard error
+    from the paired per-prompt terms (`paired_se`) and from the two taus' own errors as if
+    their prompts were independent (`independent_se`).
+
+    >>> a = ([20, 30, 10, 40], [10, 20, 10, 20])
+    >>> b = ([20, 30, 10, 40], [10, 19, 10, 19])  # one step fewer on two prompts
+    >>> d = paired_difference(a, b)
+    >>> round(d["relative"], 4), round(d["paired_se"], 4), round(d["independent_se"], 4)
+    (0.0345, 0.0137, 0.1816)
+    """
+    (na, sa), (nb, sb) = a, b
+    P = len(na)
+    if len(nb) != P or P < 2:
+        raise ValueError(f"a paired difference needs the same 2+ prompts, got {P} and {len(nb)}")
+    ta, tb = sum(na) / sum(sa), sum(nb) / sum(sb)
+    la, lb = _log_terms(na, sa), _log_terms(nb, sb)
+    scale = P / (P - 1)
+    paired = math.sqrt(scale * sum((y - x) ** 2 for x, y in zip(la, lb, strict=True)))
+    independent = math.sqrt(scale * (sum(x * x for x in la) + sum(y * y for y in lb)))
+    ratio = tb / ta
+    return {
+        "relative": ratio - 1,
+        "paired_se": ratio * paired,
+        "independent_se": ratio * independent,
+        "prompts": P,
+    }
+
+
+def read_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    """Per drafter (in --drafter's order): its name and per-prompt tokens n and steps s, the
+    prompts of all files joined in order."""
+    runs: list[dict[str, Any]] = []
+    for path in paths:
+        lines = [ln for ln in Path(path).read_text().splitlines() if ln.startswith("{")]
+        # greedy decodings only: a sampled one (DSpark's --temperature) has no per-prompt rows
+        found = [x for x in map(json.loads, lines) if "per_prompt" in x]
+        if runs and len(found) != len(runs):
+            raise click.ClickException(
+                f"{path}: {len(found)} drafters, the first file has {len(runs)}"
+            )
+        for k, summary in enumerate(found):
+            if len(runs) <= k:
+                runs.append({"drafter": summary["drafter"], "n": [], "s": [], "lossless": True})
+            rows = summary["per_prompt"]
+            runs[k]["n"] += [r["tau"] * r["steps"] for r in rows]
+            runs[k]["s"] += [r["steps"] for r in rows]
+            runs[k]["lossless"] &= summary["lossless_up_to_near_ties"]
+    if not runs:
+        raise click.ClickException("no JSON lines: run train.proof.speculate with --json")
+    return runs
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("spec", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="print one JSON line last")
+def main(spec: tuple[Path, ...], as_json: bool) -> None:
+    """tau of each drafter with its standard error, and each one against the first, paired."""
+    runs = read_runs(spec)
+    out = []
+    for run in runs:
+        tau, se = ratio_se(run["n"], run["s"])
+        row = {"drafter": run["drafter"], "tau": tau, "se": se, "prompts": len(run["n"])}
+        line = f"{run['drafter']}: tau {tau:.4f} +- {se:.4f} ({len(run['n'])} prompts)"
+        if run is not runs[0]:
+            d = paired_difference((runs[0]["n"], runs[0]["s"]), (run["n"], run["s"]))
+            row["vs_first"] = d
+            line += (
+                f"; against the first {100 * d['relative']:+.2f}% +- "
+                f"{100 * d['paired_se']:.2f}% paired ({100 * d['independent_se']:.2f}% unpaired)"
+            )
+        if not run["lossless"]:
+            line += "; NOT lossless against greedy"
+        click.echo(line)
+        out.append(row)
+    if as_json:
+        click.echo(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
