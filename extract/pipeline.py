@@ -156,15 +156,15 @@ class PartPipeline:
         if writer is None:
             return
         self.commits.append(self.committer.submit(_commit, part, job, futures, self.counters))
-        for f in [f for f in self.commits if f.done()]:
-            f.result()
 
     def _wait_for_commits(self, most: int) -> None:
-        """Block until at most `most` parts await their commit; re-raise a failed one."""
+        """Block until at most `most` parts await their commit; re-raise a failed one (the
+        next part's forwards never start after a failed commit; `close` raises the last's)."""
         pending = [f for f in self.commits if not f.done()]
-        if len(pending) > most:
+        oldest = pending[: max(0, len(pending) - most)]
+        if oldest:
             start = time.perf_counter()
-            wait(pending[: len(pending) - most])
+            wait(oldest)
             self.commit_waited_s += time.perf_counter() - start
         for f in [f for f in self.commits if f.done()]:
             f.result()
