@@ -42,7 +42,7 @@ from extract.regen.state import (
     parts_dir,
     read_state,
 )
-from extract.regen.turns import THINKING_KWARGS, Prompter
+from extract.regen.turns import THINKING_KWARGS
 from shared.cli import to_json
 from shared.dist import (
     DeviceSpec,
@@ -106,12 +106,7 @@ def _generator(job: Job, info: RankInfo) -> BatchGenerator:
     from extract.target import load_target, read_config, text_config
 
     tokenizer = AutoTokenizer.from_pretrained(job.target)
-    prompter = Prompter(
-        tokenizer,
-        max_new_tokens=job.max_new_tokens,
-        max_length=job.max_length,
-        template_kwargs=job.template_kwargs,
-    )
+    prompter = job.prompter(tokenizer)
     layers = int(text_config(read_config(job.target))["num_hidden_layers"])
     model = load_target(job.target, device=info.device, last_layer=layers - 1)
     return BatchGenerator(model, prompter, sampling=job.sampling)

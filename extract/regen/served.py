@@ -342,12 +342,7 @@ def serve(
     if not job.chunks:
         return finish_output(cfg.out, job, regenerated=False)
     tokenizer = AutoTokenizer.from_pretrained(job.target)
-    prompter = Prompter(
-        tokenizer,
-        max_new_tokens=job.max_new_tokens,
-        max_length=job.max_length,
-        template_kwargs=job.template_kwargs,
-    )
+    prompter = job.prompter(tokenizer)
     eos = frozenset(target_eos(job.target, tokenizer))
     server = Server(client, settings["server_model"], prompter, eos, cfg.sampling, cfg.seed)
     done = run_served(job, server, concurrency=cfg.concurrency)

@@ -26,6 +26,7 @@ from typing import Any
 
 from extract.data import Rejected, RowIndex
 from extract.regen.config import RegenError
+from extract.regen.turns import Prompter
 from shared.fsio import atomic_write_json, atomic_write_text, file_lock, fsync_dir
 
 log = logging.getLogger(__name__)
@@ -250,6 +251,15 @@ class Job:
 
     def chunk_rows(self, chunk: int) -> range:
         return chunk_rows(chunk, rows_per_chunk=self.rows_per_chunk, total_rows=self.total_rows)
+
+    def prompter(self, tokenizer: Any) -> Prompter:
+        """The job's turns as prompts for `tokenizer` (template options, length limits)."""
+        return Prompter(
+            tokenizer,
+            max_new_tokens=self.max_new_tokens,
+            max_length=self.max_length,
+            template_kwargs=self.template_kwargs,
+        )
 
     def pending(self, state: RegenState) -> tuple[int, ...]:
         return pending_chunks(
