@@ -7,9 +7,6 @@
 - compiled: packed rows as the product's default on a GPU runs them (`extract.layouts
   .choose_layout`: document-masked flex_attention, every layer compiled), its compilation timed
   apart (it happens in the start-up probe);
-- compiled-inductor-flex: the same with Inductor's own flex_attention block sizes instead of
-  `extract.packed_attention.SM90_FLEX_FWD`'s (the A/B of that table; `--modes
-  eager,compiled,compiled-inductor-flex`);
 - the bf16 matmul ceiling (8192^3, measured in the same process), and each mode's MFU by count:
   2 x the decoder layers' parameters per real token, plus the causal attention of each sample
   (4 x heads x head_dim x L(L+1)/2 per full-attention layer); a linear-attention layer's
@@ -22,13 +19,11 @@ hooks, no copies: what the target alone costs. Random weights (real speed, not r
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import numpy as np
 import torch
@@ -38,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from e2e_inputs import long_tailed_lengths  # noqa: E402
 
-from extract import packed_attention  # noqa: E402
 from extract.batching import length_order  # noqa: E402
 from extract.capture import DeviceInputs  # noqa: E402
 from extract.layouts import PaddedLayout, choose_layout  # noqa: E402
@@ -168,23 +162,18 @@ def measure(body, rows: list[np.ndarray], mode: str, *, batch_tokens: int, max_l
         layout = PaddedLayout(body, pad_id=0)
     else:
         chunk = chunk_size(batch_tokens, max_length)
-        table = packed_attention.SM90_FLEX_FWD
-        inductor = mock.patch.dict(table, clear=True) if mode == "compiled-inductor-flex" else None
-        with inductor or contextlib.nullcontext():
-            layout = choose_layout(
-                body,
-                packed=True,
-                compile_layers=True,
-                chunk_tokens=chunk,
-                pad_id=0,
-                attention=attention,
-            )
+        layout = choose_layout(
+            body,
+            packed=True,
+            compile_layers=True,
+            chunk_tokens=chunk,
+            pad_id=0,
+            attention=attention,
+        )
         if layout.name != "packed":
             raise SystemExit("the compiled forward fell back to padded batches: see the log")
     setup_s = time.perf_counter() - start
     figures = timed_passes(body, layout, parts, batch_tokens, device)
-    if layout.name == "packed":
-        layout.uninstall()  # the next mode starts from the model as loaded
     tokens = sum(len(r) for r in rows)
     return {
         "mode": mode,
@@ -257,10 +246,8 @@ def main() -> None:
             print("  kernels:", ", ".join(f"{n} {v:.1%}" for n, v in k["share"].items()))
             for name, share in k["top"]:
                 print(f"    {share:6.1%}  {name}")
-    compiled = [m for m in ("compiled", "compiled-inductor-flex") if m in out]
-    for base, mode in [("eager", m) for m in compiled] + [tuple(compiled)] * (len(compiled) == 2):
-        if base in out:
-            print(f"{mode} / {base}: {out[mode]['tok_s'] / out[base]['tok_s']:.3f}")
+    if "eager" in out and "compiled" in out:
+        print(f"compiled / eager: {out['compiled']['tok_s'] / out['eager']['tok_s']:.3f}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
 

@@ -25,7 +25,6 @@ from extract.packed_attention import (
     dense_document_mask,
     document_block_mask,
     document_mask_mod,
-    flex_forward_options,
     register,
 )
 from extract.packing import pack_rows, packed_inputs, sample_groups
@@ -92,9 +91,6 @@ class PackedLayout:
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention {attention!r} is not one of {ATTENTION_KINDS}")
         self.attention = attention
-        cfg = body.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.flex_options = flex_forward_options(head_dim, device) if self.flex else None
         self.groups = SampleGroups()
         self.segments = Segments()
         self.doc_N = torch.zeros(chunk_tokens, dtype=torch.long, device=device)
@@ -138,9 +134,6 @@ class PackedLayout:
         attention = {"flex": "flex_attention", "sdpa": "sdpa per group of samples"}.get(
             self.attention, "sdpa, dense mask"
         )
-        if self.flex_options:
-            o = self.flex_options
-            attention += f" {o['BLOCK_M']}x{o['BLOCK_N']} blocks"
         layers = "compiled" if self.compiled else "eager"
         return f"packed rows of {self.chunk_tokens} tokens ({attention}, layers {layers})"
 
@@ -172,8 +165,6 @@ class PackedLayout:
             kwargs["sample_groups"], mask = self.groups, None
         elif self.attention == "flex":
             mask = document_block_mask(self.doc_N, self.mask_mod)
-            if self.flex_options:
-                kwargs["flex_kernel_options"] = self.flex_options
         else:
             mask = dense_document_mask(self.doc_N)
         if self.types is not None:

@@ -122,28 +122,6 @@ def grouped_attention(
     return out[None]
 
 
-# flex_attention forward block sizes of packed rows by head_dim on sm90 (H100/H200), where
-# Inductor's default is slower. head_dim 128 (Qwen3-8B shape: 32 heads, 8 kv heads; one packed
-# row of 16,384 tokens holding 7 samples of 14..3072): Inductor's choice 1.15 ms, these 1.02 ms
-# (`python bench/packed_attention_bench.py`, one H200, 2026-12-03). Other head sizes: Inductor's.
-SM90_FLEX_FWD: dict[int, dict[str, int]] = {
-    128: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-}
-
-
-def flex_forward_options(head_dim: int, device: torch.device) -> dict[str, int] | None:
-    """kernel_options for packed rows' flex_attention on `device`: SM90_FLEX_FWD's where it has
-    `head_dim`, else None (Inductor's own choice).
-
-    >>> flex_forward_options(128, torch.device("cpu")) is None
-    True
-    """
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return None
-    options = SM90_FLEX_FWD.get(head_dim)
-    return None if options is None else dict(options)
-
-
 @functools.cache
 def _compiled_flex() -> Callable:
     """flex_attention compiled once per process, for packed rows run outside a compiled layer
@@ -164,8 +142,7 @@ def packed_attention(
     """transformers' attention-function signature: q [B, Hq, N, D], k/v [B, Hkv, N, D] ->
     ([B, N, Hq, D], None). The mask is a BlockMask (flex) or a boolean tensor (sdpa); or the
     model's forward was given `sample_groups` (a SampleGroups, passed down to here by
-    transformers with the other keyword arguments) and the mask is None. A flex mask runs with
-    the forward's `flex_kernel_options` where it was given them (`flex_forward_options`)."""
+    transformers with the other keyword arguments) and the mask is None."""
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         raise ValueError("packed rows support plain causal attention only")
     gqa = query.shape[1] != key.shape[1]
@@ -174,11 +151,7 @@ def packed_attention(
         return grouped_attention(query, key, value, groups, scaling), None
     if isinstance(attention_mask, BlockMask):
         flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
-        options = kwargs.get("flex_kernel_options")
-        extra = {"kernel_options": options} if options else {}
-        out = flex(
-            query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa, **extra
-        )
+        out = flex(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
     else:
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=gqa

@@ -50,27 +50,3 @@ def test_planes_split_on_cuda_equals_the_cpu_split():
     cpu, cuda = split_planes(every), split_planes(every.cuda())
     assert torch.equal(cuda.exponent.cpu(), cpu.exponent)
     assert torch.equal(cuda.sign_mantissa.cpu(), cpu.sign_mantissa)
-
-
-def test_packed_flex_with_the_measured_block_sizes_equals_inductors_choice():
-    from extract.packed_attention import (
-        document_block_mask,
-        document_mask_mod,
-        flex_forward_options,
-        packed_attention,
-    )
-
-    device = torch.device("cuda")
-    options = flex_forward_options(128, device)
-    if options is None:
-        pytest.skip("no measured flex block sizes for this GPU")
-    doc = torch.repeat_interleave(torch.arange(4), torch.tensor([700, 1200, 90, 2106])).cuda()
-    mask = document_block_mask(doc, document_mask_mod(doc))
-    gen = torch.Generator("cuda").manual_seed(0)
-    q, k, v = (
-        torch.randn(1, h, 4096, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-        for h in (32, 8, 8)
-    )
-    plain, _ = packed_attention(None, q, k, v, mask)
-    tuned, _ = packed_attention(None, q, k, v, mask, flex_kernel_options=options)
-    assert (tuned.float() - plain.float()).abs().max().item() < 2e-2
