@@ -174,6 +174,8 @@ def measure(body, rows: list[np.ndarray], mode: str, *, batch_tokens: int, max_l
             raise SystemExit("the compiled forward fell back to padded batches: see the log")
     setup_s = time.perf_counter() - start
     figures = timed_passes(body, layout, parts, batch_tokens, device)
+    if layout.name == "packed":
+        layout.uninstall()  # the next mode starts from the model as loaded
     tokens = sum(len(r) for r in rows)
     return {
         "mode": mode,
