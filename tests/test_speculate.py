@@ -15,7 +15,8 @@ from train.drafters.config import DrafterConfig
 from train.drafters.dflash import DFlashDrafter, init_drafter_weights
 from train.export import export_drafter, load_export
 from train.proof.decode import context_features, greedy, speculate
-from train.proof.speculate import divergence_gap, format_report, main, near_tie_tolerance
+from train.proof.lossless import divergence_gap, format_report, near_tie_tolerance
+from train.proof.speculate import main
 from train.step import forward_loss
 
 LAYERS = (1, 4, 6)  # of the tiny target's 8
