@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.config import CE_MODES, GRAD_CKPT_MODES
+from train.config import TrainConfig
 from train.data.batch import Batch
 from train.drafters.anchors import (
     block_inputs,
@@ -22,9 +22,11 @@ from train.drafters.anchors import (
 )
 from train.drafters.dflash import DFlashDrafter
 from train.drafters.dflash2_loss import SelectorLoss, selector_step_terms
-from train.drafters.dspark_loss import DSparkLoss, dspark_step_terms
+from train.drafters.dspark_loss import DSparkLoss, dspark_loss, dspark_step_terms
 from train.drafters.loss import acceptance_stats, chunked_ce, fused_chunked_ce
 from train.drafters.mask import build_masks
+from train.options import CE_MODES, GRAD_CKPT_MODES
+from train.prepared import Prepared
 
 
 @dataclass
@@ -46,6 +48,25 @@ def _unwrap(model: nn.Module) -> DFlashDrafter:
             raise TypeError(f"expected a DFlashDrafter (possibly wrapped), got {type(model)}")
         model = inner
     return model
+
+
+def step_options(cfg: TrainConfig, prep: Prepared, device: torch.device) -> dict[str, Any]:
+    """The keyword options of `forward_loss` for a run (`cfg` resolved, `prep` from
+    `train.run.prepare`) on `device`: the same for training steps and evaluations."""
+    return dict(
+        num_anchors=cfg.num_anchors,
+        block_size=cfg.block_size,
+        gamma=prep.gamma,
+        mask_token_id=prep.drafter.mask_token_id,
+        attention=cfg.attention,
+        ce_chunk_blocks=cfg.ce_chunk_blocks,
+        compile_masks=cfg.compile == "flex" and device.type == "cuda",
+        ce=cfg.ce,
+        compile_ce=cfg.compile == "model",
+        dspark=dspark_loss(cfg),
+        # Fewer blocks when a row has fewer candidates changes shapes: only uncompiled.
+        trim_anchors=device.type == "cpu" and cfg.compile == "none",
+    )
 
 
 def forward_loss(
