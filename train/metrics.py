@@ -91,7 +91,7 @@ class StatSums:
             part.zero_()
         size = 7 + 2 * self.block_size + 5 + self.block_size
         weight, *sums = values[-4:]
-        terms = {k: v / weight for k, v in zip(OBJECTIVE_KEYS, sums, strict=True)}
+        terms = {k: v / max(weight, 1e-30) for k, v in zip(OBJECTIVE_KEYS, sums, strict=True)}
         return {
             **summarise(values[:size], self.block_size, first=self.first),
             **summarise_dspark(values[size:-4], values, self.block_size),
