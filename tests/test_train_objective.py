@@ -5,12 +5,14 @@ refusing another loss, uniform and D-PACE slot weights, and a sweep varying the 
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from shared.manifest import CacheMismatch
 from tests.cachegen import write_cache
 from tests.test_train_loop import records, tiny
 from train.__main__ import main
+from train.data.batch import Batch
 from train.run import RunError, run
 from train.sweep.grid import GridError, parse_vary, plan_jobs
 
@@ -111,3 +113,17 @@ def test_a_sweep_varies_the_loss_and_the_slot_weights(cache, tmp_path):
             data=cache, out=tmp_path, grid=parse_vary(["loss=kl"]), seeds=1,
             train_args=["--drafter-type", "dspark"],
         )  # fmt: skip
+
+
+def test_noise_leaves_the_targets_last_layer_alone():
+    """--noise-std perturbs the drafter's taps, never the target's distribution read after them
+    (--loss kl|tv|mix, DSpark's full loss)."""
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    batch = Batch.one_per_row(
+        torch.tensor([4]), ids_BS=ids, loss_mask_BS=ids, hidden_BSKH=torch.ones(1, 4, 3, 8)
+    )
+    noised = batch.noised(std=0.1, seed=7, layers=2).hidden_BSKH
+    assert torch.equal(noised[:, :, 2], torch.ones(1, 4, 8))
+    assert (noised[:, :, :2] - 1).abs().min() > 0
+    # the taps draw the same noise as without `layers`
+    assert torch.equal(noised[:, :, :2], batch.noised(std=0.1, seed=7).hidden_BSKH[:, :, :2])

@@ -263,7 +263,9 @@ class Trainer:
 
     def _take(self) -> tuple[dict[str, Any], Batch]:
         item, batch = self.feed.take()
-        batch = batch.noised(std=self.cfg.noise_std, seed=item["anchor_seed"])  # training only
+        # Training only, and only the taps: a last layer read after them is the target's own.
+        taps = len(self.prep.drafter.target_layer_ids)
+        batch = batch.noised(std=self.cfg.noise_std, seed=item["anchor_seed"], layers=taps)
         if item["epoch"] != self.loader_state.epoch:
             raise RuntimeError(
                 f"loader out of step: got epoch {item['epoch']}, expected {self.loader_state.epoch}"
