@@ -2,6 +2,7 @@
 the target's distribution, the clear error for a cache without the target's last layer, a resume
 refusing another loss, uniform and D-PACE slot weights, and a sweep varying the loss."""
 
+import dataclasses
 import json
 
 import pytest
@@ -10,10 +11,13 @@ from click.testing import CliRunner
 
 from shared.manifest import CacheMismatch
 from tests.cachegen import write_cache
+from tests.drafters import tiny_drafter, tiny_drafter_config
 from tests.test_train_loop import records, tiny
 from train.__main__ import main
 from train.data.batch import Batch
+from train.drafters.objective import Objective
 from train.run import RunError, run
+from train.step import anchored_loss
 from train.sweep.grid import GridError, parse_vary, plan_jobs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -127,3 +131,54 @@ def test_noise_leaves_the_targets_last_layer_alone():
     assert (noised[:, :, :2] - 1).abs().min() > 0
     # the taps draw the same noise as without `layers`
     assert torch.equal(noised[:, :, :2], batch.noised(std=0.1, seed=7).hidden_BSKH[:, :, :2])
+
+
+def _kl_step(objective, batch, anchors, keep, drafter, embed, lm_head, ce="fused"):
+    drafter.zero_grad()
+    out = anchored_loss(
+        drafter, embed, lm_head, batch, anchors, keep, block_size=4, gamma=2.0,
+        mask_token_id=299, attention="sdpa", ce=ce, ce_chunk_blocks=3, objective=objective,
+    )  # fmt: skip
+    out.weighted_sum.backward()
+    return out, {n: p.grad.clone() for n, p in drafter.named_parameters()}
+
+
+@pytest.mark.parametrize("ce", ["fused", "autograd"])
+def test_the_target_row_is_the_one_before_the_token_in_its_own_sample(ce):
+    """A target whose last state at row t puts all its mass on x[t + 1] makes the KL the CE on
+    the data tokens: the slot predicting x[a + k] reads row a + k - 1. A packed row gives the sums
+    of its samples one by one, an anchor at the row's last candidate included."""
+    gen = torch.Generator().manual_seed(3)
+    embed, lm_head = torch.randn(300, 64, generator=gen), torch.randn(300, 64, generator=gen) / 8
+    drafter = tiny_drafter(tiny_drafter_config()).train()
+    lengths, ids, hidden = [11, 17], torch.randint(0, 299, (28,), generator=gen), []
+    nxt = torch.cat([ids[1:], ids[:1]])
+    last = 400 * lm_head[nxt] / lm_head[nxt].norm(dim=-1, keepdim=True) ** 2
+    hidden = torch.cat([torch.randn(28, 3, 64, generator=gen), last[:, None]], dim=1)
+    docs = torch.tensor([0] * 11 + [1] * 17)
+    pos = torch.cat([torch.arange(11), torch.arange(17)])
+    packed = Batch(
+        ids_BS=ids[None], loss_mask_BS=torch.ones(1, 28, dtype=torch.long), doc_ids_BS=docs[None],
+        positions_BS=pos[None], hidden_BSKH=hidden[None],
+    )  # fmt: skip
+    anchors, keep = torch.tensor([[0, 3, 8, 11, 20, 26]]), torch.ones(1, 6, dtype=torch.bool)
+    kl, kl_grads = _kl_step(Objective("kl"), packed, anchors, keep, drafter, embed, lm_head, ce)
+    plain = dataclasses.replace(packed, hidden_BSKH=hidden[None, :, :3])
+    ce_out, _ = _kl_step(Objective("ce"), plain, anchors, keep, drafter, embed, lm_head, ce)
+    assert kl.weighted_sum.item() == pytest.approx(ce_out.weighted_sum.item(), rel=1e-3)
+    total, grads = 0.0, None
+    for d, start in enumerate((0, 11)):
+        span = slice(start, start + lengths[d])
+        alone = Batch.one_per_row(
+            torch.tensor([lengths[d]]), ids_BS=ids[None, span],
+            loss_mask_BS=torch.ones(1, lengths[d], dtype=torch.long),
+            hidden_BSKH=hidden[None, span],
+        )  # fmt: skip
+        mine = anchors[(anchors >= start) & (anchors < start + lengths[d])] - start
+        out, g = _kl_step(Objective("kl"), alone, mine[None], torch.ones(1, len(mine)).bool(),
+                          drafter, embed, lm_head, ce)  # fmt: skip
+        total += out.weighted_sum.item()
+        grads = g if grads is None else {n: grads[n] + g[n] for n in g}
+    assert kl.weighted_sum.item() == pytest.approx(total, rel=1e-5)
+    for name, grad in kl_grads.items():
+        torch.testing.assert_close(grad, grads[name], rtol=1e-4, atol=1e-6)

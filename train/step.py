@@ -213,7 +213,8 @@ def anchored_loss(
     if not objective.plain_ce:
         last_BQH = None
         if last_BSH is not None:  # the target's last state at row a + k - 1: its x[a + k]
-            rows_BQ = block_rows(anchors_BN - 1, block_size=block_size).clamp(min=0)
+            rows_BQ = block_rows(anchors_BN - 1, block_size=block_size)
+            rows_BQ = rows_BQ.clamp(min=0, max=ids_BS.shape[1] - 1)  # weight 0 outside
             last_BQH = last_BSH.gather(1, rows_BQ[..., None].expand(-1, -1, last_BSH.shape[-1]))
         out = chunked_target_loss(
             hidden_BQH.flatten(0, 1), lm_head_weight_VH, targets_BQ.flatten(),
