@@ -177,8 +177,9 @@ def loss_weights(
     ...                  shift=1, cumulative=True)
     >>> [round(x, 4) for x in w[0].tolist()]
     [1.0, 0.0, 0.0, 0.0]
-    >>> loss_weights(torch.tensor([[1, 1, 1, 1]]), torch.tensor([[0, 0, 0, 1]]), torch.tensor([[0]]),
-    ...              torch.tensor([[True]]), block_size=4, gamma=None, decay="uniform").tolist()
+    >>> loss_weights(torch.tensor([[1, 1, 1, 1]]), torch.tensor([[0, 0, 0, 1]]),
+    ...              torch.tensor([[0]]), torch.tensor([[True]]), block_size=4, gamma=None,
+    ...              decay="uniform").tolist()
     [[0.0, 1.0, 1.0, 0.0]]
     """
     if decay not in ("exp", "uniform"):
