@@ -14,69 +14,16 @@ from typing import Any
 
 from shared.cli import option
 from train.drafters import config as drafter_names  # the drafters' names, fields and defaults
-
-ATTENTIONS = ("flex", "sdpa")
-COMPILE_MODES = ("none", "flex", "model")
-GRAD_CKPT_MODES = ("none", "loss", "layers")
-CE_MODES = ("fused", "autograd")
-OPTIMIZERS = ("adamw", "muon")
-LAYER_TYPE_ALIASES = {
-    "full": "full_attention",
-    "full_attention": "full_attention",
-    "sliding": "sliding_attention",
-    "sliding_attention": "sliding_attention",
-}
-
-# Changing these in an existing run folder changes no state a checkpoint holds, so a resume may
-# use new values; any other change (drafter shape, data order, recipe) makes the run refuse.
-HARMLESS_CHANGES = frozenset(
-    {
-        "data",  # the cache itself is compared by its manifest identity instead
-        "gpus",  # the world size is checked against the checkpoint's loader state
-        "follow",  # the plan (followed or not) is the checkpoint's
-        "steps",
-        "epochs",
-        "stop_after_steps",
-        "attention",
-        "compile",
-        "recompile_limit",
-        "grad_ckpt",
-        "ce",
-        "prefetch",
-        "checkpoint_every",
-        "keep_checkpoints",
-        "resume",
-        "log_every",
-        "eval_every",
-        "eval_batches",
-        "verbose",
-    }
+from train.drafters import objective as objectives  # the losses' and slot weights' names
+from train.options import (
+    ATTENTIONS,
+    CE_MODES,
+    COMPILE_MODES,
+    GRAD_CKPT_MODES,
+    OPTIMIZERS,
+    parse_ints,
+    parse_layer_types,
 )
-
-
-def parse_ints(text: str | None, name: str) -> tuple[int, ...] | None:
-    """'1,9,17' -> (1, 9, 17); ValueError naming the field on anything else."""
-    if text is None:
-        return None
-    try:
-        return tuple(int(v) for v in str(text).replace(" ", "").split(",") if v != "")
-    except ValueError:
-        raise ValueError(f"{name}: expected comma-separated integers, got {text!r}") from None
-
-
-def parse_layer_types(text: str | None, num_layers: int) -> tuple[str, ...]:
-    """'sliding,full,...' (one per drafter layer, or one for all) -> full layer type names."""
-    if text is None:
-        return ("full_attention",) * num_layers
-    names = [v for v in str(text).replace(" ", "").split(",") if v]
-    bad = [v for v in names if v not in LAYER_TYPE_ALIASES]
-    if bad:
-        raise ValueError(f"layer_types: unknown {bad}; use full_attention or sliding_attention")
-    if len(names) == 1:
-        names = names * num_layers
-    if len(names) != num_layers:
-        raise ValueError(f"layer_types: {len(names)} given for {num_layers} drafter layers")
-    return tuple(LAYER_TYPE_ALIASES[v] for v in names)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,7 +135,8 @@ class TrainConfig:
     )
     gamma: float | None = option(
         None,
-        help="loss decay over block offsets; default 7 for block 16, 4 for block 8 (dspark: 4)",
+        help="loss decay over block offsets (--slot-weights exp); default 7 for block 16, 4 for "
+        "block 8 (dspark: 4)",
     )
     target_layers: str | None = option(
         None,
@@ -259,6 +207,23 @@ class TrainConfig:
         help="standard deviation of Gaussian noise added to the cached hidden states of real "
         "tokens fed to the drafter in training (not in evaluation); 0: off",
     )
+    loss: str = option(
+        "ce",
+        choices=objectives.LOSSES,
+        help="dflash: the loss of each slot: ce (cross-entropy on the data token), kl (KL(target "
+        "|| drafter) to the target's distribution, softmax of lm_head(the target's last hidden "
+        "state); the cache must hold the target's last layer), tv (total variation to it) or mix "
+        "((1 - --kl-weight) CE + --kl-weight KL)",
+    )
+    kl_weight: float = option(0.5, help="--loss mix: the KL's weight (the CE's is 1 minus it)")
+    slot_weights: str = option(
+        "exp",
+        choices=objectives.SLOT_WEIGHTS,
+        help="loss weight of each block offset k: exp (exp(-(k-1)/--gamma), the DFlash recipe), "
+        "uniform (1), or dpace (dflash, --loss ce: speculators' D-PACE, each slot weighted by "
+        "the expected acceptance it leads to, from the drafter's own smoothed confidences)",
+    )
+    dpace_alpha: float = option(0.5, help="--slot-weights dpace: confidence smoothing, in (0, 1]")
     warmup: float = option(0.04, help="fraction of steps of linear warmup before cosine decay")
     weight_decay: float = option(0.0, help="AdamW weight decay")
     grad_clip: float = option(1.0, help="clip the global gradient norm to this (0: off)")
@@ -309,6 +274,7 @@ class TrainConfig:
             "sample",
         )
         self._check_dspark()
+        objectives.Objective.of(self)  # the loss and slot weights, with their family
         _check(self.ce_chunk_blocks >= 1, "ce_chunk_blocks", "must be >= 1")
         for name in drafter_names.DFLASH2_FIELDS:
             _check(getattr(self, name) >= 1, name, "must be >= 1")

@@ -20,10 +20,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from shared.cli import to_json
 from shared.dist import (
     RankInfo,
-    all_gather_objects,
     all_reduce_sum,
     barrier,
     processes_on_this_host,
@@ -34,7 +32,6 @@ from shared.progress import progress_bar
 from shared.space import DiskFull, full_disk_stops
 from shared.stopping import StopRequest
 from shared.target_files import load_heads
-from train.checkpoint import load_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
 from train.compiling import compiled_graphs, configure_compile, recompile_errors
 from train.config import TrainConfig
 from train.data.batch import Batch
@@ -42,7 +39,6 @@ from train.data.feed import DeviceFeed
 from train.data.loader import LoaderState, PlanDataset, checked, make_loader
 from train.data.plan import PlanSpec, epoch_lengths
 from train.drafters.dflash2_loss import selector_loss
-from train.drafters.dspark_loss import dspark_loss
 from train.drafters.mask import flex_kernel_options
 from train.drafters.registry import build_drafter, init_weights
 from train.evaluate import Evaluator
@@ -52,8 +48,9 @@ from train.following import Following
 from train.metrics import MetricsWriter, StatSums, train_record
 from train.optim import build_optimizer
 from train.prepared import Prepared
+from train.run_state import restore_run_state, save_run_state
 from train.schedule import warmup_cosine
-from train.step import forward_loss
+from train.step import forward_loss, step_options
 from train.warm_start import warm_start
 
 log = logging.getLogger(__name__)
@@ -121,20 +118,7 @@ class Trainer:
             if cuda
             else contextlib.nullcontext
         )
-        self.step_kwargs: dict[str, Any] = dict(
-            num_anchors=cfg.num_anchors,
-            block_size=cfg.block_size,
-            gamma=prep.gamma,
-            mask_token_id=prep.drafter.mask_token_id,
-            attention=cfg.attention,
-            ce_chunk_blocks=cfg.ce_chunk_blocks,
-            compile_masks=cfg.compile == "flex" and self.device.type == "cuda",
-            ce=cfg.ce,
-            compile_ce=cfg.compile == "model",
-            dspark=dspark_loss(cfg),
-            # Fewer blocks when a row has fewer candidates changes shapes: only uncompiled.
-            trim_anchors=self.device.type == "cpu" and cfg.compile == "none",
-        )
+        self.step_kwargs = step_options(cfg, prep, self.device)
         self.sums = StatSums(cfg.block_size, self.device, first=prep.first_draft_slot)
         self.guard = FiniteGuard(
             self.device, every=cfg.log_every, total=self.total, data=cfg.data, out=cfg.out
@@ -150,43 +134,10 @@ class Trainer:
     # --- state ---------------------------------------------------------------------------
 
     def restore(self) -> None:
-        path = resolve_resume(self.cfg.out, self.cfg.resume)
-        if path is None:
-            log.info("starting from scratch: %d steps", self.total)
-            return
-        state = load_state(path, self.device)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.loader_state = LoaderState.from_dict(
-            state["loader"], world_size=self.info.world_size, workers=self.workers
-        )
-        self.step = int(state["step"])
-        self.writer.rewind(self.step)
-        if len(state["rng"]) == self.info.world_size:
-            set_rng_state(state["rng"][self.info.rank], self.device)
-        log.info("resumed from %s at step %d of %d", path, self.step, self.total)
+        restore_run_state(self)
 
     def save(self) -> None:
-        self.guard.check(self.step)  # never save (nor export after) a non-finite model
-        rngs = all_gather_objects(rng_state(self.device))
-        if self.info.is_main:
-            state = {
-                "step": self.step,
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "loader": self.loader_state.to_dict(
-                    world_size=self.info.world_size, workers=self.workers
-                ),
-                "rng": rngs,
-                "config": to_json(self.cfg),
-                "plan": self.follow.record() if self.follow else {"follow": False},
-            }
-            save_checkpoint(
-                self.cfg.out, self.step, state, self.prep.drafter, keep=self.cfg.keep_checkpoints
-            )
-        barrier()
+        save_run_state(self)
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -312,7 +263,9 @@ class Trainer:
 
     def _take(self) -> tuple[dict[str, Any], Batch]:
         item, batch = self.feed.take()
-        batch = batch.noised(std=self.cfg.noise_std, seed=item["anchor_seed"])  # training only
+        # Training only, and only the taps: a last layer read after them is the target's own.
+        taps = len(self.prep.drafter.target_layer_ids)
+        batch = batch.noised(std=self.cfg.noise_std, seed=item["anchor_seed"], layers=taps)
         if item["epoch"] != self.loader_state.epoch:
             raise RuntimeError(
                 f"loader out of step: got epoch {item['epoch']}, expected {self.loader_state.epoch}"

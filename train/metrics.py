@@ -46,6 +46,9 @@ class StatSums:
         self.dspark = torch.zeros(
             5 + block_size + CALIBRATION_SIZE, dtype=torch.float64, device=device
         )
+        # A DFlash loss other than the plain CE (train/drafters/target_loss.py; zero otherwise):
+        # [sum w, sum w ce, sum w kl, sum w tv] with the slot weights it used.
+        self.objective = torch.zeros(4, dtype=torch.float64, device=device)
 
     def add(
         self,
@@ -73,6 +76,8 @@ class StatSums:
             self.dspark[:5] += torch.stack([stats[k].detach().double() for k in keys])
             self.dspark[5 : 5 + self.block_size] += stats["l1_per_slot"].double()
             self.dspark[5 + self.block_size :] += stats["calibration"].double()
+        if "objective_terms" in stats:
+            self.objective += stats["objective_terms"].detach().double()
 
     def add_step(self, grad_norm: torch.Tensor) -> None:
         self.scalars[5] += grad_norm.detach().double()
@@ -80,21 +85,26 @@ class StatSums:
 
     def reduce(self) -> dict[str, Any]:
         """Sum over ranks, copy to the host, summarise, reset. Every rank must call it."""
-        parts = [self.scalars, self.correct, self.count, self.selected, self.dspark]
+        parts = [self.scalars, self.correct, self.count, self.selected, self.dspark, self.objective]
         values = all_reduce_sum(torch.cat(parts)).tolist()
         for part in parts:
             part.zero_()
         size = 7 + 2 * self.block_size + 5 + self.block_size
+        weight, *sums = values[-4:]
+        terms = {k: v / max(weight, 1e-30) for k, v in zip(OBJECTIVE_KEYS, sums, strict=True)}
         return {
             **summarise(values[:size], self.block_size, first=self.first),
-            **summarise_dspark(values[size:], values, self.block_size),
+            **summarise_dspark(values[size:-4], values, self.block_size),
+            **(terms if weight > 0 else {}),
         }
 
 
 SELECTOR_KEYS = ("selected_tau", "selected_acc", "ce_base", "selector_ce", "selector_coverage")
 DSPARK_KEYS = ("ce", "l1", "conf", "accept_prob", "tau_prob", "conf_ece", "conf_auc")
+# A DFlash loss other than the plain CE: each term's mean over the slot weights it used.
+OBJECTIVE_KEYS = ("ce", "kl", "tv")
 # The family-specific keys a metrics record carries beside loss, tau and acc.
-EXTRA_KEYS = SELECTOR_KEYS + DSPARK_KEYS
+EXTRA_KEYS = SELECTOR_KEYS + DSPARK_KEYS + ("kl", "tv")
 
 
 def summarise_dspark(sums: list[float], values: list[float], block_size: int) -> dict[str, Any]:

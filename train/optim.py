@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from train.config import OPTIMIZERS, TrainConfig
+from train.config import TrainConfig
+from train.options import OPTIMIZERS
 
 
 def hidden_matrices(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

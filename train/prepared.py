@@ -29,7 +29,7 @@ class Prepared:
     train_lengths: tuple[tuple[int, ...], ...]
     eval_lengths: tuple[tuple[int, ...], ...]
     layers: tuple[int, ...]  # positions in the cached layer axis, in the drafter's order
-    gamma: float
+    gamma: float | None  # the exp slot weights' decay (None with other slot weights)
     follow: FollowPlan | None = None  # set when the run follows a running extraction
 
     @property

@@ -45,6 +45,7 @@ from train.data.loader import layer_positions, load_catalog
 from train.data.plan import PlanSpec, holdout_lengths, plan_rows
 from train.drafters.anchors import default_gamma
 from train.drafters.config import DFLASH2_FIELDS, LOGIT_FIELDS, DrafterConfig
+from train.drafters.objective import TARGET_LOSSES
 from train.follow_start import await_first_step, await_manifest, holdout, start_following
 from train.loop import EXPORT_DIR, train_rank
 from train.prepared import FollowPlan, Prepared
@@ -191,7 +192,9 @@ def prepare(
         )
     else:
         train_lengths, eval_lengths = holdout(cfg, view)
-    gamma = cfg.gamma or default_gamma(cfg.block_size, anchor_predicts=drafter.anchor_predicts)
+    gamma = None  # unused by --slot-weights uniform and dpace
+    if cfg.slot_weights == "exp":
+        gamma = cfg.gamma or default_gamma(cfg.block_size, anchor_predicts=drafter.anchor_predicts)
     cfg = cfg.replace(
         target_layers=",".join(map(str, wanted)),
         layer_types=",".join(drafter.layer_types),
@@ -226,19 +229,25 @@ def default_taps(cfg: TrainConfig, manifest: Manifest) -> tuple[int, ...]:
 
 
 def last_layer(cfg: TrainConfig, manifest: Manifest, problems: list[str]) -> tuple[int, ...]:
-    """(the target's last layer,) when a DSpark run reads it (`--dspark-loss full`), else ();
-    a cache without it is a problem naming the extract flag that adds it."""
-    if cfg.drafter_type != "dspark" or cfg.dspark_loss != "full":
+    """(the target's last layer,) when the run reads the target's distribution (DSpark's
+    `--dspark-loss full`, a DFlash `--loss` in TARGET_LOSSES), else (); a cache without it is a
+    problem naming the extract option that adds it."""
+    if cfg.drafter_type == "dspark" and cfg.dspark_loss == "full":
+        needs = "--drafter-type dspark trains its L1 and confidence terms on"
+        instead = "`--dspark-loss ce` (CE alone, no confidence head)"
+    elif cfg.loss in TARGET_LOSSES:
+        needs = f"--loss {cfg.loss} compares the drafter's distribution with the one of"
+        instead = "`--loss ce` (CE on the data tokens)"
+    else:
         return ()
     last, cached = manifest.target.num_layers - 1, list(manifest.layer_ids)
     if last in cached:
         return (last,)
     problems.append(
-        f"--drafter-type dspark trains its L1 and confidence terms on the target's last hidden "
-        f"state (layer {last}, after the final norm), which this cache lacks (cached layers "
-        f"{cached}): extract it again adding layer {last}, `python -m extract --layers "
-        f"{','.join(map(str, sorted({*cached, last})))} ...`, or train with `--dspark-loss ce` "
-        "(CE alone, no confidence head)"
+        f"{needs} the target's last hidden state (layer {last}, after the final norm), which "
+        f"this cache lacks (cached layers {cached}): extract it again adding layer {last}, "
+        f"`python -m extract --layers {','.join(map(str, sorted({*cached, last})))} ...`, or "
+        f"train with {instead}"
     )
     return ()
 

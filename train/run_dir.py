@@ -12,7 +12,8 @@ from shared.cli import to_json
 from shared.fsio import atomic_write_json
 from shared.manifest import Manifest
 from train.checkpoint import list_checkpoints, read_meta, resolve_resume
-from train.config import HARMLESS_CHANGES, TrainConfig
+from train.config import TrainConfig
+from train.options import HARMLESS_CHANGES
 from train.prepared import Prepared
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.config import CE_MODES, GRAD_CKPT_MODES
+from train.config import TrainConfig
 from train.data.batch import Batch
 from train.drafters.anchors import (
     block_inputs,
@@ -22,9 +22,13 @@ from train.drafters.anchors import (
 )
 from train.drafters.dflash import DFlashDrafter
 from train.drafters.dflash2_loss import SelectorLoss, selector_step_terms
-from train.drafters.dspark_loss import DSparkLoss, dspark_step_terms
+from train.drafters.dspark_loss import DSparkLoss, dspark_loss, dspark_step_terms
 from train.drafters.loss import acceptance_stats, chunked_ce, fused_chunked_ce
 from train.drafters.mask import build_masks
+from train.drafters.objective import Objective
+from train.drafters.target_loss import chunked_target_loss
+from train.options import CE_MODES, GRAD_CKPT_MODES
+from train.prepared import Prepared
 
 
 @dataclass
@@ -46,6 +50,26 @@ def _unwrap(model: nn.Module) -> DFlashDrafter:
             raise TypeError(f"expected a DFlashDrafter (possibly wrapped), got {type(model)}")
         model = inner
     return model
+
+
+def step_options(cfg: TrainConfig, prep: Prepared, device: torch.device) -> dict[str, Any]:
+    """The keyword options of `forward_loss` for a run (`cfg` resolved, `prep` from
+    `train.run.prepare`) on `device`: the same for training steps and evaluations."""
+    return dict(
+        num_anchors=cfg.num_anchors,
+        block_size=cfg.block_size,
+        gamma=prep.gamma,
+        mask_token_id=prep.drafter.mask_token_id,
+        attention=cfg.attention,
+        ce_chunk_blocks=cfg.ce_chunk_blocks,
+        compile_masks=cfg.compile == "flex" and device.type == "cuda",
+        ce=cfg.ce,
+        compile_ce=cfg.compile == "model",
+        dspark=dspark_loss(cfg),
+        objective=Objective.of(cfg),
+        # Fewer blocks when a row has fewer candidates changes shapes: only uncompiled.
+        trim_anchors=device.type == "cpu" and cfg.compile == "none",
+    )
 
 
 def forward_loss(
@@ -86,7 +110,7 @@ def anchored_loss(
     keep_BN: torch.Tensor,
     *,
     block_size: int,
-    gamma: float,
+    gamma: float | None,
     mask_token_id: int,
     attention: str,
     ce_chunk_blocks: int = 128,
@@ -96,6 +120,7 @@ def anchored_loss(
     compile_ce: bool = False,
     selector: SelectorLoss | None = None,
     dspark: DSparkLoss | None = None,
+    objective: Objective | None = None,
 ) -> StepOut:
     """The training forward of one micro-batch for given anchors (a pure function of them).
 
@@ -107,7 +132,10 @@ def anchored_loss(
     `grad_ckpt`; `compile_ce` runs its chunk body through torch.compile. `selector`: this step's
     selector-loss weight and stop-gradient (DFlash2 drafters only; default alpha 1). `dspark`: the
     DSpark objective's weights and mode (DSpark drafters only; in mode "full" the batch holds the
-    target's last hidden state as its last layer, after the taps). `compile_masks`
+    target's last hidden state as its last layer, after the taps). `objective`: a DFlash
+    drafter's loss and slot weights (train/drafters/objective.py; default the CE with exp
+    weights; a loss against the target's distribution reads the last layer as DSpark's does);
+    the slot weights apply to every family. `compile_masks`
     builds flex BlockMasks with the compiled create_block_mask. Measured on an H200 (Qwen3-8B shape,
     S 3072, 512 blocks of 16, flex): steady step 221 ms compiled vs 224 ms eager, but the first step
     210 s vs 13 s (compiling the mask for the second layer type alone took 215 s), so it is off by
@@ -123,9 +151,9 @@ def anchored_loss(
     if block_size != cfg.block_size:
         raise ValueError(f"block_size {block_size} differs from the drafter's {cfg.block_size}")
     ids_BS, loss_mask_BS, doc_ids_BS = batch.ids_BS, batch.loss_mask_BS, batch.doc_ids_BS
-    dspark = dspark or DSparkLoss()
+    dspark, objective = dspark or DSparkLoss(), objective or Objective()
     last_BSH = None
-    if cfg.drafter_type == "dspark" and dspark.mode == "full":
+    if (cfg.drafter_type == "dspark" and dspark.mode == "full") or objective.needs_target:
         batch, last_BSH = batch.split_last()
     with torch.no_grad():
         block_ids_BQ = block_inputs(
@@ -159,6 +187,7 @@ def anchored_loss(
     w_BQ = loss_weights(
         loss_mask_BS, doc_ids_BS, anchors_BN, keep_BN, block_size=block_size, gamma=gamma,
         shift=shift, cumulative=cfg.anchor_predicts,
+        decay="exp" if objective.slot_weights == "exp" else "uniform",
     )  # fmt: skip
     chunk_rows = ce_chunk_blocks * block_size
     if cfg.drafter_type == "dspark":
@@ -181,6 +210,23 @@ def anchored_loss(
             options=selector or SelectorLoss(),
         )  # fmt: skip
         return StepOut(weighted_sum=weighted_sum, weight_total=weight_total, stats=stats)
+    if not objective.plain_ce:
+        last_BQH = None
+        if last_BSH is not None:  # the target's last state at row a + k - 1: its x[a + k]
+            rows_BQ = block_rows(anchors_BN - 1, block_size=block_size)
+            rows_BQ = rows_BQ.clamp(min=0, max=ids_BS.shape[1] - 1)  # weight 0 outside
+            last_BQH = last_BSH.gather(1, rows_BQ[..., None].expand(-1, -1, last_BSH.shape[-1]))
+        out = chunked_target_loss(
+            hidden_BQH.flatten(0, 1), lm_head_weight_VH, targets_BQ.flatten(),
+            None if last_BQH is None else last_BQH.flatten(0, 1), w_BQ.flatten(),
+            objective=objective, block_size=block_size, chunk_rows=chunk_rows,
+            fused=ce == "fused", compiled=compile_ce, checkpoint=grad_ckpt != "none",
+        )  # fmt: skip
+        stats = acceptance_stats(
+            out.correct_N.view_as(targets_BQ), w_BQ, keep_BN, block_size=block_size
+        )
+        stats["objective_terms"] = out.terms
+        return StepOut(weighted_sum=out.loss, weight_total=out.weight_total, stats=stats)
     ce_args = (hidden_BQH.flatten(0, 1), lm_head_weight_VH, targets_BQ.flatten(), w_BQ.flatten())
     if ce == "fused":
         weighted_sum, weight_total, correct_N = fused_chunked_ce(

@@ -65,13 +65,15 @@ class Batch:
         batch, seq, layers, hidden = self.hidden_BSKH.shape
         return self.hidden_BSKH.reshape(batch, seq, layers * hidden)
 
-    def noised(self, *, std: float, seed: int) -> Batch:
-        """This batch with N(0, std^2) noise added to the hidden states of its real tokens
-        (padding stays zero), drawn on the batch's device from a generator seeded with `seed +
-        NOISE_SEED_OFFSET`: the same micro-batch gets the same noise in a resumed run. `std` 0
-        returns the batch itself. The training step's `--noise-std`: the drafter learns from
-        states near the cached ones, as a serving engine's (other kernels, batch shapes,
-        precision) are; evaluation and decoding see the states unchanged.
+    def noised(self, *, std: float, seed: int, layers: int | None = None) -> Batch:
+        """This batch with N(0, std^2) noise added to the hidden states of its real tokens (padding
+        stays zero; with `layers`, only the first `layers` cached layers: the drafter's taps, not
+        the target's last layer read after them as the target's distribution), drawn on the batch's
+        device from a generator seeded with `seed + NOISE_SEED_OFFSET`: the same micro-batch gets
+        the same noise in a resumed run. `std` 0 returns the batch itself. The training step's
+        `--noise-std`: the drafter learns from states near the cached ones, as a serving engine's
+        (other kernels, batch shapes, precision) are; evaluation and decoding see the states
+        unchanged.
 
         >>> ids = torch.zeros(1, 3, dtype=torch.long)
         >>> b = Batch.one_per_row(torch.tensor([2]), ids_BS=ids, loss_mask_BS=ids,
@@ -87,6 +89,9 @@ class Batch:
         gen = torch.Generator(device=states.device).manual_seed(seed + NOISE_SEED_OFFSET)
         noise = torch.randn(states.shape, generator=gen, device=states.device, dtype=torch.float32)
         real = (self.doc_ids_BS >= 0).reshape(*self.doc_ids_BS.shape, *[1] * (states.ndim - 2))
+        if layers is not None and field == "hidden_BSKH":
+            taps = torch.arange(states.shape[2], device=states.device) < layers
+            real = real & taps[:, None]
         out = (states.float() + noise * std * real).to(states.dtype)
         return dataclasses.replace(self, **{field: out})
 

@@ -157,14 +157,16 @@ def loss_weights(
     keep_BN: torch.Tensor,
     *,
     block_size: int,
-    gamma: float,
+    gamma: float | None,
     shift: int = 0,
     cumulative: bool = False,
+    decay: str = "exp",
 ) -> torch.Tensor:
     """w[b, j*block_size + k] = keep * [t in a's sample] * loss_mask[t] * [k + shift > 0] *
     exp(-(k + shift - 1)/gamma) with t = a + k + shift, the row of the slot's target. Float32
     [B, Q]. `cumulative` (DSpark): a slot counts only where every earlier slot of its block
     counts (its targets are in range and supervised), as acceptance stops at the first miss.
+    `decay` "uniform" drops the exp factor (gamma unused): 1 on every slot that counts.
 
     >>> w = loss_weights(torch.tensor([[1, 1, 1, 1]]), torch.tensor([[0, 0, 0, 1]]),
     ...                  torch.tensor([[0]]), torch.tensor([[True]]), block_size=4, gamma=1.0)
@@ -175,7 +177,15 @@ def loss_weights(
     ...                  shift=1, cumulative=True)
     >>> [round(x, 4) for x in w[0].tolist()]
     [1.0, 0.0, 0.0, 0.0]
+    >>> loss_weights(torch.tensor([[1, 1, 1, 1]]), torch.tensor([[0, 0, 0, 1]]),
+    ...              torch.tensor([[0]]), torch.tensor([[True]]), block_size=4, gamma=None,
+    ...              decay="uniform").tolist()
+    [[0.0, 1.0, 1.0, 0.0]]
     """
+    if decay not in ("exp", "uniform"):
+        raise ValueError(f"decay must be 'exp' or 'uniform', got {decay!r}")
+    if decay == "exp" and gamma is None:
+        raise ValueError("decay 'exp' needs gamma")
     seq = loss_mask_BS.shape[1]
     k_K = _offsets(block_size, anchors_BN.device)
     pos_BNK = anchors_BN[..., None] + k_K + shift
@@ -188,7 +198,9 @@ def loss_weights(
     counts_BNK = same_doc_BNK & supervised_BNK
     if cumulative:
         counts_BNK = counts_BNK.long().cumprod(dim=-1).bool()
-    decay_K = torch.exp(-(k_K.float() + shift - 1.0) / gamma) * (k_K + shift > 0)
+    decay_K = (k_K + shift > 0).float()
+    if decay == "exp":
+        decay_K = decay_K * torch.exp(-(k_K.float() + shift - 1.0) / gamma)
     w_BNK = keep_BN[..., None] * counts_BNK * decay_K
     return w_BNK.float().flatten(1)
 

@@ -1,0 +1,61 @@
+"""A run's state as its checkpoints hold it: what a rank saves, and what a resumed rank restores.
+
+The dict is everything needed to continue: the drafter, the optimizer and scheduler states, the
+loader's place in the plan, every rank's RNG states, the step, the resolved config (so a later
+run can see which recipe wrote it) and the data plan. `Trainer.save` and `Trainer.restore`
+(train/loop.py) call these with themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from shared.cli import to_json
+from shared.dist import all_gather_objects, barrier
+from train.checkpoint import load_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
+from train.data.loader import LoaderState
+
+log = logging.getLogger(__name__)
+
+
+def restore_run_state(trainer: Any) -> None:
+    """Load the checkpoint `--resume` names into `trainer` (a `train.loop.Trainer`); log a start
+    from scratch when there is none."""
+    t = trainer
+    path = resolve_resume(t.cfg.out, t.cfg.resume)
+    if path is None:
+        log.info("starting from scratch: %d steps", t.total)
+        return
+    state = load_state(path, t.device)
+    t.model.load_state_dict(state["model"])
+    t.optimizer.load_state_dict(state["optimizer"])
+    t.scheduler.load_state_dict(state["scheduler"])
+    t.loader_state = LoaderState.from_dict(
+        state["loader"], world_size=t.info.world_size, workers=t.workers
+    )
+    t.step = int(state["step"])
+    t.writer.rewind(t.step)
+    if len(state["rng"]) == t.info.world_size:
+        set_rng_state(state["rng"][t.info.rank], t.device)
+    log.info("resumed from %s at step %d of %d", path, t.step, t.total)
+
+
+def save_run_state(trainer: Any) -> None:
+    """Save `trainer`'s state as the checkpoint of its step (rank 0 writes; every rank calls)."""
+    t = trainer
+    t.guard.check(t.step)  # never save (nor export after) a non-finite model
+    rngs = all_gather_objects(rng_state(t.device))
+    if t.info.is_main:
+        state = {
+            "step": t.step,
+            "model": t.model.state_dict(),
+            "optimizer": t.optimizer.state_dict(),
+            "scheduler": t.scheduler.state_dict(),
+            "loader": t.loader_state.to_dict(world_size=t.info.world_size, workers=t.workers),
+            "rng": rngs,
+            "config": to_json(t.cfg),
+            "plan": t.follow.record() if t.follow else {"follow": False},
+        }
+        save_checkpoint(t.cfg.out, t.step, state, t.prep.drafter, keep=t.cfg.keep_checkpoints)
+    barrier()
