@@ -35,6 +35,7 @@ from train.config import TrainConfig  # noqa: E402
 from train.data.loader import PartInfo  # noqa: E402
 from train.drafters.anchors import default_gamma  # noqa: E402
 from train.drafters.config import DSPARK_BLOCK_SIZE, DrafterConfig  # noqa: E402
+from train.drafters.objective import LOSSES, TARGET_LOSSES  # noqa: E402
 from train.loop import Trainer  # noqa: E402
 from train.prepared import Prepared  # noqa: E402
 from train.run import resolve_devices  # noqa: E402
@@ -117,10 +118,12 @@ def make_trainer(
     ce_chunk_blocks: int | None = None,
     drafter_type: str = "dflash",
     block_size: int | None = None,
+    loss: str | None = None,
 ) -> Trainer:
     """The product's trainer for one process and device, after `configure_compile`; the
     caller hands it micro-batches with `Trainer.prepare`, which also wraps the model. A dspark
-    trainer reads one more cached layer, the target's last (`random_items` makes it)."""
+    trainer, or one with a `loss` against the target's distribution, reads one more cached layer,
+    the target's last (`random_items` makes it)."""
     drafter = drafter_config(shape, drafter_type=drafter_type, block_size=block_size)
     cfg = TrainConfig(
         data=cache,
@@ -133,6 +136,7 @@ def make_trainer(
         **({"grad_ckpt": grad_ckpt} if grad_ckpt else {}),
         **({"ce": ce} if ce else {}),
         **({"ce_chunk_blocks": ce_chunk_blocks} if ce_chunk_blocks else {}),
+        **({"loss": loss} if loss else {}),
         batch_tokens=batch_tokens,
         max_length=seq_len,
         num_anchors=anchors,
@@ -149,16 +153,17 @@ def make_trainer(
         parts=tuple(parts),
         train_lengths=tuple(p.lengths for p in parts),
         eval_lengths=tuple((0,) * len(p.lengths) for p in parts),
-        layers=tuple(range(cached_layers(drafter))),
+        layers=tuple(range(cached_layers(drafter, loss))),
         gamma=default_gamma(drafter.block_size, anchor_predicts=drafter.anchor_predicts),
     )
     info = RankInfo(rank=0, world_size=1, local_rank=0, device=device)
     return Trainer(info, cfg, prep)
 
 
-def cached_layers(cfg: DrafterConfig) -> int:
-    """Layers a micro-batch holds: the taps, and for DSpark the target's last hidden state."""
-    return cfg.num_context_layers + int(cfg.drafter_type == "dspark")
+def cached_layers(cfg: DrafterConfig, loss: str | None = None) -> int:
+    """Layers a micro-batch holds: the taps, and for DSpark or a `loss` against the target's
+    distribution the target's last hidden state."""
+    return cfg.num_context_layers + int(cfg.drafter_type == "dspark" or loss in TARGET_LOSSES)
 
 
 def prompt_mask(batch: int, seq_len: int) -> torch.Tensor:
@@ -169,12 +174,18 @@ def prompt_mask(batch: int, seq_len: int) -> torch.Tensor:
 
 
 def random_items(
-    cfg: DrafterConfig, *, count: int, batch: int, seq_len: int, device: torch.device
+    cfg: DrafterConfig,
+    *,
+    count: int,
+    batch: int,
+    seq_len: int,
+    device: torch.device,
+    loss: str | None = None,
 ) -> list[dict[str, Any]]:
     """`count` collated micro-batches (the loader's item dicts) with random ids and hidden
     states, already on `device`."""
     gen = torch.Generator().manual_seed(0)
-    shape_BSKH = (batch, seq_len, cached_layers(cfg), cfg.hidden_size)
+    shape_BSKH = (batch, seq_len, cached_layers(cfg, loss), cfg.hidden_size)
     items = []
     for n in range(count):
         ids_BS = torch.randint(0, cfg.mask_token_id, (batch, seq_len), generator=gen)
@@ -215,6 +226,7 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-ckpt", choices=("none", "loss", "layers"), default=None)
     p.add_argument("--ce", choices=("fused", "autograd"), default=None, help="default: product")
     p.add_argument("--ce-chunk-blocks", type=int, default=None, help="default: product")
+    p.add_argument("--loss", choices=LOSSES, default=None, help="DFlash's loss; default: product")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (>= 1)")
     p.add_argument("--seq-len", type=int, default=None, help="default 3072 (tiny: 256)")

@@ -21,7 +21,8 @@ and the selector's loss added, `train/drafters/dflash2.py`, `train/drafters/dfla
 --drafter-type dspark times DSpark (its Markov and confidence heads and its three-term loss,
 `train/drafters/dspark_loss.py`, reading one more cached layer, the target's last); its block is
 7 unless --block-size says otherwise: `--block-size 16` compares it with DFlash at the same
-block tokens.
+block tokens. --loss kl|tv|mix times DFlash's loss against the target's distribution (one more
+cached layer, the target's last, through its lm_head at the block rows, no gradient).
 
 Model FLOPs of one micro-batch (`step_flops`), 2 per multiply-add: fc on the context tokens;
 per drafter layer the q/o projections and the SwiGLU MLP on the block tokens, the k/v
@@ -31,11 +32,12 @@ candidates, which anchors are drawn uniformly from) plus the 16 keys of its bloc
 the block tokens; for dflash2 also each layer's two convolutions (kernel_projection and the
 per-channel taps) and the selector (hidden_projection and the rank-r scores of the K
 candidates); for dspark also the Markov bias (W2 on the rank-r embedding of every block token),
-the confidence head, and the target's lm_head on its last hidden state at the block rows (no
-gradient: counted once, forward only). `mfu` = 3 x forward FLOPs / step time / 989 TFLOP/s
-(H200 dense bf16, datasheet). Activation-checkpoint recomputation is not counted. `mfu_needed`
-counts only the backward work the step has to do: the frozen lm_head needs no weight gradient
-and fc no input gradient, so those two count 2x instead of 3x.
+the confidence head; for dspark and a --loss against the target's distribution the target's
+lm_head on its last hidden state at the block rows (no gradient: counted once, forward only).
+`mfu` = 3 x forward FLOPs / step time / 989 TFLOP/s (H200 dense bf16, datasheet).
+Activation-checkpoint recomputation is not counted. `mfu_needed` counts only the backward work
+the step has to do: the frozen lm_head needs no weight gradient and fc no input gradient, so
+those two count 2x instead of 3x.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from train.drafters import dflash2_fused as selector_fused  # noqa: E402
 from train.drafters.config import DrafterConfig  # noqa: E402
 from train.drafters.dflash import num_parameters  # noqa: E402
 from train.drafters.mask import flex_bwd_options  # noqa: E402
+from train.drafters.objective import TARGET_LOSSES  # noqa: E402
 from train.loop import Trainer  # noqa: E402
 from train.run import resolve_devices  # noqa: E402
 
@@ -142,7 +145,13 @@ def mean_context_keys(mask_S: torch.Tensor, *, anchors: int, block_size: int) ->
 
 
 def step_flops(
-    cfg: DrafterConfig, *, batch: int, seq_len: int, anchors: int, keys_per_query: float
+    cfg: DrafterConfig,
+    *,
+    batch: int,
+    seq_len: int,
+    anchors: int,
+    keys_per_query: float,
+    loss: str = "ce",
 ) -> dict[str, float]:
     """Forward FLOPs of one micro-batch by part (see the module docstring)."""
     h, d = cfg.hidden_size, cfg.head_dim
@@ -171,6 +180,7 @@ def step_flops(
         r = cfg.markov_rank
         out["markov"] = 2 * blk * r * cfg.vocab_size
         out["confidence"] = 2 * blk * (h + r) if cfg.enable_confidence_head else 0
+    if cfg.drafter_type == "dspark" or loss in TARGET_LOSSES:
         out["target_lm_head"] = 2 * blk * h * cfg.vocab_size  # forward only
     return out
 
@@ -218,6 +228,7 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         ce_chunk_blocks=args.ce_chunk_blocks,
         drafter_type=args.drafter_type,
         block_size=args.block_size,
+        loss=args.loss,
         steps=total,
         seq_len=args.seq_len,
         anchors=args.anchors,
@@ -229,7 +240,12 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
             flex_bwd_options(tuple(int(x) for x in args.flex_bwd.split(",")))
         )
     items = ds.random_items(
-        cfg, count=args.pool, batch=args.batch, seq_len=args.seq_len, device=device
+        cfg,
+        count=args.pool,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        device=device,
+        loss=args.loss,
     )
     trainer.prepare(ds.feed(trainer, itertools.cycle(items)))
     timing = time_training(trainer, warmup=args.warmup, steps=args.steps)
@@ -238,7 +254,12 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         ds.prompt_mask(1, args.seq_len)[0], anchors=args.anchors, block_size=cfg.block_size
     )
     flops = step_flops(
-        cfg, batch=args.batch, seq_len=args.seq_len, anchors=args.anchors, keys_per_query=keys
+        cfg,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        anchors=args.anchors,
+        keys_per_query=keys,
+        loss=trainer.cfg.loss,
     )
     defaults = resolve_devices(TrainConfig(data=cache, out=cache), device.type)
     return {
@@ -250,11 +271,12 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         "grad_ckpt": trainer.cfg.grad_ckpt,
         "ce": trainer.cfg.ce,
         "ce_chunk_blocks": trainer.cfg.ce_chunk_blocks,
+        "loss": trainer.cfg.loss,
         "flex_options": trainer.model.layers[0].self_attn.flex_options,
         "selector_topk_kernel": selector_fused.TOPK_KERNEL,
         "is_default": all(
             getattr(trainer.cfg, k) == getattr(defaults, k)
-            for k in ("attention", "compile", "grad_ckpt", "ce", "ce_chunk_blocks")
+            for k in ("attention", "compile", "grad_ckpt", "ce", "ce_chunk_blocks", "loss")
         )
         and not args.flex_bwd
         and selector_fused.TOPK_KERNEL == DEFAULT_TOPK_KERNEL,
