@@ -23,6 +23,7 @@ from extract.pipeline import PartPipeline
 from extract.target import load_target
 from extract.units import reader_reading_ahead, run_units
 from shared.dist import RankInfo
+from shared.int4 import prepare_encoder
 from shared.logs import setup_logging
 from shared.progress import RankCounters, SummedBar
 from shared.stopping import Stopped, StopRequest
@@ -48,6 +49,11 @@ def rank_main(info: RankInfo, job: Job) -> None:
         sharding=engine_kwargs(job.layout) if sharded else None,
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if job.store == "int4" and info.device.type == "cuda":
+        # Before the target's start-up probe, which counts the graphs made after it as
+        # recompilations.
+        seconds = prepare_encoder(model.config.get_text_config().hidden_size, info.device)
+        log.info("rank %d: the int4 encoder compiled in %.1f s", info.rank, seconds)
     if sharded:
         capture = LayerCapture(model, job.layer_ids, pad_id=pad, sharded=True)
         if info.is_main:
