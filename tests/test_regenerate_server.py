@@ -7,6 +7,7 @@ killed run resumed, and nothing requested twice.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -103,7 +104,18 @@ def test_rows_equal_the_local_run_and_none_is_asked_twice(serve, target, data_fi
     assert again.merged_rows == 14 and len(server.requests) == sum(_turns(full).values())
 
 
-def test_failures_are_retried_counted_and_requested_again(serve, target, data_file, full, tmp_path):
+def _progress(caplog) -> str:
+    """The last progress line logged (without a terminal, as in a job's log file)."""
+    lines = [r.getMessage() for r in caplog.records if r.name == "extract.regen.report"]
+    caplog.clear()
+    return lines[-1]
+
+
+def test_failures_are_retried_counted_and_requested_again(
+    serve, target, data_file, full, tmp_path, caplog
+):
+    caplog.set_level(logging.INFO)
+
     def fault(text: str, attempt: int) -> str | None:
         if "What is 10 plus 0?" in text:
             return "503"  # every attempt
@@ -120,12 +132,22 @@ def test_failures_are_retried_counted_and_requested_again(serve, target, data_fi
     state = regen(out, target, data_file, server=flaky.url, request_timeout=1.0, **FAST)
     assert state.failed == {"server_error": 1, "timeout": 1}
     assert state.merged_rows is None and not out.exists()
-    summary = format_summary(state, out=out, seconds=1.0)
-    assert "failed, to retry" in summary and "server_error" in summary
+    assert "of 14 rows, 12 done, 2 failed this run, 0 waiting;" in _progress(caplog)
+    summary = format_summary(state, out=out, seconds=1.0).splitlines()
+    failed = next(line for line in summary if line.startswith("rows failed"))
+    assert failed.split(None, 2)[2] == (
+        "2 this run (server_error 1, timeout 1); the same command requests them again"
+    )
     assert _finished_rows(out) == set(range(14)) - {10, 11}
     server = serve()
     state = regen(out, target, data_file, server=server.url, **FAST)
     assert out.read_bytes() == full.read_bytes() and state.failed == {}
+    # Rows 8 and 9 of their chunk were recorded before: only the failed two wait.
+    assert "of 2 rows, 2 done, 0 failed this run, 0 waiting;" in _progress(caplog)
+    assert not any(
+        line.startswith("rows failed")
+        for line in format_summary(state, out=out, seconds=1.0).splitlines()
+    )
     turns = _turns(full)
     assert len(server.requests) == turns[10] + turns[11]  # only the failed rows, again
 

@@ -208,6 +208,9 @@ class _Driver:
         self.counters.add(rows=1, new_tokens=entry.get("new_tokens", 0))
         if open_chunk.complete:
             self.commit(open_chunk)
+        self.draw()
+
+    def draw(self) -> None:
         now = time.monotonic()
         if now - self.last_draw >= 0.5:
             self.last_draw = now
@@ -234,8 +237,9 @@ class _Driver:
                 self.server.client.stop.set()
         else:
             self.run.failed[outcome.reason] += 1
-            self.counters.add(rows=1)
+            self.counters.add(failed=1)  # not recorded: the next run requests it again
             log.warning("row %d failed (%s): %s", chat.row, outcome.reason, outcome.detail)
+            self.draw()
 
     def on_signal(self, signum: int, frame: Any) -> None:
         self.signals += 1
