@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from extract.regen.client import foreign_ids
 from extract.regen.config import RegenError
 from extract.regen.journal import OpenChunk, journal_path
 from extract.regen.report import format_summary
@@ -242,6 +243,68 @@ def test_a_turn_the_server_finds_too_long_is_a_rejected_row(
     rejected = state.totals(range(len(state.chunks)))["rejected_rows"]
     assert {r["row"]: r["reason"] for r in rejected}[13] == "too_long"
     assert _read(out) == [r for r in _read(full) if r["source_row"] != 13]
+
+
+def test_a_server_of_another_model_is_a_message_and_a_resumable_state(
+    serve, target, data_file, full, tmp_path
+):
+    other = serve(fault=lambda text, attempt: "other_model")
+    out = tmp_path / "other.jsonl"
+    proc = _cli(out, target, data_file, other.url)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in stderr + stdout, stderr
+    message = stderr.strip().splitlines()[-1]
+    assert message.startswith(
+        f"Error: --server {other.url}: the run stopped (other_model: it reports model 'tiny', "
+        "not --target's: its text "
+    )
+    assert f"serve --target's model there (e.g. vllm serve {target})" in message
+    assert message.endswith("run the same command to resume.")
+    assert read_state(parts_dir(out)).merged_rows is None and not out.exists()
+    kept = {r["source_row"] for r in _read(full)}
+    assert not _finished_rows(out) & kept  # no answer of the other model is kept
+    server = serve()
+    state = regen(out, target, data_file, server=server.url, **FAST)
+    assert state.merged_rows == 14 and out.read_bytes() == full.read_bytes()
+    assert len(server.requests) == sum(_turns(full).values())
+
+
+def test_a_server_without_token_ids_is_warned_about_at_its_first_answer(
+    serve, target, data_file, full, tmp_path, caplog
+):
+    server = serve(fault=lambda text, attempt: "text_only")
+    requests_then = []
+
+    class AtWarning(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "answers text without token ids" in record.getMessage():
+                requests_then.append(len(server.requests))
+
+    handler = AtWarning()
+    logging.getLogger("extract.regen.served").addHandler(handler)
+    try:
+        out = tmp_path / "text.jsonl"
+        state = regen(out, target, data_file, server=server.url, **{**FAST, "concurrency": 1})
+    finally:
+        logging.getLogger("extract.regen.served").removeHandler(handler)
+    assert requests_then == [1]  # once, at the first answer
+    warning = next(r.getMessage() for r in caplog.records if "without token ids" in r.getMessage())
+    assert warning.startswith(server.url) and "cannot be told apart" in warning
+    assert state.merged_rows == 14 and out.read_bytes() == full.read_bytes()
+
+
+def test_token_ids_of_another_vocabulary_are_told_from_detokenizer_details(tokenizer):
+    text = "The capital of France is Paris. What is 3 plus 4?"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert foreign_ids(text, ids, tokenizer) is None
+    end = tokenizer.all_special_tokens[0]
+    assert foreign_ids(f" {text}{end}\n", ids, tokenizer) is None  # spaces, a special token
+    torn = tokenizer("é", add_special_tokens=False)["input_ids"][:1]  # its first byte
+    assert tokenizer.decode(torn) == "\ufffd"
+    assert foreign_ids(text, [*ids, *torn], tokenizer) is None  # a server holds a torn one back
+    reversed_ids = [len(tokenizer) - 1 - t for t in ids]
+    assert "--target's tokenizer reads" in foreign_ids(text, reversed_ids, tokenizer)
+    assert foreign_ids("", [], tokenizer) is None
 
 
 def test_no_server_or_no_single_model_is_a_message(serve, target, data_file, tmp_path):

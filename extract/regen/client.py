@@ -12,6 +12,9 @@ after waits doubling from `retry_wait` (at most 60 s); the last failure is raise
 server there any more), a 400 about the context length `TooLong`, and any other 4xx
 `RequestRefused`: the server does not take requests of this form, whatever the row. Threads
 share one client; each keeps its own HTTP connection.
+
+An answer's token ids are read back with the target's tokenizer and compared with its text
+(`foreign_ids`): a server of another model answers ids of its own vocabulary.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import re
 import threading
 import urllib.parse
 from dataclasses import dataclass
+from difflib import SequenceMatcher
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -65,6 +69,8 @@ class Completion:
     token_ids: list[int]
     finish_reason: str | None  # "stop" (eos or a stop token) or "length"
     from_text: bool  # the server gave no token ids: these are its text's tokenization
+    text: str = ""
+    model: str | None = None  # the model the answer says it came from
 
 
 class ServerClient:
@@ -221,9 +227,38 @@ def parse_completion(body: Any, tokenize: Any) -> Completion:
     """The generated ids of a completions answer; `tokenize(text)` where it has none."""
     try:
         choice = body["choices"][0]
-        ids, finish = choice.get("token_ids"), choice.get("finish_reason")
+        ids, finish, text = choice.get("token_ids"), choice.get("finish_reason"), choice["text"]
+        model = body.get("model")
         if ids is None:
-            return Completion(list(tokenize(choice["text"])), finish, True)
-        return Completion([int(t) for t in ids], finish, False)
+            return Completion(list(tokenize(text)), finish, True, text, model)
+        return Completion([int(t) for t in ids], finish, False, str(text), model)
     except (KeyError, IndexError, TypeError, ValueError) as e:
         raise RequestFailed("bad_response", f"no completion in {str(body)[:200]} ({e})") from None
+
+
+# Same-tokenizer answers read back the same, up to detokenizer details (spaces, special tokens,
+# a last partial character); another vocabulary's ids read as unrelated text, similar well under
+# half (about 0.1 on the tests' tiny tokenizer).
+SAME_TEXT = 0.5
+
+
+def foreign_ids(text: str, token_ids: list[int], tokenizer: Any) -> str | None:
+    """Why `token_ids` (without the eos that ended them) cannot be the server's tokens of
+    `text` in the vocabulary of `tokenizer`, or None: a server of another model answers ids
+    that our tokenizer reads as unrelated text. Spaces, special tokens and replacement
+    characters are left out of the comparison (servers detokenize them differently). A model
+    that shares the tokenizer passes: its ids are the target's tokens."""
+    ours = tokenizer.decode(
+        token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
+    specials = tokenizer.all_special_tokens
+    a, b = _plain(ours, specials), _plain(text, specials)
+    if a == b or SequenceMatcher(None, a, b, autojunk=False).ratio() >= SAME_TEXT:
+        return None
+    return f"its text {text[:60]!r} came with ids that --target's tokenizer reads {ours[:60]!r}"
+
+
+def _plain(text: str, specials: list[str]) -> str:
+    for token in specials:
+        text = text.replace(token, "")
+    return "".join(text.replace("\ufffd", "").split())

@@ -11,8 +11,8 @@ records them (a second one stops at once).
 
 A conversation that fails through its retries (`extract.regen.client`) is counted by reason and
 left out: its chunk stays pending and the next run requests it again. A server that no longer
-accepts connections, or that refuses requests of this form (a 4xx), stops the run with a
-message; what is done is kept.
+accepts connections, that refuses requests of this form (a 4xx) or that answers another model's
+token ids stops the run with a message; what is done is kept.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from extract.regen.client import (
     ServerGone,
     TooLong,
     completion_request,
+    foreign_ids,
     parse_completion,
 )
 from extract.regen.config import Chat, RegenConfig, RegenError, iter_chats
@@ -72,6 +73,8 @@ class Server:
     eos: frozenset[int]
     sampling: dict[str, float] | None
     seed: int
+    text_only: threading.Event = field(default_factory=threading.Event)  # warned: no token ids
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,11 @@ def converse(chat: Chat, server: Server) -> Kept | Rejected | Failed:
             done = parse_completion(server.client.complete(request), _tokenize(prompter))
             stopped = done.finish_reason == "stop"
             turn = end_turn(done.token_ids, set(server.eos), stopped=stopped)
+            if done.from_text:
+                _warn_text_only(server)
+            elif foreign := foreign_ids(done.text, turn.token_ids, prompter.tokenizer):
+                reports = f"it reports model {done.model or server.model!r}, not --target's"
+                return Failed("other_model", f"{reports}: {foreign}", stops_run=True)
             conv.answer(prompter, prompt, turn)
             new_tokens += len(turn.token_ids)
             from_text |= done.from_text
@@ -134,6 +142,23 @@ def converse(chat: Chat, server: Server) -> Kept | Rejected | Failed:
     retokenized = conv.retokenized(prompter)
     turns = len(conv.generated)
     return Kept(conv.row(), turns, len(conv.at_limit), new_tokens, retokenized, bool(from_text))
+
+
+def _warn_text_only(server: Server) -> None:
+    """Once, at the server's first answer without token ids."""
+    with server.lock:
+        if server.text_only.is_set():
+            return
+        server.text_only.set()
+    log.warning(
+        "%s answers text without token ids (vLLM's return_token_ids): each turn's ids are the "
+        "target tokenizer's tokenization of that text, which may differ from the ids the model "
+        "generated (one text has several token sequences; special tokens or a last partial "
+        "character may be missing from it), so the drafter may learn sequences the target did "
+        "not produce; and a server of another model than --target cannot be told apart. A "
+        "server that returns token ids (vLLM) avoids both.",
+        server.client.url,
+    )
 
 
 def _tokenize(prompter: Prompter) -> Callable[[str], list[int]]:
@@ -353,9 +378,8 @@ def serve(
     state = update_state(job.parts, lambda s: dataclasses.replace(s, failed=dict(done.failed)))
     if done.from_text:
         log.warning(
-            "%s gave no token ids (vLLM's return_token_ids) for %d conversations: their ids are "
-            "the tokenization of its text, which extraction reads too, but may differ from the "
-            "ids it generated",
+            "%s gave no token ids for %d conversations: their ids are our tokenization of its "
+            "text (see the warning at its first answer)",
             cfg.server,
             done.from_text,
         )
@@ -365,14 +389,19 @@ def serve(
         raise RegenStopped(
             f"--server {cfg.server}: the run stopped ({done.stopped}). The finished "
             f"conversations are kept in {job.parts} ({len(left)} chunks, {rows} rows, not "
-            f"complete); {_hint(done.stopped)}run the same command to resume."
+            f"complete); {_hint(done.stopped, job.target)}run the same command to resume."
         )
     return finish_output(cfg.out, job, regenerated=True)
 
 
-def _hint(stopped: str) -> str:
+def _hint(stopped: str, target: str) -> str:
     if stopped.startswith("refused:"):
         return "start the server again, then "
     if stopped.startswith("refused_request:"):
         return "the server refuses these requests (check --server-model and the URL), then "
+    if stopped.startswith("other_model:"):
+        return (
+            "the server answers another model's token ids: serve --target's model there "
+            f"(e.g. vllm serve {target}), then "
+        )
     return ""
