@@ -281,12 +281,12 @@ def test_a_server_without_token_ids_is_warned_about_at_its_first_answer(
                 requests_then.append(len(server.requests))
 
     handler = AtWarning()
-    logging.getLogger("extract.regen.served").addHandler(handler)
+    logging.getLogger("extract.regen.remote").addHandler(handler)
     try:
         out = tmp_path / "text.jsonl"
         state = regen(out, target, data_file, server=server.url, **{**FAST, "concurrency": 1})
     finally:
-        logging.getLogger("extract.regen.served").removeHandler(handler)
+        logging.getLogger("extract.regen.remote").removeHandler(handler)
     assert requests_then == [1]  # once, at the first answer
     warning = next(r.getMessage() for r in caplog.records if "without token ids" in r.getMessage())
     assert warning.startswith(server.url) and "cannot be told apart" in warning
