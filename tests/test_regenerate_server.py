@@ -10,16 +10,18 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from extract.regen.client import foreign_ids
-from extract.regen.config import RegenError
+from extract.regen.client import RequestFailed, ServerClient, foreign_ids
+from extract.regen.config import RegenConfig, RegenError
 from extract.regen.journal import OpenChunk, journal_path
 from extract.regen.report import format_summary
+from extract.regen.served import connect
 from extract.regen.state import parts_dir, read_state
 from tests.completions_server import CompletionsServer
 from tests.test_regenerate import (
@@ -318,6 +320,41 @@ def test_no_server_or_no_single_model_is_a_message(serve, target, data_file, tmp
     with pytest.raises(RegenError, match="no OpenAI-compatible server answers there"):
         regen(tmp_path / "x.jsonl", target, data_file, server=url, **FAST)
     assert not (tmp_path / "x.jsonl.parts").exists()
+
+
+def _connections(listening: socket.socket) -> int:
+    """Connections made to a socket that never accepts, taken from its queue."""
+    listening.setblocking(False)
+    made = 0
+    while True:
+        try:
+            listening.accept()[0].close()
+        except BlockingIOError:
+            return made
+        made += 1
+
+
+def test_a_server_that_does_not_answer_is_a_message_after_the_first_contact_wait(tmp_path):
+    with socket.socket() as silent:  # connections are queued, and never answered
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        cfg = RegenConfig(out=tmp_path / "x.jsonl", server=url, request_timeout=0.4, retries=1)
+        with pytest.raises(RegenError) as stopped:
+            connect(cfg, first_contact_s=0.1)
+        assert str(stopped.value) == (
+            f"--server {url}: the server is not answering (nothing came back to /v1/models in "
+            "0.1 s). Start it on the target (e.g. vllm serve TARGET) or check the URL's host and "
+            "port."
+        )
+        assert _connections(silent) == 1  # tried once
+        # Later requests wait their own timeout, and are retried.
+        client = ServerClient(url, timeout=0.4, retries=1, retry_wait=0.0)
+        with pytest.raises(RequestFailed, match=r"^timeout: no answer in 0.1 s"):
+            client.models(timeout=0.1)
+        with pytest.raises(RequestFailed, match=r"^timeout: no answer in 0.4 s"):
+            client.complete({"prompt": [1]})
+        assert _connections(silent) == 3
 
 
 def test_sampled_requests_carry_a_seed_per_row_and_turn(serve, target, data_file, tmp_path):

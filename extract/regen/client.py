@@ -6,12 +6,13 @@ and llama.cpp take a list of ints there), asking for the generated token ids bac
 request leaves out from the checkpoint's generation_config.json (vLLM's default), whose
 repetition penalty or temperature would change greedy answers.
 
-A request that times out, is refused, loses its connection or gets a 5xx or 429 is retried
-after waits doubling from `retry_wait` (at most 60 s); the last failure is raised as
-`RequestFailed` with its reason. A refused connection through every retry is `ServerGone` (no
-server there any more), a 400 about the context length `TooLong`, and any other 4xx
-`RequestRefused`: the server does not take requests of this form, whatever the row. Threads
-share one client; each keeps its own HTTP connection.
+The first contact, the model list (`models`), is tried once and waits at most
+`FIRST_CONTACT_S`. A later request that times out, is refused, loses its connection or gets a
+5xx or 429 is retried after waits doubling from `retry_wait` (at most 60 s); the last failure
+is raised as `RequestFailed` with its reason. A refused connection through every retry is
+`ServerGone` (no server there any more), a 400 about the context length `TooLong`, and any
+other 4xx `RequestRefused`: the server does not take requests of this form, whatever the row.
+Threads share one client; each keeps its own HTTP connection.
 
 An answer's token ids are read back with the target's tokenizer and compared with its text
 (`foreign_ids`): a server of another model answers ids of its own vocabulary.
@@ -33,6 +34,10 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0
+# The first request (the model list) waits at most this long: a server that is not answering
+# (a port that accepts but never replies, a host that drops packets) is told at once, not after
+# --request-timeout, which is sized for long generations.
+FIRST_CONTACT_S = 10
 # vLLM: "maximum context length is N tokens"; SGLang: "longer than the model's context length".
 _TOO_LONG = re.compile(r"context length|context window|max_model_len|too long", re.IGNORECASE)
 FAILURE_REASONS = (
@@ -98,9 +103,14 @@ class ServerClient:
             self.headers["Authorization"] = f"Bearer {key}"
         self._local = threading.local()
 
-    def models(self) -> list[dict[str, Any]]:
-        """The server's model cards (`/v1/models`), tried once: a first contact."""
-        body = self._request("GET", "/v1/models", None)
+    def models(self, *, timeout: float = FIRST_CONTACT_S) -> list[dict[str, Any]]:
+        """The server's model cards (`/v1/models`): the first contact, tried once and waited
+        for at most `timeout` seconds (later requests wait `self.timeout`)."""
+        self._drop_connection()  # its own connection, with its own timeout
+        try:
+            body = self._request("GET", "/v1/models", None, timeout=min(timeout, self.timeout))
+        finally:
+            self._drop_connection()
         data = body.get("data") if isinstance(body, dict) else None
         if not isinstance(data, list):
             raise RequestFailed("bad_response", f"/v1/models answered {str(body)[:200]}")
@@ -124,11 +134,11 @@ class ServerClient:
             raise ServerGone(last.reason, last.detail)
         raise last
 
-    def _connection(self) -> http.client.HTTPConnection:
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             kind = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-            conn = kind(self.host, self.port, timeout=self.timeout)
+            conn = kind(self.host, self.port, timeout=timeout)
             self._local.conn = conn
         return conn
 
@@ -138,20 +148,24 @@ class ServerClient:
             conn.close()
             self._local.conn = None
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
-        """One request. A kept-alive connection that the server closed meanwhile is reopened
-        once without counting as a failure."""
+    def _request(
+        self, method: str, path: str, body: dict[str, Any] | None, *, timeout: float | None = None
+    ) -> Any:
+        """One request; `timeout` (of a new connection) defaults to the client's. A kept-alive
+        connection that the server closed meanwhile is reopened once without counting as a
+        failure."""
         data = None if body is None else json.dumps(body).encode()
+        wait = self.timeout if timeout is None else timeout
         for fresh in (False, True):
             reused = getattr(self._local, "conn", None) is not None
             try:
-                conn = self._connection()
+                conn = self._connection(wait)
                 conn.request(method, self.base + path, body=data, headers=self.headers)
                 response = conn.getresponse()
                 status, raw = response.status, response.read()
             except TimeoutError as e:
                 self._drop_connection()
-                raise RequestFailed("timeout", f"no answer in {self.timeout:g} s ({e})") from None
+                raise RequestFailed("timeout", f"no answer in {wait:g} s ({e})") from None
             except ConnectionRefusedError as e:
                 self._drop_connection()
                 raise RequestFailed("refused", f"{self.url}: {e}") from None

@@ -30,7 +30,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from extract.data import Rejected
-from extract.regen.client import RequestFailed, RequestRefused, ServerClient, TooLong
+from extract.regen.client import (
+    FIRST_CONTACT_S,
+    RequestFailed,
+    RequestRefused,
+    ServerClient,
+    TooLong,
+)
 from extract.regen.config import Chat, RegenConfig, RegenError, iter_chats
 from extract.regen.journal import OpenChunk, drop_committed
 from extract.regen.remote import Kept, Server, converse
@@ -213,9 +219,11 @@ def run_served(job: Job, server: Server, *, concurrency: int) -> ServedRun:
             signal.signal(sig, handler)
 
 
-def connect(cfg: RegenConfig) -> tuple[ServerClient, tuple[str, int | None]]:
-    """A client of `cfg.server`, checked by one request (its model list), and (the model to
-    ask for, the context length it reports, if any)."""
+def connect(
+    cfg: RegenConfig, *, first_contact_s: float = FIRST_CONTACT_S
+) -> tuple[ServerClient, tuple[str, int | None]]:
+    """A client of `cfg.server`, checked by one request (its model list, waited for at most
+    `first_contact_s`), and (the model to ask for, the context length it reports, if any)."""
     client = ServerClient(
         cfg.server,
         timeout=cfg.request_timeout,
@@ -224,8 +232,14 @@ def connect(cfg: RegenConfig) -> tuple[ServerClient, tuple[str, int | None]]:
         stop=threading.Event(),
     )
     try:
-        models = client.models()
+        models = client.models(timeout=first_contact_s)
     except (RequestFailed, RequestRefused, TooLong) as e:
+        if isinstance(e, RequestFailed) and e.reason == "timeout":
+            raise RegenError(
+                f"--server {cfg.server}: the server is not answering (nothing came back to "
+                f"/v1/models in {min(first_contact_s, cfg.request_timeout):g} s). Start it on "
+                "the target (e.g. vllm serve TARGET) or check the URL's host and port."
+            ) from None
         raise RegenError(
             f"--server {cfg.server}: no OpenAI-compatible server answers there ({e}). Start one "
             "on the target (e.g. vllm serve TARGET) or correct the URL."
