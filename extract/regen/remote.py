@@ -57,7 +57,7 @@ class Kept:
 class Failed:
     reason: str
     detail: str
-    stops_run: bool  # the server is gone, or refuses requests of this form
+    stops_run: bool  # the server is gone, refuses requests of this form or is another model
 
 
 def turn_seed(seed: int, row: int, turn: int) -> int:
