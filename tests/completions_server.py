@@ -7,7 +7,10 @@ gets instead of a completion: "503", "drop" (the connection closes without an an
 (no answer until the server stops), "too_long" (vLLM's 400 about the context length), "block"
 (`reached` is set, then the answer waits for `release`; dropped if the server stopped meanwhile)
 or "stop" (the server stops: this and every later request, on any connection, is dropped or
-refused).
+refused). Two faults change the completion instead: "text_only" (no `token_ids`, as a server
+without vLLM's `return_token_ids` answers) and "other_model" (the ids of another model's
+vocabulary, ours in reverse order, with the same text: a server of another model than the
+test's --target).
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ class CompletionsServer:
         new = new if end is None else new[:end]
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         finish = "length" if end is None else "stop"
-        return {"choices": [{"index": 0, "text": text, "token_ids": new, "finish_reason": finish}]}
+        choice = {"index": 0, "text": text, "token_ids": new, "finish_reason": finish}
+        return {"model": body["model"], "choices": [choice]}
 
 
 def _handler(server: CompletionsServer) -> type[BaseHTTPRequestHandler]:
@@ -130,6 +134,12 @@ def _handler(server: CompletionsServer) -> type[BaseHTTPRequestHandler]:
             if fault == "too_long":
                 message = "This model's maximum context length is 64 tokens. However, ..."
                 return self._send(400, {"error": {"message": message}})
-            self._send(200, server.complete(body))
+            answer = server.complete(body)
+            choice = answer["choices"][0]
+            if fault == "text_only":
+                del choice["token_ids"]
+            if fault == "other_model":
+                choice["token_ids"] = [len(server.tokenizer) - 1 - t for t in choice["token_ids"]]
+            self._send(200, answer)
 
     return Handler

@@ -111,3 +111,33 @@ def test_an_extraction_logged_to_a_file_has_no_carriage_returns(tmp_path):
     raw = log_file.read_bytes()  # bytes: a text read turns each carriage return into a newline
     assert done.returncode == 0, raw.decode()
     assert b"\r" not in raw and b"INFO shared.progress: extract: 8/8 rows" in raw
+
+
+def _row_counts(folder, **counts) -> None:
+    counters = progress.RankCounters(folder, 0)
+    counters.add(**counts)
+    counters.close()
+
+
+def test_regenerate_progress_counts_failed_rows_apart(tmp_path, caplog, monkeypatch):
+    from extract.regen.report import RowBar
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    _row_counts(tmp_path, rows=10, failed=2, new_tokens=500)
+    caplog.set_level(logging.INFO)
+    RowBar(tmp_path, total=15, every=0.0).refresh()
+    quiet = RowBar(tmp_path, total=15, every=3600.0)
+    quiet.refresh()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1  # the quiet bar is not due yet
+    assert lines[0].startswith("regenerate: of 15 rows, 10 done, 2 failed this run, 3 waiting;")
+    assert "new tok/s" in lines[0] and " s left" in lines[0] and "\r" not in lines[0]
+    quiet.close()  # the last line is always written
+    assert len(caplog.records) == 2
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    bar = RowBar(tmp_path, total=15)
+    bar.close()
+    drawn = term.getvalue().replace("\r", "\n").splitlines()[-1]
+    assert "12/15" in drawn and "10 done, 2 failed this run, 3 waiting" in drawn
+    assert len(caplog.records) == 2  # a terminal gets the bar, not log lines

@@ -357,7 +357,8 @@ def test_a_log_file_gets_plain_progress_lines(target, data_file, tmp_path):
         )
     raw = log_file.read_bytes()  # bytes: a text read turns each carriage return into a newline
     assert done.returncode == 0, raw.decode()
-    assert b"\r" not in raw and re.search(rb"INFO shared.progress: regenerate: 4/4 rows", raw)
+    line = rb"INFO extract.regen.report: regenerate: of 4 rows, 4 done, 0 failed this run, 0 wait"
+    assert b"\r" not in raw and re.search(line, raw)
 
 
 def test_a_parquet_file_regenerates_as_its_jsonl(target, tmp_path):

@@ -7,17 +7,21 @@ killed run resumed, and nothing requested twice.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from extract.regen.config import RegenError
+from extract.regen.client import RequestFailed, ServerClient, foreign_ids
+from extract.regen.config import RegenConfig, RegenError
 from extract.regen.journal import OpenChunk, journal_path
 from extract.regen.report import format_summary
+from extract.regen.served import connect
 from extract.regen.state import parts_dir, read_state
 from tests.completions_server import CompletionsServer
 from tests.test_regenerate import (
@@ -103,7 +107,18 @@ def test_rows_equal_the_local_run_and_none_is_asked_twice(serve, target, data_fi
     assert again.merged_rows == 14 and len(server.requests) == sum(_turns(full).values())
 
 
-def test_failures_are_retried_counted_and_requested_again(serve, target, data_file, full, tmp_path):
+def _progress(caplog) -> str:
+    """The last progress line logged (without a terminal, as in a job's log file)."""
+    lines = [r.getMessage() for r in caplog.records if r.name == "extract.regen.report"]
+    caplog.clear()
+    return lines[-1]
+
+
+def test_failures_are_retried_counted_and_requested_again(
+    serve, target, data_file, full, tmp_path, caplog
+):
+    caplog.set_level(logging.INFO)
+
     def fault(text: str, attempt: int) -> str | None:
         if "What is 10 plus 0?" in text:
             return "503"  # every attempt
@@ -120,12 +135,22 @@ def test_failures_are_retried_counted_and_requested_again(serve, target, data_fi
     state = regen(out, target, data_file, server=flaky.url, request_timeout=1.0, **FAST)
     assert state.failed == {"server_error": 1, "timeout": 1}
     assert state.merged_rows is None and not out.exists()
-    summary = format_summary(state, out=out, seconds=1.0)
-    assert "failed, to retry" in summary and "server_error" in summary
+    assert "of 14 rows, 12 done, 2 failed this run, 0 waiting;" in _progress(caplog)
+    summary = format_summary(state, out=out, seconds=1.0).splitlines()
+    failed = next(line for line in summary if line.startswith("rows failed"))
+    assert failed.split(None, 2)[2] == (
+        "2 this run (server_error 1, timeout 1); the same command requests them again"
+    )
     assert _finished_rows(out) == set(range(14)) - {10, 11}
     server = serve()
     state = regen(out, target, data_file, server=server.url, **FAST)
     assert out.read_bytes() == full.read_bytes() and state.failed == {}
+    # Rows 8 and 9 of their chunk were recorded before: only the failed two wait.
+    assert "of 2 rows, 2 done, 0 failed this run, 0 waiting;" in _progress(caplog)
+    assert not any(
+        line.startswith("rows failed")
+        for line in format_summary(state, out=out, seconds=1.0).splitlines()
+    )
     turns = _turns(full)
     assert len(server.requests) == turns[10] + turns[11]  # only the failed rows, again
 
@@ -222,6 +247,68 @@ def test_a_turn_the_server_finds_too_long_is_a_rejected_row(
     assert _read(out) == [r for r in _read(full) if r["source_row"] != 13]
 
 
+def test_a_server_of_another_model_is_a_message_and_a_resumable_state(
+    serve, target, data_file, full, tmp_path
+):
+    other = serve(fault=lambda text, attempt: "other_model")
+    out = tmp_path / "other.jsonl"
+    proc = _cli(out, target, data_file, other.url)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in stderr + stdout, stderr
+    message = stderr.strip().splitlines()[-1]
+    assert message.startswith(
+        f"Error: --server {other.url}: the run stopped (other_model: it reports model 'tiny', "
+        "not --target's: its text "
+    )
+    assert f"serve --target's model there (e.g. vllm serve {target})" in message
+    assert message.endswith("run the same command to resume.")
+    assert read_state(parts_dir(out)).merged_rows is None and not out.exists()
+    kept = {r["source_row"] for r in _read(full)}
+    assert not _finished_rows(out) & kept  # no answer of the other model is kept
+    server = serve()
+    state = regen(out, target, data_file, server=server.url, **FAST)
+    assert state.merged_rows == 14 and out.read_bytes() == full.read_bytes()
+    assert len(server.requests) == sum(_turns(full).values())
+
+
+def test_a_server_without_token_ids_is_warned_about_at_its_first_answer(
+    serve, target, data_file, full, tmp_path, caplog
+):
+    server = serve(fault=lambda text, attempt: "text_only")
+    requests_then = []
+
+    class AtWarning(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "answers text without token ids" in record.getMessage():
+                requests_then.append(len(server.requests))
+
+    handler = AtWarning()
+    logging.getLogger("extract.regen.remote").addHandler(handler)
+    try:
+        out = tmp_path / "text.jsonl"
+        state = regen(out, target, data_file, server=server.url, **{**FAST, "concurrency": 1})
+    finally:
+        logging.getLogger("extract.regen.remote").removeHandler(handler)
+    assert requests_then == [1]  # once, at the first answer
+    warning = next(r.getMessage() for r in caplog.records if "without token ids" in r.getMessage())
+    assert warning.startswith(server.url) and "cannot be told apart" in warning
+    assert state.merged_rows == 14 and out.read_bytes() == full.read_bytes()
+
+
+def test_token_ids_of_another_vocabulary_are_told_from_detokenizer_details(tokenizer):
+    text = "The capital of France is Paris. What is 3 plus 4?"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert foreign_ids(text, ids, tokenizer) is None
+    end = tokenizer.all_special_tokens[0]
+    assert foreign_ids(f" {text}{end}\n", ids, tokenizer) is None  # spaces, a special token
+    torn = tokenizer("é", add_special_tokens=False)["input_ids"][:1]  # its first byte
+    assert tokenizer.decode(torn) == "\ufffd"
+    assert foreign_ids(text, [*ids, *torn], tokenizer) is None  # a server holds a torn one back
+    reversed_ids = [len(tokenizer) - 1 - t for t in ids]
+    assert "--target's tokenizer reads" in foreign_ids(text, reversed_ids, tokenizer)
+    assert foreign_ids("", [], tokenizer) is None
+
+
 def test_no_server_or_no_single_model_is_a_message(serve, target, data_file, tmp_path):
     two = serve(models=("a", "b"))
     url = two.url
@@ -233,6 +320,41 @@ def test_no_server_or_no_single_model_is_a_message(serve, target, data_file, tmp
     with pytest.raises(RegenError, match="no OpenAI-compatible server answers there"):
         regen(tmp_path / "x.jsonl", target, data_file, server=url, **FAST)
     assert not (tmp_path / "x.jsonl.parts").exists()
+
+
+def _connections(listening: socket.socket) -> int:
+    """Connections made to a socket that never accepts, taken from its queue."""
+    listening.setblocking(False)
+    made = 0
+    while True:
+        try:
+            listening.accept()[0].close()
+        except BlockingIOError:
+            return made
+        made += 1
+
+
+def test_a_server_that_does_not_answer_is_a_message_after_the_first_contact_wait(tmp_path):
+    with socket.socket() as silent:  # connections are queued, and never answered
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        cfg = RegenConfig(out=tmp_path / "x.jsonl", server=url, request_timeout=0.4, retries=1)
+        with pytest.raises(RegenError) as stopped:
+            connect(cfg, first_contact_s=0.1)
+        assert str(stopped.value) == (
+            f"--server {url}: the server is not answering (nothing came back to /v1/models in "
+            "0.1 s). Start it on the target (e.g. vllm serve TARGET) or check the URL's host and "
+            "port."
+        )
+        assert _connections(silent) == 1  # tried once
+        # Later requests wait their own timeout, and are retried.
+        client = ServerClient(url, timeout=0.4, retries=1, retry_wait=0.0)
+        with pytest.raises(RequestFailed, match=r"^timeout: no answer in 0.1 s"):
+            client.models(timeout=0.1)
+        with pytest.raises(RequestFailed, match=r"^timeout: no answer in 0.4 s"):
+            client.complete({"prompt": [1]})
+        assert _connections(silent) == 3
 
 
 def test_sampled_requests_carry_a_seed_per_row_and_turn(serve, target, data_file, tmp_path):

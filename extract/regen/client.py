@@ -6,12 +6,16 @@ and llama.cpp take a list of ints there), asking for the generated token ids bac
 request leaves out from the checkpoint's generation_config.json (vLLM's default), whose
 repetition penalty or temperature would change greedy answers.
 
-A request that times out, is refused, loses its connection or gets a 5xx or 429 is retried
-after waits doubling from `retry_wait` (at most 60 s); the last failure is raised as
-`RequestFailed` with its reason. A refused connection through every retry is `ServerGone` (no
-server there any more), a 400 about the context length `TooLong`, and any other 4xx
-`RequestRefused`: the server does not take requests of this form, whatever the row. Threads
-share one client; each keeps its own HTTP connection.
+The first contact, the model list (`models`), is tried once and waits at most
+`FIRST_CONTACT_S`. A later request that times out, is refused, loses its connection or gets a
+5xx or 429 is retried after waits doubling from `retry_wait` (at most 60 s); the last failure
+is raised as `RequestFailed` with its reason. A refused connection through every retry is
+`ServerGone` (no server there any more), a 400 about the context length `TooLong`, and any
+other 4xx `RequestRefused`: the server does not take requests of this form, whatever the row.
+Threads share one client; each keeps its own HTTP connection.
+
+An answer's token ids are read back with the target's tokenizer and compared with its text
+(`foreign_ids`): a server of another model answers ids of its own vocabulary.
 """
 
 from __future__ import annotations
@@ -24,11 +28,16 @@ import re
 import threading
 import urllib.parse
 from dataclasses import dataclass
+from difflib import SequenceMatcher
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0
+# The first request (the model list) waits at most this long: a server that is not answering
+# (a port that accepts but never replies, a host that drops packets) is told at once, not after
+# --request-timeout, which is sized for long generations.
+FIRST_CONTACT_S = 10
 # vLLM: "maximum context length is N tokens"; SGLang: "longer than the model's context length".
 _TOO_LONG = re.compile(r"context length|context window|max_model_len|too long", re.IGNORECASE)
 FAILURE_REASONS = (
@@ -65,6 +74,8 @@ class Completion:
     token_ids: list[int]
     finish_reason: str | None  # "stop" (eos or a stop token) or "length"
     from_text: bool  # the server gave no token ids: these are its text's tokenization
+    text: str = ""
+    model: str | None = None  # the model the answer says it came from
 
 
 class ServerClient:
@@ -92,9 +103,14 @@ class ServerClient:
             self.headers["Authorization"] = f"Bearer {key}"
         self._local = threading.local()
 
-    def models(self) -> list[dict[str, Any]]:
-        """The server's model cards (`/v1/models`), tried once: a first contact."""
-        body = self._request("GET", "/v1/models", None)
+    def models(self, *, timeout: float = FIRST_CONTACT_S) -> list[dict[str, Any]]:
+        """The server's model cards (`/v1/models`): the first contact, tried once and waited
+        for at most `timeout` seconds (later requests wait `self.timeout`)."""
+        self._drop_connection()  # its own connection, with its own timeout
+        try:
+            body = self._request("GET", "/v1/models", None, timeout=min(timeout, self.timeout))
+        finally:
+            self._drop_connection()
         data = body.get("data") if isinstance(body, dict) else None
         if not isinstance(data, list):
             raise RequestFailed("bad_response", f"/v1/models answered {str(body)[:200]}")
@@ -118,11 +134,11 @@ class ServerClient:
             raise ServerGone(last.reason, last.detail)
         raise last
 
-    def _connection(self) -> http.client.HTTPConnection:
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             kind = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-            conn = kind(self.host, self.port, timeout=self.timeout)
+            conn = kind(self.host, self.port, timeout=timeout)
             self._local.conn = conn
         return conn
 
@@ -132,20 +148,24 @@ class ServerClient:
             conn.close()
             self._local.conn = None
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
-        """One request. A kept-alive connection that the server closed meanwhile is reopened
-        once without counting as a failure."""
+    def _request(
+        self, method: str, path: str, body: dict[str, Any] | None, *, timeout: float | None = None
+    ) -> Any:
+        """One request; `timeout` (of a new connection) defaults to the client's. A kept-alive
+        connection that the server closed meanwhile is reopened once without counting as a
+        failure."""
         data = None if body is None else json.dumps(body).encode()
+        wait = self.timeout if timeout is None else timeout
         for fresh in (False, True):
             reused = getattr(self._local, "conn", None) is not None
             try:
-                conn = self._connection()
+                conn = self._connection(wait)
                 conn.request(method, self.base + path, body=data, headers=self.headers)
                 response = conn.getresponse()
                 status, raw = response.status, response.read()
             except TimeoutError as e:
                 self._drop_connection()
-                raise RequestFailed("timeout", f"no answer in {self.timeout:g} s ({e})") from None
+                raise RequestFailed("timeout", f"no answer in {wait:g} s ({e})") from None
             except ConnectionRefusedError as e:
                 self._drop_connection()
                 raise RequestFailed("refused", f"{self.url}: {e}") from None
@@ -221,9 +241,38 @@ def parse_completion(body: Any, tokenize: Any) -> Completion:
     """The generated ids of a completions answer; `tokenize(text)` where it has none."""
     try:
         choice = body["choices"][0]
-        ids, finish = choice.get("token_ids"), choice.get("finish_reason")
+        ids, finish, text = choice.get("token_ids"), choice.get("finish_reason"), choice["text"]
+        model = body.get("model")
         if ids is None:
-            return Completion(list(tokenize(choice["text"])), finish, True)
-        return Completion([int(t) for t in ids], finish, False)
+            return Completion(list(tokenize(text)), finish, True, text, model)
+        return Completion([int(t) for t in ids], finish, False, str(text), model)
     except (KeyError, IndexError, TypeError, ValueError) as e:
         raise RequestFailed("bad_response", f"no completion in {str(body)[:200]} ({e})") from None
+
+
+# Same-tokenizer answers read back the same, up to detokenizer details (spaces, special tokens,
+# a last partial character); another vocabulary's ids read as unrelated text, similar well under
+# half (about 0.1 on the tests' tiny tokenizer).
+SAME_TEXT = 0.5
+
+
+def foreign_ids(text: str, token_ids: list[int], tokenizer: Any) -> str | None:
+    """Why `token_ids` (without the eos that ended them) cannot be the server's tokens of
+    `text` in the vocabulary of `tokenizer`, or None: a server of another model answers ids
+    that our tokenizer reads as unrelated text. Spaces, special tokens and replacement
+    characters are left out of the comparison (servers detokenize them differently). A model
+    that shares the tokenizer passes: its ids are the target's tokens."""
+    ours = tokenizer.decode(
+        token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
+    specials = tokenizer.all_special_tokens
+    a, b = _plain(ours, specials), _plain(text, specials)
+    if a == b or SequenceMatcher(None, a, b, autojunk=False).ratio() >= SAME_TEXT:
+        return None
+    return f"its text {text[:60]!r} came with ids that --target's tokenizer reads {ours[:60]!r}"
+
+
+def _plain(text: str, specials: list[str]) -> str:
+    for token in specials:
+        text = text.replace(token, "")
+    return "".join(text.replace("\ufffd", "").split())

@@ -2,34 +2,61 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
 from extract.regen.state import RegenState
-from shared.progress import LineProgress, progress_bar, read_counters
+from shared.progress import LINE_EVERY_S, on_terminal, progress_bar, read_counters
+
+log = logging.getLogger(__name__)
 
 
 class RowBar:
-    """A bar over rows, summed from every rank's counter file (`shared.progress`): tqdm on a
-    terminal, else a plain log line every 30 s (a job's log file gets no redraws)."""
+    """Rows done (kept or rejected: in the output), failed this run (left out: the same
+    command requests them again) and waiting, summed from every rank's counter file
+    (`shared.progress`: counters `rows`, `failed`, `new_tokens`). On a terminal a tqdm bar over
+    the rows answered either way; else a log line every `every` seconds and at the end (a job's
+    log file gets no redraws)."""
 
-    def __init__(self, folder: Path, *, total: int):
-        self.folder, self.start = folder, time.monotonic()
-        self.bar = progress_bar(total=total, desc="regenerate", unit="rows")
+    def __init__(self, folder: Path, *, total: int, every: float = LINE_EVERY_S):
+        self.folder, self.total, self.every = folder, total, every
+        self.start = self.logged = time.monotonic()
+        self.bar = (
+            progress_bar(total=total, desc="regenerate", unit="rows") if on_terminal() else None
+        )
 
-    def refresh(self) -> None:
+    def refresh(self, *, final: bool = False) -> None:
         counts = read_counters(self.folder)
-        self.bar.n = int(counts.get("rows", 0))
-        rate = counts.get("new_tokens", 0) / max(time.monotonic() - self.start, 1e-6)
-        self.bar.set_postfix_str(f"{rate:,.0f} new tok/s", refresh=False)
-        if isinstance(self.bar, LineProgress):
-            self.bar.refresh(only_when_due=True)
-        else:
+        done, failed = int(counts.get("rows", 0)), int(counts.get("failed", 0))
+        waiting = max(self.total - done - failed, 0)
+        now = time.monotonic()
+        elapsed = max(now - self.start, 1e-6)
+        rows = f"{done:,} done, {failed:,} failed this run, {waiting:,} waiting"
+        rate = f"{counts.get('new_tokens', 0) / elapsed:,.0f} new tok/s"
+        if self.bar is not None:
+            self.bar.n = done + failed
+            self.bar.set_postfix_str(f"{rows}, {rate}", refresh=False)
             self.bar.refresh()
+            return
+        if not final and now - self.logged < self.every:
+            return
+        self.logged = now
+        per_s = (done + failed) / elapsed
+        left = f", about {waiting / per_s:,.0f} s left" if waiting and per_s else ""
+        log.info(
+            "regenerate: of %s rows, %s; %s, %.0f s elapsed%s",
+            f"{self.total:,}",
+            rows,
+            rate,
+            elapsed,
+            left,
+        )
 
     def close(self) -> None:
-        self.refresh()
-        self.bar.close()
+        self.refresh(final=True)
+        if self.bar is not None:
+            self.bar.close()
 
 
 def format_summary(state: RegenState, *, out: Path, seconds: float, listed: int = 5) -> str:
@@ -49,9 +76,10 @@ def format_summary(state: RegenState, *, out: Path, seconds: float, listed: int 
         where = [f"{Path(r['source']).name}:{r['line']}" for r in bad]
         more = ", ..." if n > listed else ""
         rows.append((f"  {reason}", f"{n:,} (lines {', '.join(where[:listed])}{more})"))
-    if state.failed:
-        rows.append(("failed, to retry", f"{sum(state.failed.values()):,} (this run)"))
-        rows += [(f"  {reason}", f"{n:,}") for reason, n in sorted(state.failed.items())]
+    if state.failed:  # left out of the output, not recorded: a rerun requests them
+        reasons = ", ".join(f"{reason} {n:,}" for reason, n in sorted(state.failed.items()))
+        failed = f"{sum(state.failed.values()):,} this run ({reasons})"
+        rows.append(("rows failed", f"{failed}; the same command requests them again"))
     rows += [
         ("turns", f"{t['turns']:,} ({t['turns_at_limit']:,} stopped at --max-new-tokens)"),
         ("new tokens", f"{t['new_tokens']:,}"),

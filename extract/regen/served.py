@@ -9,16 +9,16 @@ journals and requests only the rows they lack: after a crash or `kill -9` only t
 that were in flight are requested again, and Ctrl-C (or SIGTERM) first lets those finish and
 records them (a second one stops at once).
 
-A conversation that fails through its retries (`extract.regen.client`) is counted by reason and
-left out: its chunk stays pending and the next run requests it again. A server that no longer
-accepts connections, or that refuses requests of this form (a 4xx), stops the run with a
-message; what is done is kept.
+One conversation's requests are `extract.regen.remote.converse`. A conversation that fails
+through its retries (`extract.regen.client`) is counted by reason and left out: its chunk stays
+pending and the next run requests it again. A server that no longer accepts connections, that
+refuses requests of this form (a 4xx) or that answers another model's token ids stops the run
+with a message; what is done is kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import queue
 import signal
@@ -29,18 +29,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from extract.data import Rejected, RowError
+from extract.data import Rejected
 from extract.regen.client import (
+    FIRST_CONTACT_S,
     RequestFailed,
     RequestRefused,
     ServerClient,
-    ServerGone,
     TooLong,
-    completion_request,
-    parse_completion,
 )
 from extract.regen.config import Chat, RegenConfig, RegenError, iter_chats
 from extract.regen.journal import OpenChunk, drop_committed
+from extract.regen.remote import Kept, Server, converse
 from extract.regen.report import RowBar
 from extract.regen.state import (
     PROGRESS_DIR,
@@ -52,7 +51,7 @@ from extract.regen.state import (
     init_output,
     update_state,
 )
-from extract.regen.turns import Conversation, Prompter, end_turn, target_eos
+from extract.regen.turns import target_eos
 from shared.progress import RankCounters
 
 log = logging.getLogger(__name__)
@@ -60,84 +59,6 @@ log = logging.getLogger(__name__)
 
 class RegenStopped(RegenError):
     """The run stopped before its end (server gone, requests refused, a signal); resumable."""
-
-
-@dataclass(frozen=True)
-class Server:
-    """What the worker threads need to ask the server for one conversation's turns."""
-
-    client: ServerClient
-    model: str
-    prompter: Prompter
-    eos: frozenset[int]
-    sampling: dict[str, float] | None
-    seed: int
-
-
-@dataclass(frozen=True)
-class Kept:
-    row: dict[str, Any]
-    turns: int
-    at_limit: int
-    new_tokens: int
-    retokenized: int
-    from_text: bool  # the server gave text only: ids are its tokenization
-
-
-@dataclass(frozen=True)
-class Failed:
-    reason: str
-    detail: str
-    stops_run: bool  # the server is gone, or refuses requests of this form
-
-
-def turn_seed(seed: int, row: int, turn: int) -> int:
-    """A request's sampling seed, fixed by the run's seed, the source row and the turn: the
-    same draw whatever the order or concurrency, and again after a resume."""
-    digest = hashlib.sha256(f"{seed}:{row}:{turn}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-def converse(chat: Chat, server: Server) -> Kept | Rejected | Failed:
-    """Every assistant turn of `chat` from the server, one request each; never raises for
-    the server's or the row's problems."""
-    conv, prompter = Conversation(chat), server.prompter
-    new_tokens = from_text = 0
-    try:
-        while conv.advance():
-            prompt = prompter.prompt(conv.out)
-            seed = turn_seed(server.seed, chat.row, len(conv.generated))
-            request = completion_request(
-                model=server.model,
-                prompt=prompt,
-                max_tokens=prompter.max_new_tokens,
-                stop_token_ids=sorted(server.eos),
-                sampling=server.sampling,
-                seed=seed if server.sampling else None,
-            )
-            done = parse_completion(server.client.complete(request), _tokenize(prompter))
-            stopped = done.finish_reason == "stop"
-            turn = end_turn(done.token_ids, set(server.eos), stopped=stopped)
-            conv.answer(prompter, prompt, turn)
-            new_tokens += len(turn.token_ids)
-            from_text |= done.from_text
-    except RowError as e:
-        return Rejected(chat.row, chat.source, chat.line, e.reason, e.detail)
-    except TooLong as e:
-        return Rejected(chat.row, chat.source, chat.line, "too_long", str(e))
-    except ServerGone as e:
-        return Failed(e.reason, e.detail, stops_run=True)
-    except RequestFailed as e:
-        return Failed(e.reason, e.detail, stops_run=False)
-    except RequestRefused as e:
-        return Failed("refused_request", str(e), stops_run=True)
-    retokenized = conv.retokenized(prompter)
-    turns = len(conv.generated)
-    return Kept(conv.row(), turns, len(conv.at_limit), new_tokens, retokenized, bool(from_text))
-
-
-def _tokenize(prompter: Prompter) -> Callable[[str], list[int]]:
-    return lambda text: prompter.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 class _Threads:
@@ -208,6 +129,9 @@ class _Driver:
         self.counters.add(rows=1, new_tokens=entry.get("new_tokens", 0))
         if open_chunk.complete:
             self.commit(open_chunk)
+        self.draw()
+
+    def draw(self) -> None:
         now = time.monotonic()
         if now - self.last_draw >= 0.5:
             self.last_draw = now
@@ -234,8 +158,9 @@ class _Driver:
                 self.server.client.stop.set()
         else:
             self.run.failed[outcome.reason] += 1
-            self.counters.add(rows=1)
+            self.counters.add(failed=1)  # not recorded: the next run requests it again
             log.warning("row %d failed (%s): %s", chat.row, outcome.reason, outcome.detail)
+            self.draw()
 
     def on_signal(self, signum: int, frame: Any) -> None:
         self.signals += 1
@@ -294,9 +219,11 @@ def run_served(job: Job, server: Server, *, concurrency: int) -> ServedRun:
             signal.signal(sig, handler)
 
 
-def connect(cfg: RegenConfig) -> tuple[ServerClient, tuple[str, int | None]]:
-    """A client of `cfg.server`, checked by one request (its model list), and (the model to
-    ask for, the context length it reports, if any)."""
+def connect(
+    cfg: RegenConfig, *, first_contact_s: float = FIRST_CONTACT_S
+) -> tuple[ServerClient, tuple[str, int | None]]:
+    """A client of `cfg.server`, checked by one request (its model list, waited for at most
+    `first_contact_s`), and (the model to ask for, the context length it reports, if any)."""
     client = ServerClient(
         cfg.server,
         timeout=cfg.request_timeout,
@@ -305,8 +232,14 @@ def connect(cfg: RegenConfig) -> tuple[ServerClient, tuple[str, int | None]]:
         stop=threading.Event(),
     )
     try:
-        models = client.models()
+        models = client.models(timeout=first_contact_s)
     except (RequestFailed, RequestRefused, TooLong) as e:
+        if isinstance(e, RequestFailed) and e.reason == "timeout":
+            raise RegenError(
+                f"--server {cfg.server}: the server is not answering (nothing came back to "
+                f"/v1/models in {min(first_contact_s, cfg.request_timeout):g} s). Start it on "
+                "the target (e.g. vllm serve TARGET) or check the URL's host and port."
+            ) from None
         raise RegenError(
             f"--server {cfg.server}: no OpenAI-compatible server answers there ({e}). Start one "
             "on the target (e.g. vllm serve TARGET) or correct the URL."
@@ -349,9 +282,8 @@ def serve(
     state = update_state(job.parts, lambda s: dataclasses.replace(s, failed=dict(done.failed)))
     if done.from_text:
         log.warning(
-            "%s gave no token ids (vLLM's return_token_ids) for %d conversations: their ids are "
-            "the tokenization of its text, which extraction reads too, but may differ from the "
-            "ids it generated",
+            "%s gave no token ids for %d conversations: their ids are our tokenization of its "
+            "text (see the warning at its first answer)",
             cfg.server,
             done.from_text,
         )
@@ -361,14 +293,19 @@ def serve(
         raise RegenStopped(
             f"--server {cfg.server}: the run stopped ({done.stopped}). The finished "
             f"conversations are kept in {job.parts} ({len(left)} chunks, {rows} rows, not "
-            f"complete); {_hint(done.stopped)}run the same command to resume."
+            f"complete); {_hint(done.stopped, job.target)}run the same command to resume."
         )
     return finish_output(cfg.out, job, regenerated=True)
 
 
-def _hint(stopped: str) -> str:
+def _hint(stopped: str, target: str) -> str:
     if stopped.startswith("refused:"):
         return "start the server again, then "
     if stopped.startswith("refused_request:"):
         return "the server refuses these requests (check --server-model and the URL), then "
+    if stopped.startswith("other_model:"):
+        return (
+            "the server answers another model's token ids: serve --target's model there "
+            f"(e.g. vllm serve {target}), then "
+        )
     return ""
