@@ -181,12 +181,20 @@ class TargetCache:
     the snapshot restored and the kept tokens replayed (one more forward of <= B tokens).
     """
 
-    def __init__(self, target: nn.Module) -> None:
+    def __init__(self, target: nn.Module, rollback: int = 0) -> None:
         from transformers import DynamicCache
 
         self.target, self.cache = target, DynamicCache(config=target.config)
         if hasattr(self.cache, "activate_past_recording"):
-            self.cache.activate_past_recording()
+            # transformers 5.25 can also keep intermediate recurrent states; its default (None)
+            # then fails in the Gated DeltaNet forward. The snapshots below do that job: 0.
+            # transformers 5.25 crops Gated DeltaNet states from a history of the last
+            # `recurrent_states_to_keep` tokens' states (its default, None, fails in the forward):
+            # a verify forward's tokens. Earlier versions have no such option.
+            try:
+                self.cache.activate_past_recording(recurrent_states_to_keep=rollback)
+            except TypeError:
+                self.cache.activate_past_recording()
         # transformers 5.2x renamed `past_key_values` to `cache` (the old name warns until 5.40).
         params = inspect.signature(target.forward).parameters
         self.kwargs = {"cache" if "cache" in params else "past_key_values": self.cache}
@@ -229,9 +237,10 @@ def crop_cache(cache: Any, length: int) -> None:
 
 
 def begin_decoding(
-    target: nn.Module, input_ids: Any, max_new_tokens: int
+    target: nn.Module, input_ids: Any, max_new_tokens: int, rollback: int = 0
 ) -> tuple[torch.Tensor, TargetCache]:
-    """(prompt [1, P] on the target's device, a fresh target cache); checks the arguments."""
+    """(prompt [1, P] on the target's device, a fresh target cache that can take back up to
+    `rollback` tokens, a verify forward's); checks the arguments."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = target.get_input_embeddings().weight.device
@@ -239,7 +248,7 @@ def begin_decoding(
     ids = ids[None] if ids.dim() == 1 else ids
     if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
         raise ValueError(f"input_ids must be one non-empty sequence, got shape {tuple(ids.shape)}")
-    return ids, TargetCache(target)
+    return ids, TargetCache(target, rollback)
 
 
 def sync_clock(device: torch.device) -> float:
@@ -273,7 +282,7 @@ def speculate(
     The last blocks are cut to the tokens still wanted, as in z-lab's `dflash_generate`;
     `full_blocks` keeps them whole and cuts the output instead, as vLLM does (a shorter block
     changes what a bidirectional drafter proposes)."""
-    ids_1P, cache = begin_decoding(target_model, input_ids, max_new_tokens)
+    ids_1P, cache = begin_decoding(target_model, input_ids, max_new_tokens, drafter.cfg.block_size)
     cfg, device, eos = drafter.cfg, ids_1P.device, set(eos_ids)
     embed_VH = target_model.get_input_embeddings().weight
     draft = DraftState(drafter, embed_VH, target_model.get_output_embeddings().weight)

@@ -105,7 +105,7 @@ def speculate_dspark(
     """Speculative decoding of one prompt with a DSpark drafter (see the module docstring).
     The last blocks are cut to the tokens still wanted unless `full_blocks`; `generator` draws
     the samples at temperature > 0."""
-    ids_1P, cache = begin_decoding(target_model, input_ids, max_new_tokens)
+    ids_1P, cache = begin_decoding(target_model, input_ids, max_new_tokens, drafter.cfg.block_size)
     cfg, device, eos = drafter.cfg, ids_1P.device, set(eos_ids)
     lm_head_VH = target_model.get_output_embeddings().weight
     draft = DraftState(drafter, target_model.get_input_embeddings().weight, lm_head_VH)
