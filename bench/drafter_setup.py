@@ -37,6 +37,7 @@ from train.drafters.anchors import default_gamma  # noqa: E402
 from train.drafters.config import DSPARK_BLOCK_SIZE, DrafterConfig  # noqa: E402
 from train.drafters.objective import LOSSES, TARGET_LOSSES  # noqa: E402
 from train.loop import Trainer  # noqa: E402
+from train.options import OPTIMIZERS  # noqa: E402
 from train.prepared import Prepared  # noqa: E402
 from train.run import resolve_devices  # noqa: E402
 
@@ -119,6 +120,7 @@ def make_trainer(
     drafter_type: str = "dflash",
     block_size: int | None = None,
     loss: str | None = None,
+    optimizer: str | None = None,
 ) -> Trainer:
     """The product's trainer for one process and device, after `configure_compile`; the
     caller hands it micro-batches with `Trainer.prepare`, which also wraps the model. A dspark
@@ -137,6 +139,7 @@ def make_trainer(
         **({"ce": ce} if ce else {}),
         **({"ce_chunk_blocks": ce_chunk_blocks} if ce_chunk_blocks else {}),
         **({"loss": loss} if loss else {}),
+        **({"optimizer": optimizer} if optimizer else {}),
         batch_tokens=batch_tokens,
         max_length=seq_len,
         num_anchors=anchors,
@@ -227,6 +230,7 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ce", choices=("fused", "autograd"), default=None, help="default: product")
     p.add_argument("--ce-chunk-blocks", type=int, default=None, help="default: product")
     p.add_argument("--loss", choices=LOSSES, default=None, help="DFlash's loss; default: product")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default: product")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (>= 1)")
     p.add_argument("--seq-len", type=int, default=None, help="default 3072 (tiny: 256)")

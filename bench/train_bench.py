@@ -229,6 +229,7 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         drafter_type=args.drafter_type,
         block_size=args.block_size,
         loss=args.loss,
+        optimizer=args.optimizer,
         steps=total,
         seq_len=args.seq_len,
         anchors=args.anchors,
@@ -272,11 +273,20 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         "ce": trainer.cfg.ce,
         "ce_chunk_blocks": trainer.cfg.ce_chunk_blocks,
         "loss": trainer.cfg.loss,
+        "optimizer": trainer.cfg.optimizer,
         "flex_options": trainer.model.layers[0].self_attn.flex_options,
         "selector_topk_kernel": selector_fused.TOPK_KERNEL,
         "is_default": all(
             getattr(trainer.cfg, k) == getattr(defaults, k)
-            for k in ("attention", "compile", "grad_ckpt", "ce", "ce_chunk_blocks", "loss")
+            for k in (
+                "attention",
+                "compile",
+                "grad_ckpt",
+                "ce",
+                "ce_chunk_blocks",
+                "loss",
+                "optimizer",
+            )
         )
         and not args.flex_bwd
         and selector_fused.TOPK_KERNEL == DEFAULT_TOPK_KERNEL,
