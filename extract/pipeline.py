@@ -85,7 +85,9 @@ class PartPipeline:
         start = time.perf_counter()
         one = torch.zeros(1, len(job.layer_ids), _hidden(capture), device=device)  # [N, K, H]
         if writes:
-            self.staging.reserve(device_payload(one, job.store, job.format), tokens=1)
+            self.staging.reserve(
+                device_payload(one, job.store, job.format, compiled=job.compile != "none"), tokens=1
+            )
         log.info(
             "%d staging buffers of %.2f GB%s in %.1f s",
             STAGING_BUFFERS,
@@ -140,7 +142,8 @@ class PartPipeline:
             if writer is None:
                 continue  # its input group's writer stores these states
             host, release = self.staging.stage(
-                device_payload(packed, job.store, job.format), tokens=packed.shape[0]
+                device_payload(packed, job.store, job.format, compiled=job.compile != "none"),
+                tokens=packed.shape[0],
             )
             countdown, start = Countdown(len(batch), release), 0
             for n in batch:  # one task per sample: a batch's samples compress in parallel

@@ -133,18 +133,22 @@ class WriterPool:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def device_payload(packed: torch.Tensor, store: str, fmt: str) -> dict[str, torch.Tensor]:
+def device_payload(
+    packed: torch.Tensor, store: str, fmt: str, *, compiled: bool = True
+) -> dict[str, torch.Tensor]:
     """What is staged to the host: layer-major payload [K, N, H] (one layer's rows contiguous,
     see LayerCapture) and, for fp8, the scales [N, K]; int4 records [K, N, H + 4], encoded on
-    the device (`shared.int4.encode_int4`). bf16 for zarr parts goes as its two
-    `planes` byte planes, split on the device (`shared.planes.split_planes`): as many bytes as
-    the bf16 values, and the writer threads, which share the host's cores and its GIL with the
-    thread launching the forwards, only compress."""
+    the device (`shared.int4.encode_int4`; on a GPU its compiled encoder if `compiled`). bf16
+    for zarr parts goes as its two `planes` byte planes, split on the device
+    (`shared.planes.split_planes`): as many bytes as the bf16 values, and the writer threads,
+    which share the host's cores and its GIL with the thread launching the forwards, only
+    compress."""
     if store == "fp8":
         q, scale = quantize_fp8(packed)
         return {"q": q.transpose(0, 1).contiguous(), "scale": scale.contiguous()}
     if store == "int4":
-        records = encode_int4(packed.transpose(0, 1), Int4Scheme(hidden=packed.shape[-1]))
+        scheme = Int4Scheme(hidden=packed.shape[-1])
+        records = encode_int4(packed.transpose(0, 1), scheme, compiled=compiled)
         return {"int4": records}
     hidden = packed.transpose(0, 1).to(torch.bfloat16)
     if fmt == "zarr" and hidden_codec(store) == "planes":

@@ -49,9 +49,9 @@ def rank_main(info: RankInfo, job: Job) -> None:
         sharding=engine_kwargs(job.layout) if sharded else None,
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    if job.store == "int4" and info.device.type == "cuda":
+    if job.store == "int4" and info.device.type == "cuda" and job.compile != "none":
         # Before the target's start-up probe, which counts the graphs made after it as
-        # recompilations.
+        # recompilations. `--compile none` keeps the encoder eager too.
         seconds = prepare_encoder(model.config.get_text_config().hidden_size, info.device)
         log.info("rank %d: the int4 encoder compiled in %.1f s", info.rank, seconds)
     if sharded:

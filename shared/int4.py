@@ -256,9 +256,9 @@ def _encode_rows(x: torch.Tensor, scheme: Int4Scheme, signs, hadamard) -> torch.
     return torch.where(use_fp8.unsqueeze(-1), fp8, record)
 
 
-def encode_int4(h: torch.Tensor, scheme: Int4Scheme) -> torch.Tensor:
+def encode_int4(h: torch.Tensor, scheme: Int4Scheme, *, compiled: bool = True) -> torch.Tensor:
     """uint8 records [..., W] of states [..., H] (rounded to bf16 first: the reference is the
-    bf16 cache), computed on h's device.
+    bf16 cache), computed on h's device; on a GPU by the compiled encoder unless not `compiled`.
 
     >>> h = torch.zeros(2, 64); h[0] = torch.linspace(-1, 1, 64); h[1, 9] = 3e4
     >>> r = encode_int4(h, Int4Scheme(hidden=64))
@@ -276,7 +276,7 @@ def encode_int4(h: torch.Tensor, scheme: Int4Scheme) -> torch.Tensor:
     out = torch.empty(x.shape[0], scheme.width, dtype=torch.uint8, device=h.device)
     signs, hadamard = _tables(scheme, h.device)
     step = max(1, STEP_ELEMENTS // scheme.hidden)
-    encode = _compiled_encoder() if h.is_cuda else _encode_rows
+    encode = _compiled_encoder() if h.is_cuda and compiled else _encode_rows
     for start in range(0, x.shape[0], step):
         rows = x[start : start + step].to(torch.bfloat16).float()
         n = rows.shape[0]
