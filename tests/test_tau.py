@@ -44,6 +44,26 @@ def test_files_that_do_not_match_are_refused(tmp_path):
     two.write_text(summary("A", [(2.0, 3)]) + "\n")
     none.write_text("no json here\n")
     r = CliRunner().invoke(main, [str(one), str(two)])
-    assert r.exit_code != 0 and "1 drafters, the first file has 2" in r.output
+    assert r.exit_code != 0 and "B was decoded on other prompts than A" in r.output
+    twice = tmp_path / "twice"
+    twice.write_text(summary("A", [(2.0, 3)]) + "\n" + summary("A", [(1.0, 3)]) + "\n")
+    r = CliRunner().invoke(main, [str(twice)])
+    assert r.exit_code != 0 and "drafter A appears twice" in r.output
     r = CliRunner().invoke(main, [str(none)])
     assert r.exit_code != 0 and "no JSON lines" in r.output
+
+
+def test_files_of_other_drafters_on_the_same_prompts_add_them(tmp_path):
+    """Drafters decoded side by side in two processes: four drafters, each against the first,
+    never one file's drafters taken for more prompts of the other's."""
+    rows = {"A": [(2.0, 10), (1.5, 20)], "B": [(2.2, 9), (1.5, 20)], "C": [(1.0, 20), (1.2, 25)]}
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.write_text(summary("A", rows["A"]) + "\n" + summary("B", rows["B"]) + "\n")
+    two.write_text(summary("C", rows["C"]) + "\n")
+    r = CliRunner().invoke(main, [str(one), str(two), "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output.splitlines()[-1])
+    assert [x["drafter"] for x in out] == ["A", "B", "C"]
+    assert [x["prompts"] for x in out] == [2, 2, 2]
+    n_s = {k: ([t * s for t, s in v], [s for _, s in v]) for k, v in rows.items()}
+    assert out[2]["vs_first"] == paired_difference(n_s["A"], n_s["C"])

@@ -2,8 +2,9 @@
 same prompts, with standard errors, and each one's paired difference from the first.
 
 SPEC: the output of `python -m train.proof.speculate ... --json` (its JSON lines, one per
-drafter; other lines are skipped); several files are the same drafters on more prompts (one
-prompt set cut into shards decoded side by side), joined in order.
+drafter; other lines are skipped). Drafters are told apart by name: files holding the same
+drafters on more prompts (one prompt set cut into shards) are joined in order, files holding
+other drafters on the same prompts (decoded side by side) add them.
 
 tau = (tokens accepted + 1 per verify step, summed) / verify steps, over all prompts (what
 `train.proof.speculate` reports). Prompts are the unit of sampling: tau's standard error is the
@@ -80,27 +81,39 @@ def paired_difference(
 
 
 def read_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
-    """Per drafter (in --drafter's order): its name and per-prompt tokens n and steps s, the
-    prompts of all files joined in order."""
-    runs: list[dict[str, Any]] = []
+    """Per drafter, in the order first seen: its name and per-prompt tokens n and steps s. A
+    drafter in several files gets their prompts joined in file order (one prompt set cut into
+    shards); drafters in different files (decoded side by side in several processes) must have
+    been decoded on the same prompts, which each prompt's length checks."""
+    runs: dict[str, dict[str, Any]] = {}
     for path in paths:
         lines = [ln for ln in Path(path).read_text().splitlines() if ln.startswith("{")]
         # greedy decodings only: a sampled one (DSpark's --temperature) has no per-prompt rows
         found = [x for x in map(json.loads, lines) if "per_prompt" in x]
-        if runs and len(found) != len(runs):
-            raise click.ClickException(
-                f"{path}: {len(found)} drafters, the first file has {len(runs)}"
+        names = [x["drafter"] for x in found]
+        if twice := sorted({n for n in names if names.count(n) > 1}):
+            raise click.ClickException(f"{path}: drafter {twice[0]} appears twice")
+        for summary in found:
+            run = runs.setdefault(
+                summary["drafter"],
+                {"drafter": summary["drafter"], "n": [], "s": [], "prompts": [], "lossless": True},
             )
-        for k, summary in enumerate(found):
-            if len(runs) <= k:
-                runs.append({"drafter": summary["drafter"], "n": [], "s": [], "lossless": True})
             rows = summary["per_prompt"]
-            runs[k]["n"] += [r["tau"] * r["steps"] for r in rows]
-            runs[k]["s"] += [r["steps"] for r in rows]
-            runs[k]["lossless"] &= summary["lossless_up_to_near_ties"]
+            run["n"] += [r["tau"] * r["steps"] for r in rows]
+            run["s"] += [r["steps"] for r in rows]
+            run["prompts"] += [r.get("prompt_tokens") for r in rows]
+            run["lossless"] &= summary["lossless_up_to_near_ties"]
     if not runs:
         raise click.ClickException("no JSON lines: run train.proof.speculate with --json")
-    return runs
+    first, *rest = runs.values()
+    for run in rest:
+        if run["prompts"] != first["prompts"]:
+            raise click.ClickException(
+                f"{run['drafter']} was decoded on other prompts than {first['drafter']} "
+                f"({len(run['n'])} against {len(first['n'])}, or other lengths): give every "
+                "drafter's files for the same prompt set"
+            )
+    return list(runs.values())
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
