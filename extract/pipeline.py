@@ -4,6 +4,7 @@ atomic part commit, one part at a time."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -80,14 +81,16 @@ class PartPipeline:
         before each forward (`extract.lockstep`)."""
         self.job, self.device, self.capture, self.counters = job, device, capture, counters
         self.clock, self.writes, self.before_forward = clock, writes, before_forward
+        # `--compile none`: nothing compiled, the int4 encoder included.
+        self.payload = functools.partial(
+            device_payload, store=job.store, fmt=job.format, compiled=job.compile != "none"
+        )
         rows = chunk_size(job.batch_tokens, job.max_length)  # the most a forward holds
         self.staging = Staging(STAGING_BUFFERS, pinned=device.type == "cuda", rows=rows)
         start = time.perf_counter()
         one = torch.zeros(1, len(job.layer_ids), _hidden(capture), device=device)  # [N, K, H]
         if writes:
-            self.staging.reserve(
-                device_payload(one, job.store, job.format, compiled=job.compile != "none"), tokens=1
-            )
+            self.staging.reserve(self.payload(one), tokens=1)
         log.info(
             "%d staging buffers of %.2f GB%s in %.1f s",
             STAGING_BUFFERS,
@@ -142,7 +145,7 @@ class PartPipeline:
             if writer is None:
                 continue  # its input group's writer stores these states
             host, release = self.staging.stage(
-                device_payload(packed, job.store, job.format, compiled=job.compile != "none"),
+                self.payload(packed),
                 tokens=packed.shape[0],
             )
             countdown, start = Countdown(len(batch), release), 0

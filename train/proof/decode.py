@@ -186,8 +186,6 @@ class TargetCache:
 
         self.target, self.cache = target, DynamicCache(config=target.config)
         if hasattr(self.cache, "activate_past_recording"):
-            # transformers 5.25 can also keep intermediate recurrent states; its default (None)
-            # then fails in the Gated DeltaNet forward. The snapshots below do that job: 0.
             # transformers 5.25 crops Gated DeltaNet states from a history of the last
             # `recurrent_states_to_keep` tokens' states (its default, None, fails in the forward):
             # a verify forward's tokens. Earlier versions have no such option.
