@@ -6,7 +6,8 @@ The queries, keys and values of packed rows of 16,384 tokens holding the long-ta
 `bench/e2e_gpu.py` (whole samples, first fit decreasing), bf16, random. Times per packed row:
 - flex: `extract.packed_attention`'s flex_attention with the document BlockMask, compiled, with
   Inductor's default kernel options and each candidate of CANDIDATES;
-- fa2 varlen: aten's FlashAttention-2 varlen kernel on the same segments (cu_seqlens);
+- fa2 / cudnn varlen: aten's FlashAttention-2 and cuDNN varlen kernels on the same segments
+  (cu_seqlens; also with a fixed segment count and the row's length as the longest);
 - groups: `extract.packed_attention.grouped_attention`, the samples gathered into padded batches
   for sdpa and scattered back (what `python -m extract --attention sdpa` runs);
 - sdpa padded: the samples of the row as padded batches, as eager extraction runs them
@@ -99,23 +100,23 @@ def main() -> None:
             print(f"flex {opts}: {type(e).__name__}: {str(e)[:120]}")
     qt, kt, vt = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))  # [T, H, D]
 
-    def fa2() -> torch.Tensor:
-        out = torch.ops.aten._flash_attention_forward(
-            qt, kt, vt, cu, cu, int(seg.max()), int(seg.max()), 0.0, True, False
-        )[0]
-        return out.transpose(0, 1)[None]
-
-    try:
-        results.append(("fa2 varlen (aten)", timed(fa2), fa2()))
-    except Exception as e:
-        print(f"fa2 varlen: {type(e).__name__}: {str(e)[:200]}")
-    # cuDNN's varlen kernel (the one nested tensors reach through sdpa): [T, H, D] with cu_seqlens;
-    # with the kv heads repeated (nested sdpa's path), with the grouped heads as they are, and
-    # with cu_seqlens padded to a fixed count by empty segments and the row's length as the
-    # longest (what a graph compiled once would pass).
+    # aten's FlashAttention-2 and cuDNN's varlen kernels (cuDNN's is the one nested tensors
+    # reach through sdpa): [T, H, D] with cu_seqlens, as they are and with cu_seqlens padded to
+    # a fixed count by empty segments and the row's length as the longest (what a graph
+    # compiled once would pass); cuDNN with the kv heads repeated (nested sdpa's path) or
+    # grouped as they are.
     group = args.heads // args.kv_heads
     fixed = torch.full((len(cu) + 64,), n, device=dev, dtype=torch.int32)
     fixed[: len(cu)] = cu
+
+    def fa2(cu_q: torch.Tensor, longest: int) -> Callable:
+        def run() -> torch.Tensor:
+            out = torch.ops.aten._flash_attention_forward(
+                qt, kt, vt, cu_q, cu_q, longest, longest, 0.0, True, False
+            )[0]
+            return out.transpose(0, 1)[None]
+
+        return run
 
     def cudnn(kv_rep: bool, cu_q: torch.Tensor, longest: int) -> Callable:
         def run() -> torch.Tensor:
@@ -129,27 +130,19 @@ def main() -> None:
 
         return run
 
+    longest = int(seg.max())
     for name, fn in [
-        ("cudnn varlen, kv heads repeated", cudnn(True, cu, int(seg.max()))),
-        ("cudnn varlen, grouped kv heads", cudnn(False, cu, int(seg.max()))),
+        ("fa2 varlen (aten)", fa2(cu, longest)),
+        ("fa2 varlen, fixed segments and longest", fa2(fixed, n)),
+        ("cudnn varlen, kv heads repeated", cudnn(True, cu, longest)),
+        ("cudnn varlen, grouped kv heads", cudnn(False, cu, longest)),
         ("cudnn varlen, kv repeated, fixed segments and longest", cudnn(True, fixed, n)),
         ("cudnn varlen, grouped kv, fixed segments and longest", cudnn(False, fixed, n)),
     ]:
         try:
             results.append((name, timed(fn), fn()))
-        except Exception as e:
+        except Exception as e:  # a kernel this build or GPU lacks
             print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
-
-    def fa2_fixed() -> torch.Tensor:
-        out = torch.ops.aten._flash_attention_forward(
-            qt, kt, vt, fixed, fixed, n, n, 0.0, True, False
-        )[0]
-        return out.transpose(0, 1)[None]
-
-    try:
-        results.append(("fa2 varlen, fixed segments and longest", timed(fa2_fixed), fa2_fixed()))
-    except Exception as e:
-        print(f"fa2 varlen fixed: {type(e).__name__}: {str(e)[:200]}")
     from extract.packed_attention import SampleGroups, grouped_attention
     from extract.packing import sample_groups
 
