@@ -163,8 +163,17 @@ def unrotate_NH(y_NH: torch.Tensor, signs_H: torch.Tensor, hadamard: torch.Tenso
 
 
 def _tables(scheme: Int4Scheme, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    signs = rotation_signs_H(scheme.hidden, scheme.seed).to(device)
-    return signs, hadamard_GG(scheme.group).to(device)
+    return _device_tables(scheme.hidden, scheme.seed, scheme.group, device)
+
+
+@functools.cache
+def _device_tables(
+    hidden: int, seed: int, group: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation's signs and matrix on `device`, made once: a copy from pageable host memory
+    waits for the stream's earlier work (on a GPU, the forward whose states are encoded), which
+    left the device idle for the rest of each encode's launches."""
+    return rotation_signs_H(hidden, seed).to(device), hadamard_GG(group).to(device)
 
 
 def quantize_groups_NGC(
