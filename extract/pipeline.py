@@ -144,10 +144,7 @@ class PartPipeline:
             packed = self.capture.run([kept[i].input_ids for i in batch], device=self.device)
             if writer is None:
                 continue  # its input group's writer stores these states
-            host, release = self.staging.stage(
-                self.payload(packed),
-                tokens=packed.shape[0],
-            )
+            host, release = self.staging.stage(packed, self.payload, tokens=packed.shape[0])
             countdown, start = Countdown(len(batch), release), 0
             for n in batch:  # one task per sample: a batch's samples compress in parallel
                 rows_n = slice(start, start + lengths[n])

@@ -1,11 +1,11 @@
 """Host side of capture: what is staged, pinned staging buffers, and compression + writing on
 a thread pool.
 
-The GPU never waits for the disk while a staging buffer is free: a batch's states are copied
-asynchronously into a pinned buffer, and a writer thread waits for that copy, then compresses
-each sample and writes it (a zarr part's shard files go to `shared.diskqueue`'s threads, so the
-buffer is free once its samples are compressed). The number of buffers bounds the memory and
-the work in flight.
+The GPU never waits for the disk while a staging buffer is free: a batch's states are turned
+into their stored form and copied into a pinned buffer on a side stream, and a writer thread
+waits for that copy, then compresses each sample and writes it (a zarr part's shard files go to
+`shared.diskqueue`'s threads, so the buffer is free once its samples are compressed). The
+number of buffers bounds the memory and the work in flight.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ class Staging:
 
     Buffers are sized for `rows` tokens (the batch token budget) when first used, so the slow
     pinned allocations happen once per buffer rather than whenever a batch is longer than the
-    ones before. On CUDA the copies run on a side stream: the next forward starts at once.
+    ones before. On CUDA the payload and its copy run on a side stream: the next forward starts at
+    once.
     """
 
     def __init__(self, count: int, *, pinned: bool, rows: int = 0):
@@ -52,32 +53,40 @@ class Staging:
             self._free.put(slot)
 
     def stage(
-        self, tensors: dict[str, torch.Tensor], *, tokens: int
+        self,
+        states: torch.Tensor,
+        payload: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+        *,
+        tokens: int,
     ) -> tuple[dict[str, torch.Tensor], Callable]:
-        """Copy device tensors holding `tokens` tokens into a free buffer (blocking while none
-        is free).
+        """Make `payload(states)` (tensors holding `tokens` tokens on states' device) and copy
+        it into a free buffer (blocking while none is free).
 
+        On CUDA both run on the side stream, after the forward that made `states`: the payload's
+        kernels (the int4 encoder's above all) overlap the next forward instead of delaying it.
         Returns host views and a `release()` to call once they have been written; the views'
         `_event` (None off CUDA) is set once the copy has landed.
         """
         start = time.perf_counter()
         slot = self._free.get()
         self.waited_s += time.perf_counter() - start
-        views = {name: self._view(slot, name, t, tokens) for name, t in tensors.items()}
         event = None
         if self.pinned:
-            device = next(iter(tensors.values())).device
             if self._stream is None:
-                self._stream = torch.cuda.Stream(device=device)
-            self._stream.wait_stream(torch.cuda.current_stream(device))
+                self._stream = torch.cuda.Stream(device=states.device)
+            self._stream.wait_stream(torch.cuda.current_stream(states.device))
             with torch.cuda.stream(self._stream):
+                tensors = payload(states)
+                states.record_stream(self._stream)  # not reused before the payload is made
+                views = {name: self._view(slot, name, t, tokens) for name, t in tensors.items()}
                 for name, t in tensors.items():
                     views[name].copy_(t, non_blocking=True)
-                    t.record_stream(self._stream)  # not reused before the copy is done
                 # Blocking: writer threads waiting for the copy sleep instead of spinning a core.
                 event = torch.cuda.Event(blocking=True)
                 event.record(self._stream)
         else:
+            tensors = payload(states)
+            views = {name: self._view(slot, name, t, tokens) for name, t in tensors.items()}
             for name, t in tensors.items():
                 views[name].copy_(t)
         views["_event"] = event  # type: ignore[assignment]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -33,21 +35,25 @@ def test_flush_writes_the_current_counts(tmp_path):
     c.close()
 
 
+def _as_hidden(states: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"hidden": states}
+
+
 def test_staging_copies_and_reuses_buffers_sized_for_the_budget():
     staging = Staging(1, pinned=False, rows=10)
     small = torch.arange(12, dtype=torch.float32).view(3, 4)
-    views, release = staging.stage({"hidden": small}, tokens=3)
+    views, release = staging.stage(small, _as_hidden, tokens=3)
     assert views["_event"] is None
     assert torch.equal(views["hidden"], small)
     ptr = views["hidden"].data_ptr()
     release()
     large = torch.arange(40, dtype=torch.float32).view(10, 4)  # within the 10-row budget
-    views, release = staging.stage({"hidden": large}, tokens=10)
+    views, release = staging.stage(large, _as_hidden, tokens=10)
     assert torch.equal(views["hidden"], large)
     assert views["hidden"].data_ptr() == ptr  # no new allocation
     release()
     over = torch.ones(11, 4)  # a single row longer than the budget still fits (grown)
-    views, release = staging.stage({"hidden": over}, tokens=11)
+    views, release = staging.stage(over, _as_hidden, tokens=11)
     assert torch.equal(views["hidden"], over)
     release()
 
@@ -67,8 +73,34 @@ def test_reserved_buffers_take_every_batch_of_the_budget_without_allocating(stor
     for tokens in (10, 7, 10):
         packed = torch.randn(tokens, 3, 64, dtype=torch.bfloat16)
         batch = device_payload(packed, store, fmt)
-        views, release = staging.stage(batch, tokens=tokens)
+        payload = partial(device_payload, store=store, fmt=fmt)
+        views, release = staging.stage(packed, payload, tokens=tokens)
         assert all(torch.equal(views[k], batch[k]) for k in batch)
         assert {(k, views[k].data_ptr(), views[k].dtype) for k in batch} <= memory
         release()
     assert staging.nbytes == reserved
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("store", ["bf16", "int4"])
+def test_gpu_payload_made_on_the_side_stream_survives_the_next_forward(store):
+    """On a GPU the payload is made on the side stream: the states it reads are not handed to
+    the next allocation (the next forward's) before it has read them, and it stages the bytes
+    the main stream would have made."""
+    device = torch.device("cuda")
+    staging = Staging(1, pinned=True, rows=4096)
+    states = torch.randn(4096, 3, 512, device=device, dtype=torch.bfloat16) * 4
+    expected = {k: v.cpu() for k, v in device_payload(states, store, "zarr").items()}
+    torch.cuda._sleep(50_000_000)  # the main stream is busy: the side stream runs late
+    views, release = staging.stage(
+        states, partial(device_payload, store=store, fmt="zarr"), tokens=4096
+    )
+    ptr = states.data_ptr()
+    del states
+    reused = torch.empty(4096 * 3 * 512, device=device, dtype=torch.bfloat16)
+    assert reused.data_ptr() != ptr  # held for the side stream until its payload is made
+    reused.fill_(0)
+    views["_event"].synchronize()
+    assert all(torch.equal(views[k], expected[k]) for k in expected)
+    release()
