@@ -237,11 +237,28 @@ def _from_le_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return b.clone().view(dtype)
 
 
+def largest_k(a_NH: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [N, k] of the k largest of each row of a (values >= 0), by k passes of argmax
+    (the first of equals): for the few values a record keeps, a radix-select topk cost the
+    compiled encoder a third of its time on a GPU.
+
+    >>> largest_k(torch.tensor([[0.0, 3.0, 1.0, 3.0]]), 2).tolist()
+    [[1, 3]]
+    """
+    taken = []
+    for _ in range(k):
+        i = a_NH.argmax(-1, keepdim=True)
+        taken.append(i)
+        a_NH = a_NH.scatter(-1, i, -1.0)
+    return torch.cat(taken, -1) if taken else a_NH.new_zeros(a_NH.shape[0], 0, dtype=torch.long)
+
+
 def _encode_rows(x: torch.Tensor, scheme: Int4Scheme, signs, hadamard) -> torch.Tensor:  # noqa: ANN001
-    """uint8 records [n, W] of float32 rows [n, H] holding bf16 values."""
+    """uint8 records [n, W] of bf16 rows [n, H]."""
     n, H, g = x.shape[0], scheme.hidden, scheme.group
+    x = x.float()
     energy = x.square().sum(-1)
-    idx = x.abs().topk(scheme.topk, dim=-1).indices.sort(dim=-1).values  # ascending: they repeat
+    idx = largest_k(x.abs(), scheme.topk).sort(dim=-1).values  # ascending: they repeat
     idx = torch.where(energy.unsqueeze(-1) > 0, idx, 0)  # all-zero vectors: all-zero bytes
     vals = x.gather(-1, idx)
     y = rotate_NH(x.scatter(-1, idx, 0.0), signs, hadamard).view(n, H // g, g)
@@ -287,7 +304,7 @@ def encode_int4(h: torch.Tensor, scheme: Int4Scheme, *, compiled: bool = True) -
     step = max(1, STEP_ELEMENTS // scheme.hidden)
     encode = _compiled_encoder() if h.is_cuda and compiled else _encode_rows
     for start in range(0, x.shape[0], step):
-        rows = x[start : start + step].to(torch.bfloat16).float()
+        rows = x[start : start + step].to(torch.bfloat16)
         n = rows.shape[0]
         if encode is not _encode_rows and n < step:  # one shape for the compiled encoder
             rows = torch.cat([rows, rows.new_zeros(step - n, scheme.hidden)])
