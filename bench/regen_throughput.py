@@ -73,22 +73,33 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, help="local route's torch threads (default: torch's own)"
     )
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="a target folder or named real target (default: the embedded tiny demo target)",
+    )
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="vLLM's KV cache")
     parser.add_argument("--json", type=Path, help="also write the JSON line here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     import torch
 
     from extract.data import demo_dataset
+    from extract.models import resolve_target
     from extract.tiny import tiny_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, data = str(tiny_target()), (demo_dataset(),)
+    target = resolve_target(args.target) if args.target else str(tiny_target())
+    data = (demo_dataset(),)
     common = dict(target=target, data=data, max_rows=args.rows, max_new_tokens=args.max_new_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         local_out, served_out = Path(tmp) / "local.jsonl", Path(tmp) / "served.jsonl"
         local = timed(RegenConfig(out=local_out, gpus="cpu", batch_size=args.batch_size, **common))
-        with vllm_server(args.vllm_python, Path(target), max_num_seqs=args.max_num_seqs) as server:
+        kv_bytes = int(args.kv_cache_gib * (1 << 30))
+        with vllm_server(
+            args.vllm_python, Path(target), max_num_seqs=args.max_num_seqs, kv_cache_bytes=kv_bytes
+        ) as server:
             served = timed(
                 RegenConfig(
                     out=served_out, server=server.url, concurrency=args.concurrency, **common
@@ -99,6 +110,7 @@ def main() -> None:
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
     result = {
+        "target": args.target or "tiny demo target",
         "rows": args.rows,
         "max_new_tokens": args.max_new_tokens,
         "local": {**local, "batch_size": args.batch_size, "torch_threads": torch.get_num_threads()},
