@@ -77,6 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--warmup-steps", type=int, default=5, help="steps left out of the median")
     p.add_argument("--skip-decode", action="store_true", help="train and time only")
+    p.add_argument(
+        "--tag",
+        default="",
+        help="suffix of the decode logs and summary: benches side by side in "
+        "one WORK (each with its --recipes; the layout is made by the first)",
+    )
     return p.parse_args(argv)
 
 
@@ -217,7 +223,7 @@ def decode(a: argparse.Namespace, exports: dict[str, Path]) -> dict[str, dict]:
         for name in shard:
             cmd += ["--drafter", str(exports[name])]
         cmd += ["--prompts", str(a.prompts), "--max-new-tokens", str(a.max_new_tokens), "--json"]
-        jobs.append((f"decode-{i}", cmd, a.work / f"decode-{i}.log"))
+        jobs.append((f"decode-{i}", cmd, a.work / f"decode{a.tag}-{i}.log"))
     run_jobs(jobs, a.parallel)
     by_path = {str(p): n for n, p in exports.items()}
     out = {}
@@ -285,7 +291,7 @@ def main() -> None:
         "load_avg_start": load0, "load_avg_end": load_avg(), "wall_s": time.time() - started,
         "recipes": per_recipe, "drafters": drafters,
     }  # fmt: skip
-    (a.work / "summary.json").write_text(json.dumps(summary, indent=2))
+    (a.work / f"summary{a.tag}.json").write_text(json.dumps(summary, indent=2))
     print_table(summary)
 
 
