@@ -21,6 +21,7 @@ slot is used for (`DFlashDraftModel._backbone_forward`: verifier_lm_head(verifie
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -161,4 +162,17 @@ def zlab_config(spec_config: dict[str, Any], *, num_target_layers: int) -> dict[
     }
     if "sliding_attention" in layer_types:
         out["is_causal"] = not bool(spec_config.get("sliding_window_non_causal", False))
+    return out
+
+
+def write_zlab_export(checkpoint: Path, out: Path, *, num_target_layers: int) -> Path:
+    """A speculators DFlash checkpoint folder (`config.json`, `model.safetensors`) as a z-lab
+    DFlash export in `out`: the config rewritten (`zlab_config`), the tensors copied as they are
+    (speculators saves exactly the export's names: no embedding, no lm_head for a full-vocabulary
+    drafter, no verifier weights)."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = json.loads((checkpoint / "config.json").read_text())
+    config = zlab_config(spec, num_target_layers=num_target_layers)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.copyfile(checkpoint / "model.safetensors", out / "model.safetensors")
     return out

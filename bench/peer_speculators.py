@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from peer_layout import train_ratio, write_layout, zlab_config  # noqa: E402
+from peer_layout import train_ratio, write_layout, write_zlab_export  # noqa: E402
 
 from shared.manifest import read_manifest  # noqa: E402
 from shared.models import resolve_target_name  # noqa: E402
@@ -199,17 +199,10 @@ def step_times(recipe: str, run: Path) -> list[float]:
 
 
 def export_spec(run: Path, *, num_target_layers: int) -> Path:
-    """speculators' last checkpoint as a z-lab DFlash export: config rewritten, tensors copied."""
-    ckpt = max(
-        (p for p in (run / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name)
-    )
-    out = run / "export"
-    out.mkdir(exist_ok=True)
-    config = zlab_config(json.loads((ckpt / "config.json").read_text()),
-                         num_target_layers=num_target_layers)  # fmt: skip
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    shutil.copyfile(ckpt / "model.safetensors", out / "model.safetensors")
-    return out
+    """speculators' last checkpoint of a run as a z-lab DFlash export in `run/export`."""
+    epochs = [p for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
+    last = max(epochs, key=lambda p: int(p.name))
+    return write_zlab_export(last, run / "export", num_target_layers=num_target_layers)
 
 
 def decode(a: argparse.Namespace, exports: dict[str, Path]) -> dict[str, dict]:

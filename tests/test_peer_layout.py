@@ -21,7 +21,14 @@ spec_data = pytest.importorskip(
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from peer_layout import prenorm_equivalent, spec_layer_ids, train_ratio, write_layout, zlab_config  # noqa: E402
+from peer_layout import (  # noqa: E402
+    prenorm_equivalent,
+    spec_layer_ids,
+    train_ratio,
+    write_layout,
+    write_zlab_export,
+    zlab_config,
+)
 
 from shared.cache import open_part  # noqa: E402
 from shared.manifest import read_manifest  # noqa: E402
@@ -102,3 +109,87 @@ def test_zlab_config_puts_the_layer_ids_back() -> None:
     assert out["architectures"] == ["DFlashDraftModel"] and "_attn_implementation" not in out
     assert out["is_causal"] is True  # speculators' sliding layers: causal inside the block
     assert json.loads(json.dumps(out)) == out
+
+
+@pytest.mark.parametrize(
+    ("layer_types", "window"),
+    [
+        (["full_attention"] * 2, None),
+        (["sliding_attention"] * 2, 2048),
+        pytest.param(
+            ["sliding_attention"] * 2,
+            5,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason=(
+                    "a window shorter than the context: speculators' training mask keeps the W "
+                    "context positions before the anchor for every slot of the block, z-lab's "
+                    "DFlash and our drafter window each query (q - k < W); the bench's contexts "
+                    "(under 2048 tokens) are never cut by speculators' default window of 2048"
+                ),
+            ),
+        ),  # fmt: skip
+    ],
+)
+def test_speculators_checkpoint_as_zlab_export_gives_its_blocks(tmp_path, layer_types, window):
+    """speculators' DFlashDraftModel saved as its trainer saves it, converted by the config
+    rewrite alone, loads into our drafter (`train.export.load_export`, which checks every tensor
+    name and shape) and gives speculators' block outputs on one anchor: with full attention (our
+    shape) and with its default sliding, causal-inside-the-block layers (window 2048)."""
+    from speculators import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import Qwen3Config
+
+    from tests.drafters import drafter_masks
+    from train.export import load_export
+
+    V, block, taps = 300, 4, [0, 1, 3]
+    layer = Qwen3Config(
+        hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_hidden_layers=2, vocab_size=V,
+        rms_norm_eps=1e-6, max_position_embeddings=256, layer_types=layer_types,
+        sliding_window=window, use_sliding_window=window is not None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+    )  # fmt: skip
+    layer._attn_implementation = "sdpa"
+    config = DFlashSpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=V, block_size=block,
+        aux_hidden_state_layer_ids=spec_layer_ids(taps), mask_token_id=V - 1,
+        speculators_config=SpeculatorsConfig(
+            algorithm="dflash", default_proposal_method="greedy",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=block - 1)],
+            verifier=VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"]),
+        ),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = DFlashDraftModel(config).eval()
+    with torch.no_grad():  # norms away from one; bf16-exact weights, as the checkpoint holds
+        model.embed_tokens.weight.normal_()  # left unset without a verifier to load it from
+        for name, p in model.named_parameters():
+            p.copy_((p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p).bfloat16())
+    model.save_pretrained(str(tmp_path / "ckpt"))
+    export = write_zlab_export(tmp_path / "ckpt", tmp_path / "export", num_target_layers=4)
+    ours, cfg = load_export(export)
+    assert cfg.target_layer_ids == tuple(taps) and cfg.layer_types == tuple(layer_types)
+    anchor, H = 12, HIDDEN
+    T = anchor + block + 1  # speculators' anchors avoid the last block of the row
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V - 1, (1, T), generator=g)
+    hidden = torch.randn(1, T, len(taps) * H, generator=g)
+    mask = torch.zeros(1, T, dtype=torch.long)
+    mask[0, anchor] = 1  # the only candidate: the anchor is fixed
+    with torch.no_grad():
+        want, *_ = model._backbone_forward(
+            hidden, ids, mask, torch.randn(1, T, H, generator=g),
+            torch.zeros(1, T, dtype=torch.long), max_anchors=1,
+        )  # fmt: skip
+        noise = torch.full((1, block), V - 1)
+        noise[0, 0] = ids[0, anchor]
+        anchors, keep = torch.tensor([[anchor]]), torch.tensor([[True]])
+        pos = torch.arange(T)[None]
+        got = ours.eval()(
+            hidden[:, :anchor], model.embed_tokens.weight[noise], pos[:, :anchor],
+            pos[:, anchor : anchor + block], drafter_masks(cfg, anchors, keep, anchor),
+        )  # fmt: skip
+    torch.testing.assert_close(got.view(block, H), want.view(block, H), atol=1e-5, rtol=1e-5)
