@@ -23,7 +23,9 @@ patches its CPU problems in that process. On a CPU it needs `--draft-attn-impl s
 z-lab DFlash export by a config rewrite (`peer_layout.zlab_config`), and every export is
 decoded by `python -m train.proof.speculate` on `--prompts`. Printed: per recipe the mean tau
 over seeds with its standard error, each drafter's tau with the prompts' standard error, and
-the median step time after `--warmup-steps`; WORK/summary.json holds it all.
+the median step time after `--warmup-steps`; WORK/summary.json holds it all. A run found
+complete in WORK is reused (`--retrain`: trained again), so a second call decodes what the
+first trained.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--warmup-steps", type=int, default=5, help="steps left out of the median")
     p.add_argument("--skip-decode", action="store_true", help="train and time only")
+    p.add_argument("--retrain", action="store_true", help="retrain runs found complete in WORK")
     p.add_argument(
         "--tag",
         default="",
@@ -232,75 +235,96 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), statistics.stdev(xs) / math.sqrt(len(xs))
 
 
+def is_complete(recipe: str, run: Path) -> bool:
+    """A run trained to the end (its step times written, and for ours its export)."""
+    if recipe == "ours":
+        return (run / "export" / "model.safetensors").is_file()
+    return (run / "step_times.json").is_file()
+
+
+def train_all(a: argparse.Namespace, target: str, layout: dict) -> dict[str, tuple]:
+    """Every recipe and seed trained, a complete run reused (`--retrain`: none); per run name:
+    (recipe, seed, run folder, seconds the bench saw it train or None where reused)."""
+    jobs, runs = [], {}
+    for seed in range(a.seeds):
+        for recipe in a.recipes.split(","):
+            name, run = f"{recipe}/seed-{seed}", a.work / "runs" / recipe / f"seed-{seed}"
+            runs[name] = (recipe, seed, run)
+            if is_complete(recipe, run) and not a.retrain:
+                print(f"{name}: complete in {run}, reused")
+                continue
+            shutil.rmtree(run, ignore_errors=True)
+            cmd = our_command(a, seed, run) if recipe == "ours" else spec_command(
+                a, recipe, seed, run, target=target, layout=layout)  # fmt: skip
+            jobs.append((name, cmd, a.work / "logs" / f"{recipe}-seed-{seed}.log"))
+    seconds = run_jobs(jobs, a.parallel)
+    return {name: (*r, seconds.get(name)) for name, r in runs.items()}
+
+
+def summarize(a: argparse.Namespace, runs: dict[str, tuple], exports: dict, taus: dict) -> dict:
+    """Per drafter and per recipe: tau (mean ± standard error over seeds), median step time."""
+    drafters = {}
+    for name, (recipe, seed, run, seconds) in runs.items():
+        steps = step_times(recipe, run)
+        median = statistics.median(steps[a.warmup_steps :] or steps)
+        drafters[name] = {
+            "recipe": recipe, "seed": seed, "export": str(exports[name]), "seconds": seconds,
+            "steps": len(steps), "median_step_s": median, **taus.get(name, {}),
+        }  # fmt: skip
+    per_recipe = {}
+    for recipe in a.recipes.split(","):
+        rows = [d for d in drafters.values() if d["recipe"] == recipe]
+        nan = (float("nan"), float("nan"))
+        tau = mean_se([d["tau"] for d in rows]) if all("tau" in d for d in rows) else nan
+        per_recipe[recipe] = {
+            "seeds": len(rows), "tau": tau[0], "tau_se": tau[1],
+            "median_step_s": statistics.median(d["median_step_s"] for d in rows),
+            "steps": a.steps if recipe == "ours" else spec_steps(a, recipe),
+            "row_tokens": SPEC_DEFAULT_ROW if recipe == "spec-default" else a.batch_tokens,
+        }  # fmt: skip
+    return {"recipes": per_recipe, "drafters": drafters}
+
+
 def main() -> None:
     a = parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     target = resolve_target_name(a.target)
-    recipes = a.recipes.split(",")
     started, load0 = time.time(), load_avg()
     layout = prepare_layout(a, target)
     print(
         f"layout: {layout['samples']} samples ({layout['held_last']} held out, last), "
         f"{layout['tokens']} tokens, speculators' ids {layout['aux_hidden_state_layer_ids']}"
     )
-    jobs, runs = [], {}
-    for seed in range(a.seeds):
-        for recipe in recipes:
-            name, run = f"{recipe}/seed-{seed}", a.work / "runs" / recipe / f"seed-{seed}"
-            if run.exists():
-                shutil.rmtree(run)
-            cmd = our_command(a, seed, run) if recipe == "ours" else spec_command(
-                a, recipe, seed, run, target=target, layout=layout)  # fmt: skip
-            jobs.append((name, cmd, a.work / "logs" / f"{recipe}-seed-{seed}.log"))
-            runs[name] = (recipe, seed, run)
-    seconds = run_jobs(jobs, a.parallel)
+    runs = train_all(a, target, layout)
     layers = read_manifest(a.cache).target.num_layers
     exports = {
         name: run / "export" if recipe == "ours" else export_spec(run, num_target_layers=layers)
-        for name, (recipe, _, run) in runs.items()
+        for name, (recipe, _, run, _) in runs.items()
     }
     taus = {} if a.skip_decode else decode(a, exports)
-    drafters = {}
-    for name, (recipe, seed, run) in runs.items():
-        steps = step_times(recipe, run)
-        median = statistics.median(steps[a.warmup_steps :] or steps)
-        drafters[name] = {
-            "recipe": recipe, "seed": seed, "export": str(exports[name]), "seconds": seconds[name],
-            "steps": len(steps), "median_step_s": median,
-            **taus.get(name, {}),
-        }  # fmt: skip
-    per_recipe = {}
-    for recipe in recipes:
-        rows = [d for d in drafters.values() if d["recipe"] == recipe]
-        tau = mean_se([d["tau"] for d in rows]) if taus else (float("nan"), float("nan"))
-        step = statistics.median(d["median_step_s"] for d in rows)
-        tokens = a.batch_tokens if recipe != "spec-default" else SPEC_DEFAULT_ROW
-        per_recipe[recipe] = {"tau": tau[0], "tau_se": tau[1], "median_step_s": step,
-                              "steps": spec_steps(a, recipe) if recipe != "ours" else a.steps,
-                              "row_tokens": tokens}  # fmt: skip
     summary = {
         "args": {k: str(v) for k, v in vars(a).items()}, "target": target, "layout": {
             k: v for k, v in layout.items() if k != "sample_index_order"},
         "load_avg_start": load0, "load_avg_end": load_avg(), "wall_s": time.time() - started,
-        "recipes": per_recipe, "drafters": drafters,
+        **summarize(a, runs, exports, taus),
     }  # fmt: skip
     (a.work / f"summary{a.tag}.json").write_text(json.dumps(summary, indent=2))
     print_table(summary)
 
 
 def print_table(summary: dict) -> None:
-    print(f"\n{'recipe':<14}{'steps':>7}{'row':>6}{'tau (mean ± se over seeds)':>30}"
+    print(f"\n{'recipe':<14}{'seeds':>6}{'steps':>7}{'row':>6}{'tau (mean ± se, seeds)':>26}"
           f"{'median step s':>15}")  # fmt: skip
     for recipe, r in summary["recipes"].items():
         tau = f"{r['tau']:.3f} ± {r['tau_se']:.3f}"
-        print(
-            f"{recipe:<14}{r['steps']:>7}{r['row_tokens']:>6}{tau:>30}{r['median_step_s']:>15.3f}"
-        )
+        print(f"{recipe:<14}{r['seeds']:>6}{r['steps']:>7}{r['row_tokens']:>6}{tau:>26}"
+              f"{r['median_step_s']:>15.3f}")  # fmt: skip
     print(f"\n{'drafter':<22}{'tau':>8}{'± prompts':>11}{'lossless':>10}{'step s':>9}{'run s':>8}")
     for name, d in summary["drafters"].items():
         tau, se = d.get("tau", float("nan")), d.get("tau_se", float("nan"))
+        run_s = "-" if d["seconds"] is None else f"{d['seconds']:.0f}"
         print(f"{name:<22}{tau:>8.3f}{se:>11.3f}{d.get('lossless', '-')!s:>10}"
-              f"{d['median_step_s']:>9.3f}{d['seconds']:>8.0f}")  # fmt: skip
+              f"{d['median_step_s']:>9.3f}{run_s:>8}")  # fmt: skip
     print(f"\nload average {summary['load_avg_start']} at start, {summary['load_avg_end']} at end; "
           f"{summary['wall_s']:.0f} s")  # fmt: skip
 
