@@ -43,11 +43,10 @@ from shared.int4 import (  # noqa: E402
     Int4Scheme,
     decode_int4,
     encode_int4,
-    int4_frames,
-    int4_unframe,
     quantize_groups_NGC,
     scale_of,
 )
+from shared.int4_frames import int4_frames, int4_unframe  # noqa: E402
 from shared.manifest import read_manifest  # noqa: E402
 from shared.planes import planes_compress, planes_decompress  # noqa: E402
 

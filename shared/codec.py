@@ -24,7 +24,8 @@ from numcodecs import Blosc
 
 from shared.format import FORMAT_VERSION, FORMATS, STORES  # noqa: F401 (the format's names)
 from shared.fp8 import FP8_MAX, dequantize_fp8, quantize_fp8  # noqa: F401  (the fp8 store)
-from shared.int4 import INT4_FRAMES, INT4_ZSTD, Int4Scheme, encode_int4
+from shared.int4 import Int4Scheme, encode_int4
+from shared.int4_frames import INT4_FRAMES, INT4_ZSTD
 
 # Each sample's first row in a zarr part is a multiple of this; also the row extent of a chunk.
 CHUNK_ROWS = 64

@@ -22,9 +22,10 @@ A vector's record (uint8 [W], W = H + 4, little-endian):
           [H / group] (s = 2^((b - 128) / 8), 0 for b = 0), indices uint16 [topk] (ascending),
           values bf16 [topk], zeros, float32 0
     fp8:  e4m3 bits [H], float32 scale (> 0)
-so a record says which it is by its last 4 bytes. On disk (`int4_frames`), per 64 rows: a zstd frame
-of the int4 bytes column by column (each byte position over the rows: codes, then scales and
-indices, which repeat) and one of the rest row by row (zeros, and the few fp8 vectors).
+so a record says which it is by its last 4 bytes. On disk (`shared.int4_frames`), per 64 rows: a
+zstd frame of the int4 bytes column by column (each byte position over the rows: codes, then
+scales and indices, which repeat) and one of the rest row by row (zeros, and the few fp8
+vectors).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ import numpy as np
 import torch
 
 from shared.fp8 import quantize_fp8
-from shared.zstd_frames import zstd_frame, zstd_unframe
 
 INT4_LAYOUT = (
     "per vector uint8 [H + 4], little-endian: int4 = codes [H/2] (low nibble first, q + 8, value "
@@ -52,14 +52,6 @@ INT4_LAYOUT = (
 # Scales are 2^((b - SCALE_ZERO) / SCALE_STEPS) for a byte b >= 1 (b = 0: an all-zero group):
 # 2^-15.9 to 2^15.9 in steps of 9%. A group beyond that errs, and its vector goes to fp8.
 SCALE_STEPS, SCALE_ZERO = 8, 128
-INT4_FRAMES = (
-    "u32le size of frame 1; frame 1: zstd of the int4 bytes [rows, int4_bytes] transposed "
-    "(column by column); frame 2: zstd of the other bytes [rows, W - int4_bytes], row by row"
-)
-# zstd as for the `planes` exponent bytes (`shared.codec.PLANES_EXPONENT_ZSTD`): zstd's fast
-# strategy with a 64-entry hash table and 7-byte matches codes bytes nearly as Huffman literals
-# and finds the long runs (zeros, repeated indices); `bench/store_bench.py` measures it.
-INT4_ZSTD = dict(strategy="fast", window_log=18, hash_log=6, chain_log=6, search_log=1, min_match=7)
 # Rows encoded or decoded per step: bounds the float32 temporaries (a few of [rows, H]).
 STEP_ELEMENTS = 1 << 24
 
@@ -365,40 +357,3 @@ def decode_int4(
     for start in range(0, r.shape[0], step):
         out[start : start + step] = _decode_rows(r[start : start + step], scheme, signs, hadamard)
     return out.view(*records.shape[:-1], scheme.hidden)
-
-
-def int4_frames(records: np.ndarray, split: int) -> list[bytes]:
-    """The stored bytes of uint8 records [..., W] (rows in C order) as consecutive pieces: the
-    size of frame 1, frame 1 (zstd of bytes [:, :split] column by column: each byte position's
-    values over the rows, a few symbols each), frame 2 (zstd of the rest, row by row).
-
-    >>> r = np.zeros((64, 20), np.uint8); r[:, :8] = np.arange(8)
-    >>> pieces = int4_frames(r, 8)
-    >>> np.array_equal(int4_unframe(b"".join(pieces), 20), r), sum(map(len, pieces)) < 60
-    (True, True)
-    """
-    rows = records.reshape(-1, records.shape[-1])
-    cols = zstd_frame(np.ascontiguousarray(rows[:, :split].T), INT4_ZSTD)
-    rest = zstd_frame(np.ascontiguousarray(rows[:, split:]), INT4_ZSTD)
-    return [len(cols).to_bytes(4, "little"), cols, rest]
-
-
-def int4_unframe(buf: bytes | memoryview, width: int, out: np.ndarray | None = None) -> np.ndarray:
-    """Inverse of `int4_frames`: uint8 [rows, width] (into the first rows of `out`, C-contiguous
-    [>= rows, width], if given)."""
-    view = memoryview(buf)
-    n = int.from_bytes(view[:4], "little")
-    cols = np.frombuffer(zstd_unframe(view[4 : 4 + n]), np.uint8)
-    rest = np.frombuffer(zstd_unframe(view[4 + n :]), np.uint8)
-    rows, left = divmod(cols.size + rest.size, width)
-    split = cols.size // max(rows, 1)
-    if left or rows == 0 or split * rows != cols.size:
-        raise ValueError(f"int4 frames of {cols.size} + {rest.size} bytes for records of {width}")
-    if out is None:
-        out = np.empty((rows, width), np.uint8)
-    out = out.reshape(-1, width)[:rows]
-    if len(out) != rows:
-        raise ValueError(f"int4 frames of {rows} records, room for {len(out)}")
-    out[:, :split] = cols.reshape(split, rows).T
-    out[:, split:] = rest.reshape(rows, width - split)
-    return out

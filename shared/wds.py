@@ -39,7 +39,7 @@ from shared.codec import (
     payload_dtype,
 )
 from shared.fsio import start_writeback
-from shared.int4 import int4_frames, int4_unframe
+from shared.int4_frames import int4_frames, int4_unframe
 from shared.part import PartReader, PartWriter, Sample
 from shared.planes import merge_planes, planes_compress, planes_decompress
 
@@ -62,7 +62,7 @@ def required_exts(store: str) -> frozenset[str]:
 def compress_payload(payload: np.ndarray, codec: str = "blosc", split: int = 0) -> list[bytes]:
     """Frames of a C-contiguous array's bytes: Blosc (cache settings, typesize = itemsize) or,
     for bf16 bits, `planes` (`shared.planes.planes_compress`), or for int4 records [..., W]
-    `shared.int4.int4_frames` (`split`: the records' int4 bytes)."""
+    `shared.int4_frames.int4_frames` (`split`: the records' int4 bytes)."""
     if codec == "int4":
         rows = c_contiguous(payload).reshape(-1, payload.shape[-1])
         step = max(1, FRAME_BYTES // rows.shape[1])

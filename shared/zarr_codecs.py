@@ -25,7 +25,8 @@ from shared.codec import (
     hidden_codec,
     payload_dtype,
 )
-from shared.int4 import Int4Scheme, int4_frames, int4_unframe
+from shared.int4 import Int4Scheme
+from shared.int4_frames import int4_frames, int4_unframe
 from shared.planes import planes_compress, planes_decompress, planes_frames
 from shared.zarr_shards import INT4_CODEC_NAME, PLANES_CODEC_NAME
 
@@ -72,7 +73,7 @@ zarr.registry.register_codec(PLANES_CODEC_NAME, PlanesCodec)
 
 @dataclass(frozen=True)
 class Int4Codec(BytesBytesCodec):
-    """zarr's side of `shared.int4.int4_frames` (int4 records' chunks [CHUNK_ROWS, 1, W]),
+    """zarr's side of `shared.int4_frames.int4_frames` (int4 records' chunks [CHUNK_ROWS, 1, W]),
     registered by name, so zarr reads such chunks like any other."""
 
     is_fixed_size = False

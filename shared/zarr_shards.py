@@ -21,7 +21,7 @@ import numcodecs.blosc
 import numpy as np
 
 from shared.codec import CHUNK_ROWS, Bf16Planes, payload_dtype, payload_width, torch_bits
-from shared.int4 import int4_unframe
+from shared.int4_frames import int4_unframe
 from shared.planes import planes_decompress
 
 # The names under which the `planes` and `int4` codecs are registered with zarr

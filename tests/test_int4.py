@@ -16,14 +16,13 @@ from shared.int4 import (
     decode_int4,
     encode_int4,
     hadamard_GG,
-    int4_frames,
-    int4_unframe,
     quantize_groups_NGC,
     rotate_NH,
     rotation_signs_H,
     scale_of,
     unrotate_NH,
 )
+from shared.int4_frames import int4_frames, int4_unframe
 
 H = 128
 SCHEME = Int4Scheme(hidden=H)

@@ -70,10 +70,10 @@ def test_reserved_buffers_take_every_batch_of_the_budget_without_allocating(stor
     memory = {(name, buf.data_ptr(), buf.dtype) for slot in slots for name, buf in slot.items()}
     for slot in slots:
         staging._free.put(slot)
+    payload = partial(device_payload, store=store, fmt=fmt)
     for tokens in (10, 7, 10):
         packed = torch.randn(tokens, 3, 64, dtype=torch.bfloat16)
-        batch = device_payload(packed, store, fmt)
-        payload = partial(device_payload, store=store, fmt=fmt)
+        batch = payload(packed)
         views, release = staging.stage(packed, payload, tokens=tokens)
         assert all(torch.equal(views[k], batch[k]) for k in batch)
         assert {(k, views[k].data_ptr(), views[k].dtype) for k in batch} <= memory
