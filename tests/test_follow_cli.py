@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from shared.manifest import read_manifest, write_manifest
 from tests.cachegen import write_cache
 from tests.test_extract import chat
-from train.checkpoint import list_checkpoints
+from train.checkpoint import list_checkpoints, load_state
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
@@ -108,7 +108,7 @@ def train_args(cache: Path, out: Path, *extra: str) -> list[str]:
         "train", "--data", str(cache), "--out", str(out), "--gpus", "cpu",
         "--drafter-layers", "1", "--block-size", "4", "--num-anchors", "8",
         "--batch-tokens", "512", "--shuffle-buffer", "16", "--workers", "1", "--steps", "24",
-        "--eval-fraction", "0.05", "--checkpoint-every", "2", *extra,
+        "--eval-fraction", "0.05", "--checkpoint-every", "2", "--keep-checkpoints", "100", *extra,
     ]  # fmt: skip
 
 
@@ -137,16 +137,37 @@ def covers_the_finished_cache(text: str, cache: Path) -> None:
     assert trained == training and trained + held == kept and held >= 1
 
 
-def same_as_one_run_over_the_finished_cache(tmp_path: Path, cache: Path, run: Path, *extra):
+def same_as_one_run_over_the_finished_cache(
+    tmp_path: Path, cache: Path, run: Path, *extra: str, log: str = ""
+) -> None:
     """Train again with the same options, on a copy of the finished cache, from scratch: the
-    first pass's rows depend on the finished cache alone, so the exports are equal."""
-    copy = tmp_path / "finished"
+    first pass's rows depend on the finished cache alone, so the exports are equal. `log`: the
+    followed run's output, shown with the first checkpoint where the two runs part."""
+    copy, reference = tmp_path / "finished", tmp_path / "reference"
     shutil.copytree(cache, copy)
     write_manifest(copy, dataclasses.replace(read_manifest(copy), complete=False))
-    assert Proc(*train_args(copy, tmp_path / "reference", *extra)).finish() == 0
+    ref = Proc(*train_args(copy, reference, *extra))
+    assert ref.finish() == 0, ref.text
     a = load_file(str(run / "export" / "model.safetensors"))
-    b = load_file(str(tmp_path / "reference" / "export" / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    b = load_file(str(reference / "export" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    if not all(torch.equal(a[k], b[k]) for k in a):
+        pytest.fail(f"{first_difference(run, reference)}\nfollowed:\n{log}\nreference:\n{ref.text}")
+
+
+def first_difference(run: Path, reference: Path) -> str:
+    """Where two runs' checkpoints first hold other weights, and by how much."""
+    theirs = dict(list_checkpoints(reference))
+    for step, path in list_checkpoints(run):
+        if step not in theirs:
+            continue
+        a, b = (load_state(p)["model"] for p in (path, theirs[step]))
+        worst = max((a[k] - b[k]).abs().max().item() for k in a)
+        if worst > 0:
+            return (
+                f"the exports differ; the weights first differ at checkpoint {step} ({worst:.3g})"
+            )
+    return "the exports differ; no common checkpoint differs"
 
 
 def test_extract_and_train_started_together(tmp_path, tiny_qwen3, chats):
@@ -187,7 +208,7 @@ def test_kill_9_of_both_sides_mid_way_and_a_resume_of_both(tmp_path, tiny_qwen3,
     assert re.search(rf"continuing at step {saved}: \d+ of 40 parts", train.text), train.text
     covers_the_finished_cache(train.text, cache)
     verify(cache)
-    same_as_one_run_over_the_finished_cache(tmp_path, cache, run)
+    same_as_one_run_over_the_finished_cache(tmp_path, cache, run, log=train.text)
 
 
 def test_sigterm_of_both_sides_and_a_resume_after_the_extraction_finished(
@@ -216,7 +237,7 @@ def test_sigterm_of_both_sides_and_a_resume_after_the_extraction_finished(
     assert training + held == read_manifest(cache).totals()["rows_kept"]
     assert 0 <= training - trained <= 2  # two ranks: the samples of a last odd row wait
     verify(cache)
-    same_as_one_run_over_the_finished_cache(tmp_path, cache, run, "--gpus", "cpu:2")
+    same_as_one_run_over_the_finished_cache(tmp_path, cache, run, "--gpus", "cpu:2", log=train.text)
 
 
 def test_sigterm_while_waiting_for_the_first_step_starts_nothing(tmp_path):
