@@ -26,7 +26,15 @@ from tests.test_extract import chat
 from train.checkpoint import list_checkpoints, load_state
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+# One intra-op thread per process: the extraction and the training share the cores, and the
+# weights compared bit for bit must not depend on how a BLAS splits a product among threads.
+ENV = {
+    **os.environ,
+    "PYTHONPATH": str(ROOT),
+    "PYTHONUNBUFFERED": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
 TIMEOUT_S = 300  # for any one line or exit; a failing test ends there, a passing one never waits
 
 pytestmark = pytest.mark.slow
