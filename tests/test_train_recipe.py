@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from shared.dist import RankInfo
+from shared.dist import DeviceSpec, RankInfo, launch
 from shared.manifest import read_manifest
 from tests.cachegen import write_cache
 from tests.test_train_loop import final_state, records, tiny
@@ -13,7 +13,7 @@ from train.data.batch import Batch
 from train.drafters.config import DrafterConfig
 from train.drafters.registry import build_drafter
 from train.loop import Trainer
-from train.optim import MuonAdamW, build_optimizer, hidden_matrices
+from train.optim import MuonAdamW, ShardedMuon, build_optimizer, hidden_matrices
 from train.run import prepare as prepare_run
 from train.run import run
 from train.schedule import warmup_cosine
@@ -104,6 +104,31 @@ def test_muon_steps_the_matrices_and_adamw_the_rest():
     assert all(p.ndim == 2 for p in opt.muon.state) and "exp_avg" in next(
         iter(opt.adamw.state.values())
     )
+
+
+def _sharded_muon_rank(info: RankInfo, nesterov: bool) -> None:
+    """One gloo rank: ShardedMuon and torch's Muon from the same weights and gradients."""
+    hidden, _ = hidden_matrices(drafter())
+    reference = [p.detach().clone().requires_grad_() for p in hidden]
+    sharded = ShardedMuon(hidden, lr=0.02, weight_decay=0.1, nesterov=nesterov)
+    whole = torch.optim.Muon(reference, lr=0.02, weight_decay=0.1, nesterov=nesterov)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)  # the same averaged gradients on every rank
+        for a, b in zip(hidden, reference, strict=True):
+            a.grad = torch.randn(a.shape, generator=gen)
+            b.grad = a.grad.clone()
+        sharded.step()
+        whole.step()
+    for i, (a, b) in enumerate(zip(hidden, reference, strict=True)):
+        assert torch.equal(a, b), f"rank {info.rank}: matrix {i}"
+        assert torch.equal(sharded.state[a]["momentum_buffer"], whole.state[b]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_sharded_muon_equals_muon_on_every_rank(nesterov):
+    """Two gloo ranks, each orthogonalising half the matrices and broadcasting them, end with
+    the weights and momentum that torch's Muon computes alone (assertions run in the ranks)."""
+    launch(_sharded_muon_rank, (nesterov,), DeviceSpec("cpu", (0, 0)))
 
 
 def test_muon_state_round_trip_shares_the_groups(cache, tmp_path):
