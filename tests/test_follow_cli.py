@@ -17,7 +17,6 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from shared.manifest import read_manifest, write_manifest
@@ -26,8 +25,7 @@ from tests.test_extract import chat
 from train.checkpoint import list_checkpoints, load_state
 
 ROOT = Path(__file__).resolve().parents[1]
-# One intra-op thread per process: the extraction and the training share the cores, and the
-# weights compared bit for bit must not depend on how a BLAS splits a product among threads.
+# One intra-op thread per process: the extraction and the training share the two cores.
 ENV = {
     **os.environ,
     "PYTHONPATH": str(ROOT),
@@ -116,7 +114,8 @@ def train_args(cache: Path, out: Path, *extra: str) -> list[str]:
         "train", "--data", str(cache), "--out", str(out), "--gpus", "cpu",
         "--drafter-layers", "1", "--block-size", "4", "--num-anchors", "8",
         "--batch-tokens", "512", "--shuffle-buffer", "16", "--workers", "1", "--steps", "24",
-        "--eval-fraction", "0.05", "--checkpoint-every", "2", "--keep-checkpoints", "100", *extra,
+        "--eval-fraction", "0.05", "--checkpoint-every", "2", "--keep-checkpoints", "100",
+        "--log-every", "1", *extra,
     ]  # fmt: skip
 
 
@@ -149,22 +148,43 @@ def same_as_one_run_over_the_finished_cache(
     tmp_path: Path, cache: Path, run: Path, *extra: str, log: str = ""
 ) -> None:
     """Train again with the same options, on a copy of the finished cache, from scratch: the
-    first pass's rows depend on the finished cache alone, so the exports are equal. `log`: the
-    followed run's output, shown with the first checkpoint where the two runs part."""
+    first pass's rows depend on the finished cache alone, so both runs train on the same rows
+    with the same anchors. Compared as separate processes: every step's loss within 1e-4
+    (another row moves a step's loss by far more) and the weights within 1e-4, not bit for bit,
+    since two processes of the same command on one CPU have been seen to round a step apart
+    (README, "What a fresh clone reproduces"). `log`: the followed run's output, shown with the
+    first checkpoint where the two runs part."""
     copy, reference = tmp_path / "finished", tmp_path / "reference"
     shutil.copytree(cache, copy)
     write_manifest(copy, dataclasses.replace(read_manifest(copy), complete=False))
     ref = Proc(*train_args(copy, reference, *extra))
     assert ref.finish() == 0, ref.text
+    ours, theirs = losses(run), losses(reference)
     a = load_file(str(run / "export" / "model.safetensors"))
     b = load_file(str(reference / "export" / "model.safetensors"))
     assert a.keys() == b.keys()
-    if not all(torch.equal(a[k], b[k]) for k in a):
-        pytest.fail(f"{first_difference(run, reference)}\nfollowed:\n{log}\nreference:\n{ref.text}")
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    if (
+        ours.keys() != theirs.keys()
+        or worst > 1e-4
+        or any(ours[s] != pytest.approx(theirs[s], rel=1e-4) for s in ours)
+    ):
+        parted = [s for s in ours if ours[s] != pytest.approx(theirs.get(s), rel=1e-4)]
+        pytest.fail(
+            f"steps whose loss differs: {parted}; exports differ by up to {worst:.3g}; "
+            f"{first_difference(run, reference)}\nfollowed:\n{log}\nreference:\n{ref.text}"
+        )
+
+
+def losses(run: Path) -> dict[int, float]:
+    """Each logged step's training loss."""
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
 
 
 def first_difference(run: Path, reference: Path) -> str:
-    """Where two runs' checkpoints first hold other weights, and by how much."""
+    """Where two runs' checkpoints first hold other weights, and by how much (about 1e-8 when
+    only rounding parts them, 1e-6 and more for another row or anchor seed at one step)."""
     theirs = dict(list_checkpoints(reference))
     for step, path in list_checkpoints(run):
         if step not in theirs:
@@ -172,10 +192,8 @@ def first_difference(run: Path, reference: Path) -> str:
         a, b = (load_state(p)["model"] for p in (path, theirs[step]))
         worst = max((a[k] - b[k]).abs().max().item() for k in a)
         if worst > 0:
-            return (
-                f"the exports differ; the weights first differ at checkpoint {step} ({worst:.3g})"
-            )
-    return "the exports differ; no common checkpoint differs"
+            return f"the weights first differ at checkpoint {step} ({worst:.3g})"
+    return "no common checkpoint differs"
 
 
 def test_extract_and_train_started_together(tmp_path, tiny_qwen3, chats):

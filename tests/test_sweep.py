@@ -10,10 +10,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from tests.cachegen import write_cache
+from tests.test_train_loop import records
 from train.proof.compare import read_run
 from train.run import run
 from train.sweep.__main__ import main
@@ -175,6 +177,14 @@ def test_sigterm_stops_the_sweep_and_the_same_command_finishes_it(cache, swept, 
     assert not (folder / "export").exists()
     result = sweep(cache, out)
     assert result.exit_code == 0, result.output
-    a = load_file(str(swept / "runs/optimizer=adamw/seed-0/export/model.safetensors"))
+    # Two processes of one command can round a step apart (README, "What a fresh clone
+    # reproduces"): the same logged losses within 1e-4 and weights within 1e-4, not bit for bit.
+    whole = swept / "runs" / "optimizer=adamw" / "seed-0"
+    assert [r["step"] for r in records(folder)] == [r["step"] for r in records(whole)]
+    for x, y in zip(records(folder), records(whole), strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-4), x["step"]
+    a = load_file(str(whole / "export" / "model.safetensors"))
     b = load_file(str(folder / "export" / "model.safetensors"))
-    assert all((a[k] == b[k]).all() for k in a)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-4, msg=k)
