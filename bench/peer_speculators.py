@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import statistics
@@ -54,6 +53,7 @@ from train.data.plan import evenly_spaced  # noqa: E402
 from train.drafters.config import default_mask_token_id  # noqa: E402
 from train.proof.tau import ratio_se, read_runs  # noqa: E402
 from train.run import eval_sample_count  # noqa: E402
+from train.sweep.report import mean_se  # noqa: E402
 
 RECIPES = ("ours", "spec-default", "spec-shape")
 SPEC_DEFAULT_ROW = 8192  # speculators' --total-seq-len default
@@ -240,12 +240,6 @@ def decode(a: argparse.Namespace, exports: dict[str, Path]) -> dict[str, dict]:
     return out
 
 
-def mean_se(xs: list[float]) -> tuple[float, float]:
-    if len(xs) < 2:
-        return xs[0], float("nan")
-    return statistics.fmean(xs), statistics.stdev(xs) / math.sqrt(len(xs))
-
-
 def is_complete(recipe: str, run: Path) -> bool:
     """A run trained to the end (its step times written, and for ours its export)."""
     if recipe == "ours":
@@ -285,10 +279,10 @@ def summarize(a: argparse.Namespace, runs: dict[str, tuple], exports: dict, taus
     per_recipe = {}
     for recipe in a.recipes.split(","):
         rows = [d for d in drafters.values() if d["recipe"] == recipe]
-        nan = (float("nan"), float("nan"))
-        tau = mean_se([d["tau"] for d in rows]) if all("tau" in d for d in rows) else nan
+        nan = float("nan")
+        tau, se = mean_se([d["tau"] for d in rows]) if all("tau" in d for d in rows) else (nan, nan)
         per_recipe[recipe] = {
-            "seeds": len(rows), "tau": tau[0], "tau_se": tau[1],
+            "seeds": len(rows), "tau": tau, "tau_se": nan if se is None else se,
             "median_step_s": statistics.median(d["median_step_s"] for d in rows),
             "steps": a.steps if recipe == "ours" else spec_steps(a, recipe),
             "row_tokens": SPEC_DEFAULT_ROW if recipe == "spec-default" else a.batch_tokens,

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from shared.manifest import read_manifest, write_manifest
 from tests.cachegen import write_cache
 from tests.test_extract import chat
+from tests.test_train_loop import records
 from train.checkpoint import list_checkpoints, load_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,32 +160,22 @@ def same_as_one_run_over_the_finished_cache(
     write_manifest(copy, dataclasses.replace(read_manifest(copy), complete=False))
     ref = Proc(*train_args(copy, reference, *extra))
     assert ref.finish() == 0, ref.text
-    ours, theirs = losses(run), losses(reference)
+    ours, theirs = ({r["step"]: r["loss"] for r in records(d)} for d in (run, reference))
     a = load_file(str(run / "export" / "model.safetensors"))
     b = load_file(str(reference / "export" / "model.safetensors"))
-    assert a.keys() == b.keys()
+    assert a.keys() == b.keys() and ours.keys() == theirs.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
-    if (
-        ours.keys() != theirs.keys()
-        or worst > 1e-4
-        or any(ours[s] != pytest.approx(theirs[s], rel=1e-4) for s in ours)
-    ):
-        parted = [s for s in ours if ours[s] != pytest.approx(theirs.get(s), rel=1e-4)]
+    parted = [s for s in ours if ours[s] != pytest.approx(theirs[s], rel=1e-4)]
+    if parted or worst > 1e-4:
         pytest.fail(
             f"steps whose loss differs: {parted}; exports differ by up to {worst:.3g}; "
             f"{first_difference(run, reference)}\nfollowed:\n{log}\nreference:\n{ref.text}"
         )
 
 
-def losses(run: Path) -> dict[int, float]:
-    """Each logged step's training loss."""
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
-
-
 def first_difference(run: Path, reference: Path) -> str:
-    """Where two runs' checkpoints first hold other weights, and by how much (about 1e-8 when
-    only rounding parts them, 1e-6 and more for another row or anchor seed at one step)."""
+    """Where two runs' checkpoints first hold other weights, and by how much (rounding parts
+    them far less than another row or anchor seed at one step does)."""
     theirs = dict(list_checkpoints(reference))
     for step, path in list_checkpoints(run):
         if step not in theirs:

@@ -75,8 +75,6 @@ class ShardedMuon(torch.optim.Muon):
             owners = balanced_owners([p.numel() for p in params], world)
             updates, pending = [], []
             for grad, buf, owner in zip(grads, bufs, owners, strict=True):
-                if grad.ndim != 2:
-                    raise ValueError("Muon: every parameter must be a 2-D matrix")
                 buf.lerp_(grad, 1 - momentum)
                 if owner == rank:
                     update = grad.lerp(buf, momentum) if group["nesterov"] else buf
