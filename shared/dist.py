@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import signal
 import socket
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -158,14 +160,33 @@ def _spawned(
     if spec.kind == "cuda":  # transformers' distributed loading uses cuda:LOCAL_RANK
         os.environ["LOCAL_RANK"] = str(spec.devices[local_rank])
     info = _init(local_rank, spec.nprocs, local_rank, spec, timeout)
+    code = 0
     try:
         fn(info, *args)
     except StopRun as e:
         errors.put((local_rank, type(e).__name__, str(e)))
-        raise SystemExit(STOP_EXIT) from None
+        code = STOP_EXIT
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    _exit_now(code)
+
+
+def _exit_now(code: int) -> None:
+    """End a spawned rank that finished (or stopped) without the interpreter's finalization.
+
+    A gloo worker thread may still hold the last reference to a finished collective's tensors;
+    releasing it takes the GIL, and a thread taking the GIL during finalization is ended inside
+    that (noexcept) release: `terminate called without an active exception`, SIGABRT, after a
+    run that had saved and exported everything (seen once under load on a 2-core machine).
+    Everything a rank writes is written and closed when its function returns, so only the logs
+    need flushing. A failing rank keeps the normal path: torch records its traceback.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _join(
