@@ -134,6 +134,8 @@ def compare_with_greedy(
                 near_tie=gap is not None and gap <= tolerance,
                 tokens_per_s=len(spec.new_ids) / max(spec.seconds, 1e-9),
                 baseline_tokens_per_s=len(base.new_ids) / max(base.seconds, 1e-9),
+                lengths=spec.acceptance_lengths,  # tokens made by each verify step
+                new_ids=spec.new_ids,
             )
         )
     new_tokens = sum(r["new_tokens"] for r in rows)
