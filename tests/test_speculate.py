@@ -471,3 +471,35 @@ def test_report_tells_near_ties_from_real_divergences():
     assert "NOT a near-tie" in real and real.endswith("lossless: NO")
     ended = format_report(summary_with([row(0, mismatch=8)]))
     assert "(one output ended first)" in ended and ended.endswith("lossless: NO")
+
+
+def test_cli_full_blocks_keeps_the_last_blocks_whole(tmp_path, tiny_qwen3):
+    """Each prompt's JSON row holds its steps' lengths and new ids, those of `speculate` on the
+    same prompt; --full-blocks drafts the last blocks whole (another schedule, same output)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = copy.deepcopy(AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32))
+    keep_only_dim0(target.model.norm)  # one of two tokens, as the drafter: blocks get accepted
+    target.save_pretrained(tmp_path / "target")
+    AutoTokenizer.from_pretrained(tiny_qwen3).save_pretrained(tmp_path / "target")
+    cfg = drafter_config(tiny_qwen3)
+    export = export_drafter(two_token_drafter(cfg), cfg, tmp_path / "export")
+    prompts = [prompt(seed).flatten().tolist() for seed in range(100, 104)]
+    path = write_json(tmp_path / "prompts.json", prompts)
+    args = ["--target", tmp_path / "target", "--drafter", export, "--prompts", path]
+    args += ["--device", "cpu", "--max-new-tokens", 13, "--warmup", 0, "--json"]
+    drafter = load_export(export)[0].eval()
+    rows = {}
+    for full_blocks in (False, True):
+        result = run_cli(*args, *(["--full-blocks"] if full_blocks else []))
+        assert result.exit_code == 0, result.output
+        summary = json.loads(result.stdout.strip().splitlines()[-1])
+        assert summary["full_blocks"] is full_blocks and summary["lossless"] is True
+        rows[full_blocks] = summary["per_prompt"]
+        for ids, row in zip(prompts, rows[full_blocks], strict=True):
+            run = speculate(target.eval(), drafter, ids, max_new_tokens=13, full_blocks=full_blocks)
+            assert row["lengths"] == run.acceptance_lengths
+            assert row["new_ids"] == run.new_ids
+            assert sum(row["lengths"]) == row["new_tokens"] - 1  # the prefill's token
+    assert [r["new_ids"] for r in rows[False]] == [r["new_ids"] for r in rows[True]]
+    assert [r["lengths"] for r in rows[False]] != [r["lengths"] for r in rows[True]]

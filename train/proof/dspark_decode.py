@@ -195,15 +195,17 @@ def sampled_summary(
     temperature: float,
     confidence_threshold: float | None = None,
     seed: int = 0,
+    full_blocks: bool = False,
 ) -> dict[str, Any]:
     """Sampled speculative decoding of every prompt (one generator seeded with `seed`): tau
-    (tokens per verify step), steps and tokens."""
+    (tokens per verify step), steps and tokens. `full_blocks`: as `speculate_dspark`."""
     device = next(target_model.parameters()).device
     gen = torch.Generator(device).manual_seed(seed)
     runs = [
         speculate_dspark(
             target_model, drafter, ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
             temperature=temperature, confidence_threshold=confidence_threshold, generator=gen,
+            full_blocks=full_blocks,
         )
         for ids in prompts
     ]  # fmt: skip

@@ -93,7 +93,8 @@ def compare_with_greedy(
 ) -> dict[str, Any]:
     """Speculative vs plain greedy decoding of every prompt: tau, losslessness, tokens/s.
     `baselines`: the prompts' greedy decodings already made (`greedy_baselines`, same prompts
-    and limits), else they are made here. `options`: a DSpark drafter's (a confidence cut)."""
+    and limits), else they are made here. `options`: passed to each decoding (`full_blocks`; a
+    DSpark drafter's confidence cut)."""
     kwargs = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids)
     if baselines is None:
         baselines = greedy_baselines(target, prompts, **kwargs, warmup=warmup)

@@ -68,6 +68,12 @@ class SpeculateConfig:
         None, help="dspark: cut each block before the first draft whose confidence is below this"
     )
     seed: int = option(0, help="seed of the sampling (--temperature above 0)")
+    full_blocks: bool = option(
+        False,
+        flag="--full-blocks",
+        help="draft every block whole and cut the output at --max-new-tokens (vLLM's and "
+        "llama.cpp's last blocks) instead of shortening the last blocks (z-lab's)",
+    )
 
     def __post_init__(self) -> None:
         for name, low in (("max_new_tokens", 1), ("warmup", 0), ("temperature", 0)):
@@ -206,13 +212,16 @@ def main(**kwargs: Any) -> None:
     summaries = []
     for path, drafter in zip(cfg.drafter, drafters, strict=True):
         if sampled:
-            summary = sampled_summary(target, drafter, prompts, **limits, **options, seed=cfg.seed)
+            summary = sampled_summary(
+                target, drafter, prompts, **limits, **options, seed=cfg.seed,
+                full_blocks=cfg.full_blocks,
+            )  # fmt: skip
         else:
             summary = compare_with_greedy(
                 target, drafter, prompts, **limits, warmup=cfg.warmup, baselines=baselines,
-                options=options,
+                options={**options, "full_blocks": cfg.full_blocks},
             )  # fmt: skip
-        summaries.append({"drafter": str(path), **summary})
+        summaries.append({"drafter": str(path), **summary, "full_blocks": cfg.full_blocks})
         if len(drafters) > 1:
             click.echo(f"drafter {path}:")
         click.echo(format_sampled(summary) if sampled else format_report(summary))
