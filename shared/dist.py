@@ -11,6 +11,7 @@ gloo). Without `--gpus`: all visible GPUs, else `cpu`. Under torchrun the enviro
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import logging
 import os
@@ -186,6 +187,8 @@ def _exit_now(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    with contextlib.suppress(OSError, AttributeError):  # C's buffers too (NCCL's debug output)
+        ctypes.CDLL(None).fflush(None)
     os._exit(code)
 
 
