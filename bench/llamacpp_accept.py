@@ -81,11 +81,12 @@ def convert(src: Path, model: Path, work: Path, *, target: Path | None, path: st
 
 def family(export: Path) -> tuple[str, int]:
     """(llama.cpp's speculative type, drafts per block) of a drafter export."""
-    config = json.loads((export / "config.json").read_text())
-    block = int(config.get("block_size") or config.get("dflash_config", {}).get("block_size", 16))
-    if "DSpark" in config["architectures"][0]:
-        return "draft-dspark", block  # anchor first: the whole block drafts
-    return "draft-dflash", block - 1  # [last token, MASK x (B - 1)]
+    from train.export import CONFIG_FILE, config_from_hf
+
+    cfg = config_from_hf(json.loads((export / CONFIG_FILE).read_text()))
+    if cfg.drafter_type == "dspark":
+        return "draft-dspark", cfg.block_size  # anchor first: the whole block drafts
+    return "draft-dflash", cfg.block_size - 1  # [last token, MASK x (B - 1)]
 
 
 def llama_decode(

@@ -208,18 +208,19 @@ def main(**kwargs: Any) -> None:
     limits = dict(max_new_tokens=cfg.max_new_tokens, eos_ids=eos)
     sampled = cfg.temperature > 0  # no single right output: tau alone, no greedy comparison
     baselines = None if sampled else greedy_baselines(target, prompts, **limits, warmup=cfg.warmup)
-    options = dict(temperature=cfg.temperature, confidence_threshold=cfg.confidence_threshold)
+    options = dict(
+        temperature=cfg.temperature,
+        confidence_threshold=cfg.confidence_threshold,
+        full_blocks=cfg.full_blocks,
+    )
     summaries = []
     for path, drafter in zip(cfg.drafter, drafters, strict=True):
         if sampled:
-            summary = sampled_summary(
-                target, drafter, prompts, **limits, **options, seed=cfg.seed,
-                full_blocks=cfg.full_blocks,
-            )  # fmt: skip
+            summary = sampled_summary(target, drafter, prompts, **limits, **options, seed=cfg.seed)
         else:
             summary = compare_with_greedy(
                 target, drafter, prompts, **limits, warmup=cfg.warmup, baselines=baselines,
-                options={**options, "full_blocks": cfg.full_blocks},
+                options=options,
             )  # fmt: skip
         summaries.append({"drafter": str(path), **summary, "full_blocks": cfg.full_blocks})
         if len(drafters) > 1:
