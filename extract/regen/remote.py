@@ -5,12 +5,10 @@ answers text only is warned about once), and its outcome: kept, rejected or fail
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from extract.data import Rejected, RowError
 from extract.regen.client import (
@@ -24,6 +22,7 @@ from extract.regen.client import (
     parse_completion,
 )
 from extract.regen.config import Chat
+from extract.regen.driver import Failed, Kept, kept, turn_seed
 from extract.regen.turns import Conversation, Prompter, end_turn
 
 log = logging.getLogger(__name__)
@@ -41,30 +40,6 @@ class Server:
     seed: int
     text_only: threading.Event = field(default_factory=threading.Event)  # warned: no token ids
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-@dataclass(frozen=True)
-class Kept:
-    row: dict[str, Any]
-    turns: int
-    at_limit: int
-    new_tokens: int
-    retokenized: int
-    from_text: bool  # the server gave text only: ids are its tokenization
-
-
-@dataclass(frozen=True)
-class Failed:
-    reason: str
-    detail: str
-    stops_run: bool  # the server is gone, refuses requests of this form or is another model
-
-
-def turn_seed(seed: int, row: int, turn: int) -> int:
-    """A request's sampling seed, fixed by the run's seed, the source row and the turn: the
-    same draw whatever the order or concurrency, and again after a resume."""
-    digest = hashlib.sha256(f"{seed}:{row}:{turn}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def converse(chat: Chat, server: Server) -> Kept | Rejected | Failed:
@@ -105,9 +80,7 @@ def converse(chat: Chat, server: Server) -> Kept | Rejected | Failed:
         return Failed(e.reason, e.detail, stops_run=False)
     except RequestRefused as e:
         return Failed("refused_request", str(e), stops_run=True)
-    retokenized = conv.retokenized(prompter)
-    turns = len(conv.generated)
-    return Kept(conv.row(), turns, len(conv.at_limit), new_tokens, retokenized, bool(from_text))
+    return kept(conv, prompter, new_tokens, from_text=bool(from_text))
 
 
 def _warn_text_only(server: Server) -> None:
