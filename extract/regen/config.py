@@ -22,6 +22,7 @@ REGEN_REJECT_REASONS = (
     "too_long",  # a turn's prompt plus --max-new-tokens exceeds --max-length (or the server's)
 )
 THINKING = ("auto", "on", "off")
+ENGINES = ("hf", "vllm")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +57,13 @@ class RegenConfig:
     overwrite: bool = option(
         False, help="Replace an existing output that was made with other settings."
     )
+    engine: str = option(
+        "hf",
+        choices=ENGINES,
+        help="What generates here: hf (Hugging Face generate, one process per device) or vllm "
+        "(vLLM in this process, tensor parallel over --gpus, default the first GPU; needs vLLM "
+        "installed). Not with --server.",
+    )
     server: str | None = option(
         None,
         help="URL of an OpenAI-compatible server already serving the target (vllm serve, "
@@ -66,7 +74,9 @@ class RegenConfig:
     server_model: str | None = option(
         None, help="Model name to ask --server for. Default: the one model it lists."
     )
-    concurrency: int = option(64, help="Conversations in flight at once with --server.")
+    concurrency: int = option(
+        64, help="Conversations in flight at once with --server or --engine vllm."
+    )
     request_timeout: float = option(
         600.0, help="Seconds a --server request may take before it counts as timed out."
     )
@@ -113,6 +123,8 @@ class RegenConfig:
                 raise ValueError(f"--{name.replace('_', '-')}: {getattr(self, name)} is too small")
         if self.top_p > 1:
             raise ValueError(f"--top-p: {self.top_p} is above 1")
+        if self.server is not None and self.engine != "hf":
+            raise ValueError(f"--engine {self.engine}: the server generates; drop it or --server")
         if self.server is None:
             if self.server_model is not None:
                 raise ValueError("--server-model: names a model of --server, which is not given")

@@ -14,7 +14,8 @@ end. Chunk files are kept, so a later run with more rows only generates the new 
 
 This module plans the run and drives one process per device; the generation itself is in
 `extract.regen.generation`. With `--server URL` a running inference server generates instead
-(`extract.regen.served`), into the same chunks.
+(`extract.regen.served`), and with `--engine vllm` vLLM in this process
+(`extract.regen.engine`), into the same chunks.
 """
 
 from __future__ import annotations
@@ -163,6 +164,8 @@ def _plan(cfg: RegenConfig, spec: DeviceSpec, server: tuple[str, int | None] | N
     if server is not None:  # the server's dtype is its own
         del settings["dtype"]
         settings.update(engine="server", server_model=server[0])
+    elif cfg.engine != "hf":
+        settings["engine"] = cfg.engine
     if cfg.thinking != "auto":
         settings["thinking"] = cfg.thinking
     job = Job(
@@ -234,6 +237,12 @@ def run(cfg: RegenConfig) -> RegenState:
         raise RegenError(str(e)) from None
     if cfg.server is not None:
         return serve(cfg, plan.settings, plan.config, plan.job, client)
+    if cfg.engine == "vllm":
+        from extract.regen.engine import generate
+
+        if cfg.gpus is None and spec.kind == "cuda":  # tensor parallel only where asked for
+            spec = DeviceSpec("cuda", spec.devices[:1])
+        return generate(cfg, plan.settings, plan.config, plan.job, spec)
     if under_torchrun():
         launch(_torchrun_entry, (cfg, plan), spec)
         return read_state(plan.job.parts)
