@@ -1,17 +1,18 @@
-"""Regeneration throughput, Hugging Face `generate` against a vLLM server, side by side on this
-machine: the same demo rows, the same target, the same settings.
+"""Regeneration throughput, Hugging Face `generate` against vLLM (a server, and in the process),
+side by side on this machine: the same demo rows, the same target, the same settings.
 
     python bench/regen_throughput.py --vllm-python PATH [--rows 64 --max-new-tokens 64]
 
 PATH is the Python of an environment with vLLM (`.ci/run` builds one with vLLM's CPU build). The
 script regenerates the first --rows rows of the shipped demo chats with the embedded tiny demo
-target twice through `python -m extract.regen`'s own `run()`: first locally (`--gpus cpu`,
-batches of --batch-size), then with `--server` against vLLM's OpenAI-compatible server on the
-same target (float32, started after the local run, so that each route has the machine to itself;
-its start-up is not timed, the premise being a server already running). Each route's seconds
-cover its whole `run()` (the local one loads the target in it). Prints one JSON line: new tokens
-per second of each route, their ratio, and whether the two outputs are the same bytes (greedy
-decoding: they should be).
+target three times through `python -m extract.regen`'s own `run()`, one route at a time so that
+each has the machine to itself: locally (`--gpus cpu`, batches of --batch-size); with `--server`
+against vLLM's OpenAI-compatible server on the same target (float32; its start-up is not timed,
+the premise being a server already running); and with `--engine vllm` (vLLM in the process, run
+by PATH). Each route's `seconds` cover its whole `run()` (the local one and the engine load the
+target in it), `generation_s` the part after the target is loaded (the server's: all of it).
+Prints one JSON line: new tokens per second of each route, the ratios to the local route, and
+whether the outputs are the same bytes (greedy decoding: they should be).
 """
 
 from __future__ import annotations
@@ -45,22 +46,64 @@ def cpu_model() -> str:
     return platform.machine()
 
 
-def timed(cfg: RegenConfig) -> dict[str, Any]:
+def timed(cfg: RegenConfig, generation: tuple[Any, str] | None = None) -> dict[str, Any]:
     """The route's figures; `cpu_s`: this process's CPU seconds in it (all its threads: for the
-    server route, the client's share of the cores the server also runs on)."""
+    server route, the client's share of the cores the server also runs on). `generation`: the
+    module and name of the route's function that generates once the target is loaded, timed
+    by wrapping it (None: all of `run()` generates)."""
+    spent: list[float] = []
+    if generation is not None:
+        module, name = generation
+        inner = getattr(module, name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            start = time.monotonic()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent.append(time.monotonic() - start)
+
+        setattr(module, name, wrapped)
     start, cpu = time.monotonic(), time.process_time()
-    state = run(cfg)
+    try:
+        state = run(cfg)
+    finally:
+        if generation is not None:
+            setattr(module, name, inner)
     seconds, cpu_s = time.monotonic() - start, time.process_time() - cpu
     totals = state.totals(range(len(state.chunks)))
     tokens = totals["new_tokens"]
+    generation_s = sum(spent) if generation is not None else seconds
     return {
         "seconds": round(seconds, 2),
+        "generation_s": round(generation_s, 2),
         "cpu_s": round(cpu_s, 2),
         "rows_kept": totals["rows_kept"],
         "turns": totals["turns"],
         "new_tokens": tokens,
         "tokens_per_s": round(tokens / seconds, 1),
+        "generation_tokens_per_s": round(tokens / generation_s, 1),
     }
+
+
+def engine_route(args: argparse.Namespace, common: dict[str, Any], out: Path) -> dict[str, Any]:
+    """The --engine vllm route, run by --vllm-python (this script again, with --engine-out;
+    its figures come back in a file beside the output: vLLM logs to standard output)."""
+    command = [args.vllm_python, __file__, "--vllm-python", args.vllm_python]
+    command += ["--rows", str(args.rows), "--max-new-tokens", str(args.max_new_tokens)]
+    command += ["--concurrency", str(args.concurrency), "--engine-out", str(out)]
+    if common["target"] != str(default_target()):
+        command += ["--target", common["target"]]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"the engine route failed:\n{(done.stdout + done.stderr)[-4000:]}")
+    return json.loads(out.with_suffix(".figures.json").read_text())
+
+
+def default_target() -> Path:
+    from extract.tiny import tiny_target
+
+    return tiny_target()
 
 
 def main() -> None:
@@ -69,7 +112,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64, help="demo rows to regenerate")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32, help="local route's batch")
-    parser.add_argument("--concurrency", type=int, default=64, help="server route's requests")
+    parser.add_argument(
+        "--concurrency", type=int, default=64, help="conversations in flight (server, engine)"
+    )
     parser.add_argument(
         "--max-num-seqs", type=int, help="vLLM's batch of requests (default: its own, 128 on CPUs)"
     )
@@ -83,22 +128,34 @@ def main() -> None:
     )
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="vLLM's KV cache")
     parser.add_argument("--json", type=Path, help="also write the JSON line here")
+    parser.add_argument("--engine-out", type=Path, help=argparse.SUPPRESS)  # the engine route
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     import torch
 
     from extract.data import demo_dataset
     from extract.models import resolve_target
-    from extract.tiny import tiny_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = resolve_target(args.target) if args.target else str(tiny_target())
+    target = resolve_target(args.target) if args.target else str(default_target())
     data = (demo_dataset(),)
     common = dict(target=target, data=data, max_rows=args.rows, max_new_tokens=args.max_new_tokens)
+    if args.engine_out is not None:  # in --vllm-python: the engine route alone
+        import extract.regen.engine
+
+        out, concurrency = args.engine_out, args.concurrency
+        cfg = RegenConfig(out=out, engine="vllm", concurrency=concurrency, **common)
+        figures = timed(cfg, (extract.regen.engine, "run_engine"))
+        out.with_suffix(".figures.json").write_text(json.dumps(figures))
+        return
+    import extract.regen.regenerate
+
     with tempfile.TemporaryDirectory() as tmp:
         local_out, served_out = Path(tmp) / "local.jsonl", Path(tmp) / "served.jsonl"
-        local = timed(RegenConfig(out=local_out, gpus="cpu", batch_size=args.batch_size, **common))
+        engine_out = Path(tmp) / "engine.jsonl"
+        local_cfg = RegenConfig(out=local_out, gpus="cpu", batch_size=args.batch_size, **common)
+        local = timed(local_cfg, (extract.regen.regenerate, "regenerate_chats"))
         kv_bytes = int(args.kv_cache_gib * (1 << 30))
         with vllm_server(
             args.vllm_python, Path(target), max_num_seqs=args.max_num_seqs, kv_cache_bytes=kv_bytes
@@ -108,7 +165,8 @@ def main() -> None:
                     out=served_out, server=server.url, concurrency=args.concurrency, **common
                 )
             )
-        same = local_out.read_bytes() == served_out.read_bytes()
+        engine = engine_route(args, common, engine_out)
+        same = local_out.read_bytes() == served_out.read_bytes() == engine_out.read_bytes()
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
@@ -123,7 +181,12 @@ def main() -> None:
             "engine": "vllm (float32)",
             "max_num_seqs": args.max_num_seqs or "vLLM's default",
         },
+        "engine": {**engine, "concurrency": args.concurrency, "engine": "vllm (float32)"},
         "ratio": round(served["tokens_per_s"] / local["tokens_per_s"], 2),
+        "engine_ratio": round(engine["tokens_per_s"] / local["tokens_per_s"], 2),
+        "engine_generation_ratio": round(
+            engine["generation_tokens_per_s"] / local["generation_tokens_per_s"], 2
+        ),
         "same_rows": same,
         "cpus": os.cpu_count(),
         "machine": cpu_model(),
