@@ -1,8 +1,12 @@
-"""`python -m extract.regen --engine vllm`: vLLM in the regenerating process (its CPU build, in
-the Python DFLASH_VLLM_PYTHON names, as `.ci/run` sets it) on the tiny demo target. The rows equal
-our own greedy run's, token for token; sampled rows do not depend on the concurrency; a killed
-run and a Ctrl-C'd one resume without losing a row or generating a finished one again. Without
-vLLM, the option is a message.
+"""`python -m extract.regen --engine vllm`: vLLM in the regenerating process.
+
+With vLLM's CPU build (in the Python DFLASH_VLLM_PYTHON names, as `.ci/run` sets it) on the tiny
+demo target: the rows equal our own greedy run's, token for token; sampled rows do not depend on
+the concurrency; a killed run and a Ctrl-C'd one resume without losing a row or generating a
+finished one again. Here, with a fake of vLLM's engine (its `add_request` and `step`) in place of
+vLLM: a turn that outgrows --max-length rejects its row mid-conversation, turns vLLM aborts or
+fails never become rows, and vLLM raising stops the run with a message and a resumable output.
+Without vLLM, the option is a message.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ import re
 import signal
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+import extract.regen.engine
 from extract.regen.config import RegenConfig, RegenError
 from extract.regen.regenerate import run
 from extract.regen.state import parts_dir, read_state
@@ -141,3 +147,131 @@ def test_a_stopped_run_resumes_losing_nothing_generating_nothing_twice(demo, loc
     assert code == 0, log[-3000:]
     assert out.read_bytes() == local.read_bytes()
     assert _asked(log) == ROWS - len(finished)
+
+
+class FakeEngine:
+    """vLLM's `LLMEngine` as the loop uses it: each request answered whole at the next step,
+    the same answer for the same prompt: "fine" and eos (`finish`: the finish reason of the
+    requests of a row's turn given as "ROW:TURN"; `fail_at`: the step that raises)."""
+
+    def __init__(self, tokenizer, eos: int, *, finish=None, fail_at: int | None = None):
+        self.answer = tokenizer("fine", add_special_tokens=False)["input_ids"] + [eos]
+        self.finish, self.fail_at = finish or {}, fail_at
+        self.requests: list[tuple[str, list[int]]] = []
+        self.pending: list[tuple[str, int]] = []
+        self.steps = 0
+
+    def add_request(self, request_id, prompt, params):
+        assert params["seed"] is None and params["temperature"] == 0  # greedy
+        self.requests.append((request_id, prompt["prompt_token_ids"]))
+        self.pending.append((request_id, params["max_tokens"]))
+
+    def step(self):
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise RuntimeError("the engine died")
+        done, self.pending = self.pending, []
+        outputs = []
+        for request, most in done:
+            reason = self.finish.get(request, "stop" if len(self.answer) <= most else "length")
+            ids = self.answer[:most] if reason in ("stop", "length") else self.answer[:1]
+            completion = SimpleNamespace(token_ids=ids, finish_reason=reason)
+            outputs.append(SimpleNamespace(request_id=request, finished=True, outputs=[completion]))
+        return outputs
+
+
+@pytest.fixture()
+def fake_vllm(demo, monkeypatch):
+    """`start(**faults)`: the fake engine that the next --engine vllm run gets."""
+    from transformers import AutoTokenizer
+
+    from extract.regen.turns import target_eos
+
+    target = str(demo[0])
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    eos = min(target_eos(target, tokenizer))
+    engines = []
+
+    def start(**faults) -> FakeEngine:
+        engines.append(FakeEngine(tokenizer, eos, **faults))
+        return engines[-1]
+
+    def load_engine(target, spec, **kwargs):
+        return engines[-1], dict
+
+    monkeypatch.setattr(extract.regen.engine, "load_engine", load_engine)
+    return start
+
+
+def _fake_run(demo, out: Path, **over):
+    target, data = demo
+    cfg = dict(target=str(target), data=(data,), out=out, max_rows=12, rows_per_chunk=4)
+    return run(RegenConfig(**cfg, engine="vllm", gpus="cpu", concurrency=3, **over))
+
+
+def _multi_turn_rows(out: Path) -> list[int]:
+    import json
+
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    return [
+        r["source_row"] for r in rows if sum(m["role"] == "assistant" for m in r["messages"]) > 1
+    ]
+
+
+def test_every_turn_is_asked_with_the_answers_before_it(demo, fake_vllm, tmp_path):
+    engine = fake_vllm()
+    out = tmp_path / "o.jsonl"
+    state = _fake_run(demo, out)
+    assert state.merged_rows == 12
+    turns = state.totals(range(len(state.chunks)))["turns"]
+    assert len(engine.requests) == turns
+    multi = _multi_turn_rows(out)
+    assert multi, "the demo's first rows include multi-turn chats"
+    prompts = dict(engine.requests)
+    first, second = prompts[f"{multi[0]}:0"], prompts[f"{multi[0]}:1"]
+    assert second[: len(first)] == first
+    assert second[len(first) : len(first) + len(engine.answer)] == engine.answer
+
+
+def test_a_turn_outgrowing_max_length_rejects_its_row_mid_conversation(demo, fake_vllm, tmp_path):
+    engine = fake_vllm()
+    full = tmp_path / "full.jsonl"
+    _fake_run(demo, full, max_new_tokens=1)
+    row = _multi_turn_rows(full)[0]
+    second = len(dict(engine.requests)[f"{row}:1"])
+    engine = fake_vllm()
+    out = tmp_path / "short.jsonl"
+    state = _fake_run(demo, out, max_length=second, max_new_tokens=1)  # its first turn fits
+    rejected = {r["row"]: r["reason"] for c in state.chunks.values() for r in c.rejected_rows}
+    assert rejected.get(row) == "too_long"
+    asked = {r for r, _ in engine.requests}
+    assert f"{row}:0" in asked and f"{row}:1" not in asked
+
+
+@pytest.mark.parametrize("reason, stops", [("abort", True), ("error", False)])
+def test_turns_vllm_aborts_or_fails_never_become_rows(demo, fake_vllm, tmp_path, reason, stops):
+    fake_vllm(finish={"1:0": reason})
+    out = tmp_path / "o.jsonl"
+    if stops:
+        with pytest.raises(RegenError, match=f"the run stopped \\({reason}: "):
+            _fake_run(demo, out)
+    else:
+        state = _fake_run(demo, out)
+        assert state.merged_rows is None and state.failed == {"error": 1}
+    assert 1 not in _finished_rows(out)
+    engine = fake_vllm()
+    state = _fake_run(demo, out)
+    assert state.merged_rows == 12
+    assert "1:0" in dict(engine.requests)  # asked again
+
+
+def test_vllm_raising_stops_the_run_with_a_message_and_resumes(demo, fake_vllm, tmp_path):
+    fake_vllm(fail_at=6)
+    out = tmp_path / "o.jsonl"
+    with pytest.raises(RegenError, match="vLLM failed: RuntimeError: the engine died"):
+        _fake_run(demo, out)
+    finished = _finished_rows(out)
+    assert finished and len(finished) < 12
+    engine = fake_vllm()
+    assert _fake_run(demo, out).merged_rows == 12
+    assert {int(r.split(":")[0]) for r, _ in engine.requests} == set(range(12)) - finished

@@ -94,10 +94,11 @@ class RunReport:
 
 class Journal:
     """The pending chunks of `job`, their journals, progress counters and bar; `stop` is set
-    by a failure that stops the run or a first signal (no new conversation is started)."""
+    by a failure that stops the run or a first signal (no new conversation is started);
+    `finishing`: how long the conversations in flight may take then, for the signal's message."""
 
-    def __init__(self, job: Job, stop: threading.Event):
-        self.job, self.stop = job, stop
+    def __init__(self, job: Job, stop: threading.Event, *, finishing: str = ""):
+        self.job, self.stop, self.finishing = job, stop, finishing
         self.chunks = {c: OpenChunk.load(job.parts, c, job.chunk_rows(c)) for c in job.chunks}
         self.report = RunReport()
         self.counters = RankCounters(job.parts / PROGRESS_DIR, 0)
@@ -167,8 +168,9 @@ class Journal:
             raise KeyboardInterrupt
         self.stop.set()
         log.warning(
-            "%s: finishing the conversations in flight; again to stop at once",
+            "%s: finishing the conversations in flight%s; again to stop at once",
             signal.Signals(signum).name,
+            f" ({self.finishing})" if self.finishing else "",
         )
 
     def close(self) -> RunReport:

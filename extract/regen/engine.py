@@ -13,16 +13,20 @@ the Hugging Face route.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from extract.data import Rejected, RowError
 from extract.regen.config import Chat, RegenConfig, RegenError
 from extract.regen.driver import (
+    Failed,
     Journal,
+    Kept,
     RunReport,
     conclude,
     kept,
@@ -37,7 +41,15 @@ from shared.dist import DeviceSpec
 
 log = logging.getLogger(__name__)
 
+# A CPU engine's KV cache at most: enough for hundreds of demo-sized conversations, and quick
+# to set up (vLLM's own CPU default takes most of the host's memory and long to allocate).
 CPU_KV_CACHE_CAP = 2 << 30
+CPU_KV_CACHE_SLACK = 64 << 20  # vLLM's blocks round a conversation up
+ENDED = ("stop", "length")  # vLLM's finish reasons of a whole turn (not "abort", "error")
+
+
+class EngineFailed(RuntimeError):
+    """vLLM raised while taking or running requests: the run stops, what is journaled stays."""
 
 
 def vllm_dtype(spec: DeviceSpec) -> str:
@@ -45,29 +57,53 @@ def vllm_dtype(spec: DeviceSpec) -> str:
     return "bfloat16" if spec.kind == "cuda" else "float32"
 
 
-def cpu_kv_cache_bytes(target: str, *, concurrency: int, max_length: int) -> int:
-    """A CPU engine's KV cache: --concurrency conversations of --max-length tokens in float32,
-    at most CPU_KV_CACHE_CAP (vLLM preempts and recomputes beyond), at least two conversations
-    and 64 MiB (vLLM's blocks round a conversation up).
-    vLLM's own default takes most of the host's memory, and setting it up takes minutes."""
-    from extract.target import read_config, text_config
+def cpu_kv_cache_bytes(text: dict[str, Any], *, concurrency: int, max_length: int) -> int:
+    """A CPU engine's KV cache for a text config: --concurrency conversations of --max-length
+    tokens in float32 (full attention's K and V; vLLM preempts and recomputes when short), at
+    most CPU_KV_CACHE_CAP, and at least one conversation of --max-length tokens.
 
-    text = text_config(read_config(target))
+    >>> text = dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64)  # 1 KiB a token
+    >>> cpu_kv_cache_bytes(text, concurrency=256, max_length=1024) >> 20  # MiB
+    256
+    >>> cpu_kv_cache_bytes(text, concurrency=4096, max_length=1024) >> 20  # the cap
+    2048
+    >>> cpu_kv_cache_bytes(text, concurrency=1, max_length=1 << 22) >> 20  # one conversation
+    4160
+    """
     heads = text["num_attention_heads"]
     kv_heads = text.get("num_key_value_heads") or heads
     head_dim = text.get("head_dim") or text["hidden_size"] // heads
     per_token = 2 * text["num_hidden_layers"] * kv_heads * head_dim * 4
-    wanted = min(concurrency * max_length * per_token, CPU_KV_CACHE_CAP)
-    return max(wanted, 2 * max_length * per_token, 64 << 20)
+    one = max_length * per_token + CPU_KV_CACHE_SLACK
+    return max(min(concurrency * max_length * per_token, CPU_KV_CACHE_CAP), one)
+
+
+def visible_gpus(spec: DeviceSpec, visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for `spec`, whose ordinals count the GPUs already visible.
+
+    >>> visible_gpus(DeviceSpec("cuda", (0, 1)), "4,5,6")
+    '4,5'
+    >>> visible_gpus(DeviceSpec("cuda", (1,)), None)
+    '1'
+    """
+    if not visible:
+        return ",".join(map(str, spec.devices))
+    listed = [v.strip() for v in visible.split(",") if v.strip()]
+    return ",".join(listed[d] for d in spec.devices)
 
 
 def load_engine(
     target: str, spec: DeviceSpec, *, max_length: int, seed: int, concurrency: int
-) -> Any:
-    """vLLM's `LLM` on `target`: tensor parallel over `spec`'s GPUs, or vLLM's CPU build."""
+) -> tuple[Any, Callable[..., Any]]:
+    """vLLM's engine on `target` (tensor parallel over `spec`'s GPUs, or vLLM's CPU build) and
+    its `SamplingParams`, set to give back a request's final output only."""
+    if spec.kind == "cuda":  # before vLLM is imported and its processes start: they read it
+        visible = visible_gpus(spec, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
     try:
-        from vllm import LLM
+        from vllm import LLM, SamplingParams
         from vllm.platforms import current_platform
+        from vllm.sampling_params import RequestOutputKind
     except ImportError as e:
         raise RegenError(
             f"--engine vllm: vLLM is not importable in this Python ({e}). Install it (pip "
@@ -75,23 +111,22 @@ def load_engine(
             "and use --server URL."
         ) from None
     on_cpu = current_platform.is_cpu()
-    if on_cpu != (spec.kind == "cpu"):
-        where = "the CPU" if on_cpu else "GPUs"
-        raise RegenError(f"--engine vllm --gpus {spec}: this vLLM build runs on {where} only")
-    if spec.kind == "cuda":  # before the engine's processes start: they read it
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.devices))
-    elif spec.nprocs > 1:
-        raise RegenError(f"--engine vllm --gpus {spec}: vLLM runs one engine; use --gpus cpu")
+    if on_cpu != (spec.kind == "cpu") or spec.nprocs > 1 and on_cpu:
+        where = "the CPU, in one engine (--gpus cpu)" if on_cpu else "GPUs"
+        raise RegenError(f"--engine vllm on {spec.label}: this vLLM build runs on {where}")
     options: dict[str, Any] = {}
     if on_cpu:  # one process: vLLM's engine and worker processes busy-wait on each other
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         options["distributed_executor_backend"] = "uni"
     if on_cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        kv = cpu_kv_cache_bytes(target, concurrency=concurrency, max_length=max_length)
+        from extract.target import read_config, text_config
+
+        text = text_config(read_config(target))
+        kv = cpu_kv_cache_bytes(text, concurrency=concurrency, max_length=max_length)
         options["kv_cache_memory_bytes"] = kv
         log.info("vLLM's KV cache: %.2f GiB (VLLM_CPU_KVCACHE_SPACE=GIB sets it)", kv / (1 << 30))
     try:
-        return LLM(
+        llm = LLM(
             model=target,
             dtype=vllm_dtype(spec),
             seed=seed,
@@ -101,10 +136,13 @@ def load_engine(
             **options,
         )
     except Exception as e:  # noqa: BLE001 (vLLM's refusals: memory, shapes, devices)
-        log.debug("vLLM did not start", exc_info=True)
+        log.warning("vLLM did not start", exc_info=True)
         raise RegenError(
-            f"--engine vllm: vLLM did not start on {target} ({type(e).__name__}: {e})"
+            f"--engine vllm: vLLM did not start on {target} ({type(e).__name__}: {e}); "
+            "a smaller --max-length or --concurrency needs less memory"
         ) from None
+    final = functools.partial(SamplingParams, output_kind=RequestOutputKind.FINAL_ONLY)
+    return llm.llm_engine, final
 
 
 @dataclass
@@ -118,24 +156,40 @@ class _Live:
     new_tokens: int = 0
 
 
-class _Loop:
-    """The engine's requests: one per open turn, named `ROW:TURN`."""
+Outcome = Kept | Rejected | Failed
 
-    def __init__(self, engine: Any, prompter: Prompter, eos: frozenset[int], job: Job):
-        from vllm import SamplingParams
 
-        self.engine, self.prompter, self.eos, self.job = engine, prompter, eos, job
+class Loop:
+    """The engine's requests, one per open turn, named `ROW:TURN`. `engine`: vLLM's
+    `LLMEngine` (`add_request`, `step`); `sampling_params`: vLLM's `SamplingParams` (its
+    keywords); `sampling`: the run's (None: greedy), each turn drawn from its own seed."""
+
+    def __init__(
+        self,
+        engine: Any,
+        sampling_params: Callable[..., Any],
+        prompter: Prompter,
+        eos: Iterable[int],
+        *,
+        sampling: dict[str, float] | None,
+        seed: int,
+    ):
+        self.engine, self.sampling_params = engine, sampling_params
+        self.prompter, self.eos = prompter, frozenset(eos)
+        self.sampling, self.seed = sampling, seed
         self.live: dict[str, _Live] = {}
-        drawn = job.sampling or {"temperature": 0.0}
-        self.params = lambda seed: SamplingParams(
+
+    def params(self, row: int, turn: int) -> Any:
+        drawn = self.sampling or {"temperature": 0.0}
+        return self.sampling_params(
             **drawn,
-            seed=seed if job.sampling else None,
-            max_tokens=prompter.max_new_tokens,
-            stop_token_ids=sorted(eos),
+            seed=turn_seed(self.seed, row, turn) if self.sampling else None,
+            max_tokens=self.prompter.max_new_tokens,
+            stop_token_ids=sorted(self.eos),
             detokenize=False,
         )
 
-    def open_turn(self, live: _Live) -> Any | None:
+    def open_turn(self, live: _Live) -> Outcome | None:
         """Ask for the conversation's next turn; its outcome when it has none (or its next
         prompt is rejected)."""
         try:
@@ -147,34 +201,48 @@ class _Loop:
             return Rejected(chat.row, chat.source, chat.line, e.reason, e.detail)
         turn = len(live.conv.generated)
         request = f"{live.chat.row}:{turn}"
-        seed = turn_seed(self.job.seed, live.chat.row, turn)
-        self.engine.add_request(request, {"prompt_token_ids": live.prompt}, self.params(seed))
+        params = self.params(live.chat.row, turn)
+        try:
+            self.engine.add_request(request, {"prompt_token_ids": live.prompt}, params)
+        except Exception as e:  # noqa: BLE001 (vLLM's: the run stops)
+            raise EngineFailed(f"{type(e).__name__}: {e}") from e
         self.live[request] = live
         return None
 
-    def step(self) -> list[tuple[_Live, Any]]:
-        """One engine step; the conversations that ended in it, with their outcomes."""
-        ended = []
-        for output in self.engine.step():
+    def step(self, ended: Callable[[_Live, Outcome], None]) -> None:
+        """One engine step; `ended` gets each conversation that ended in it, at once."""
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 (vLLM's: the run stops)
+            raise EngineFailed(f"{type(e).__name__}: {e}") from e
+        for output in outputs:
             if not output.finished:
                 continue
             live = self.live.pop(output.request_id)
             done = output.outputs[0]
+            if done.finish_reason not in ENDED:  # aborted (its processes stopped) or failed
+                stops = done.finish_reason == "abort"
+                detail = f"turn {len(live.conv.generated)} ended by vLLM: {done.finish_reason}"
+                ended(live, Failed(str(done.finish_reason), detail, stops_run=stops))
+                continue
             turn = end_turn(done.token_ids, set(self.eos), stopped=done.finish_reason == "stop")
             live.conv.answer(self.prompter, live.prompt, turn)
             live.new_tokens += len(turn.token_ids)
-            outcome = self.open_turn(live)
-            if outcome is not None:
-                ended.append((live, outcome))
-        return ended
+            if (outcome := self.open_turn(live)) is not None:
+                ended(live, outcome)
 
 
-def run_engine(job: Job, loop: _Loop, *, concurrency: int) -> RunReport:
+def run_engine(job: Job, loop: Loop, *, concurrency: int) -> RunReport:
     """Regenerate the pending chunks of `job` with `loop`'s engine, `concurrency` conversations
-    at a time; SIGINT and SIGTERM finish the conversations in flight (a second: at once)."""
+    at a time; SIGINT and SIGTERM finish the conversations in flight (a second: at once).
+    `EngineFailed` stops the run with what is journaled kept."""
     journal = Journal(job, threading.Event())
     handlers = signals_to(journal)
     work = journal.work()
+
+    def ended(live: _Live, outcome: Outcome) -> None:
+        journal.handle(live.chunk, live.chat, outcome)
+
     try:
         while True:
             while not journal.stop.is_set() and len(loop.live) < concurrency:
@@ -185,16 +253,18 @@ def run_engine(job: Job, loop: _Loop, *, concurrency: int) -> RunReport:
                 journal.report.requested += 1
                 live = _Live(chunk, chat, Conversation(chat), [])
                 if (outcome := loop.open_turn(live)) is not None:
-                    journal.handle(chunk, chat, outcome)
+                    ended(live, outcome)
             if not loop.live:
                 break
-            for live, outcome in loop.step():
-                journal.handle(live.chunk, live.chat, outcome)
+            loop.step(ended)
     except KeyboardInterrupt:
         journal.report.stopped = f"stopped at once: {len(loop.live)} conversations were in flight"
+    except EngineFailed as e:
+        log.warning("vLLM failed", exc_info=True)
+        journal.report.stopped = f"vLLM failed: {e}"
     finally:
-        restore(handlers)
         report = journal.close()
+        restore(handlers)
     return report
 
 
@@ -211,16 +281,12 @@ def generate(
     job = prepare(cfg, settings, config, job, where=f"vLLM ({spec.label})")
     if not job.chunks:
         return finish_output(cfg.out, job, regenerated=False)
-    engine = load_engine(
+    engine, sampling_params = load_engine(
         job.target, spec, max_length=job.max_length, seed=cfg.seed, concurrency=cfg.concurrency
     )
     tokenizer = AutoTokenizer.from_pretrained(job.target)
+    eos = target_eos(job.target, tokenizer)
     prompter = job.prompter(tokenizer)
-    eos = frozenset(target_eos(job.target, tokenizer))
-    loop = _Loop(engine.llm_engine, prompter, eos, job)
-    try:
-        done = run_engine(job, loop, concurrency=cfg.concurrency)
-    except Exception as e:  # noqa: BLE001 (the engine's failure: what is journaled is kept)
-        log.debug("vLLM failed", exc_info=True)
-        done = RunReport(stopped=f"vLLM failed: {type(e).__name__}: {e}")
+    loop = Loop(engine, sampling_params, prompter, eos, sampling=job.sampling, seed=job.seed)
+    done = run_engine(job, loop, concurrency=cfg.concurrency)
     return conclude(cfg.out, job, done, "--engine vllm")

@@ -240,6 +240,8 @@ def run(cfg: RegenConfig) -> RegenState:
     if cfg.engine == "vllm":
         from extract.regen.engine import generate
 
+        if under_torchrun():
+            raise RegenError("--engine vllm: vLLM starts its own processes; run without torchrun")
         if cfg.gpus is None and spec.kind == "cuda":  # tensor parallel only where asked for
             spec = DeviceSpec("cuda", spec.devices[:1])
         return generate(cfg, plan.settings, plan.config, plan.job, spec)

@@ -68,11 +68,11 @@ def run_served(job: Job, server: Server, *, concurrency: int) -> RunReport:
     """Regenerate the pending chunks of `job` through `server`, `concurrency` conversations at
     a time; SIGINT and SIGTERM finish the conversations in flight, then return (a second
     signal: at once)."""
-    journal = Journal(job, server.client.stop)
+    journal = Journal(job, server.client.stop, finishing="at most --request-timeout")
     handlers = signals_to(journal)
-    threads = _Threads(concurrency, lambda item: converse(item[1], server))
-    work, in_flight = journal.work(), 0
+    threads, work, in_flight = None, journal.work(), 0
     try:
+        threads = _Threads(concurrency, lambda item: converse(item[1], server))
         while True:
             while not journal.stop.is_set() and in_flight < concurrency:
                 item = next(work, None)
@@ -91,9 +91,10 @@ def run_served(job: Job, server: Server, *, concurrency: int) -> RunReport:
     except KeyboardInterrupt:
         journal.report.stopped = f"stopped at once: {in_flight} conversations were in flight"
     finally:
-        threads.close()
-        restore(handlers)
+        if threads is not None:
+            threads.close()
         report = journal.close()
+        restore(handlers)
     return report
 
 
