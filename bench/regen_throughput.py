@@ -94,7 +94,10 @@ def engine_route(args: argparse.Namespace, common: dict[str, Any], out: Path) ->
     command += ["--concurrency", str(args.concurrency), "--engine-out", str(out)]
     if common["target"] != str(default_target()):
         command += ["--target", common["target"]]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    env = dict(os.environ)
+    if args.threads:  # the engine's torch threads, as the local route's
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"the engine route failed:\n{(done.stdout + done.stderr)[-4000:]}")
     return json.loads(out.with_suffix(".figures.json").read_text())
@@ -119,7 +122,9 @@ def main() -> None:
         "--max-num-seqs", type=int, help="vLLM's batch of requests (default: its own, 128 on CPUs)"
     )
     parser.add_argument(
-        "--threads", type=int, help="local route's torch threads (default: torch's own)"
+        "--threads",
+        type=int,
+        help="torch threads of the local route and the engine (default: their own)",
     )
     parser.add_argument(
         "--target",
@@ -166,7 +171,10 @@ def main() -> None:
                 )
             )
         engine = engine_route(args, common, engine_out)
-        same = local_out.read_bytes() == served_out.read_bytes() == engine_out.read_bytes()
+        same = {
+            "server": served_out.read_bytes() == local_out.read_bytes(),
+            "engine": engine_out.read_bytes() == local_out.read_bytes(),
+        }
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
@@ -181,13 +189,18 @@ def main() -> None:
             "engine": "vllm (float32)",
             "max_num_seqs": args.max_num_seqs or "vLLM's default",
         },
-        "engine": {**engine, "concurrency": args.concurrency, "engine": "vllm (float32)"},
+        "engine": {
+            **engine,
+            "concurrency": args.concurrency,
+            "engine": "vllm (float32)",
+            "omp_threads": args.threads or "vLLM's own",
+        },
         "ratio": round(served["tokens_per_s"] / local["tokens_per_s"], 2),
         "engine_ratio": round(engine["tokens_per_s"] / local["tokens_per_s"], 2),
         "engine_generation_ratio": round(
             engine["generation_tokens_per_s"] / local["generation_tokens_per_s"], 2
         ),
-        "same_rows": same,
+        "same_rows_as_local": same,
         "cpus": os.cpu_count(),
         "machine": cpu_model(),
         "load_average": [round(x, 1) for x in os.getloadavg()],
