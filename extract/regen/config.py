@@ -23,6 +23,8 @@ REGEN_REJECT_REASONS = (
 )
 THINKING = ("auto", "on", "off")
 ENGINES = ("hf", "vllm")
+SERVER_IN_FLIGHT = 64  # a thread each, waiting on the network
+ENGINE_IN_FLIGHT = 512  # requests vLLM holds at once on a GPU, and more, queued in it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,8 +76,10 @@ class RegenConfig:
     server_model: str | None = option(
         None, help="Model name to ask --server for. Default: the one model it lists."
     )
-    concurrency: int = option(
-        64, help="Conversations in flight at once with --server or --engine vllm."
+    concurrency: int | None = option(
+        None,
+        help="Conversations in flight at once: with --server (default 64, a thread each), with "
+        "--engine vllm (default 512: vLLM batches what it can hold and queues the rest).",
     )
     request_timeout: float = option(
         600.0, help="Seconds a --server request may take before it counts as timed out."
@@ -110,7 +114,7 @@ class RegenConfig:
             "batch_size": self.batch_size >= 1,
             "rows_per_chunk": self.rows_per_chunk >= 1,
             "max_rows": self.max_rows is None or self.max_rows >= 1,
-            "concurrency": self.concurrency >= 1,
+            "concurrency": self.concurrency is None or self.concurrency >= 1,
             "request_timeout": self.request_timeout > 0,
             "retries": self.retries >= 0,
             "retry_wait": self.retry_wait >= 0,
@@ -133,6 +137,13 @@ class RegenConfig:
             raise ValueError(f"--server: {self.server!r} is no http:// or https:// URL")
         if self.gpus is not None:
             raise ValueError("--gpus: the server's devices are its own; drop --gpus with --server")
+
+    @property
+    def in_flight(self) -> int:
+        """--concurrency, or its default for the route."""
+        if self.concurrency is not None:
+            return self.concurrency
+        return ENGINE_IN_FLIGHT if self.engine == "vllm" else SERVER_IN_FLIGHT
 
     @property
     def sampling(self) -> dict[str, float] | None:

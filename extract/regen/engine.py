@@ -282,11 +282,11 @@ def generate(
     if not job.chunks:
         return finish_output(cfg.out, job, regenerated=False)
     engine, sampling_params = load_engine(
-        job.target, spec, max_length=job.max_length, seed=cfg.seed, concurrency=cfg.concurrency
+        job.target, spec, max_length=job.max_length, seed=cfg.seed, concurrency=cfg.in_flight
     )
     tokenizer = AutoTokenizer.from_pretrained(job.target)
     eos = target_eos(job.target, tokenizer)
     prompter = job.prompter(tokenizer)
     loop = Loop(engine, sampling_params, prompter, eos, sampling=job.sampling, seed=job.seed)
-    done = run_engine(job, loop, concurrency=cfg.concurrency)
+    done = run_engine(job, loop, concurrency=cfg.in_flight)
     return conclude(cfg.out, job, done, "--engine vllm")

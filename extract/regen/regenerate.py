@@ -184,6 +184,8 @@ def _plan(cfg: RegenConfig, spec: DeviceSpec, server: tuple[str, int | None] | N
         verbose=cfg.verbose,
     )
     resolved = {**to_json(cfg), "max_length": max_length, "total_rows": total}
+    if cfg.server is not None or cfg.engine != "hf":
+        resolved["concurrency"] = cfg.in_flight
     return _Plan(settings=settings, config=resolved, job=job)
 
 

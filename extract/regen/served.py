@@ -151,7 +151,7 @@ def serve(
     prompter = job.prompter(tokenizer)
     eos = frozenset(target_eos(job.target, tokenizer))
     server = Server(client, settings["server_model"], prompter, eos, cfg.sampling, cfg.seed)
-    done = run_served(job, server, concurrency=cfg.concurrency)
+    done = run_served(job, server, concurrency=cfg.in_flight)
     if done.from_text:
         log.warning(
             "%s gave no token ids for %d conversations: their ids are our tokenization of its "
