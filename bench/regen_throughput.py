@@ -12,7 +12,9 @@ the premise being a server already running); and with `--engine vllm` (vLLM in t
 by PATH). Each route's `seconds` cover its whole `run()` (the local one and the engine load the
 target in it), `generation_s` the part after the target is loaded (the server's: all of it).
 Prints one JSON line: new tokens per second of each route, the ratios to the local route, and
-whether the outputs are the same bytes (greedy decoding: they should be).
+whether the outputs are the same bytes (greedy decoding: they should be). `--repeat N` runs the
+server route N times on the one server: its figures are the median run's, every run's speed
+listed beside them.
 """
 
 from __future__ import annotations
@@ -86,6 +88,15 @@ def timed(cfg: RegenConfig, generation: tuple[Any, str] | None = None) -> dict[s
     }
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median speed among `runs`, with every run's tokens per second beside it."""
+    ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
+    median = ordered[len(ordered) // 2]
+    if len(runs) == 1:
+        return median
+    return {**median, "runs_tokens_per_s": [r["tokens_per_s"] for r in runs]}
+
+
 def engine_route(args: argparse.Namespace, common: dict[str, Any], out: Path) -> dict[str, Any]:
     """The --engine vllm route, run by --vllm-python (this script again, with --engine-out;
     its figures come back in a file beside the output: vLLM logs to standard output)."""
@@ -132,6 +143,12 @@ def main() -> None:
         help="a target folder or named real target (default: the embedded tiny demo target)",
     )
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="vLLM's KV cache")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="server route runs on the one server (its figures: the median run's)",
+    )
     parser.add_argument("--json", type=Path, help="also write the JSON line here")
     parser.add_argument("--engine-out", type=Path, help=argparse.SUPPRESS)  # the engine route
     args = parser.parse_args()
@@ -165,11 +182,11 @@ def main() -> None:
         with vllm_server(
             args.vllm_python, Path(target), max_num_seqs=args.max_num_seqs, kv_cache_bytes=kv_bytes
         ) as server:
-            served = timed(
-                RegenConfig(
-                    out=served_out, server=server.url, concurrency=args.concurrency, **common
-                )
-            )
+            runs, c = [], args.concurrency
+            for i in range(args.repeat):  # the first run's output is the one compared
+                out = served_out if i == 0 else Path(tmp) / f"served-{i}.jsonl"
+                runs.append(timed(RegenConfig(out=out, server=server.url, concurrency=c, **common)))
+            served = median_run(runs)
         engine = engine_route(args, common, engine_out)
         same = {
             "server": served_out.read_bytes() == local_out.read_bytes(),
