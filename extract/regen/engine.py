@@ -100,6 +100,9 @@ def load_engine(
     if spec.kind == "cuda":  # before vLLM is imported and its processes start: they read it
         visible = visible_gpus(spec, os.environ.get("CUDA_VISIBLE_DEVICES"))
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        # This process has asked CUDA for its device count (--gpus): a forked engine would keep
+        # the GPUs seen then, a spawned one reads the list above.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     try:
         from vllm import LLM, SamplingParams
         from vllm.platforms import current_platform
