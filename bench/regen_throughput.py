@@ -13,8 +13,9 @@ by PATH). Each route's `seconds` cover its whole `run()` (the local one and the 
 target in it), `generation_s` the part after the target is loaded (the server's: all of it).
 Prints one JSON line: new tokens per second of each route, the ratios to the local route, and
 whether the outputs are the same bytes (greedy decoding: they should be). `--repeat N` runs the
-server route N times on the one server: its figures are the median run's, every run's speed
-listed beside them.
+server route N times on the one server (after the first, vLLM's prefix cache holds the rows'
+prompts): its figures are the median run's, every run's speed listed beside them; every run's
+output is compared.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def timed(cfg: RegenConfig, generation: tuple[Any, str] | None = None) -> dict[s
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run of median speed among `runs`, with every run's tokens per second beside it."""
+    """The run of median speed among `runs` (of an even number, the faster of the middle two),
+    with every run's tokens per second beside it."""
     ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
     median = ordered[len(ordered) // 2]
     if len(runs) == 1:
@@ -183,13 +185,15 @@ def main() -> None:
             args.vllm_python, Path(target), max_num_seqs=args.max_num_seqs, kv_cache_bytes=kv_bytes
         ) as server:
             runs, c = [], args.concurrency
-            for i in range(args.repeat):  # the first run's output is the one compared
-                out = served_out if i == 0 else Path(tmp) / f"served-{i}.jsonl"
+            served_outs = [served_out] + [
+                Path(tmp) / f"served-{i}.jsonl" for i in range(1, args.repeat)
+            ]
+            for out in served_outs:
                 runs.append(timed(RegenConfig(out=out, server=server.url, concurrency=c, **common)))
             served = median_run(runs)
         engine = engine_route(args, common, engine_out)
         same = {
-            "server": served_out.read_bytes() == local_out.read_bytes(),
+            "server": all(out.read_bytes() == local_out.read_bytes() for out in served_outs),
             "engine": engine_out.read_bytes() == local_out.read_bytes(),
         }
     commit = subprocess.run(

@@ -68,28 +68,28 @@ def _engine(out: Path, demo, *more: str) -> subprocess.Popen:
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # one pipe, read as it comes: vLLM logs to standard output
         text=True,
     )
 
 
 def _finish(proc: subprocess.Popen) -> tuple[int, str]:
-    stdout, stderr = proc.communicate(timeout=600)
-    return proc.returncode, stdout + stderr
+    output, _ = proc.communicate(timeout=600)
+    return proc.returncode, output
 
 
 def _until_commit(proc: subprocess.Popen) -> None:
-    for line in proc.stderr:
+    for line in proc.stdout:
         if "committed chunk-" in line:
             return
     raise AssertionError("the run ended before committing a chunk")
 
 
 def _asked(log: str) -> int:
-    """The rows a run handed to the engine: its progress line's total."""
-    totals = re.findall(r"regenerate: of ([\d,]+) rows", log)
-    assert totals, log[-3000:]
-    return int(totals[-1].replace(",", ""))
+    """The conversations a run asked vLLM for, as its log line counts them."""
+    counts = re.findall(r"(\d+) conversations asked for in this run", log)
+    assert counts, log[-3000:]
+    return int(counts[-1])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
@@ -115,7 +115,7 @@ def test_rows_equal_our_greedy_run_token_for_token(demo, local, tmp_path):
 
 
 @needs_vllm
-def test_sampled_rows_do_not_depend_on_the_concurrency(demo, tmp_path):
+def test_sampled_rows_do_not_depend_on_the_concurrency(demo, local, tmp_path):
     """Each turn draws from its own seed (the run's, the row's and the turn's)."""
     outs = []
     for concurrency in ("1", "12"):
@@ -124,6 +124,7 @@ def test_sampled_rows_do_not_depend_on_the_concurrency(demo, tmp_path):
         code, log = _finish(proc)
         assert code == 0, log[-3000:]
     assert outs[0].read_bytes() == outs[1].read_bytes()
+    assert outs[0].read_bytes() != local.read_bytes()  # drawn, not greedy
 
 
 @needs_vllm
@@ -152,11 +153,15 @@ def test_a_stopped_run_resumes_losing_nothing_generating_nothing_twice(demo, loc
 class FakeEngine:
     """vLLM's `LLMEngine` as the loop uses it: each request answered whole at the next step,
     the same answer for the same prompt: "fine" and eos (`finish`: the finish reason of the
-    requests of a row's turn given as "ROW:TURN"; `fail_at`: the step that raises)."""
+    requests of a row's turn given as "ROW:TURN"; `fail_at`: the step that raises;
+    `signal_at`: the step that sends this process SIGINT)."""
 
-    def __init__(self, tokenizer, eos: int, *, finish=None, fail_at: int | None = None):
+    def __init__(
+        self, tokenizer, eos: int, *, finish=None, fail_at: int | None = None, signal_at=None
+    ):
         self.answer = tokenizer("fine", add_special_tokens=False)["input_ids"] + [eos]
-        self.finish, self.fail_at = finish or {}, fail_at
+        self.finish, self.fail_at, self.signal_at = finish or {}, fail_at, signal_at
+        self.live_at_signal: set[int] = set()
         self.requests: list[tuple[str, list[int]]] = []
         self.pending: list[tuple[str, int]] = []
         self.steps = 0
@@ -170,6 +175,10 @@ class FakeEngine:
         self.steps += 1
         if self.steps == self.fail_at:
             raise RuntimeError("the engine died")
+        if self.steps == self.signal_at:  # Ctrl-C while these conversations are in flight
+            self.live_at_signal = {int(request.split(":")[0]) for request, _ in self.pending}
+            self.asked_before_signal = len(self.requests)
+            os.kill(os.getpid(), signal.SIGINT)
         done, self.pending = self.pending, []
         outputs = []
         for request, most in done:
@@ -272,6 +281,23 @@ def test_vllm_raising_stops_the_run_with_a_message_and_resumes(demo, fake_vllm, 
         _fake_run(demo, out)
     finished = _finished_rows(out)
     assert finished and len(finished) < 12
+    engine = fake_vllm()
+    assert _fake_run(demo, out).merged_rows == 12
+    assert {int(r.split(":")[0]) for r, _ in engine.requests} == set(range(12)) - finished
+
+
+def test_ctrl_c_finishes_the_conversations_in_flight_and_starts_none(demo, fake_vllm, tmp_path):
+    engine = fake_vllm(signal_at=2)
+    out = tmp_path / "o.jsonl"
+    with pytest.raises(RegenError, match="stopped by a signal"):
+        _fake_run(demo, out)
+    assert engine.live_at_signal
+    after = {
+        int(request.split(":")[0]) for request, _ in engine.requests[engine.asked_before_signal :]
+    }
+    assert after <= engine.live_at_signal  # only the next turns of those in flight
+    finished = _finished_rows(out)
+    assert engine.live_at_signal <= finished and len(finished) < 12
     engine = fake_vllm()
     assert _fake_run(demo, out).merged_rows == 12
     assert {int(r.split(":")[0]) for r, _ in engine.requests} == set(range(12)) - finished

@@ -24,7 +24,7 @@ REGEN_REJECT_REASONS = (
 THINKING = ("auto", "on", "off")
 ENGINES = ("hf", "vllm")
 SERVER_IN_FLIGHT = 64  # a thread each, waiting on the network
-ENGINE_IN_FLIGHT = 512  # requests vLLM holds at once on a GPU, and more, queued in it
+ENGINE_IN_FLIGHT = 1024  # vLLM's own batch on the largest GPUs (H100, H200): none left idle
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +79,7 @@ class RegenConfig:
     concurrency: int | None = option(
         None,
         help="Conversations in flight at once: with --server (default 64, a thread each), with "
-        "--engine vllm (default 512: vLLM batches what it can hold and queues the rest).",
+        "--engine vllm (default 1024: vLLM batches what it can hold and queues the rest).",
     )
     request_timeout: float = option(
         600.0, help="Seconds a --server request may take before it counts as timed out."

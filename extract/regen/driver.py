@@ -212,6 +212,7 @@ def prepare(
 def conclude(out: Path, job: Job, report: RunReport, source: str, hint: str = "") -> RegenState:
     """The run's failures recorded, then the output merged, or `RegenStopped` saying what is
     kept and how to resume (`hint`: what to do first)."""
+    log.info("%s: %d conversations asked for in this run", source, report.requested)
     failed = dict(report.failed)
     state = update_state(job.parts, lambda s: dataclasses.replace(s, failed=failed))
     if report.stopped is not None:

@@ -7,8 +7,9 @@ and a conversation's next turn added as soon as its last one ends, so that the e
 stays full while conversations wait on their own turns. Sampling draws each turn from its own
 seed (`extract.regen.driver.turn_seed`): the same rows whatever the order, and after a resume.
 Finished conversations go to their chunk's journal (`extract.regen.driver`): resumable after a
-crash, Ctrl-C finishes the conversations in flight. Float32 on a CPU and bfloat16 on GPUs, as
-the Hugging Face route.
+crash; on a CPU, Ctrl-C finishes the conversations in flight (on GPUs it also reaches vLLM's own
+processes, which abort their requests: the run stops, and those conversations are asked
+again). Float32 on a CPU and bfloat16 on GPUs, as the Hugging Face route.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ log = logging.getLogger(__name__)
 # to set up (vLLM's own CPU default takes most of the host's memory and long to allocate).
 CPU_KV_CACHE_CAP = 2 << 30
 CPU_KV_CACHE_SLACK = 64 << 20  # vLLM's blocks round a conversation up
-ENDED = ("stop", "length")  # vLLM's finish reasons of a whole turn (not "abort", "error")
+# vLLM's finish reasons of a whole turn; the others ("abort", "error", "repetition") fail it.
+ENDED = ("stop", "length")
 
 
 class EngineFailed(RuntimeError):
@@ -144,8 +146,8 @@ def load_engine(
             f"--engine vllm: vLLM did not start on {target} ({type(e).__name__}: {e}); "
             "a smaller --max-length or --concurrency needs less memory"
         ) from None
-    final = functools.partial(SamplingParams, output_kind=RequestOutputKind.FINAL_ONLY)
-    return llm.llm_engine, final
+    sampling_params = functools.partial(SamplingParams, output_kind=RequestOutputKind.FINAL_ONLY)
+    return llm.llm_engine, sampling_params
 
 
 @dataclass
@@ -228,7 +230,7 @@ class Loop:
                 detail = f"turn {len(live.conv.generated)} ended by vLLM: {done.finish_reason}"
                 ended(live, Failed(str(done.finish_reason), detail, stops_run=stops))
                 continue
-            turn = end_turn(done.token_ids, set(self.eos), stopped=done.finish_reason == "stop")
+            turn = end_turn(done.token_ids, self.eos, stopped=done.finish_reason == "stop")
             live.conv.answer(self.prompter, live.prompt, turn)
             live.new_tokens += len(turn.token_ids)
             if (outcome := self.open_turn(live)) is not None:
@@ -237,8 +239,8 @@ class Loop:
 
 def run_engine(job: Job, loop: Loop, *, concurrency: int) -> RunReport:
     """Regenerate the pending chunks of `job` with `loop`'s engine, `concurrency` conversations
-    at a time; SIGINT and SIGTERM finish the conversations in flight (a second: at once).
-    `EngineFailed` stops the run with what is journaled kept."""
+    at a time; SIGINT and SIGTERM finish the conversations in flight (a second: at once), where
+    vLLM runs in this process (a CPU). `EngineFailed` stops the run with what is journaled kept."""
     journal = Journal(job, threading.Event())
     handlers = signals_to(journal)
     work = journal.work()
@@ -285,7 +287,7 @@ def generate(
     if not job.chunks:
         return finish_output(cfg.out, job, regenerated=False)
     engine, sampling_params = load_engine(
-        job.target, spec, max_length=job.max_length, seed=cfg.seed, concurrency=cfg.in_flight
+        job.target, spec, max_length=job.max_length, seed=job.seed, concurrency=cfg.in_flight
     )
     tokenizer = AutoTokenizer.from_pretrained(job.target)
     eos = target_eos(job.target, tokenizer)

@@ -11,7 +11,7 @@ the ids the engine produced (a byte-level BPE has several token sequences for on
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ class Turn:
     at_limit: bool  # stopped by max_new_tokens, not by eos
 
 
-def end_turn(new_ids: Iterable[int], eos: set[int], *, stopped: bool = False) -> Turn:
+def end_turn(new_ids: Iterable[int], eos: Container[int], *, stopped: bool = False) -> Turn:
     """The turn in `new_ids`: up to its first eos (after which a batched row holds padding).
     Without one it ran to max_new_tokens, unless the engine reports that it `stopped` at an eos
     it left out of the ids.
