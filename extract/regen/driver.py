@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 
 
 class RegenStopped(RegenError):
-    """The run stopped before its end (server gone, requests refused, a signal); resumable."""
+    """The run stopped before its end (server gone, requests refused, vLLM failing, a signal);
+    resumable."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,10 @@ class Kept:
 class Failed:
     reason: str
     detail: str
-    stops_run: bool  # the server is gone, refuses requests of this form or is another model
+    stops_run: bool  # the server is gone, refuses requests or is another model; vLLM aborted
+
+
+Outcome = Kept | Rejected | Failed
 
 
 def kept(conv: Conversation, prompter: Prompter, new_tokens: int, *, from_text: bool) -> Kept:
@@ -144,7 +148,7 @@ class Journal:
         commit_chunk(self.job.parts, open_chunk.chunk, open_chunk.rows, open_chunk.result())
         open_chunk.path.unlink(missing_ok=True)
 
-    def handle(self, chunk: int, chat: Chat, outcome: Kept | Rejected | Failed) -> None:
+    def handle(self, chunk: int, chat: Chat, outcome: Outcome) -> None:
         if isinstance(outcome, Kept):
             entry = {"row": chat.row, "kept": outcome.row, "turns": outcome.turns}
             entry.update(at_limit=outcome.at_limit, new_tokens=outcome.new_tokens)

@@ -27,7 +27,7 @@ from extract.regen.config import Chat, RegenConfig, RegenError
 from extract.regen.driver import (
     Failed,
     Journal,
-    Kept,
+    Outcome,
     RunReport,
     conclude,
     kept,
@@ -52,11 +52,6 @@ ENDED = ("stop", "length")
 
 class EngineFailed(RuntimeError):
     """vLLM raised while taking or running requests: the run stops, what is journaled stays."""
-
-
-def vllm_dtype(spec: DeviceSpec) -> str:
-    """The engine's dtype: what the Hugging Face route runs on the same devices."""
-    return "bfloat16" if spec.kind == "cuda" else "float32"
 
 
 def cpu_kv_cache_bytes(text: dict[str, Any], *, concurrency: int, max_length: int) -> int:
@@ -95,10 +90,10 @@ def visible_gpus(spec: DeviceSpec, visible: str | None) -> str:
 
 
 def load_engine(
-    target: str, spec: DeviceSpec, *, max_length: int, seed: int, concurrency: int
+    target: str, spec: DeviceSpec, *, dtype: str, max_length: int, seed: int, concurrency: int
 ) -> tuple[Any, Callable[..., Any]]:
-    """vLLM's engine on `target` (tensor parallel over `spec`'s GPUs, or vLLM's CPU build) and
-    its `SamplingParams`, set to give back a request's final output only."""
+    """vLLM's engine on `target` (tensor parallel over `spec`'s GPUs, or vLLM's CPU build) in
+    `dtype` and its `SamplingParams`, set to give back a request's final output only."""
     if spec.kind == "cuda":  # before vLLM is imported and its processes start: they read it
         visible = visible_gpus(spec, os.environ.get("CUDA_VISIBLE_DEVICES"))
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
@@ -116,7 +111,7 @@ def load_engine(
             "and use --server URL."
         ) from None
     on_cpu = current_platform.is_cpu()
-    if on_cpu != (spec.kind == "cpu") or spec.nprocs > 1 and on_cpu:
+    if on_cpu != (spec.kind == "cpu") or (on_cpu and spec.nprocs > 1):
         where = "the CPU, in one engine (--gpus cpu)" if on_cpu else "GPUs"
         raise RegenError(f"--engine vllm on {spec.label}: this vLLM build runs on {where}")
     options: dict[str, Any] = {}
@@ -133,7 +128,7 @@ def load_engine(
     try:
         llm = LLM(
             model=target,
-            dtype=vllm_dtype(spec),
+            dtype=dtype,
             seed=seed,
             max_model_len=max_length,
             tensor_parallel_size=spec.nprocs if spec.kind == "cuda" else 1,
@@ -159,9 +154,6 @@ class _Live:
     conv: Conversation
     prompt: list[int]
     new_tokens: int = 0
-
-
-Outcome = Kept | Rejected | Failed
 
 
 class Loop:
@@ -287,7 +279,12 @@ def generate(
     if not job.chunks:
         return finish_output(cfg.out, job, regenerated=False)
     engine, sampling_params = load_engine(
-        job.target, spec, max_length=job.max_length, seed=job.seed, concurrency=cfg.in_flight
+        job.target,
+        spec,
+        dtype=settings["dtype"],  # the recorded one: the local route's on the same devices
+        max_length=job.max_length,
+        seed=job.seed,
+        concurrency=cfg.in_flight,
     )
     tokenizer = AutoTokenizer.from_pretrained(job.target)
     eos = target_eos(job.target, tokenizer)

@@ -22,7 +22,7 @@ from extract.regen.client import (
     parse_completion,
 )
 from extract.regen.config import Chat
-from extract.regen.driver import Failed, Kept, kept, turn_seed
+from extract.regen.driver import Failed, Outcome, kept, turn_seed
 from extract.regen.turns import Conversation, Prompter, end_turn
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class Server:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def converse(chat: Chat, server: Server) -> Kept | Rejected | Failed:
+def converse(chat: Chat, server: Server) -> Outcome:
     """Every assistant turn of `chat` from the server, one request each; never raises for
     the server's or the row's problems."""
     conv, prompter = Conversation(chat), server.prompter
