@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from tests.drafters import tiny_drafter_config
+from tests.inductor import compile_problem
 from train.drafters.anchors import block_targets, loss_weights
 from train.drafters.dspark import DSparkDrafter, init_dspark_weights
-from train.drafters.dspark_loss import DSparkLoss, chunked_terms, dspark_step_terms
+from train.drafters.dspark_loss import DSparkLoss, TargetRows, chunked_terms, dspark_step_terms
 from train.drafters.dspark_metrics import AUC_BINS, auc, calibration_sums, ece
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,7 +58,8 @@ def test_chunked_terms_and_gradients_equal_the_reference(mode, markov):
     w1, w2 = W1.clone().requires_grad_(), W2.clone().requires_grad_()
     emb = F.embedding(prev, w1) if markov else None
     out = chunked_terms(
-        h, emb, LM_HEAD, w2 if markov else None, labels, last, weights, chunk_rows=2, coef=coef,
+        h, emb, LM_HEAD, w2 if markov else None, labels, TargetRows.each(last), weights,
+        chunk_rows=2, coef=coef,
         checkpoint=mode == "checkpoint", fused=mode == "fused",
     )  # fmt: skip
     torch.testing.assert_close(out.ce_sum, ce.detach())
@@ -77,7 +79,10 @@ def test_chunked_terms_and_gradients_equal_the_reference(mode, markov):
 def test_l1_per_row_is_the_full_l1_and_zero_without_the_target():
     hidden, prev, labels, last, weights = literal_rows()
     emb = F.embedding(prev, W1)
-    out = chunked_terms(hidden, emb, LM_HEAD, W2, labels, last, weights, chunk_rows=3, coef=(1, 1))
+    target = TargetRows.each(last)
+    out = chunked_terms(
+        hidden, emb, LM_HEAD, W2, labels, target, weights, chunk_rows=3, coef=(1, 1)
+    )
     for n in range(5):
         q = torch.softmax(LM_HEAD @ hidden[n] + W2 @ W1[prev[n]], -1)
         p = torch.softmax(LM_HEAD @ last[n], -1)
@@ -87,6 +92,53 @@ def test_l1_per_row_is_the_full_l1_and_zero_without_the_target():
         hidden, emb, LM_HEAD, W2, labels, None, weights, chunk_rows=3, coef=(1.0, 0.0)
     )
     assert float(no_target.l1_N.abs().sum()) == 0 and float(no_target.l1_sum) == 0
+
+
+@pytest.mark.parametrize("mode", ["plain", "checkpoint", "fused"])
+def test_rows_reading_one_state_get_its_distribution_across_chunk_edges(mode):
+    # Blocks overlap: rows read states 1, 2, 2, 3, 3, 3, 0, 2 of 4, chunks of 3 rows split the
+    # repeats; each row's L1 and the gradients equal those of the states gathered row by row.
+    gen = torch.Generator().manual_seed(11)
+    hidden = torch.randn(8, 2, generator=gen)
+    states = torch.randn(4, 2, generator=gen) * 2
+    index = torch.tensor([1, 2, 2, 3, 3, 3, 0, 2])
+    labels, prev = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]), torch.tensor([2, 1, 0, 0, 1, 2, 1, 0])
+    weights = torch.rand(8, generator=gen)
+    outs = []
+    for target in (TargetRows(states, index), TargetRows.each(states[index])):
+        h = hidden.clone().requires_grad_()
+        w2 = W2.clone().requires_grad_()
+        out = chunked_terms(
+            h, F.embedding(prev, W1), LM_HEAD, w2, labels, target, weights, chunk_rows=3,
+            coef=(0.1, 0.9), checkpoint=mode == "checkpoint", fused=mode == "fused",
+        )  # fmt: skip
+        out.loss.backward()
+        outs.append((out.l1_N.detach(), out.loss.detach(), h.grad, w2.grad))
+    for shared, gathered in zip(*outs, strict=True):
+        torch.testing.assert_close(shared, gathered, rtol=0, atol=0)
+    assert float(outs[0][0].min()) > 0
+
+
+def test_compiled_chunks_equal_eager_ones_with_shared_reads_and_a_short_last_chunk():
+    reason = compile_problem()
+    if reason:
+        pytest.skip(reason)
+    gen = torch.Generator().manual_seed(12)
+    hidden, states = torch.randn(11, 2, generator=gen), torch.randn(5, 2, generator=gen)
+    index = torch.tensor([0, 1, 1, 2, 2, 2, 3, 3, 4, 4, 4])
+    labels, prev = torch.randint(0, 3, (2, 11), generator=gen)
+    weights = torch.rand(11, generator=gen)
+    outs = []
+    for compiled in (False, True):
+        h, w2 = hidden.clone().requires_grad_(), W2.clone().requires_grad_()
+        out = chunked_terms(
+            h, F.embedding(prev, W1), LM_HEAD, w2, labels, TargetRows(states, index), weights,
+            chunk_rows=4, coef=(0.1, 0.9), fused=True, compiled=compiled,
+        )  # fmt: skip
+        out.loss.backward()
+        outs.append((out.loss.detach(), out.l1_N, out.correct_N, h.grad, w2.grad))
+    for got, want in zip(outs[1], outs[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_dspark_weights_shift_and_stop_at_the_first_uncounted_slot():
@@ -134,7 +186,8 @@ def test_step_loss_is_ce_l1_and_confidence_bce_with_gradients(fused):
     keep = torch.ones(2, 2, dtype=torch.bool)
     h = hidden.clone().requires_grad_()
     loss, total, stats = dspark_step_terms(
-        drafter, h, lm_head, labels, prev, last, w, keep, chunk_rows=5, checkpoint=True,
+        drafter, h, lm_head, labels, prev, TargetRows.each(last.flatten(0, 1)), w, keep,
+        chunk_rows=5, checkpoint=True,
         fused=fused, options=DSparkLoss(),
     )  # fmt: skip
     loss.backward()
@@ -200,8 +253,8 @@ def test_slot_metrics_against_their_definitions():
     )
     keep = torch.tensor([[True, True], [True, False]])
     _, _, stats = dspark_step_terms(
-        drafter, hidden, lm_head, labels, prev, last, w, keep, chunk_rows=16, checkpoint=False,
-        options=DSparkLoss(),
+        drafter, hidden, lm_head, labels, prev, TargetRows.at(last, torch.arange(8).repeat(2, 1)),
+        w, keep, chunk_rows=16, checkpoint=False, options=DSparkLoss(),
     )  # fmt: skip
     emb = drafter.prev_embeddings(prev)
     logits = hidden @ lm_head.T + drafter.markov_bias(emb)

@@ -22,7 +22,7 @@ from train.drafters.anchors import (
 )
 from train.drafters.dflash import DFlashDrafter
 from train.drafters.dflash2_loss import SelectorLoss, selector_step_terms
-from train.drafters.dspark_loss import DSparkLoss, dspark_loss, dspark_step_terms
+from train.drafters.dspark_loss import DSparkLoss, TargetRows, dspark_loss, dspark_step_terms
 from train.drafters.loss import acceptance_stats, chunked_ce, fused_chunked_ce
 from train.drafters.mask import build_masks
 from train.drafters.objective import Objective
@@ -191,13 +191,13 @@ def anchored_loss(
     )  # fmt: skip
     chunk_rows = ce_chunk_blocks * block_size
     if cfg.drafter_type == "dspark":
-        last_BQH = None
+        target = None
         if last_BSH is not None:  # the target's last state at rows a + k: its prediction of a+k+1
             rows_BQ = block_rows(anchors_BN, block_size=block_size).clamp(max=ids_BS.shape[1] - 1)
-            last_BQH = last_BSH.gather(1, rows_BQ[..., None].expand(-1, -1, last_BSH.shape[-1]))
+            target = TargetRows.at(last_BSH, rows_BQ)
         weighted_sum, weight_total, stats = dspark_step_terms(
             _unwrap(drafter), hidden_BQH, lm_head_weight_VH, targets_BQ,
-            block_targets(ids_BS, anchors_BN, block_size=block_size), last_BQH, w_BQ, keep_BN,
+            block_targets(ids_BS, anchors_BN, block_size=block_size), target, w_BQ, keep_BN,
             chunk_rows=chunk_rows, checkpoint=grad_ckpt != "none", fused=ce == "fused",
             compiled=compile_ce, options=dspark,
         )  # fmt: skip

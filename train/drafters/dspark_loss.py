@@ -20,6 +20,10 @@ and the target's logits of a chunk, never [rows, V] for the whole micro-batch. `
 chunk's gradient in the forward (d/dl of CE is q - onehot(y); of ||q - p||_1 it is
 q * (s - <s, q>) with s = sign(q - p)), so nothing is kept or recomputed but d(hidden), d(W1 rows)
 and d(W2); otherwise each chunk runs under non-reentrant activation checkpointing.
+
+Blocks overlap (512 anchors of 16 in 3,072 tokens read each position's state 2.7 times on
+average), so the target's lm_head runs once per distinct state a chunk reads (`TargetRows`,
+`chunk_reads`), not once per row: the same logits, fewer of them.
 """
 
 from __future__ import annotations
@@ -69,20 +73,63 @@ def dspark_loss(cfg: Any) -> DSparkLoss | None:
     )
 
 
+@dataclass(frozen=True)
+class TargetRows:
+    """The target's last hidden states `states_MH` (after the final norm) and, for each loss row,
+    the one it reads (`index_N`, into states_MH): rows of overlapping blocks read one state."""
+
+    states_MH: torch.Tensor
+    index_N: torch.Tensor
+
+    @classmethod
+    def each(cls, last_NH: torch.Tensor) -> TargetRows:
+        """Row n reads state n."""
+        return cls(last_NH, torch.arange(last_NH.shape[0], device=last_NH.device))
+
+    @classmethod
+    def at(cls, last_BSH: torch.Tensor, rows_BQ: torch.Tensor) -> TargetRows:
+        """Slot q of sequence b reads last_BSH[b, rows_BQ[b, q]] (slots in [B, Q] order)."""
+        batch, seq = last_BSH.shape[:2]
+        first_B1 = seq * torch.arange(batch, device=rows_BQ.device)[:, None]
+        return cls(last_BSH.flatten(0, 1), (rows_BQ + first_B1).flatten())
+
+
+def chunk_reads(index_N: torch.Tensor, states: int, chunk_rows: int) -> list:
+    """Per chunk of `chunk_rows` rows: (the distinct states its rows read [U], ascending; each
+    row's place among them [n]). One read of the device's counts for the whole list.
+
+    >>> [(u.tolist(), i.tolist()) for u, i in chunk_reads(torch.tensor([4, 5, 5, 6, 0]), 7, 3)]
+    [([4, 5], [0, 1, 1]), ([0, 6], [1, 0])]
+    """
+    num = index_N.shape[0]
+    chunks = -(-num // chunk_rows)
+    chunk_N = torch.arange(num, device=index_N.device) // chunk_rows
+    distinct, place_N = torch.unique(chunk_N * states + index_N, return_inverse=True)
+    counts = torch.bincount(distinct // states, minlength=chunks).tolist()
+    out, first = [], 0
+    for c, count in enumerate(counts):
+        rows = slice(c * chunk_rows, (c + 1) * chunk_rows)
+        out.append((distinct[first : first + count] % states, place_N[rows] - first))
+        first += count
+    return out
+
+
 def chunk_terms(
     hidden_nH: torch.Tensor,
     emb_nr: torch.Tensor | None,
     lm_head_VH: torch.Tensor,
     w2_Vr: torch.Tensor | None,
     labels_n: torch.Tensor,
-    last_nH: torch.Tensor | None,
+    last_uH: torch.Tensor | None,
+    place_n: torch.Tensor | None,
     weights_n: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sum w CE, sum w L1, L1 per row [n] (zeros without `last_nH`), argmax-correct [n]).
+    """(sum w CE, sum w L1, L1 per row [n] (zeros without `last_uH`), argmax-correct [n]); row i
+    reads the target's state last_uH[place_n[i]].
 
     >>> h, lm = torch.eye(2), torch.tensor([[2.0, 0.0], [0.0, 2.0]])
     >>> ce, l1, l1_n, ok = chunk_terms(h, None, lm, None, torch.tensor([0, 0]), h,
-    ...                                torch.tensor([1.0, 1.0]))
+    ...                                torch.tensor([0, 1]), torch.tensor([1.0, 1.0]))
     >>> round(float(ce), 4), float(l1), ok.tolist()
     (2.2539, 0.0, [True, False])
     """
@@ -92,11 +139,10 @@ def chunk_terms(
     logp_nV = torch.log_softmax(logits_nV.float(), dim=-1)
     ce_n = -logp_nV.gather(1, labels_n[:, None]).squeeze(1)
     l1_n = torch.zeros_like(ce_n)
-    if last_nH is not None:
+    if last_uH is not None:
         with torch.no_grad():
-            target_nV = torch.softmax(
-                F.linear(last_nH.to(lm_head_VH.dtype), lm_head_VH).float(), dim=-1
-            )
+            target_uV = F.linear(last_uH.to(lm_head_VH.dtype), lm_head_VH)
+            target_nV = torch.softmax(target_uV[place_n].float(), dim=-1)
         l1_n = (logp_nV.exp() - target_nV).abs().sum(dim=-1)
     with torch.no_grad():
         correct_n = logits_nV.argmax(dim=-1) == labels_n
@@ -109,14 +155,17 @@ def fused_chunk(
     lm_head_VH: torch.Tensor,
     w2_Vr: torch.Tensor | None,
     labels_n: torch.Tensor,
-    last_nH: torch.Tensor | None,
+    target_uV: torch.Tensor | None,
+    place_n: torch.Tensor | None,
     weights_n: torch.Tensor,
     ce_weight: float,
     l1_weight: float,
 ) -> tuple[torch.Tensor, ...]:
     """`chunk_terms` plus the gradient of ce_weight * CE + l1_weight * L1, formed here:
     (ce, l1, l1_n, correct_n, d/d(hidden) [n, H], d/d(emb) [n, r] or None, d/d(W2) [V, r] or
-    None), in the inputs' dtypes."""
+    None), in the inputs' dtypes. The target's logits `target_uV` come made (the lm_head of
+    the distinct states the chunk reads; rows beyond them unread): a compiled body has one
+    shape, and their number varies."""
     logits_nV = F.linear(hidden_nH, lm_head_VH)
     if emb_nr is not None:
         logits_nV = logits_nV + F.linear(emb_nr, w2_Vr)
@@ -127,10 +176,8 @@ def fused_chunk(
     grad_nV = q_nV * ce_weight
     grad_nV.scatter_add_(1, labels_n[:, None], torch.full_like(ce_n[:, None], -ce_weight))
     l1_n = torch.zeros_like(ce_n)
-    if last_nH is not None:
-        target_nV = torch.softmax(
-            F.linear(last_nH.to(lm_head_VH.dtype), lm_head_VH).float(), dim=-1
-        )
+    if target_uV is not None:
+        target_nV = torch.softmax(target_uV[place_n].float(), dim=-1)
         sign_nV = torch.sign(q_nV - target_nV)
         l1_n = (q_nV - target_nV).abs().sum(dim=-1)
         centred_nV = sign_nV - (sign_nV * q_nV).sum(dim=-1, keepdim=True)
@@ -165,23 +212,38 @@ class DSparkTerms:
 
 
 def _rows(spec: dict, start: int, stop: int, compute_dtype: torch.dtype | None):
-    """The chunk's row tensors (hidden, emb, labels, last, weights), cast to `compute_dtype`."""
-    cast = (lambda t: t) if compute_dtype is None else (lambda t: t.to(compute_dtype))
+    """The chunk's row tensors (hidden, emb, labels, weights), hidden and emb cast to
+    `compute_dtype`."""
     out = []
-    for name in ("hidden_NH", "emb_Nr", "labels_N", "last_NH", "weights_N"):
+    for name in ("hidden_NH", "emb_Nr", "labels_N", "weights_N"):
         t = spec[name]
         t = None if t is None else t[start:stop]
-        out.append(cast(t) if t is not None and name in ("hidden_NH", "emb_Nr", "last_NH") else t)
+        cast = compute_dtype is not None and name in ("hidden_NH", "emb_Nr")
+        out.append(t.to(compute_dtype) if t is not None and cast else t)
     return out
 
 
 def _padded(rows: list, size: int) -> list:
-    """Row tensors padded with zero rows (weight 0, label 0) to `size`: one compiled graph
-    serves every chunk, the last one too."""
+    """Row tensors padded with zero rows (weight 0, label 0, state 0) to `size`: one compiled
+    graph serves every chunk, the last one too."""
     return [
         None if t is None else F.pad(t, (0, 0) * (t.dim() - 1) + (0, size - t.shape[0]))
         for t in rows
     ]
+
+
+def _target_logits(spec: dict, chunk: int, lm_head_VH: torch.Tensor, out: torch.Tensor | None):
+    """(the target's logits of the distinct states chunk `chunk` reads, each row's place among
+    them), or (None, None) without the target; into the first rows of `out` when given."""
+    target = spec["target"]
+    if target is None:
+        return None, None
+    distinct_u, place_n = spec["reads"][chunk]
+    states_uH = target.states_MH[distinct_u].to(lm_head_VH.dtype)
+    if out is None:
+        return F.linear(states_uH, lm_head_VH), place_n
+    torch.mm(states_uH, lm_head_VH.t(), out=out[: distinct_u.shape[0]])
+    return out, place_n
 
 
 def _fused_loop(spec: dict) -> tuple[torch.Tensor, ...]:
@@ -200,13 +262,18 @@ def _fused_loop(spec: dict) -> tuple[torch.Tensor, ...]:
     d_hidden = torch.empty_like(hidden)
     d_emb = None if emb is None else torch.empty_like(emb)
     d_w2 = None if w2 is None else torch.zeros_like(spec["w2_Vr"])
-    for start in range(0, num, size):
-        h, e, labels, last, weights = _rows(spec, start, start + size, dtype)
+    # compiled: the target's logits in one [chunk_rows, V] buffer whatever their number
+    buffer = None
+    if spec["compiled"] and spec["target"] is not None:
+        buffer = torch.empty(size, lm_head.shape[0], dtype=lm_head.dtype, device=dev)
+    for chunk, start in enumerate(range(0, num, size)):
+        h, e, labels, weights = _rows(spec, start, start + size, dtype)
         n = h.shape[0]
-        if spec["compiled"]:
-            h, e, labels, last, weights = _padded([h, e, labels, last, weights], size)
         with torch.autocast(dev.type, enabled=False):
-            out = body(h, e, lm_head, w2, labels, last, weights, *spec["coef"])
+            target_uV, place = _target_logits(spec, chunk, lm_head, buffer)
+            if spec["compiled"]:
+                h, e, labels, place, weights = _padded([h, e, labels, place, weights], size)
+            out = body(h, e, lm_head, w2, labels, target_uV, place, weights, *spec["coef"])
         ce, l1 = ce + out[0], l1 + out[1]
         rows = slice(start, start + n)
         l1_N[rows], correct_N[rows], d_hidden[rows] = out[2][:n], out[3][:n], out[4][:n]
@@ -243,7 +310,7 @@ def chunked_terms(
     lm_head_VH: torch.Tensor,
     w2_Vr: torch.Tensor | None,
     labels_N: torch.Tensor,
-    last_NH: torch.Tensor | None,
+    target: TargetRows | None,
     weights_N: torch.Tensor,
     *,
     chunk_rows: int,
@@ -253,19 +320,24 @@ def chunked_terms(
     compiled: bool = False,
 ) -> DSparkTerms:
     """CE and L1 over rows in chunks of `chunk_rows` (see the module docstring): `emb_Nr` the
-    rows' W1[previous token] (None without a Markov head), `w2_Vr` W2, `last_NH` the target's
-    last hidden state of each row (None: no L1). The lm_head is frozen: its gradient is never
+    rows' W1[previous token] (None without a Markov head), `w2_Vr` W2, `target` the target's
+    last hidden state each row reads (None: no L1). The lm_head is frozen: its gradient is never
     formed. `fused` (with grad) forms each chunk's gradient in the forward; `compiled` runs its
     chunk body through torch.compile. Else, with `checkpoint`, chunks recompute in backward."""
     if chunk_rows <= 0:
         raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
     lm_head_VH, weights_N = lm_head_VH.detach(), weights_N.detach().float()
     grad = torch.is_grad_enabled() and hidden_NH.requires_grad
+    reads = None
+    if target is not None:
+        target = TargetRows(target.states_MH.detach(), target.index_N)
+        reads = chunk_reads(target.index_N, target.states_MH.shape[0], chunk_rows)
     if fused and grad:
         spec = dict(
             lm_head_VH=lm_head_VH,
             labels_N=labels_N,
-            last_NH=last_NH,
+            target=target,
+            reads=reads,
             weights_N=weights_N,
             chunk_rows=chunk_rows,
             coef=coef,
@@ -275,11 +347,14 @@ def chunked_terms(
         return DSparkTerms(*_FusedTerms.apply(hidden_NH, emb_Nr, w2_Vr, spec))
     ce = l1 = hidden_NH.new_zeros((), dtype=torch.float32)
     l1_parts, correct_parts = [], []
-    spec = dict(hidden_NH=hidden_NH, emb_Nr=emb_Nr, labels_N=labels_N, last_NH=last_NH)
-    spec["weights_N"] = weights_N
-    for start in range(0, hidden_NH.shape[0], chunk_rows):
-        h, e, labels, last, weights = _rows(spec, start, start + chunk_rows, None)
-        args = (h, e, lm_head_VH, w2_Vr, labels, last, weights)
+    spec = dict(hidden_NH=hidden_NH, emb_Nr=emb_Nr, labels_N=labels_N, weights_N=weights_N)
+    for chunk, start in enumerate(range(0, hidden_NH.shape[0], chunk_rows)):
+        h, e, labels, weights = _rows(spec, start, start + chunk_rows, None)
+        last = place = None
+        if target is not None:
+            distinct, place = reads[chunk]
+            last = target.states_MH[distinct]
+        args = (h, e, lm_head_VH, w2_Vr, labels, last, place, weights)
         if checkpoint and grad:
             out = activation_checkpoint(chunk_terms, *args, use_reentrant=False)
         else:
@@ -298,7 +373,7 @@ def dspark_step_terms(
     lm_head_VH: torch.Tensor,
     labels_BQ: torch.Tensor,
     prev_BQ: torch.Tensor,
-    last_BQH: torch.Tensor | None,
+    target: TargetRows | None,
     w_BQ: torch.Tensor,
     keep_BN: torch.Tensor,
     *,
@@ -311,15 +386,16 @@ def dspark_step_terms(
     """(loss, sum w, stats) of one micro-batch (see the module docstring).
 
     `hidden_BQH`: the drafter's final hidden states of every slot; `labels_BQ` x[p+k+1],
-    `prev_BQ` x[p+k] (the teacher-forced previous tokens), `last_BQH` the target's last hidden
-    state at rows p+k (None in mode "ce"), `w_BQ` the cumulative slot weights. stats: the
-    `acceptance_stats` of the greedy drafts from slot 0, `dspark_metrics.slot_stats`, and the
-    three terms' sums (`ce_sum`, `l1_sum`, `conf_sum`) and `has_target` (1 when L1 was measured).
+    `prev_BQ` x[p+k] (the teacher-forced previous tokens), `target` the target's last hidden
+    states and, for each slot in [B, Q] order, the one at its row p+k (None in mode "ce"),
+    `w_BQ` the cumulative slot weights. stats: the `acceptance_stats` of the greedy drafts from
+    slot 0, `dspark_metrics.slot_stats`, and the three terms' sums (`ce_sum`, `l1_sum`,
+    `conf_sum`) and `has_target` (1 when L1 was measured).
     """
-    if (options.mode == "full") != (last_BQH is not None):
+    if (options.mode == "full") != (target is not None):
         raise ValueError(
             f"dspark_loss {options.mode!r}: the target's last hidden state is "
-            f"{'missing' if last_BQH is None else 'given but unused'}"
+            f"{'missing' if target is None else 'given but unused'}"
         )
     if options.mode == "ce" and drafter.confidence_head is not None:
         raise ValueError("dspark_loss 'ce' cannot train a confidence head: build it without one")
@@ -331,7 +407,7 @@ def dspark_step_terms(
         lm_head_VH,
         None if head is None else head.markov_w2.weight,
         labels_BQ.flatten(),
-        None if last_BQH is None else last_BQH.flatten(0, 1),
+        target,
         w_BQ.flatten(),
         chunk_rows=chunk_rows,
         coef=options.coefficients,
@@ -353,5 +429,5 @@ def dspark_step_terms(
     stats = acceptance_stats(correct_BQ, w_BQ, keep_BN, **size, first=0)
     stats.update(slot_stats(l1_BQ, w_BQ, keep_BN, correct_BQ, confidence_BQ, **size))
     stats["ce_sum"], stats["l1_sum"], stats["conf_sum"] = terms.ce_sum, terms.l1_sum, conf_sum
-    stats["has_target"] = w_BQ.new_full((), float(last_BQH is not None))
+    stats["has_target"] = w_BQ.new_full((), float(target is not None))
     return loss, w_BQ.sum(), stats
