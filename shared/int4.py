@@ -231,18 +231,28 @@ def _from_le_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def largest_k(a_NH: torch.Tensor, k: int) -> torch.Tensor:
     """Indices [N, k] of the k largest of each row of a (values >= 0), by k passes of argmax
-    (the first of equals): for the few values a record keeps, a radix-select topk cost the
-    compiled encoder a third of its time on a GPU.
+    (the first of equals), each over `a` with the ones taken masked (never a scattered copy:
+    compiled, each pass is one reduction over `a`): for the few values a record keeps, a
+    radix-select topk cost the compiled encoder a third of its time on a GPU.
 
     >>> largest_k(torch.tensor([[0.0, 3.0, 1.0, 3.0]]), 2).tolist()
     [[1, 3]]
     """
     taken = []
+    iota_1H = torch.arange(a_NH.shape[-1], device=a_NH.device)[None]
     for _ in range(k):
-        i = a_NH.argmax(-1, keepdim=True)
-        taken.append(i)
-        a_NH = a_NH.scatter(-1, i, -1.0)
+        masked_NH = a_NH if not taken else torch.where(_among(iota_1H, taken), -1.0, a_NH)
+        taken.append(masked_NH.argmax(-1, keepdim=True))
     return torch.cat(taken, -1) if taken else a_NH.new_zeros(a_NH.shape[0], 0, dtype=torch.long)
+
+
+def _among(iota_1H: torch.Tensor, idx: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+    """bool [N, H]: position h is one of the row's indices (columns [N, 1] or one [N, k])."""
+    columns = idx if isinstance(idx, list) else list(idx.split(1, dim=-1))
+    hit = iota_1H == columns[0]
+    for column in columns[1:]:
+        hit = hit | (iota_1H == column)
+    return hit
 
 
 def _encode_rows(x: torch.Tensor, scheme: Int4Scheme, signs, hadamard) -> torch.Tensor:  # noqa: ANN001
@@ -253,7 +263,9 @@ def _encode_rows(x: torch.Tensor, scheme: Int4Scheme, signs, hadamard) -> torch.
     idx = largest_k(x.abs(), scheme.topk).sort(dim=-1).values  # ascending: they repeat
     idx = torch.where(energy.unsqueeze(-1) > 0, idx, 0)  # all-zero vectors: all-zero bytes
     vals = x.gather(-1, idx)
-    y = rotate_NH(x.scatter(-1, idx, 0.0), signs, hadamard).view(n, H // g, g)
+    iota_1H = torch.arange(H, device=x.device)[None]
+    exact_NH = _among(iota_1H, idx) if scheme.topk else torch.zeros_like(x, dtype=torch.bool)
+    y = rotate_NH(torch.where(exact_NH, 0.0, x), signs, hadamard).view(n, H // g, g)
     q, s, _ = quantize_groups_NGC(y, scheme.clips)
     codes = (q.view(n, H) + 8).to(torch.uint8)
     record = torch.zeros(n, scheme.width, dtype=torch.uint8, device=x.device)
@@ -267,7 +279,7 @@ def _encode_rows(x: torch.Tensor, scheme: Int4Scheme, signs, hadamard) -> torch.
     massive = vals.square().sum(-1) >= scheme.massive_energy * energy
     # The error as decoded: in the rotated code's, a part lies on the exact values' positions.
     decoded = unrotate_NH(((q + 0.5) * scale_of(s).unsqueeze(-1)).view(n, H), signs, hadamard)
-    wrong = (decoded.scatter_(-1, idx, vals) - x).square().sum(-1) > scheme.fp8_above**2 * energy
+    wrong = (torch.where(exact_NH, x, decoded) - x).square().sum(-1) > scheme.fp8_above**2 * energy
     use_fp8 = (massive | wrong) & (energy > 0)
     fq, fscale = quantize_fp8(x)
     fp8 = torch.cat([fq, _le_bytes(fscale.unsqueeze(-1))], 1)
