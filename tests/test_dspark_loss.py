@@ -12,8 +12,9 @@ from tests.drafters import tiny_drafter_config
 from tests.inductor import compile_problem
 from train.drafters.anchors import block_targets, loss_weights
 from train.drafters.dspark import DSparkDrafter, init_dspark_weights
-from train.drafters.dspark_loss import DSparkLoss, TargetRows, chunked_terms, dspark_step_terms
+from train.drafters.dspark_loss import DSparkLoss, chunked_terms, dspark_step_terms
 from train.drafters.dspark_metrics import AUC_BINS, auc, calibration_sums, ece
+from train.drafters.target_rows import TargetRows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

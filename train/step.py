@@ -22,11 +22,12 @@ from train.drafters.anchors import (
 )
 from train.drafters.dflash import DFlashDrafter
 from train.drafters.dflash2_loss import SelectorLoss, selector_step_terms
-from train.drafters.dspark_loss import DSparkLoss, TargetRows, dspark_loss, dspark_step_terms
+from train.drafters.dspark_loss import DSparkLoss, dspark_loss, dspark_step_terms
 from train.drafters.loss import acceptance_stats, chunked_ce, fused_chunked_ce
 from train.drafters.mask import build_masks
 from train.drafters.objective import Objective
 from train.drafters.target_loss import chunked_target_loss
+from train.drafters.target_rows import TargetRows
 from train.options import CE_MODES, GRAD_CKPT_MODES
 from train.prepared import Prepared
 
