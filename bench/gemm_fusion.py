@@ -2,8 +2,9 @@
 
 For a packed row of `--tokens` tokens of a target shape, times (CUDA events, median of `--repeat`)
 the q/k/v projections as three matmuls against one over [Wq; Wk; Wv], and gate/up as two against
-one over [Wg; Wu] (also compiled with the SiLU product after it), beside a bf16 8192^3 matmul
-measured in the same run as the ceiling. A GPU diagnostic for `extract.packed`'s compiled layers.
+one over [Wg; Wu] (also compiled with the SiLU product after it), and the o and down projections,
+beside a bf16 8192^3 matmul measured in the same run as the ceiling (first alone, last 20 back
+to back: a sustained load's clock). A GPU diagnostic for `extract.packed`'s compiled layers.
 
     python bench/gemm_fusion.py --shape qwen3-8b
 """
@@ -61,6 +62,9 @@ def main() -> None:
     ceiling_ms = _time(lambda: a @ a, args.repeat)
     ceiling = 2 * 8192**3 / ceiling_ms / 1e9
     wq, wk, wv, wg, wu = w(nq), w(nkv), w(nkv), w(ff), w(ff)
+    wo, wd = w(d, nq), w(d, ff)
+    xo = torch.randn(args.tokens, nq, device=dev, dtype=dt)
+    xd = torch.randn(args.tokens, ff, device=dev, dtype=dt)
     wqkv, wgu = torch.cat([wq, wk, wv]), torch.cat([wg, wu])
 
     def mlp_apart(x):  # noqa: ANN001, ANN202
@@ -78,6 +82,8 @@ def main() -> None:
         "q, k, v fused": (lambda: F.linear(x, wqkv), nq + 2 * nkv),
         "gate, up apart": (lambda: (F.linear(x, wg), F.linear(x, wu)), 2 * ff),
         "gate, up fused": (lambda: F.linear(x, wgu), 2 * ff),
+        "o (K = heads x head_dim)": (lambda: F.linear(xo, wo), nq),
+        "down (K = intermediate)": (lambda: F.linear(xd, wd), ff),
     }
     for name, fn in (("apart", mlp_apart), ("fused", mlp_fused)):
         compiled = torch.compile(fn, dynamic=False)
@@ -87,6 +93,8 @@ def main() -> None:
         ms = _time(fn, args.repeat)
         tflops = 2 * args.tokens * d * n / ms / 1e9
         print(f"{name:34s} {ms:7.3f} ms  {tflops:5.0f} TFLOP/s  {tflops / ceiling:.3f} of ceiling")
+    sustained_ms = _time(lambda: [a @ a for _ in range(20)], args.repeat) / 20
+    print(f"ceiling again, 20 back to back: {2 * 8192**3 / sustained_ms / 1e9:.0f} TFLOP/s")
 
 
 if __name__ == "__main__":

@@ -107,9 +107,10 @@ def choose_layout(
     pad_id: int,
     backend: str = "inductor",
     attention: str | None = None,
+    fuse: bool = True,
 ) -> PaddedLayout | PackedLayout:
     """The layout to run `body` with: packed (compiled or not) where asked for and proven by the
-    probe, else padded."""
+    probe, else padded. `fuse`: PackedLayout's."""
     if not packed:
         return PaddedLayout(body, pad_id=pad_id)
     device = next(body.parameters()).device
@@ -129,6 +130,7 @@ def choose_layout(
         compile_layers=compile_layers,
         backend=backend,
         attention=attention,
+        fuse=fuse,
     )
     try:
         start, before = time.perf_counter(), compiled_graphs()
