@@ -165,7 +165,9 @@ def choose_layout(
             compile_layers=False,
             chunk_tokens=chunk_tokens,
             pad_id=pad_id,
+            backend=backend,
             attention=attention,
+            fuse=fuse,
         )
     compiled = f"; {graphs} compiled graphs in {first:.1f} s" if compile_layers else ""
     log.info(

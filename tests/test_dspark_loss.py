@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from tests.drafters import tiny_drafter_config
 from tests.inductor import compile_problem
@@ -118,6 +119,23 @@ def test_rows_reading_one_state_get_its_distribution_across_chunk_edges(mode):
     for shared, gathered in zip(*outs, strict=True):
         torch.testing.assert_close(shared, gathered, rtol=0, atol=0)
     assert float(outs[0][0].min()) > 0
+
+
+def test_the_targets_lm_head_runs_once_per_distinct_state_of_a_chunk():
+    # rows read states 1, 2, 2 | 3, 3, 3 | 0, 2 (chunks of 3): 5 lm_head rows, not 8
+    gen = torch.Generator().manual_seed(13)
+    hidden, states = torch.randn(8, 2, generator=gen), torch.randn(4, 2, generator=gen)
+    index, labels = torch.tensor([1, 2, 2, 3, 3, 3, 0, 2]), torch.zeros(8, dtype=torch.long)
+    flops = []
+    for target in (TargetRows(states, index), TargetRows.each(states[index])):
+        with FlopCounterMode(display=False) as counter:
+            chunked_terms(
+                hidden, None, LM_HEAD, None, labels, target, torch.ones(8), chunk_rows=3,
+                coef=(1.0, 1.0), checkpoint=False,
+            )  # fmt: skip
+        flops.append(counter.get_total_flops())
+    vocab, width = LM_HEAD.shape
+    assert flops[1] - flops[0] == (8 - 5) * 2 * width * vocab
 
 
 def test_compiled_chunks_equal_eager_ones_with_shared_reads_and_a_short_last_chunk():

@@ -56,18 +56,46 @@ def test_fused_layers_give_the_same_states_and_undo_gives_the_model_back(kind):
     assert all(type(getattr(mlp, n)) is torch.nn.Linear for n in ("gate_proj", "up_proj"))
 
 
-def test_the_originals_weights_are_views_of_the_one_concatenated_weight():
-    model = _model("qwen3")
-    layer = decoder_layers(model.model)[0]
-    q, k, v = (getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj"))
-    before = [t.clone() for t in (q.weight, k.weight, v.weight)]
-    fuse_projections(layer)
-    fused = layer.self_attn.q_proj.fused.weight
-    assert fused.shape == (64 + 32 + 32, 64)
-    for lin, was in zip((q, k, v), before, strict=True):
-        assert lin.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
-        assert torch.equal(lin.weight, was)
-    assert torch.equal(layer.self_attn.k_proj.weight, before[1])  # the part reads its slice
+def test_fused_in_inference_mode_the_model_comes_back_trainable_and_whole():
+    """The layouts fuse inside inference mode; undone, every weight is a Parameter of its own
+    again (its values, its requires_grad, its own storage) that trains and saves."""
+    model = _model("qwen2")
+    model.model.layers[0].self_attn.k_proj.weight.requires_grad_(False)
+    before = {n: (p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()}
+    numel = sum(p.numel() for p in model.parameters())
+    with torch.inference_mode():
+        undo = [s for layer in decoder_layers(model.model) for s in fuse_projections(layer)]
+        # one copy of the weights while fused: the fused ones replace the projections' own
+        assert sum(p.numel() for p in model.parameters()) == numel
+        assert model.model.layers[0].mlp.up_proj.weight.shape == (96, 64)
+        assert model.model.layers[0].self_attn.v_proj.bias.shape == (32,)
+    for step in undo:
+        step()
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    for name, (value, grad) in before.items():
+        assert torch.equal(after[name], value) and after[name].requires_grad == grad, name
+        assert not after[name].is_inference(), name
+    storages = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    assert len(set(storages)) == len(storages)
+    ids = torch.randint(0, 128, (1, 8))
+    model(ids).logits.sum().backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def test_projections_with_hooks_or_of_another_class_are_left_alone():
+    model = _model("llama")
+    first, second = decoder_layers(model.model)
+    seen = []
+    first.self_attn.k_proj.register_forward_hook(lambda *args: seen.append(1))
+    second.mlp.up_proj = type("Lora", (torch.nn.Linear,), {})(64, 96, bias=False)
+    undo = fuse_projections(first) + fuse_projections(second)
+    assert len(undo) == 2  # first's MLP, second's attention
+    assert type(first.self_attn.k_proj) is torch.nn.Linear
+    assert type(second.mlp.gate_proj) is torch.nn.Linear
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 8)))
+    assert seen == [1]
 
 
 def test_a_compiled_layer_traces_one_linear_per_group():

@@ -184,8 +184,8 @@ def _rows(spec: dict, start: int, stop: int, compute_dtype: torch.dtype | None):
 
 
 def _padded(rows: list, size: int) -> list:
-    """Row tensors padded with zero rows (weight 0, label 0, state 0) to `size`: one compiled
-    graph serves every chunk, the last one too."""
+    """Row tensors padded with zero rows to `size` (weight 0, label 0, place 0: the chunk's
+    first distinct state): one compiled graph serves every chunk, the last one too."""
     return [
         None if t is None else F.pad(t, (0, 0) * (t.dim() - 1) + (0, size - t.shape[0]))
         for t in rows

@@ -33,18 +33,27 @@ class TargetRows:
         return cls(last_BSH.flatten(0, 1), (rows_BQ + first_B1).flatten())
 
 
-def chunk_reads(index_N: torch.Tensor, states: int, chunk_rows: int) -> list:
+def chunk_reads(
+    index_N: torch.Tensor, states: int, chunk_rows: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per chunk of `chunk_rows` rows: (the distinct states its rows read [U], ascending; each
-    row's place among them [n]). One read of the device's counts for the whole list.
+    row's place among them [n]). The counts and the index's range come to the host in one read
+    (torch.unique has waited for the device already).
 
     >>> [(u.tolist(), i.tolist()) for u, i in chunk_reads(torch.tensor([4, 5, 5, 6, 0]), 7, 3)]
     [([4, 5], [0, 1, 1]), ([0, 6], [1, 0])]
+    >>> chunk_reads(torch.tensor([0, 7]), 7, 2)
+    Traceback (most recent call last):
+    ValueError: rows read states 0..7, there are 7
     """
     num = index_N.shape[0]
     chunks = -(-num // chunk_rows)
     chunk_N = torch.arange(num, device=index_N.device) // chunk_rows
     distinct, place_N = torch.unique(chunk_N * states + index_N, return_inverse=True)
-    counts = torch.bincount(distinct // states, minlength=chunks).tolist()
+    counts = torch.bincount(distinct // states, minlength=chunks)
+    *counts, low, high = torch.cat([counts, index_N.min()[None], index_N.max()[None]]).tolist()
+    if low < 0 or high >= states:
+        raise ValueError(f"rows read states {low}..{high}, there are {states}")
     out, first = [], 0
     for c, count in enumerate(counts):
         rows = slice(c * chunk_rows, (c + 1) * chunk_rows)
