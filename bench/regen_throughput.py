@@ -151,6 +151,9 @@ def main() -> None:
         default=1,
         help="server route runs on the one server (its figures: the median run's)",
     )
+    parser.add_argument(
+        "--server-args", default="", help="more arguments of the server, as one string"
+    )
     parser.add_argument("--json", type=Path, help="also write the JSON line here")
     parser.add_argument("--engine-out", type=Path, help=argparse.SUPPRESS)  # the engine route
     args = parser.parse_args()
@@ -182,7 +185,11 @@ def main() -> None:
         local = timed(local_cfg, (extract.regen.regenerate, "regenerate_chats"))
         kv_bytes = int(args.kv_cache_gib * (1 << 30))
         with vllm_server(
-            args.vllm_python, Path(target), max_num_seqs=args.max_num_seqs, kv_cache_bytes=kv_bytes
+            args.vllm_python,
+            Path(target),
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_bytes=kv_bytes,
+            extra=tuple(args.server_args.split()),
         ) as server:
             runs, c = [], args.concurrency
             served_outs = [served_out] + [

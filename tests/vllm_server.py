@@ -55,8 +55,10 @@ def vllm_server(
     max_model_len: int = 1024,
     max_num_seqs: int | None = None,
     kv_cache_bytes: int = CPU_KV_CACHE_BYTES,
+    extra: tuple[str, ...] = (),
 ) -> Iterator[Served]:
-    """`max_num_seqs`: requests vLLM batches at once (None: its own default, 128 on a CPU)."""
+    """`max_num_seqs`: requests vLLM batches at once (None: its own default, 128 on a CPU);
+    `extra`: more of `vllm serve`'s arguments."""
     port = _free_port()
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target)]
     command += ["--served-model-name", name, "--host", "127.0.0.1", "--port", str(port)]
@@ -65,6 +67,7 @@ def vllm_server(
     command += ["--disable-uvicorn-access-log"]
     if max_num_seqs is not None:
         command += ["--max-num-seqs", str(max_num_seqs)]
+    command += list(extra)
     proc = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
