@@ -5,9 +5,8 @@
 - eager: padded batches, each part sorted by length and cut as `python -m extract --compile none`
   cuts it (Hugging Face eager forward, premade masks);
 - compiled: packed rows as the product's default on a GPU runs them (`extract.layouts
-  .choose_layout`: document-masked flex_attention, every layer compiled, q/k/v and gate/up
-  projections fused), its compilation timed apart (it happens in the start-up probe);
-- compiled-unfused (by `--modes` only): the same with every projection its own matmul;
+  .choose_layout`: document-masked flex_attention, every layer compiled), its compilation timed
+  apart (it happens in the start-up probe);
 - the bf16 matmul ceiling (8192^3, measured in the same process), and each mode's MFU by count:
   2 x the decoder layers' parameters per real token, plus the causal attention of each sample
   (4 x heads x head_dim x L(L+1)/2 per full-attention layer); a linear-attention layer's
@@ -170,7 +169,6 @@ def measure(body, rows: list[np.ndarray], mode: str, *, batch_tokens: int, max_l
             chunk_tokens=chunk,
             pad_id=0,
             attention=attention,
-            fuse=mode != "compiled-unfused",
         )
         if layout.name != "packed":
             raise SystemExit("the compiled forward fell back to padded batches: see the log")

@@ -107,10 +107,9 @@ def choose_layout(
     pad_id: int,
     backend: str = "inductor",
     attention: str | None = None,
-    fuse: bool = True,
 ) -> PaddedLayout | PackedLayout:
     """The layout to run `body` with: packed (compiled or not) where asked for and proven by the
-    probe, else padded. `fuse`: PackedLayout's."""
+    probe, else padded."""
     if not packed:
         return PaddedLayout(body, pad_id=pad_id)
     device = next(body.parameters()).device
@@ -130,7 +129,6 @@ def choose_layout(
         compile_layers=compile_layers,
         backend=backend,
         attention=attention,
-        fuse=fuse,
     )
     try:
         start, before = time.perf_counter(), compiled_graphs()
@@ -167,7 +165,6 @@ def choose_layout(
             pad_id=pad_id,
             backend=backend,
             attention=attention,
-            fuse=fuse,
         )
     compiled = f"; {graphs} compiled graphs in {first:.1f} s" if compile_layers else ""
     log.info(

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from extract.fused_linears import fuse_projections
 from extract.linear_attention import PackedGatedDeltaNet, Segments, fla_kernels, supports
 from extract.packed_attention import (
     PACKED_ATTENTION,
@@ -82,14 +81,11 @@ class PackedLayout:
         compile_layers: bool,
         backend: str = "inductor",
         attention: str | None = None,
-        fuse: bool = True,
     ):
         """`backend`: torch.compile's (tests use "eager" to check graphs without Inductor);
-        `attention`: one of ATTENTION_KINDS (default: GPU_ATTENTION on GPUs, else "sdpa");
-        `fuse`: each layer's q/k/v and gate/up projections as one matmul each
-        (`extract.fused_linears`)."""
+        `attention`: one of ATTENTION_KINDS (default: GPU_ATTENTION on GPUs, else "sdpa")."""
         self.body, self.chunk_tokens, self.pad_id = body, chunk_tokens, pad_id
-        self.compiled, self.fuse = compile_layers, fuse
+        self.compiled = compile_layers
         if attention is None:
             attention = GPU_ATTENTION if device.type == "cuda" else "sdpa"
         if attention not in ATTENTION_KINDS:
@@ -121,8 +117,6 @@ class PackedLayout:
                 self._undo.append(
                     lambda layer=layer, inner=inner: setattr(layer, "linear_attn", inner)
                 )
-            if self.fuse:
-                self._undo += fuse_projections(layer)
             if self.compiled:
                 layer.forward = torch.compile(layer.forward, dynamic=False, backend=backend)
                 self._undo.append(lambda layer=layer: vars(layer).pop("forward", None))
@@ -141,8 +135,7 @@ class PackedLayout:
             self.attention, "sdpa, dense mask"
         )
         layers = "compiled" if self.compiled else "eager"
-        fused = ", projections fused" if self.fuse else ""
-        return f"packed rows of {self.chunk_tokens} tokens ({attention}, layers {layers}{fused})"
+        return f"packed rows of {self.chunk_tokens} tokens ({attention}, layers {layers})"
 
     def batches(self, lengths: Sequence[int], *, batch_tokens: int) -> list[list[int]]:
         """Rows (longest first) grouped into packed rows; `batch_tokens` is in chunk_tokens."""
