@@ -246,9 +246,8 @@ def largest_k(a_NH: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat(taken, -1) if taken else a_NH.new_zeros(a_NH.shape[0], 0, dtype=torch.long)
 
 
-def _among(iota_1H: torch.Tensor, idx: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
-    """bool [N, H]: position h is one of the row's indices (columns [N, 1] or one [N, k])."""
-    columns = idx if isinstance(idx, list) else list(idx.split(1, dim=-1))
+def _among(iota_1H: torch.Tensor, columns: list[torch.Tensor]) -> torch.Tensor:
+    """bool [N, H]: position h is one of the row's indices (`columns`, each [N, 1])."""
     hit = iota_1H == columns[0]
     for column in columns[1:]:
         hit = hit | (iota_1H == column)
@@ -264,7 +263,9 @@ def _encode_rows(x: torch.Tensor, scheme: Int4Scheme, signs, hadamard) -> torch.
     idx = torch.where(energy.unsqueeze(-1) > 0, idx, 0)  # all-zero vectors: all-zero bytes
     vals = x.gather(-1, idx)
     iota_1H = torch.arange(H, device=x.device)[None]
-    exact_NH = _among(iota_1H, idx) if scheme.topk else torch.zeros_like(x, dtype=torch.bool)
+    exact_NH = torch.zeros_like(x, dtype=torch.bool)
+    if scheme.topk:
+        exact_NH = _among(iota_1H, list(idx.split(1, dim=-1)))
     y = rotate_NH(torch.where(exact_NH, 0.0, x), signs, hadamard).view(n, H // g, g)
     q, s, _ = quantize_groups_NGC(y, scheme.clips)
     codes = (q.view(n, H) + 8).to(torch.uint8)
