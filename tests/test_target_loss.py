@@ -7,10 +7,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
+from tests.inductor import compile_problem
 from train.drafters.anchors import loss_weights
 from train.drafters.objective import Objective
 from train.drafters.target_loss import chunked_target_loss, dpace_weights
+from train.drafters.target_rows import TargetRows
 
 N, H, V, BLOCK = 12, 8, 13, 3
 
@@ -40,9 +43,10 @@ def dense(hidden, lm_head, last, labels, weights, objective):
 
 def chunked(hidden, lm_head, last, labels, weights, objective, **kw):
     h = hidden.clone().requires_grad_(True)
+    target = TargetRows.each(last) if objective.needs_target else None
     out = chunked_target_loss(
-        h, lm_head, labels, last if objective.needs_target else None, weights,
-        objective=objective, block_size=BLOCK, chunk_rows=2 * BLOCK, **kw,
+        h, lm_head, labels, target, weights, objective=objective, block_size=BLOCK,
+        chunk_rows=2 * BLOCK, **kw,
     )  # fmt: skip
     out.loss.backward()
     return out, h.grad
@@ -58,10 +62,10 @@ def test_chunked_equals_dense_in_value_and_gradient(tensors, loss, fused):
     # 12 rows in chunks of 6, and in chunks of 9 (a shorter last chunk)
     for rows in (2, 3):
         x = tensors[0].clone().requires_grad_(True)
+        target = TargetRows.each(tensors[2]) if objective.needs_target else None
         out = chunked_target_loss(
-            x, tensors[1], tensors[3], tensors[2] if objective.needs_target else None,
-            tensors[4], objective=objective, block_size=BLOCK, chunk_rows=rows * BLOCK,
-            fused=fused,
+            x, tensors[1], tensors[3], target, tensors[4], objective=objective,
+            block_size=BLOCK, chunk_rows=rows * BLOCK, fused=fused,
         )  # fmt: skip
         out.loss.backward()
         assert out.loss.item() == pytest.approx(reference.item(), rel=1e-5)
@@ -161,5 +165,84 @@ def test_the_target_state_must_match_the_loss(tensors):
         chunked_target_loss(hidden, lm_head, labels, None, weights, objective=Objective("kl"),
                             block_size=BLOCK, chunk_rows=BLOCK)  # fmt: skip
     with pytest.raises(ValueError, match="multiple of 3"):
-        chunked_target_loss(hidden, lm_head, labels, last, weights, objective=Objective("kl"),
-                            block_size=BLOCK, chunk_rows=4)  # fmt: skip
+        chunked_target_loss(hidden, lm_head, labels, TargetRows.each(last), weights,
+                            objective=Objective("kl"), block_size=BLOCK, chunk_rows=4)  # fmt: skip
+
+
+# Blocks overlap: rows read states 1, 2, 2 | 3, 3, 3 | 0, 2, 2 | 4, 4, 1 of 5 (chunks of one
+# block of 3 rows), so the repeats lie within chunks and across their edges.
+SHARED_INDEX = torch.tensor([1, 2, 2, 3, 3, 3, 0, 2, 2, 4, 4, 1])
+
+
+def _shared_reads(seed):
+    g = torch.Generator().manual_seed(seed)
+    hidden, lm_head = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g)
+    states = torch.randn(5, H, generator=g) * 2
+    labels = torch.randint(0, V, (N,), generator=g)
+    return hidden, lm_head, states, labels, torch.rand(N, generator=g)
+
+
+@pytest.mark.parametrize("mode", ["plain", "checkpoint", "fused"])
+@pytest.mark.parametrize("loss", ["kl", "tv", "mix"])
+def test_rows_reading_one_state_get_its_distribution_across_chunk_edges(mode, loss):
+    hidden, lm_head, states, labels, weights = _shared_reads(5)
+    outs = []
+    for target in (TargetRows(states, SHARED_INDEX), TargetRows.each(states[SHARED_INDEX])):
+        h = hidden.clone().requires_grad_()
+        out = chunked_target_loss(
+            h, lm_head, labels, target, weights, objective=Objective(loss, kl_weight=0.4),
+            block_size=BLOCK, chunk_rows=BLOCK, fused=mode == "fused",
+            checkpoint=mode == "checkpoint",
+        )  # fmt: skip
+        out.loss.backward()
+        outs.append((out.loss.detach(), out.terms, out.correct_N, h.grad))
+    # the same values, up to the rounding of a matmul over fewer rows
+    for shared, gathered in zip(*outs, strict=True):
+        torch.testing.assert_close(shared, gathered, rtol=1e-5, atol=1e-6)
+    assert float(outs[0][1][2]) > 0  # the kl term was measured
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_targets_lm_head_runs_once_per_distinct_state_of_a_chunk(fused):
+    # 2 + 1 + 2 + 2 = 7 distinct states over the 4 chunks, not 12 rows
+    hidden, lm_head, states, labels, weights = _shared_reads(6)
+    flops = []
+    for target in (TargetRows(states, SHARED_INDEX), TargetRows.each(states[SHARED_INDEX])):
+        with FlopCounterMode(display=False) as counter:
+            chunked_target_loss(
+                hidden, lm_head, labels, target, weights, objective=Objective("kl"),
+                block_size=BLOCK, chunk_rows=BLOCK, fused=fused, checkpoint=False,
+            )  # fmt: skip
+        flops.append(counter.get_total_flops())
+    assert flops[1] - flops[0] == (N - 7) * 2 * H * V
+
+
+def test_a_read_outside_the_states_is_refused():
+    hidden, lm_head, states, labels, weights = _shared_reads(7)
+    index = SHARED_INDEX.clone()
+    index[4] = 5
+    with pytest.raises(ValueError, match="rows read states 0..5, there are 5"):
+        chunked_target_loss(
+            hidden, lm_head, labels, TargetRows(states, index), weights,
+            objective=Objective("kl"), block_size=BLOCK, chunk_rows=BLOCK,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("loss", ["kl", "mix"])
+def test_compiled_chunks_equal_eager_ones_with_shared_reads_and_a_short_last_chunk(loss):
+    reason = compile_problem()
+    if reason:
+        pytest.skip(reason)
+    hidden, lm_head, states, labels, weights = _shared_reads(8)
+    outs = []
+    for compiled in (False, True):
+        h = hidden.clone().requires_grad_()
+        out = chunked_target_loss(
+            h, lm_head, labels, TargetRows(states, SHARED_INDEX), weights,
+            objective=Objective(loss, kl_weight=0.4), block_size=BLOCK, chunk_rows=3 * BLOCK,
+            fused=True, compiled=compiled,
+        )  # fmt: skip
+        out.loss.backward()
+        outs.append((out.loss.detach(), out.terms, out.correct_N, h.grad))
+    for got, want in zip(outs[1], outs[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -212,14 +212,14 @@ def anchored_loss(
         )  # fmt: skip
         return StepOut(weighted_sum=weighted_sum, weight_total=weight_total, stats=stats)
     if not objective.plain_ce:
-        last_BQH = None
+        target = None
         if last_BSH is not None:  # the target's last state at row a + k - 1: its x[a + k]
             rows_BQ = block_rows(anchors_BN - 1, block_size=block_size)
             rows_BQ = rows_BQ.clamp(min=0, max=ids_BS.shape[1] - 1)  # weight 0 outside
-            last_BQH = last_BSH.gather(1, rows_BQ[..., None].expand(-1, -1, last_BSH.shape[-1]))
+            target = TargetRows.at(last_BSH, rows_BQ)
         out = chunked_target_loss(
-            hidden_BQH.flatten(0, 1), lm_head_weight_VH, targets_BQ.flatten(),
-            None if last_BQH is None else last_BQH.flatten(0, 1), w_BQ.flatten(),
+            hidden_BQH.flatten(0, 1), lm_head_weight_VH, targets_BQ.flatten(), target,
+            w_BQ.flatten(),
             objective=objective, block_size=block_size, chunk_rows=chunk_rows,
             fused=ce == "fused", compiled=compile_ce, checkpoint=grad_ckpt != "none",
         )  # fmt: skip

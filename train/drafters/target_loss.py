@@ -10,6 +10,9 @@ chunk's gradient in the forward, nothing kept or recomputed but d(hidden) [N, H]
 gradient of the loss by the drafter's logits is c_ce (q - onehot(y)) + c_kl (q - p) +
 c_tv q (s - <s, q>) / 2 with s = sign(q - p). Otherwise chunks run under non-reentrant activation
 checkpointing and autograd forms it.
+
+Blocks overlap, so rows of a chunk read the same target state many times: the target's lm_head
+runs once per distinct state a chunk reads (`TargetRows`, `chunk_reads`), not once per row.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from train.drafters.loss import autocast_dtype
 from train.drafters.objective import Objective
+from train.drafters.target_rows import TargetRows, chunk_reads
 
 
 def dpace_weights(
@@ -43,27 +47,29 @@ def dpace_weights(
         return (reach_bK.flip(-1).cumsum(dim=-1).flip(-1) * mask_bK).flatten()
 
 
-def _target_logp(last_nH: torch.Tensor, lm_head_VH: torch.Tensor) -> torch.Tensor:
-    """log softmax of the target's logits [n, V], fp32, no grad."""
+def _target_logp(last_uH: torch.Tensor, lm_head_VH: torch.Tensor) -> torch.Tensor:
+    """log softmax of the target's logits [u, V], fp32, no grad."""
     with torch.no_grad():
-        return torch.log_softmax(F.linear(last_nH.to(lm_head_VH.dtype), lm_head_VH).float(), -1)
+        return torch.log_softmax(F.linear(last_uH.to(lm_head_VH.dtype), lm_head_VH).float(), -1)
 
 
 def chunk_terms(
     hidden_nH: torch.Tensor,
     lm_head_VH: torch.Tensor,
     labels_n: torch.Tensor,
-    last_nH: torch.Tensor | None,
+    last_uH: torch.Tensor | None,
+    place_n: torch.Tensor | None,
     weights_n: torch.Tensor,
     coef: tuple[float, float, float],
     dpace: tuple[int, float] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum w loss, [sum w, sum w ce, sum w kl, sum w tv] detached, argmax-correct [n], w [n])
-    of one chunk through autograd; `dpace` (block_size, alpha) replaces the weights by D-PACE's.
+    of one chunk through autograd; row i reads the target's state last_uH[place_n[i]]; `dpace`
+    (block_size, alpha) replaces the weights by D-PACE's.
 
     >>> h, lm = torch.eye(2), torch.tensor([[2.0, 0.0], [0.0, 2.0]])
-    >>> loss, terms, ok, _ = chunk_terms(h, lm, torch.tensor([0, 0]), h, torch.ones(2),
-    ...                                  (0.0, 1.0, 0.0), None)
+    >>> loss, terms, ok, _ = chunk_terms(h, lm, torch.tensor([0, 0]), h, torch.tensor([0, 1]),
+    ...                                  torch.ones(2), (0.0, 1.0, 0.0), None)
     >>> float(loss), [round(x, 4) for x in terms.tolist()], ok.tolist()
     (0.0, [2.0, 2.2539, 0.0, 0.0], [True, False])
     """
@@ -71,8 +77,8 @@ def chunk_terms(
     logq_nV = torch.log_softmax(logits_nV.float(), dim=-1)
     ce_n = -logq_nV.gather(1, labels_n[:, None]).squeeze(1)
     kl_n = tv_n = torch.zeros_like(ce_n)
-    if last_nH is not None:
-        logp_nV = _target_logp(last_nH, lm_head_VH)
+    if last_uH is not None:
+        logp_nV = _target_logp(last_uH, lm_head_VH)[place_n]
         p_nV = logp_nV.exp()
         kl_n = (p_nV * (logp_nV - logq_nV)).sum(dim=-1)
         tv_n = 0.5 * (logq_nV.exp() - p_nV).abs().sum(dim=-1)
@@ -89,13 +95,16 @@ def fused_chunk(
     hidden_nH: torch.Tensor,
     lm_head_VH: torch.Tensor,
     labels_n: torch.Tensor,
-    last_nH: torch.Tensor | None,
+    target_uV: torch.Tensor | None,
+    place_n: torch.Tensor | None,
     weights_n: torch.Tensor,
     coef: tuple[float, float, float],
     dpace: tuple[int, float] | None,
 ) -> tuple[torch.Tensor, ...]:
     """`chunk_terms` with the gradient formed here (see the module docstring): (sum w loss,
-    terms, correct [n], w [n], d(sum w loss)/d(hidden) [n, H] in the logits' dtype)."""
+    terms, correct [n], w [n], d(sum w loss)/d(hidden) [n, H] in the logits' dtype). The
+    target's logits `target_uV` come made (the lm_head of the distinct states the chunk reads;
+    rows beyond them unread): a compiled body has one shape, and their number varies."""
     c_ce, c_kl, c_tv = coef
     logits_nV = F.linear(hidden_nH, lm_head_VH)
     logq_nV = torch.log_softmax(logits_nV.float(), dim=-1)
@@ -105,8 +114,8 @@ def fused_chunk(
     grad_nV = q_nV * (c_ce + c_kl)
     grad_nV.scatter_add_(1, labels_n[:, None], torch.full_like(ce_n[:, None], -c_ce))
     kl_n = tv_n = torch.zeros_like(ce_n)
-    if last_nH is not None:
-        logp_nV = _target_logp(last_nH, lm_head_VH)
+    if target_uV is not None:
+        logp_nV = torch.log_softmax(target_uV[place_n].float(), dim=-1)
         p_nV = logp_nV.exp()
         kl_n = (p_nV * (logp_nV - logq_nV)).sum(dim=-1)
         diff_nV = q_nV - p_nV
@@ -131,18 +140,32 @@ def compiled_fused_chunk():  # noqa: ANN201
     return torch.compile(fused_chunk, dynamic=False)
 
 
+def _target_logits(target: TargetRows | None, read: tuple | None, lm_head_VH, out):  # noqa: ANN001
+    """(the target's logits of the distinct states a chunk reads, each row's place among them),
+    or (None, None) without the target; into the first rows of `out` when given."""
+    if target is None:
+        return None, None
+    distinct_u, place_n = read
+    states_uH = target.states_MH[distinct_u].to(lm_head_VH.dtype)
+    if out is None:
+        return F.linear(states_uH, lm_head_VH), place_n
+    torch.mm(states_uH, lm_head_VH.t(), out=out[: distinct_u.shape[0]])
+    return out, place_n
+
+
 def _fused_loop(
     hidden_NH: torch.Tensor,
     lm_head_VH: torch.Tensor,
     labels_N: torch.Tensor,
-    last_NH: torch.Tensor | None,
+    target: TargetRows | None,
     weights_N: torch.Tensor,
     opts: dict,
 ) -> tuple[torch.Tensor, ...]:
     """Every chunk of `fused_chunk`: (sum w loss, terms, correct [N], w [N], d(hidden) [N, H]).
     Matmuls run in `opts["compute_dtype"]` (the autocast dtype, or None: the inputs' own) with
     autocast off; compiled, the last chunk is padded with zero-weight rows to `chunk_rows`, so
-    one graph serves every chunk (the padded rows are dropped)."""
+    one graph serves every chunk (the padded rows are dropped), and the target's logits come in
+    one [chunk_rows, V] buffer whatever their number."""
     size, dtype = opts["chunk_rows"], opts["compute_dtype"]
     body = compiled_fused_chunk() if opts["compiled"] else fused_chunk
     if dtype is not None:
@@ -153,23 +176,29 @@ def _fused_loop(
     correct_N = torch.zeros(num, dtype=torch.bool, device=dev)
     used_N = torch.zeros(num, dtype=torch.float32, device=dev)
     d_hidden_NH = torch.empty_like(hidden_NH)
-    for start in range(0, num, size):
+    buffer = None
+    if opts["compiled"] and target is not None:
+        buffer = torch.empty(size, lm_head_VH.shape[0], dtype=lm_head_VH.dtype, device=dev)
+    for chunk, start in enumerate(range(0, num, size)):
         rows = slice(start, start + size)
-        h, last = hidden_NH[rows], None if last_NH is None else last_NH[rows]
-        labels, weights = labels_N[rows], weights_N[rows]
+        h, labels, weights = hidden_NH[rows], labels_N[rows], weights_N[rows]
         if dtype is not None:
-            h, last = h.to(dtype), None if last is None else last.to(dtype)
+            h = h.to(dtype)
         n = h.shape[0]
-        if opts["compiled"] and n < size:
-            pad = size - n
-            h, labels, weights = (
-                F.pad(h, (0, 0, 0, pad)),
-                F.pad(labels, (0, pad)),
-                F.pad(weights, (0, pad)),
-            )
-            last = None if last is None else F.pad(last, (0, 0, 0, pad))
+        read = None if target is None else opts["reads"][chunk]
         with torch.autocast(dev.type, enabled=False):
-            out = body(h, lm_head_VH, labels, last, weights, opts["coef"], opts["dpace"])
+            target_uV, place = _target_logits(target, read, lm_head_VH, buffer)
+            if opts["compiled"] and n < size:
+                pad = size - n
+                h, labels, weights = (
+                    F.pad(h, (0, 0, 0, pad)),
+                    F.pad(labels, (0, pad)),
+                    F.pad(weights, (0, pad)),
+                )
+                place = None if place is None else F.pad(place, (0, pad))
+            out = body(
+                h, lm_head_VH, labels, target_uV, place, weights, opts["coef"], opts["dpace"]
+            )
         loss, terms = loss + out[0], terms + out[1]
         rows = slice(start, start + n)
         correct_N[rows], used_N[rows], d_hidden_NH[rows] = out[2][:n], out[3][:n], out[4][:n]
@@ -180,9 +209,9 @@ class _FusedTargetLoss(torch.autograd.Function):
     """Forward forms every chunk's loss and gradient; backward only scales the gradient."""
 
     @staticmethod
-    def forward(ctx, hidden_NH, lm_head_VH, labels_N, last_NH, weights_N, opts):  # noqa: ANN001, ANN205
+    def forward(ctx, hidden_NH, lm_head_VH, labels_N, target, weights_N, opts):  # noqa: ANN001, ANN205
         loss, terms, correct_N, used_N, d_hidden_NH = _fused_loop(
-            hidden_NH.detach(), lm_head_VH, labels_N, last_NH, weights_N, opts
+            hidden_NH.detach(), lm_head_VH, labels_N, target, weights_N, opts
         )
         ctx.save_for_backward(d_hidden_NH)
         ctx.mark_non_differentiable(terms, correct_N, used_N)
@@ -211,7 +240,7 @@ def chunked_target_loss(
     hidden_NH: torch.Tensor,
     lm_head_VH: torch.Tensor,
     labels_N: torch.Tensor,
-    last_NH: torch.Tensor | None,
+    target: TargetRows | None,
     weights_N: torch.Tensor,
     *,
     objective: Objective,
@@ -222,12 +251,13 @@ def chunked_target_loss(
     checkpoint: bool = True,
 ) -> TargetTerms:
     """The objective's loss over rows in chunks of `chunk_rows` (a multiple of `block_size`:
-    D-PACE weighs whole blocks). `last_NH`: the target's last hidden state whose lm_head gives
-    each row's target distribution (None for a loss without it); `weights_N` the slot weights
-    (with D-PACE: 1 where a slot counts). The lm_head is frozen: its gradient is never formed.
+    D-PACE weighs whole blocks). `target`: the target's last hidden states and the one each row
+    reads, whose lm_head gives the row's target distribution (None for a loss without it);
+    `weights_N` the slot weights (with D-PACE: 1 where a slot counts). The lm_head is frozen:
+    its gradient is never formed.
 
     >>> h, lm = torch.eye(2), torch.tensor([[2.0, 0.0], [0.0, 2.0]])
-    >>> out = chunked_target_loss(h, lm, torch.tensor([0, 1]), h, torch.ones(2),
+    >>> out = chunked_target_loss(h, lm, torch.tensor([0, 1]), TargetRows.each(h), torch.ones(2),
     ...                           objective=Objective("kl"), block_size=1, chunk_rows=1)
     >>> float(out.loss), float(out.weight_total), out.correct_N.tolist()
     (0.0, 2.0, [True, True])
@@ -236,18 +266,21 @@ def chunked_target_loss(
         raise ValueError(
             f"chunk_rows must be a positive multiple of {block_size}, got {chunk_rows}"
         )
-    if objective.needs_target != (last_NH is not None):
-        state = "missing" if last_NH is None else "given but unused"
+    if objective.needs_target != (target is not None):
+        state = "missing" if target is None else "given but unused"
         raise ValueError(f"loss {objective.loss!r}: the target's last hidden state is {state}")
-    lm_head_VH, weights_N, labels_N = lm_head_VH.detach(), weights_N.detach().float(), labels_N
-    last_NH = None if last_NH is None else last_NH.detach()
+    lm_head_VH, weights_N = lm_head_VH.detach(), weights_N.detach().float()
+    reads = None
+    if target is not None:
+        target = TargetRows(target.states_MH.detach(), target.index_N)
+        reads = chunk_reads(target.index_N, target.states_MH.shape[0], chunk_rows)
     coef = objective.coefficients
     dpace = (block_size, objective.dpace_alpha) if objective.slot_weights == "dpace" else None
     grad = torch.is_grad_enabled() and hidden_NH.requires_grad
     if fused:
-        opts = dict(chunk_rows=chunk_rows, compiled=compiled, coef=coef, dpace=dpace)
+        opts = dict(chunk_rows=chunk_rows, compiled=compiled, coef=coef, dpace=dpace, reads=reads)
         opts["compute_dtype"] = autocast_dtype(hidden_NH.device.type)
-        args = (lm_head_VH, labels_N, last_NH, weights_N, opts)
+        args = (lm_head_VH, labels_N, target, weights_N, opts)
         if grad:
             loss, terms, correct_N, _ = _FusedTargetLoss.apply(hidden_NH, *args)
         else:
@@ -255,10 +288,14 @@ def chunked_target_loss(
         return TargetTerms(loss, weights_N.sum(), terms, correct_N)
     loss = hidden_NH.new_zeros((), dtype=torch.float32)
     terms, correct_parts = hidden_NH.new_zeros(4, dtype=torch.float32), []
-    for start in range(0, hidden_NH.shape[0], chunk_rows):
+    for chunk, start in enumerate(range(0, hidden_NH.shape[0], chunk_rows)):
         rows = slice(start, start + chunk_rows)
-        last = None if last_NH is None else last_NH[rows]
-        args = (hidden_NH[rows], lm_head_VH, labels_N[rows], last, weights_N[rows], coef, dpace)
+        last = place = None
+        if target is not None:
+            distinct, place = reads[chunk]
+            last = target.states_MH[distinct]
+        args = (hidden_NH[rows], lm_head_VH, labels_N[rows], last, place, weights_N[rows])
+        args += (coef, dpace)
         if checkpoint and grad:
             out = activation_checkpoint(chunk_terms, *args, use_reentrant=False)
         else:
