@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import drafter_setup as ds  # noqa: E402  (also puts the project root on sys.path)
-from train_flops import flops_summary, mean_context_keys, step_flops  # noqa: E402
+from train_flops import flops_summary, mean_context_keys, mean_target_rows, step_flops  # noqa: E402
 
 from train.config import TrainConfig  # noqa: E402
 from train.data.loader import PartInfo  # noqa: E402
@@ -171,6 +171,13 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
     keys = mean_context_keys(
         ds.prompt_mask(1, args.seq_len)[0], anchors=args.anchors, block_size=cfg.block_size
     )
+    target_rows = mean_target_rows(
+        ds.prompt_mask(args.batch, args.seq_len),
+        anchors=args.anchors,
+        block_size=cfg.block_size,
+        chunk_rows=trainer.cfg.ce_chunk_blocks * cfg.block_size,
+        shift=int(cfg.anchor_predicts),
+    )
     flops = step_flops(
         cfg,
         batch=args.batch,
@@ -178,6 +185,7 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         anchors=args.anchors,
         keys_per_query=keys,
         loss=trainer.cfg.loss,
+        target_rows=target_rows,
     )
     defaults = resolve_devices(TrainConfig(data=cache, out=cache), device.type)
     return {

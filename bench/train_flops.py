@@ -9,7 +9,9 @@ the block tokens; for dflash2 also each layer's two convolutions (kernel_project
 per-channel taps) and the selector (hidden_projection and the rank-r scores of the K
 candidates); for dspark also the Markov bias (W2 on the rank-r embedding of every block token),
 the confidence head; for dspark and a --loss against the target's distribution the target's
-lm_head on its last hidden state at the block rows (no gradient: counted once, forward only).
+lm_head on its last hidden state at the distinct rows each loss chunk reads (blocks overlap; the
+step runs it once per distinct state of a chunk: `mean_target_rows`, the mean over draws of the
+step's own anchor sampler; no gradient: counted once, forward only).
 `mfu` = 3 x forward FLOPs / step time / 989 TFLOP/s (H200 dense bf16, datasheet).
 Activation-checkpoint recomputation is not counted. `mfu_needed` counts only the backward work
 the step has to do: the frozen lm_head needs no weight gradient and fc no input gradient, so
@@ -22,8 +24,10 @@ from typing import Any
 
 import torch
 
+from train.drafters.anchors import block_rows, sample_anchors
 from train.drafters.config import DrafterConfig
 from train.drafters.objective import TARGET_LOSSES
+from train.drafters.target_rows import chunk_reads
 
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16, datasheet
 
@@ -39,6 +43,30 @@ def mean_context_keys(mask_S: torch.Tensor, *, anchors: int, block_size: int) ->
     return (seen + (blocks - kept)) / blocks
 
 
+def mean_target_rows(
+    mask_BS: torch.Tensor,
+    *,
+    anchors: int,
+    block_size: int,
+    chunk_rows: int,
+    shift: int,
+    draws: int = 16,
+) -> float:
+    """Mean rows of the target's lm_head in a micro-batch of one sample per row: per loss chunk
+    of `chunk_rows` slots, the distinct rows its blocks read (a + k - 1 + shift, as the step),
+    over `draws` draws of the step's anchor sampler."""
+    gen = torch.Generator().manual_seed(0)
+    doc_ids_BS = torch.zeros_like(mask_BS, dtype=torch.long)
+    seq = mask_BS.shape[1]
+    total = 0
+    for _ in range(draws):
+        anchors_BN, _ = sample_anchors(mask_BS, doc_ids_BS, num_anchors=anchors, generator=gen)
+        rows_BQ = block_rows(anchors_BN - 1 + shift, block_size=block_size).clamp(0, seq - 1)
+        index_N = (rows_BQ + seq * torch.arange(rows_BQ.shape[0])[:, None]).flatten()
+        total += sum(u.numel() for u, _ in chunk_reads(index_N, mask_BS.numel(), chunk_rows))
+    return total / draws
+
+
 def step_flops(
     cfg: DrafterConfig,
     *,
@@ -47,8 +75,10 @@ def step_flops(
     anchors: int,
     keys_per_query: float,
     loss: str = "ce",
+    target_rows: float | None = None,
 ) -> dict[str, float]:
-    """Forward FLOPs of one micro-batch by part (see the module docstring)."""
+    """Forward FLOPs of one micro-batch by part (see the module docstring); `target_rows` the
+    rows of the target's lm_head (`mean_target_rows`; None: one per block slot)."""
     h, d = cfg.hidden_size, cfg.head_dim
     q_dim, kv_dim = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     ctx = batch * seq_len
@@ -76,7 +106,8 @@ def step_flops(
         out["markov"] = 2 * blk * r * cfg.vocab_size
         out["confidence"] = 2 * blk * (h + r) if cfg.enable_confidence_head else 0
     if cfg.drafter_type == "dspark" or loss in TARGET_LOSSES:
-        out["target_lm_head"] = 2 * blk * h * cfg.vocab_size  # forward only
+        rows = blk if target_rows is None else target_rows
+        out["target_lm_head"] = 2 * rows * h * cfg.vocab_size  # forward only
     return out
 
 
