@@ -254,6 +254,14 @@ def _among(iota_1H: torch.Tensor, columns: list[torch.Tensor]) -> torch.Tensor:
     return hit
 
 
+def _decoded_at(dq_NGC, idx_Nk, signs_H, hadamard):  # noqa: ANN001, ANN202
+    """The decoded values [N, k] at positions idx of the rotated code dq [N, G, C]:
+    `unrotate_NH` of each position's group alone."""
+    g = hadamard.shape[0]
+    group_NkC = dq_NGC.gather(1, (idx_Nk // g)[..., None].expand(-1, -1, g))
+    return (group_NkC * hadamard[idx_Nk % g]).sum(-1) * signs_H[idx_Nk]
+
+
 def _encode_rows(x: torch.Tensor, scheme: Int4Scheme, signs, hadamard) -> torch.Tensor:  # noqa: ANN001
     """uint8 records [n, W] of bf16 rows [n, H]."""
     n, H, g = x.shape[0], scheme.hidden, scheme.group
@@ -267,7 +275,7 @@ def _encode_rows(x: torch.Tensor, scheme: Int4Scheme, signs, hadamard) -> torch.
     if scheme.topk:
         exact_NH = _among(iota_1H, list(idx.split(1, dim=-1)))
     y = rotate_NH(torch.where(exact_NH, 0.0, x), signs, hadamard).view(n, H // g, g)
-    q, s, _ = quantize_groups_NGC(y, scheme.clips)
+    q, s, err_NG = quantize_groups_NGC(y, scheme.clips)
     codes = (q.view(n, H) + 8).to(torch.uint8)
     record = torch.zeros(n, scheme.width, dtype=torch.uint8, device=x.device)
     parts = [
@@ -278,9 +286,12 @@ def _encode_rows(x: torch.Tensor, scheme: Int4Scheme, signs, hadamard) -> torch.
     ]
     record[:, : scheme.int4_bytes] = torch.cat(parts, 1)
     massive = vals.square().sum(-1) >= scheme.massive_energy * energy
-    # The error as decoded: in the rotated code's, a part lies on the exact values' positions.
-    decoded = unrotate_NH(((q + 0.5) * scale_of(s).unsqueeze(-1)).view(n, H), signs, hadamard)
-    wrong = (torch.where(exact_NH, x, decoded) - x).square().sum(-1) > scheme.fp8_above**2 * energy
+    # The error as decoded, off the exact values' positions (there the exact value is put back):
+    # the rotation keeps squared norms, so the code's error in the rotated domain less the
+    # decoded values at those positions (where the rotated vector had 0), without unrotating it.
+    dq_NGC = (q + 0.5) * scale_of(s).unsqueeze(-1)
+    err = err_NG.sum(-1) - _decoded_at(dq_NGC, idx, signs, hadamard).square().sum(-1)
+    wrong = err > scheme.fp8_above**2 * energy
     use_fp8 = (massive | wrong) & (energy > 0)
     fq, fscale = quantize_fp8(x)
     fp8 = torch.cat([fq, _le_bytes(fscale.unsqueeze(-1))], 1)

@@ -114,6 +114,25 @@ def test_what_the_code_gets_wrong_goes_to_fp8():
     assert relative_error(round_trip(x[:1], plain)[1], x[:1]) > SCHEME.fp8_above
 
 
+def test_the_fp8_fallback_follows_the_decoded_error_at_its_threshold():
+    """The encoder judges a vector's code by its error as decoded, off the exact values'
+    positions (where decoding puts the exact value back), without decoding it: with the
+    threshold at the median error of 400 vectors, each goes to fp8 exactly when its decoded
+    int4 code errs by more (the rotated code's own error, which also counts the exact
+    positions, would send more)."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(400, H, generator=g) * torch.rand(400, 1, generator=g)).to(torch.bfloat16)
+    x = x.float()
+    plain = dataclasses.replace(SCHEME, fp8_above=1e9)
+    err = relative_error(round_trip(x, plain)[1], x)
+    threshold = float(err.median())
+    records = encode_int4(x, dataclasses.replace(SCHEME, fp8_above=threshold))
+    clear = (err / threshold - 1).abs() > 1e-5  # not within rounding of the threshold
+    assert clear.sum() > 390
+    assert torch.equal(is_fp8(records)[clear], (err > threshold)[clear])
+    assert 150 < int(is_fp8(records).sum()) < 250
+
+
 def test_all_zero_tokens_and_groups_decode_to_exact_zeros():
     x = torch.zeros(3, H)
     x[1, 70:] = torch.linspace(-2, 2, H - 70)  # its first group all zero
