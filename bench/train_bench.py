@@ -14,7 +14,9 @@ out take the product's defaults for the device (flex and model on CUDA), set up 
 
 Prints one JSON line (and writes --json): the first step's wall time (compilation included)
 apart from the steady state (the mean over --steps after --warmup steps, timed with CUDA events
-between steps, perf_counter on CPU), context tokens/s, achieved TFLOP/s, MFU, peak GPU memory.
+between steps, perf_counter on CPU), context tokens/s, achieved TFLOP/s, MFU against the
+datasheet peak and against a bf16 8192^3 matmul timed in the same run (`ceiling_tflops`,
+`mfu_of_ceiling`), peak GPU memory.
 
 --drafter-type dflash2 times the DFlash2 drafter (same attention and settings; the convolutions
 and the selector's loss added, `train/drafters/dflash2.py`, `train/drafters/dflash2_loss.py`).
@@ -43,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import drafter_setup as ds  # noqa: E402  (also puts the project root on sys.path)
+from forward_modes import matmul_tflops  # noqa: E402
 from train_flops import flops_summary, mean_context_keys, mean_target_rows, step_flops  # noqa: E402
 
 from train.config import TrainConfig  # noqa: E402
@@ -225,7 +228,12 @@ def bench_training(args: argparse.Namespace, device: torch.device) -> dict[str, 
         "warmup": args.warmup,
         "steps": args.steps,
         **timing,
-        **flops_summary(flops, timing["step_ms"] / 1e3, tokens=args.batch * args.seq_len),
+        **flops_summary(
+            flops,
+            timing["step_ms"] / 1e3,
+            tokens=args.batch * args.seq_len,
+            ceiling_tflops=matmul_tflops(device),
+        ),
         **device_facts(device),
         **({"kernels": kernels} if kernels else {}),
     }

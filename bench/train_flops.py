@@ -12,7 +12,9 @@ the confidence head; for dspark and a --loss against the target's distribution t
 lm_head on its last hidden state at the distinct rows each loss chunk reads (blocks overlap; the
 step runs it once per distinct state of a chunk: `mean_target_rows`, the mean over draws of the
 step's own anchor sampler; no gradient: counted once, forward only).
-`mfu` = 3 x forward FLOPs / step time / 989 TFLOP/s (H200 dense bf16, datasheet).
+`mfu` = 3 x forward FLOPs / step time / 989 TFLOP/s (H200 dense bf16, datasheet);
+`mfu_of_ceiling` the same against the bf16 8192^3 matmul measured in the same run
+(`forward_modes.matmul_tflops`), what the device's matmuls reach in practice.
 Activation-checkpoint recomputation is not counted. `mfu_needed` counts only the backward work
 the step has to do: the frozen lm_head needs no weight gradient and fc no input gradient, so
 those two count 2x instead of 3x.
@@ -111,7 +113,11 @@ def step_flops(
     return out
 
 
-def flops_summary(flops: dict[str, float], step_s: float, *, tokens: int) -> dict[str, Any]:
+def flops_summary(
+    flops: dict[str, float], step_s: float, *, tokens: int, ceiling_tflops: float | None = None
+) -> dict[str, Any]:
+    """Throughput and MFU of a step of `step_s` seconds with forward FLOPs `flops`, against the
+    datasheet peak and, given `ceiling_tflops`, against a matmul measured in the same run."""
     forward = sum(flops.values())
     target_head = flops.get("target_lm_head", 0.0)  # no gradient at all: once, not 3x
     done = 3 * forward - 2 * target_head
@@ -123,4 +129,13 @@ def flops_summary(flops: dict[str, float], step_s: float, *, tokens: int) -> dic
         "mfu": done / step_s / PEAK_BF16_FLOPS,
         "tflops_needed": needed / step_s / 1e12,
         "mfu_needed": needed / step_s / PEAK_BF16_FLOPS,
+        **(
+            {
+                "ceiling_tflops": ceiling_tflops,
+                "mfu_of_ceiling": done / step_s / (ceiling_tflops * 1e12),
+                "mfu_needed_of_ceiling": needed / step_s / (ceiling_tflops * 1e12),
+            }
+            if ceiling_tflops
+            else {}
+        ),
     }
