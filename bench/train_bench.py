@@ -24,7 +24,8 @@ and the selector's loss added, `train/drafters/dflash2.py`, `train/drafters/dfla
 `train/drafters/dspark_loss.py`, reading one more cached layer, the target's last); its block is
 7 unless --block-size says otherwise: `--block-size 16` compares it with DFlash at the same
 block tokens. --loss kl|tv|mix times DFlash's loss against the target's distribution (one more
-cached layer, the target's last, through its lm_head at the block rows, no gradient).
+cached layer, the target's last, through its lm_head at the distinct rows each loss chunk reads,
+no gradient; counted so by `mean_target_rows`).
 
 Model FLOPs and MFU: `bench/train_flops.py`.
 """

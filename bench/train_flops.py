@@ -56,7 +56,12 @@ def mean_target_rows(
 ) -> float:
     """Mean rows of the target's lm_head in a micro-batch of one sample per row: per loss chunk
     of `chunk_rows` slots, the distinct rows its blocks read (a + k - 1 + shift, as the step),
-    over `draws` draws of the step's anchor sampler."""
+    over `draws` draws of the step's anchor sampler.
+
+    >>> mask = torch.ones(1, 4, dtype=torch.uint8)  # anchors 0, 1, 2: blocks 0-1, 1-2, 2-3
+    >>> [mean_target_rows(mask, anchors=3, block_size=2, chunk_rows=c, shift=1) for c in (6, 2)]
+    [4.0, 6.0]
+    """
     gen = torch.Generator().manual_seed(0)
     doc_ids_BS = torch.zeros_like(mask_BS, dtype=torch.long)
     seq = mask_BS.shape[1]

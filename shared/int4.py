@@ -256,7 +256,8 @@ def _among(iota_1H: torch.Tensor, columns: list[torch.Tensor]) -> torch.Tensor:
 
 def _decoded_at(dq_NGC, idx_Nk, signs_H, hadamard):  # noqa: ANN001, ANN202
     """The decoded values [N, k] at positions idx of the rotated code dq [N, G, C]:
-    `unrotate_NH` of each position's group alone."""
+    `unrotate_NH` of each position's group alone (the matrix's row for its column: Sylvester's
+    matrix is symmetric)."""
     g = hadamard.shape[0]
     group_NkC = dq_NGC.gather(1, (idx_Nk // g)[..., None].expand(-1, -1, g))
     return (group_NkC * hadamard[idx_Nk % g]).sum(-1) * signs_H[idx_Nk]
@@ -288,7 +289,8 @@ def _encode_rows(x: torch.Tensor, scheme: Int4Scheme, signs, hadamard) -> torch.
     massive = vals.square().sum(-1) >= scheme.massive_energy * energy
     # The error as decoded, off the exact values' positions (there the exact value is put back):
     # the rotation keeps squared norms, so the code's error in the rotated domain less the
-    # decoded values at those positions (where the rotated vector had 0), without unrotating it.
+    # squared decoded values at those positions (where x, before its rotation, was set to 0),
+    # without unrotating the vector.
     dq_NGC = (q + 0.5) * scale_of(s).unsqueeze(-1)
     err = err_NG.sum(-1) - _decoded_at(dq_NGC, idx, signs, hadamard).square().sum(-1)
     wrong = err > scheme.fp8_above**2 * energy
