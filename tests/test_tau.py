@@ -67,3 +67,44 @@ def test_files_of_other_drafters_on_the_same_prompts_add_them(tmp_path):
     assert [x["prompts"] for x in out] == [2, 2, 2]
     n_s = {k: ([t * s for t, s in v], [s for _, s in v]) for k, v in rows.items()}
     assert out[2]["vs_first"] == paired_difference(n_s["A"], n_s["C"])
+
+
+def test_two_groups_are_compared_pair_by_pair_by_their_mean_and_pooled(tmp_path):
+    # seeds 0 and 1 of a recipe on two caches, decoded side by side on the same 3 prompts
+    rows = {
+        "bf16/seed-0": [(1.2, 10), (1.1, 20), (1.3, 10)],
+        "int4/seed-0": [(1.2, 10), (1.0, 22), (1.3, 10)],
+        "bf16/seed-1": [(1.4, 10), (1.1, 20), (1.2, 10)],
+        "int4/seed-1": [(1.5, 10), (1.1, 20), (1.2, 10)],
+    }
+    spec = tmp_path / "spec.txt"
+    spec.write_text("\n".join(summary(name, r) for name, r in rows.items()) + "\n")
+    r = CliRunner().invoke(main, [str(spec), "--compare", "bf16/", "int4/", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output.splitlines()[-1])["compare"]
+
+    def ns(name):
+        return [t * s for t, s in rows[name]], [s for _, s in rows[name]]
+
+    pairs = [paired_difference(ns(f"bf16/seed-{i}"), ns(f"int4/seed-{i}")) for i in (0, 1)]
+    assert [p[2] for p in out["pairs"]] == pairs
+    rel = [p["relative"] for p in pairs]
+    assert out["mean"] == sum(rel) / 2
+    assert out["mean_se"] == abs(rel[0] - rel[1]) / 2  # sd of two over sqrt(2)
+    summed = [
+        [sum(x) for x in zip(ns(f"{g}/seed-0")[k], ns(f"{g}/seed-1")[k], strict=True)]
+        for g in ("bf16", "int4")
+        for k in (0, 1)
+    ]
+    assert out["pooled"] == paired_difference(summed[:2], summed[2:])
+    assert "pooled" in r.output and "(over pairs)" in r.output
+
+
+def test_groups_of_other_sizes_or_overlapping_names_are_refused(tmp_path):
+    spec = tmp_path / "spec.txt"
+    rows = [(1.2, 10), (1.1, 20)]
+    spec.write_text("\n".join(summary(n, rows) for n in ("a/0", "a/1", "b/0")) + "\n")
+    r = CliRunner().invoke(main, [str(spec), "--compare", "a/", "b/"])
+    assert r.exit_code != 0 and "2 drafters named with 'a/' against 1" in r.output
+    r = CliRunner().invoke(main, [str(spec), "--compare", "/", "a/"])
+    assert r.exit_code != 0 and "named with both" in r.output

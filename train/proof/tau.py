@@ -13,6 +13,12 @@ on the same prompts differ far less than two independent samples of prompts woul
 easy for one is easy for the other. `paired_difference` gives tau_b / tau_a - 1 with the
 standard error of the paired per-prompt terms, and the one the two independent errors would
 give, so a report shows how much the pairing resolves.
+
+`--compare A B` pairs two groups of drafters, those whose names contain A with those whose names
+contain B, one to one in order (e.g. the seeds of a recipe trained on two caches): each pair's
+paired difference, their mean with the standard error over pairs (what the seeds' spread
+says), and the groups pooled (each prompt's tokens and steps summed over the group, then paired
+by prompt: what the prompts' spread says).
 """
 
 from __future__ import annotations
@@ -116,12 +122,74 @@ def read_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
     return list(runs.values())
 
 
+def compare_groups(runs: Sequence[dict[str, Any]], a: str, b: str) -> dict[str, Any]:
+    """Drafters named with `a` against those named with `b`, paired one to one in order (see
+    the module docstring): {"pairs": [(name a, name b, paired_difference)], "mean", "mean_se"
+    (None for one pair), "pooled": paired_difference of the summed groups}.
+
+    >>> r = lambda name, n: {"drafter": name, "n": n, "s": [10.0, 10.0]}
+    >>> out = compare_groups([r("x/s0", [11, 12]), r("y/s0", [12, 12]), r("x/s1", [11, 13]),
+    ...                       r("y/s1", [11, 14])], "x/", "y/")
+    >>> [round(p[2]["relative"], 4) for p in out["pairs"]], round(out["mean"], 4)
+    ([0.0435, 0.0417], 0.0426)
+    >>> round(out["pooled"]["relative"], 4)  # (24 + 26) / (22 + 25) - 1
+    0.0426
+    """
+    group_a = [r for r in runs if a in r["drafter"]]
+    group_b = [r for r in runs if b in r["drafter"]]
+    if both := [r["drafter"] for r in group_a if b in r["drafter"]]:
+        raise click.ClickException(f"--compare: {both[0]} is named with both {a!r} and {b!r}")
+    if not group_a or len(group_a) != len(group_b):
+        raise click.ClickException(
+            f"--compare: {len(group_a)} drafters named with {a!r} against {len(group_b)} with "
+            f"{b!r}: give as many of each, in the same order"
+        )
+    pairs = [
+        (x["drafter"], y["drafter"], paired_difference((x["n"], x["s"]), (y["n"], y["s"])))
+        for x, y in zip(group_a, group_b, strict=True)
+    ]
+    rel = [d["relative"] for _, _, d in pairs]
+    mean = sum(rel) / len(rel)
+    mean_se = None
+    if len(rel) > 1:
+        mean_se = math.sqrt(sum((x - mean) ** 2 for x in rel) / (len(rel) - 1) / len(rel))
+
+    def pooled(group: list[dict[str, Any]], key: str) -> list[float]:
+        return [sum(vals) for vals in zip(*(r[key] for r in group), strict=True)]
+
+    summed = [(pooled(g, "n"), pooled(g, "s")) for g in (group_a, group_b)]
+    return {"pairs": pairs, "mean": mean, "mean_se": mean_se, "pooled": paired_difference(*summed)}
+
+
+def _compare_lines(out: dict[str, Any], a: str, b: str) -> list[str]:
+    lines = [f"{a!r} against {b!r}, paired one to one:"]
+    for x, y, d in out["pairs"]:
+        lines.append(
+            f"  {y} against {x}: {100 * d['relative']:+.2f}% +- {100 * d['paired_se']:.2f}%"
+        )
+    se = "" if out["mean_se"] is None else f" +- {100 * out['mean_se']:.2f}% (over pairs)"
+    p = out["pooled"]
+    lines.append(f"  mean {100 * out['mean']:+.2f}%{se}")
+    lines.append(
+        f"  pooled {100 * p['relative']:+.2f}% +- {100 * p['paired_se']:.2f}% (over prompts)"
+    )
+    return lines
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("spec", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="print one JSON line last")
-def main(spec: tuple[Path, ...], as_json: bool) -> None:
+@click.option(
+    "--compare",
+    nargs=2,
+    default=None,
+    metavar="A B",
+    help="also pair the drafters named with A one to one with those named with B",
+)
+def main(spec: tuple[Path, ...], as_json: bool, compare: tuple[str, str] | None) -> None:
     """tau of each drafter with its standard error, and each one against the first, paired."""
     runs = read_runs(spec)
+    compared = None if compare is None else compare_groups(runs, *compare)
     out = []
     for run in runs:
         tau, se = ratio_se(run["n"], run["s"])
@@ -138,8 +206,10 @@ def main(spec: tuple[Path, ...], as_json: bool) -> None:
             line += "; NOT lossless against greedy"
         click.echo(line)
         out.append(row)
+    if compared is not None:
+        click.echo("\n".join(_compare_lines(compared, *compare)))
     if as_json:
-        click.echo(json.dumps(out))
+        click.echo(json.dumps(out if compared is None else {"drafters": out, "compare": compared}))
 
 
 if __name__ == "__main__":
