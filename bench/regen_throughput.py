@@ -15,7 +15,9 @@ Prints one JSON line: new tokens per second of each route, the ratios to the loc
 whether the outputs are the same bytes (greedy decoding: they should be). `--repeat N` runs the
 server route N times on the one server (after the first, vLLM's prefix cache holds the rows'
 prompts): its figures are the median run's, every run's speed listed beside them; every run's
-output is compared.
+output is compared. Each server run also reports `server_cpu_s`: the CPU seconds (user and
+system, from /proc) of each of the server's processes in it (API server, engine core, worker),
+beside the client's own `cpu_s`: on a machine of few cores, where the cores went.
 """
 
 from __future__ import annotations
@@ -47,6 +49,28 @@ def cpu_model() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.machine()
+
+
+def process_tree_cpu_s(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of process `root` and its descendants, by
+    "name pid", from /proc (Linux; empty elsewhere)."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    stats: dict[int, tuple[int, str, float]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            text = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :]
+        fields = rest.split()  # from field 3 (state): ppid is 4, utime 14, stime 15
+        stats[int(entry.name)] = (int(fields[1]), name, (int(fields[11]) + int(fields[12])) / ticks)
+    tree, frontier = {}, [root]
+    while frontier:
+        pid = frontier.pop()
+        if pid in stats:
+            tree[f"{stats[pid][1]} {pid}"] = stats[pid][2]
+            frontier += [child for child, (ppid, _, _) in stats.items() if ppid == pid]
+    return tree
 
 
 def timed(cfg: RegenConfig, generation: tuple[Any, str] | None = None) -> dict[str, Any]:
@@ -196,7 +220,13 @@ def main() -> None:
                 Path(tmp) / f"served-{i}.jsonl" for i in range(1, args.repeat)
             ]
             for out in served_outs:
-                runs.append(timed(RegenConfig(out=out, server=server.url, concurrency=c, **common)))
+                before = process_tree_cpu_s(server.proc.pid)
+                figures = timed(RegenConfig(out=out, server=server.url, concurrency=c, **common))
+                after = process_tree_cpu_s(server.proc.pid)
+                figures["server_cpu_s"] = {
+                    name: round(t - before.get(name, 0.0), 2) for name, t in after.items()
+                }
+                runs.append(figures)
             served = median_run(runs)
         engine = engine_route(args, common, engine_out)
         same = {
