@@ -40,7 +40,7 @@ from train.drafters.config import DSPARK_LOSSES
 from train.drafters.dspark import DSparkDrafter
 from train.drafters.dspark_metrics import slot_stats
 from train.drafters.loss import acceptance_stats, autocast_dtype
-from train.drafters.target_rows import TargetRows, chunk_reads
+from train.drafters.target_rows import TargetRows, chunk_logits, chunk_reads
 
 
 @dataclass(frozen=True)
@@ -192,20 +192,6 @@ def _padded(rows: list, size: int) -> list:
     ]
 
 
-def _target_logits(spec: dict, chunk: int, lm_head_VH: torch.Tensor, out: torch.Tensor | None):
-    """(the target's logits of the distinct states chunk `chunk` reads, each row's place among
-    them), or (None, None) without the target; into the first rows of `out` when given."""
-    target = spec["target"]
-    if target is None:
-        return None, None
-    distinct_u, place_n = spec["reads"][chunk]
-    states_uH = target.states_MH[distinct_u].to(lm_head_VH.dtype)
-    if out is None:
-        return F.linear(states_uH, lm_head_VH), place_n
-    torch.mm(states_uH, lm_head_VH.t(), out=out[: distinct_u.shape[0]])
-    return out, place_n
-
-
 def _fused_loop(spec: dict) -> tuple[torch.Tensor, ...]:
     """Every chunk of `fused_chunk`: (ce, l1, l1_N, correct_N, d_hidden, d_emb, d_w2)."""
     dtype, size = spec["compute_dtype"], spec["chunk_rows"]
@@ -230,7 +216,7 @@ def _fused_loop(spec: dict) -> tuple[torch.Tensor, ...]:
         h, e, labels, weights = _rows(spec, start, start + size, dtype)
         n = h.shape[0]
         with torch.autocast(dev.type, enabled=False):
-            target_uV, place = _target_logits(spec, chunk, lm_head, buffer)
+            target_uV, place = chunk_logits(spec["target"], spec["reads"], chunk, lm_head, buffer)
             if spec["compiled"]:
                 h, e, labels, place, weights = _padded([h, e, labels, place, weights], size)
             out = body(h, e, lm_head, w2, labels, target_uV, place, weights, *spec["coef"])

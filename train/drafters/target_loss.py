@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from train.drafters.loss import autocast_dtype
 from train.drafters.objective import Objective
-from train.drafters.target_rows import TargetRows, chunk_reads
+from train.drafters.target_rows import TargetRows, chunk_logits, chunk_reads
 
 
 def dpace_weights(
@@ -140,19 +140,6 @@ def compiled_fused_chunk():  # noqa: ANN201
     return torch.compile(fused_chunk, dynamic=False)
 
 
-def _target_logits(target: TargetRows | None, read: tuple | None, lm_head_VH, out):  # noqa: ANN001
-    """(the target's logits of the distinct states a chunk reads, each row's place among them),
-    or (None, None) without the target; into the first rows of `out` when given."""
-    if target is None:
-        return None, None
-    distinct_u, place_n = read
-    states_uH = target.states_MH[distinct_u].to(lm_head_VH.dtype)
-    if out is None:
-        return F.linear(states_uH, lm_head_VH), place_n
-    torch.mm(states_uH, lm_head_VH.t(), out=out[: distinct_u.shape[0]])
-    return out, place_n
-
-
 def _fused_loop(
     hidden_NH: torch.Tensor,
     lm_head_VH: torch.Tensor,
@@ -185,9 +172,8 @@ def _fused_loop(
         if dtype is not None:
             h = h.to(dtype)
         n = h.shape[0]
-        read = None if target is None else opts["reads"][chunk]
         with torch.autocast(dev.type, enabled=False):
-            target_uV, place = _target_logits(target, read, lm_head_VH, buffer)
+            target_uV, place = chunk_logits(target, opts["reads"], chunk, lm_head_VH, buffer)
             if opts["compiled"] and n < size:
                 pad = size - n
                 h, labels, weights = (

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,26 @@ class TargetRows:
         batch, seq = last_BSH.shape[:2]
         first_B1 = seq * torch.arange(batch, device=rows_BQ.device)[:, None]
         return cls(last_BSH.flatten(0, 1), (rows_BQ + first_B1).flatten())
+
+
+def chunk_logits(
+    target: TargetRows | None,
+    reads: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    chunk: int,
+    lm_head_VH: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the target's logits of the distinct states chunk `chunk` reads (`chunk_reads`), each
+    row's place among them), or (None, None) without the target. Into the first rows of `out`
+    when given: a compiled loss body sees one [chunk_rows, V] buffer whatever their number."""
+    if target is None:
+        return None, None
+    distinct_u, place_n = reads[chunk]
+    states_uH = target.states_MH[distinct_u].to(lm_head_VH.dtype)
+    if out is None:
+        return F.linear(states_uH, lm_head_VH), place_n
+    torch.mm(states_uH, lm_head_VH.t(), out=out[: distinct_u.shape[0]])
+    return out, place_n
 
 
 def chunk_reads(
