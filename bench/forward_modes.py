@@ -114,6 +114,17 @@ def timed_passes(body, layout, parts: list[list], batch_tokens: int, device) -> 
 
 PROFILE = False  # --profile: where the device time of three forwards goes
 
+# Variants of the compiled mode (`--modes compiled+tma,...`): flex_attention kernel options and
+# the document BlockMask's block size, set in extract.packed_attention before the layers compile.
+VARIANTS: dict[str, tuple[dict, int]] = {
+    "compiled": ({}, 128),
+    "compiled+tma": ({"USE_TMA": True}, 128),
+    "compiled+safe": ({"ROWS_GUARANTEED_SAFE": True, "BLOCKS_ARE_CONTIGUOUS": True}, 128),
+    "compiled+b64": ({"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}, 128),
+    "compiled+mask64": ({"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}, 64),
+    "compiled+m128n64": ({"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}, 128),
+}
+
 
 def kernel_split(fn) -> dict[str, Any]:  # noqa: ANN001
     """CUDA kernel time of `fn()` by kind (matmul, attention, Triton, other) and the top
@@ -161,6 +172,10 @@ def measure(body, rows: list[np.ndarray], mode: str, *, batch_tokens: int, max_l
     if mode == "eager":
         layout = PaddedLayout(body, pad_id=0)
     else:
+        import extract.packed_attention as pa
+
+        pa.FLEX_OPTIONS, pa.MASK_BLOCK = VARIANTS[mode.split("@")[0]]
+        torch._dynamo.reset()  # each variant compiles afresh
         chunk = chunk_size(batch_tokens, max_length)
         layout = choose_layout(
             body,
@@ -195,7 +210,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=300_000)
     p.add_argument("--target-layers", type=int, default=None, help="keep the first N layers")
     p.add_argument("--batch-tokens", type=int, default=16384)
-    p.add_argument("--modes", default="eager,compiled")
+    p.add_argument(
+        "--modes",
+        default="eager,compiled",
+        help="eager, compiled or a variant of VARIANTS; MODE@N: packed rows of N tokens",
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--profile", action="store_true", help="also split 3 forwards' kernel time")
     p.add_argument(
@@ -232,7 +251,8 @@ def main() -> None:
     out: dict[str, Any] = {"shape": args.shape, "layers": last + 1, "ceiling_tflops": ceiling}
     for mode in args.modes.split(","):
         r = measure(
-            body, rows, mode, batch_tokens=args.batch_tokens, max_length=3072,
+            body, rows, mode, max_length=3072,
+            batch_tokens=int(mode.split("@")[1]) if "@" in mode else args.batch_tokens,
             attention=args.attention,
         )  # fmt: skip
         r["mfu"] = flops / r["seconds"] / (ceiling * 1e12)
@@ -248,8 +268,10 @@ def main() -> None:
             print("  kernels:", ", ".join(f"{n} {v:.1%}" for n, v in k["share"].items()))
             for name, share in k["top"]:
                 print(f"    {share:6.1%}  {name}")
-    if "eager" in out and "compiled" in out:
-        print(f"compiled / eager: {out['compiled']['tok_s'] / out['eager']['tok_s']:.3f}")
+    if "eager" in out:
+        for mode in out:
+            if mode.startswith("compiled"):
+                print(f"{mode} / eager: {out[mode]['tok_s'] / out['eager']['tok_s']:.3f}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
 

@@ -23,6 +23,11 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from extract.packing import CHUNK_MULTIPLE
 
 PACKED_ATTENTION = "dflash_packed"
+# flex_attention's kernel options for packed rows and the BlockMask's block size (a multiple of
+# the kernel's BLOCK_M and BLOCK_N); Inductor's choice where empty. bench/forward_modes.py
+# measures alternatives through the whole compiled forward.
+FLEX_OPTIONS: dict = {}
+MASK_BLOCK = CHUNK_MULTIPLE
 _Q_BLOCKS = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
@@ -38,7 +43,7 @@ def document_mask_mod(doc_ids_N: torch.Tensor) -> Callable:
 
 
 def document_block_mask(
-    doc_ids_N: torch.Tensor, mask_mod: Callable, *, block_size: int = CHUNK_MULTIPLE
+    doc_ids_N: torch.Tensor, mask_mod: Callable, *, block_size: int | None = None
 ) -> BlockMask:
     """The BlockMask of `mask_mod` over non-decreasing document ids, from block extents alone.
 
@@ -51,6 +56,7 @@ def document_block_mask(
     >>> bm.to_dense()[0, 0].tolist()
     [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 1]]
     """
+    block_size = block_size or MASK_BLOCK
     n = doc_ids_N.numel()
     if n % block_size:
         raise ValueError(f"{n} tokens are not a whole number of {block_size}-token blocks")
@@ -151,7 +157,10 @@ def packed_attention(
         return grouped_attention(query, key, value, groups, scaling), None
     if isinstance(attention_mask, BlockMask):
         flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
-        out = flex(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
+        out = flex(
+            query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa,
+            kernel_options=FLEX_OPTIONS or None,
+        )  # fmt: skip
     else:
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=gqa
