@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from e2e_inputs import long_tailed_lengths  # noqa: E402
 
+import extract.packed_attention as pa  # noqa: E402
 from extract.batching import length_order  # noqa: E402
 from extract.capture import DeviceInputs  # noqa: E402
 from extract.layouts import PaddedLayout, choose_layout  # noqa: E402
@@ -107,6 +108,13 @@ def timed_passes(body, layout, parts: list[list], batch_tokens: int, device) -> 
     run(batches[:2])
     passes = [run(batches), run(batches)]
     out = {"seconds": min(passes), "passes_s": passes, "forwards": len(batches)}
+    mid = len(batches) // 2
+    with torch.inference_mode():  # three rows' real tokens, to compare the modes' outputs
+        states = []
+        for rows in batches[mid : mid + 3]:
+            kwargs, index = layout.inputs(rows, inputs.send)
+            states.append(body(**kwargs).last_hidden_state.flatten(0, -2)[index])
+    out["_states"] = torch.cat(states)
     if PROFILE and device.type == "cuda":
         out["kernels"] = kernel_split(lambda: run(batches[:3]))
     return out
@@ -114,15 +122,22 @@ def timed_passes(body, layout, parts: list[list], batch_tokens: int, device) -> 
 
 PROFILE = False  # --profile: where the device time of three forwards goes
 
-# Variants of the compiled mode (`--modes compiled+tma,...`): flex_attention kernel options and
-# the document BlockMask's block size, set in extract.packed_attention before the layers compile.
-VARIANTS: dict[str, tuple[dict, int]] = {
-    "compiled": ({}, 128),
-    "compiled+tma": ({"USE_TMA": True}, 128),
-    "compiled+safe": ({"ROWS_GUARANTEED_SAFE": True, "BLOCKS_ARE_CONTIGUOUS": True}, 128),
-    "compiled+b64": ({"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}, 128),
-    "compiled+mask64": ({"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}, 64),
-    "compiled+m128n64": ({"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}, 128),
+# Variants of the compiled mode (`--modes compiled+full,...`): flex_attention's kernel options,
+# the document BlockMask's block size and whether it lists full blocks apart
+# (`extract.packed_attention`'s FLEX_OPTIONS, MASK_BLOCK, MASK_FULL_BLOCKS), set before the
+# layers compile; "compiled" is the product's default. BLOCKS_ARE_CONTIGUOUS is dropped by
+# `packed_attention` wherever the mask lists full blocks.
+_SAFE = {"ROWS_GUARANTEED_SAFE": True}
+_B64 = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+DEFAULT = (pa.FLEX_OPTIONS, pa.MASK_BLOCK, pa.MASK_FULL_BLOCKS)
+VARIANTS: dict[str, tuple[dict, int, bool]] = {
+    "compiled": DEFAULT,
+    "compiled+full": ({}, 128, True),  # full blocks apart, Inductor's options (before 2026-12-05)
+    "compiled+full-safe": (_SAFE, 128, True),
+    "compiled+partial": ({}, 128, False),
+    "compiled+tma": (DEFAULT[0] | {"USE_TMA": True}, 128, False),
+    "compiled+b64": (DEFAULT[0] | _B64, 128, False),
+    "compiled+mask64": (DEFAULT[0] | _B64, 64, False),
 }
 
 
@@ -172,9 +187,7 @@ def measure(body, rows: list[np.ndarray], mode: str, *, batch_tokens: int, max_l
     if mode == "eager":
         layout = PaddedLayout(body, pad_id=0)
     else:
-        import extract.packed_attention as pa
-
-        pa.FLEX_OPTIONS, pa.MASK_BLOCK = VARIANTS[mode.split("@")[0]]
+        pa.FLEX_OPTIONS, pa.MASK_BLOCK, pa.MASK_FULL_BLOCKS = VARIANTS[mode.split("@")[0]]
         torch._dynamo.reset()  # each variant compiles afresh
         chunk = chunk_size(batch_tokens, max_length)
         layout = choose_layout(
@@ -249,6 +262,7 @@ def main() -> None:
     ceiling = matmul_tflops(device)
     flops = forward_flops(body, lengths)
     out: dict[str, Any] = {"shape": args.shape, "layers": last + 1, "ceiling_tflops": ceiling}
+    reference: dict = {}  # (eager?, row size) -> the first such mode's output states
     for mode in args.modes.split(","):
         r = measure(
             body, rows, mode, max_length=3072,
@@ -256,11 +270,20 @@ def main() -> None:
             attention=args.attention,
         )  # fmt: skip
         r["mfu"] = flops / r["seconds"] / (ceiling * 1e12)
+        states = r.pop("_states")
+        key = (mode == "eager", tuple(mode.split("@")[1:]))
+        if key not in reference:
+            reference[key] = (mode, states)
+        ref_mode, ref = reference[key]
+        ref = ref.float()
+        r["max_diff"] = ((states.float() - ref).abs().max() / ref.abs().max()).item()
+        r["diff_from"] = ref_mode
         out[mode] = r
         print(
             f"{mode:9s} {r['tok_s']:>9,.0f} tok/s  MFU {r['mfu']:.1%} of {ceiling:.0f} TFLOP/s  "
             f"setup {r['setup_s']:.1f} s (compile {r['compile_s']:.1f} s, {r['graphs']} graphs)  "
-            f"passes {', '.join(f'{s:.2f}' for s in r['passes_s'])} s  {r['layout']}",
+            f"passes {', '.join(f'{s:.2f}' for s in r['passes_s'])} s  {r['layout']}  "
+            f"max |diff| / max |{r['diff_from']}| {r['max_diff']:.1e}",
             flush=True,
         )
         if "kernels" in r:

@@ -2,7 +2,7 @@
 
     python bench/packed_attention_bench.py [--heads 32] [--kv-heads 8] [--head-dim 128]
 
-The queries, keys and values of packed rows of 16,384 tokens holding the long-tailed mix of
+The queries, keys and values of a packed row of 16,384 tokens holding the long-tailed mix of
 `bench/e2e_gpu.py` (whole samples, first fit decreasing), bf16, random. Times per packed row:
 - flex: `extract.packed_attention`'s flex_attention with the document BlockMask, compiled, with
   Inductor's default kernel options and each candidate of CANDIDATES;
@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from e2e_inputs import long_tailed_lengths  # noqa: E402
 
+import extract.packed_attention as pa  # noqa: E402
 from extract.batching import length_order, make_batches  # noqa: E402
 from extract.packed_attention import document_block_mask, document_mask_mod  # noqa: E402
 from extract.packing import pack_rows, packed_inputs  # noqa: E402
@@ -47,6 +48,11 @@ CANDIDATES = [
     {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "USE_TMA": True},
     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "USE_TMA": True},
 ]
+# Over a BlockMask without full blocks, whose key blocks are one run per query block (what
+# BLOCKS_ARE_CONTIGUOUS needs; with full blocks a sample's partial blocks need not be adjacent).
+_SAFE = {"ROWS_GUARANTEED_SAFE": True, "BLOCKS_ARE_CONTIGUOUS": True}
+_B64 = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+CANDIDATES_RUNS = [{}, _SAFE, _SAFE | _B64]
 # The same candidates over a BlockMask of 64-token blocks (less masked work computed at the
 # samples' edges; the kernel's blocks at most 64).
 CANDIDATES_64 = [
@@ -78,7 +84,10 @@ def main() -> None:
     dev, n = torch.device("cuda"), args.chunk
     lengths = long_tailed_lengths(200_000, seed=0)[:512]
     lengths = [lengths[i] for i in length_order(lengths)]
-    chunk = pack_rows(lengths, chunk_tokens=n)[1]  # a typical full row (the first is mostly long)
+    chunks = pack_rows(lengths, chunk_tokens=n)
+    # a typical row: the median count of samples (the first rows hold the longest, block-aligned
+    # samples of 3,072 tokens; a typical row has samples across block edges)
+    chunk = sorted(chunks[:-1], key=len)[len(chunks) // 2]
     rows = [np.zeros(lengths[i], np.int64) for i in chunk]
     packed = packed_inputs(rows, chunk_tokens=n, pad_id=0)
     doc = torch.from_numpy(packed.doc_ids.astype(np.int64)).to(dev)
@@ -94,6 +103,7 @@ def main() -> None:
     mask = document_block_mask(doc, document_mask_mod(doc))
     from torch.nn.attention.flex_attention import flex_attention
 
+    torch._dynamo.config.recompile_limit = 64  # a graph per candidate, none falling back to eager
     flex = torch.compile(flex_attention, dynamic=False)
     print(f"one packed row: {len(seg)} segments of {seg.min()}..{seg.max()} tokens")
     ref = flex(q, k, v, block_mask=mask, enable_gqa=True)
@@ -107,6 +117,10 @@ def main() -> None:
     mask64 = document_block_mask(doc, document_mask_mod(doc), block_size=64)
     tried = [(opts, mask, "") for opts in CANDIDATES]
     tried += [(opts, mask64, "mask 64, ") for opts in CANDIDATES_64]
+    pa.MASK_FULL_BLOCKS = False  # every visible block partial: contiguous runs of key blocks
+    runs = document_block_mask(doc, document_mask_mod(doc))
+    pa.MASK_FULL_BLOCKS = True
+    tried += [(opts, runs, "no full blocks, ") for opts in CANDIDATES_RUNS]
     for opts, m, tag in tried:
         try:
             fn = lambda o=opts, m=m: flex(q, k, v, block_mask=m, enable_gqa=True, kernel_options=o)  # noqa: E731

@@ -23,11 +23,14 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from extract.packing import CHUNK_MULTIPLE
 
 PACKED_ATTENTION = "dflash_packed"
-# flex_attention's kernel options for packed rows and the BlockMask's block size (a multiple of
-# the kernel's BLOCK_M and BLOCK_N); Inductor's choice where empty. bench/forward_modes.py
-# measures alternatives through the whole compiled forward.
-FLEX_OPTIONS: dict = {}
+# The document BlockMask marks no full blocks: every visible key block is a partial one (the mask
+# function runs on all of them), so each query block's key blocks are one run, i-k..i, and
+# flex_attention steps through them without an indirect jump per block (BLOCKS_ARE_CONTIGUOUS);
+# every query sees at least itself (ROWS_GUARANTEED_SAFE). bench/forward_modes.py measures the
+# alternatives through the whole forward (README, "Stage one at the GPU's speed").
+MASK_FULL_BLOCKS = False
 MASK_BLOCK = CHUNK_MULTIPLE
+FLEX_OPTIONS: dict = {"ROWS_GUARANTEED_SAFE": True, "BLOCKS_ARE_CONTIGUOUS": True}
 _Q_BLOCKS = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
@@ -43,18 +46,27 @@ def document_mask_mod(doc_ids_N: torch.Tensor) -> Callable:
 
 
 def document_block_mask(
-    doc_ids_N: torch.Tensor, mask_mod: Callable, *, block_size: int | None = None
+    doc_ids_N: torch.Tensor,
+    mask_mod: Callable,
+    *,
+    block_size: int | None = None,
+    full_blocks: bool | None = None,
 ) -> BlockMask:
     """The BlockMask of `mask_mod` over non-decreasing document ids, from block extents alone.
 
     Block j of keys can hold a visible key for block i of queries iff j <= i and its last
-    document reaches the first document of block i; every pair is visible (a full block, the
-    mask function skipped) iff j < i and both blocks lie inside one document.
+    document reaches the first document of block i: one run of key blocks per query block, as
+    the ids never decrease. With `full_blocks` (default MASK_FULL_BLOCKS), the blocks whose
+    every pair is visible (j < i, both blocks inside one document) are listed apart as full
+    ones (the mask function skipped), which splits a query block's partial ones into two runs.
+    `block_size` defaults to MASK_BLOCK.
 
     >>> doc = torch.tensor([0] * 3 + [1] * 3 + [2] * 2)
     >>> bm = document_block_mask(doc, document_mask_mod(doc), block_size=2)
     >>> bm.to_dense()[0, 0].tolist()
     [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 1]]
+    >>> bm.full_kv_num_blocks is None
+    True
     """
     block_size = block_size or MASK_BLOCK
     n = doc_ids_N.numel()
@@ -66,9 +78,14 @@ def document_block_mask(
     below = q[None, :] < q[:, None]  # [query block, key block]
     visible = (below | (q[None, :] == q[:, None])) & (last[None, :] >= first[:, None])
     single = first == last
+    extra = {"compute_q_blocks": False} if _Q_BLOCKS else {}
+    if not (MASK_FULL_BLOCKS if full_blocks is None else full_blocks):
+        return BlockMask.from_kv_blocks(
+            *_kv_blocks(visible), BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(n, n),
+            **extra,
+        )  # fmt: skip
     full = below & single[:, None] & single[None, :] & (first[None, :] == first[:, None])
     partial = visible & ~full
-    extra = {"compute_q_blocks": False} if _Q_BLOCKS else {}
     return BlockMask.from_kv_blocks(
         *_kv_blocks(partial),
         *_kv_blocks(full),
@@ -157,9 +174,12 @@ def packed_attention(
         return grouped_attention(query, key, value, groups, scaling), None
     if isinstance(attention_mask, BlockMask):
         flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
+        options = dict(FLEX_OPTIONS)
+        if attention_mask.full_kv_num_blocks is not None:  # two runs of blocks, not one
+            options.pop("BLOCKS_ARE_CONTIGUOUS", None)
         out = flex(
             query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa,
-            kernel_options=FLEX_OPTIONS or None,
+            kernel_options=options or None,
         )  # fmt: skip
     else:
         out = F.scaled_dot_product_attention(

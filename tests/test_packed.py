@@ -46,8 +46,9 @@ def test_packed_inputs_restart_positions_and_close_with_a_pad_segment():
     assert full.cu_seqlens.tolist() == [0, 128]
 
 
+@pytest.mark.parametrize("full_blocks", [False, True])
 @pytest.mark.parametrize("block", [16, 64, 128])
-def test_document_block_mask_equals_the_brute_force_mask(block):
+def test_document_block_mask_equals_the_brute_force_mask(block, full_blocks):
     rng = np.random.default_rng(block)
     for _ in range(5):
         lengths = rng.integers(1, 200, 6).tolist()
@@ -55,10 +56,16 @@ def test_document_block_mask_equals_the_brute_force_mask(block):
         p = packed_inputs([np.zeros(k) for k in lengths], chunk_tokens=n, pad_id=0)
         doc = torch.from_numpy(p.doc_ids).long()
         mask_mod = document_mask_mod(doc)
-        ours = document_block_mask(doc, mask_mod, block_size=block)
+        ours = document_block_mask(doc, mask_mod, block_size=block, full_blocks=full_blocks)
         ref = create_block_mask(mask_mod, 1, 1, n, n, device="cpu", BLOCK_SIZE=block)
         assert torch.equal(ours.to_dense(), ref.to_dense())
-        assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
+        if full_blocks:
+            assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
+        else:  # one run of key blocks per query block: what BLOCKS_ARE_CONTIGUOUS assumes
+            assert ours.full_kv_num_blocks is None
+            for i, count in enumerate(ours.kv_num_blocks[0, 0].tolist()):
+                run = ours.kv_indices[0, 0, i, :count]
+                assert run.tolist() == list(range(i - count + 1, i + 1))
         q, k, v = torch.randn(1, 4, n, 16), torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
         flex, _ = packed_attention(None, q, k, v, ours)
         sdpa, _ = packed_attention(None, q, k, v, dense_document_mask(doc))
