@@ -122,23 +122,23 @@ def timed_passes(body, layout, parts: list[list], batch_tokens: int, device) -> 
 
 PROFILE = False  # --profile: where the device time of three forwards goes
 
-# Variants of the compiled mode (`--modes compiled+full,...`): flex_attention's kernel options,
+# Variants of the compiled mode (`--modes compiled+runs,...`): flex_attention's kernel options,
 # the document BlockMask's block size and whether it lists full blocks apart
 # (`extract.packed_attention`'s FLEX_OPTIONS, MASK_BLOCK, MASK_FULL_BLOCKS), set before the
 # layers compile; "compiled" is the product's default. BLOCKS_ARE_CONTIGUOUS is dropped by
 # `packed_attention` wherever the mask lists full blocks.
-_SAFE = {"ROWS_GUARANTEED_SAFE": True}
+_SAFE, _CONTIG = {"ROWS_GUARANTEED_SAFE": True}, {"BLOCKS_ARE_CONTIGUOUS": True}
 _B64 = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 DEFAULT = (pa.FLEX_OPTIONS, pa.MASK_BLOCK, pa.MASK_FULL_BLOCKS)
 VARIANTS: dict[str, tuple[dict, int, bool]] = {
     "compiled": DEFAULT,
-    "compiled+full": ({}, 128, True),  # full blocks apart, Inductor's options (before 2026-12-05)
+    "compiled+runs": (_CONTIG, 128, False),  # no full blocks: one run of key blocks each
     "compiled+partial": ({}, 128, False),
     # wrong for document masks (NaN where a visited block shows a query no key): a diagnostic
-    "compiled+safe": (DEFAULT[0] | _SAFE, 128, False),
-    "compiled+tma": (DEFAULT[0] | {"USE_TMA": True}, 128, False),
-    "compiled+b64": (DEFAULT[0] | _B64, 128, False),
-    "compiled+mask64": (DEFAULT[0] | _B64, 64, False),
+    "compiled+safe": (_CONTIG | _SAFE, 128, False),
+    "compiled+tma": ({"USE_TMA": True}, 128, True),
+    "compiled+b64": (_B64, 128, True),
+    "compiled+mask64": (_B64, 64, True),
 }
 
 

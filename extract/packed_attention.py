@@ -23,16 +23,18 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from extract.packing import CHUNK_MULTIPLE
 
 PACKED_ATTENTION = "dflash_packed"
-# The document BlockMask marks no full blocks: every visible key block is a partial one (the mask
-# function runs on all of them), so each query block's key blocks are one run, i-k..i, and
-# flex_attention steps through them without an indirect jump per block (BLOCKS_ARE_CONTIGUOUS).
-# Not ROWS_GUARANTEED_SAFE: the kernel reads it as "every key block it visits shows each query
-# a key", which the first block of a query block's run does not for its later samples (NaN).
-# bench/forward_modes.py measures the alternatives through the whole forward (README, "Stage
-# one at the GPU's speed").
-MASK_FULL_BLOCKS = False
+# The document BlockMask lists the blocks every pair of which is visible apart, as full blocks
+# (the mask function skipped there), with Inductor's choice of flex_attention's kernel options.
+# Measured against (bench/forward_modes.py, README "Stage one at the GPU's speed"): no full
+# blocks, so that each query block's key blocks are one run and the kernel steps through them
+# without an indirect jump (BLOCKS_ARE_CONTIGUOUS, which `packed_attention` drops wherever a mask
+# lists full blocks): 0.985 of this through the whole forward, the mask function running on
+# every block. ROWS_GUARANTEED_SAFE is wrong for document masks: the kernel reads it as "every
+# key block it visits shows each query a key", which the first block of a query block's keys
+# does not for its later samples (NaN).
+MASK_FULL_BLOCKS = True
 MASK_BLOCK = CHUNK_MULTIPLE
-FLEX_OPTIONS: dict = {"BLOCKS_ARE_CONTIGUOUS": True}
+FLEX_OPTIONS: dict = {}
 _Q_BLOCKS = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
@@ -67,8 +69,12 @@ def document_block_mask(
     >>> bm = document_block_mask(doc, document_mask_mod(doc), block_size=2)
     >>> bm.to_dense()[0, 0].tolist()
     [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 1]]
-    >>> bm.full_kv_num_blocks is None
-    True
+    >>> doc = torch.tensor([0] * 5 + [1] * 3)
+    >>> for full in (True, False):
+    ...     bm = document_block_mask(doc, document_mask_mod(doc), block_size=2, full_blocks=full)
+    ...     print(bm.kv_num_blocks[0, 0].tolist(), bm.full_kv_num_blocks is not None)
+    [1, 1, 3, 2] True
+    [1, 2, 3, 2] False
     """
     block_size = block_size or MASK_BLOCK
     n = doc_ids_N.numel()
