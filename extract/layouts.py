@@ -22,6 +22,7 @@ from torch import nn
 from extract.batching import make_batches
 from extract.masks import choose_masks, forward_kwargs
 from extract.packed import PackedLayout, packed_support
+from extract.packing import row_sizes
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +118,9 @@ def choose_layout(
     if why is not None:
         log.warning("packed rows are not possible for this target (%s): padded batches", why)
         return PaddedLayout(body, pad_id=pad_id)
+    sizes = row_sizes(chunk_tokens)  # the probe runs each size: every graph made before it ends
     probes = [
-        _probe_rows(lengths, body, seed, chunk_tokens) for seed, lengths in enumerate(PROBE_LENGTHS)
+        _probe_rows(lengths, body, seed, sizes[-1]) for seed, lengths in enumerate(PROBE_LENGTHS)
     ]
     alone = [[_alone(body, row) for row in rows] for rows in probes]
     layout = PackedLayout(
@@ -132,9 +134,9 @@ def choose_layout(
     )
     try:
         start, before = time.perf_counter(), compiled_graphs()
-        errors = [_packed_error(body, layout, probes[0], alone[0])]
+        errors = [_packed_error(body, layout, probes[0], alone[0], n) for n in sizes]
         first, graphs = time.perf_counter() - start, compiled_graphs() - before
-        errors.append(_packed_error(body, layout, probes[1], alone[1]))
+        errors += [_packed_error(body, layout, probes[1], alone[1], n) for n in sizes]
         again = compiled_graphs() - before - graphs
     except Exception as e:  # a model whose forward the packed layout cannot drive
         layout.uninstall()
@@ -195,14 +197,19 @@ def _alone(body: nn.Module, row: np.ndarray) -> torch.Tensor:
 
 
 def _packed_error(
-    body: nn.Module, layout: PackedLayout, rows: list[np.ndarray], alone: list[torch.Tensor]
+    body: nn.Module,
+    layout: PackedLayout,
+    rows: list[np.ndarray],
+    alone: list[torch.Tensor],
+    size: int,
 ) -> float:
-    """The largest per-token relative difference between the packed row and each row alone."""
+    """The largest per-token relative difference between the packed row of `size` tokens and
+    each row alone."""
 
     def send(*tensors: torch.Tensor) -> list[torch.Tensor]:
         return [t.to(layout.doc_N.device) for t in tensors]
 
-    kwargs, index = layout.inputs(rows, send)
+    kwargs, index = layout.inputs(rows, send, size=size)
     states = body(**kwargs).last_hidden_state[0, : index.numel()].float()
     ref = torch.cat(alone)
     per_token = (states - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)

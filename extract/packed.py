@@ -27,7 +27,7 @@ from extract.packed_attention import (
     document_mask_mod,
     register,
 )
-from extract.packing import pack_rows, packed_inputs, sample_groups
+from extract.packing import fitting_size, pack_rows, packed_inputs, row_sizes, sample_groups
 from extract.target import decoder_layers
 
 log = logging.getLogger(__name__)
@@ -93,8 +93,11 @@ class PackedLayout:
         self.attention = attention
         self.groups = SampleGroups()
         self.segments = Segments()
-        self.doc_N = torch.zeros(chunk_tokens, dtype=torch.long, device=device)
-        self.mask_mod = document_mask_mod(self.doc_N)
+        # one document-id buffer and mask function per row size: a compiled graph per size
+        self.sizes = row_sizes(chunk_tokens)
+        self.docs = {n: torch.zeros(n, dtype=torch.long, device=device) for n in self.sizes}
+        self.mask_mods = {n: document_mask_mod(doc) for n, doc in self.docs.items()}
+        self.doc_N = self.docs[chunk_tokens]
         types = getattr(body.config, "layer_types", None)
         self.types = sorted(set(types)) if types else None
         self._undo: list[Callable[[], None]] = []
@@ -135,18 +138,28 @@ class PackedLayout:
             self.attention, "sdpa, dense mask"
         )
         layers = "compiled" if self.compiled else "eager"
-        return f"packed rows of {self.chunk_tokens} tokens ({attention}, layers {layers})"
+        sizes = ", ".join(f"{n:,}" for n in self.sizes[1:])
+        return (
+            f"packed rows of {self.chunk_tokens:,} tokens ({sizes} for rows that fill no more; "
+            f"{attention}, layers {layers})"
+        )
 
     def batches(self, lengths: Sequence[int], *, batch_tokens: int) -> list[list[int]]:
         """Rows (longest first) grouped into packed rows; `batch_tokens` is in chunk_tokens."""
         return pack_rows(lengths, chunk_tokens=self.chunk_tokens)
 
     def inputs(
-        self, rows: Sequence[np.ndarray], send: Callable[..., list[torch.Tensor]]
+        self,
+        rows: Sequence[np.ndarray],
+        send: Callable[..., list[torch.Tensor]],
+        *,
+        size: int | None = None,
     ) -> tuple[dict, torch.Tensor]:
-        """(forward keyword arguments, flat positions of the real tokens) for one packed row;
-        `send` moves int64 host tensors to the device."""
-        p = packed_inputs(rows, chunk_tokens=self.chunk_tokens, pad_id=self.pad_id)
+        """(forward keyword arguments, flat positions of the real tokens) for one packed row of
+        `size` tokens (one of `sizes`; default the smallest that holds the rows); `send` moves
+        int64 host tensors to the device."""
+        size = size or fitting_size(self.sizes, sum(len(r) for r in rows))
+        p = packed_inputs(rows, chunk_tokens=size, pad_id=self.pad_id)
         host = [torch.from_numpy(a.astype(np.int64)) for a in (p.ids, p.positions, p.doc_ids)]
         host.append(torch.from_numpy(p.cu_seqlens))
         groups = []
@@ -155,7 +168,7 @@ class PackedLayout:
             groups = sample_groups(lengths, p.cu_seqlens[:-1], budget=self.chunk_tokens)
             host += [torch.from_numpy(a) for g in groups for a in g]
         ids_N, pos_N, doc_N, cu, *on_device = send(*host)
-        self.doc_N.copy_(doc_N)
+        self.docs[size].copy_(doc_N)
         s = self.segments
         s.cu_seqlens, s.cu_seqlens_cpu, s.positions_N = cu, torch.from_numpy(p.cu_seqlens), pos_N
         s.lengths = np.diff(p.cu_seqlens).tolist()
@@ -164,9 +177,9 @@ class PackedLayout:
             self.groups.groups = [tuple(on_device[i : i + 3]) for i in range(0, len(on_device), 3)]
             kwargs["sample_groups"], mask = self.groups, None
         elif self.attention == "flex":
-            mask = document_block_mask(self.doc_N, self.mask_mod)
+            mask = document_block_mask(self.docs[size], self.mask_mods[size])
         else:
-            mask = dense_document_mask(self.doc_N)
+            mask = dense_document_mask(self.docs[size])
         if self.types is not None:
             mask = {t: (mask if t == "full_attention" else None) for t in self.types}
         kwargs["attention_mask"] = mask

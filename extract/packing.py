@@ -29,6 +29,28 @@ def chunk_size(batch_tokens: int, max_length: int) -> int:
     return -(-need // CHUNK_MULTIPLE) * CHUNK_MULTIPLE
 
 
+def row_sizes(chunk_tokens: int) -> tuple[int, ...]:
+    """The sizes a packed row takes, largest first: `chunk_tokens`, then a half and a quarter of
+    it (whole blocks). A row whose samples fill no more than a smaller size runs at that size,
+    so the last row of a part (its samples' leftovers: on average half a row) computes less
+    padding, for one compiled graph per size.
+
+    >>> row_sizes(16384), row_sizes(3072), row_sizes(256)
+    ((16384, 8192, 4096), (3072, 1536, 768), (256, 128))
+    """
+    sizes = {-(-(chunk_tokens // d) // CHUNK_MULTIPLE) * CHUNK_MULTIPLE for d in (1, 2, 4)}
+    return tuple(sorted(sizes, reverse=True))
+
+
+def fitting_size(sizes: Sequence[int], tokens: int) -> int:
+    """The smallest of `sizes` that holds `tokens`.
+
+    >>> fitting_size((16384, 8192, 4096), 155), fitting_size((16384, 8192, 4096), 11451)
+    (4096, 16384)
+    """
+    return min(s for s in sizes if s >= tokens)
+
+
 def pack_rows(lengths: Sequence[int], *, chunk_tokens: int) -> list[list[int]]:
     """Indices of `lengths` grouped into chunks of at most `chunk_tokens` tokens, first fit in the
     order given (longest first gives first-fit decreasing: little tail left per chunk). Each chunk

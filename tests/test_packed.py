@@ -99,6 +99,29 @@ def _packed(model, rows, layer_ids, device, **layout) -> tuple[list[torch.Tensor
         cap.close()
 
 
+@pytest.mark.parametrize("attention", ["dense", "flex", "sdpa"])
+def test_a_row_filling_a_smaller_size_runs_at_it_with_the_same_states(targets, attention):
+    """Rows of 256 tokens, or 128 for a row whose samples fill no more (a part's leftovers):
+    the smaller row computes less padding and gives the same states."""
+    cpu = torch.device("cpu")
+    model = load_target(str(targets["qwen3_5"]), device=cpu, last_layer=3)
+    rows = [np.random.default_rng(n).integers(3, 300, n) for n in (120, 100, 60, 30)]
+    ref = _per_row(model, rows, [0, 3], cpu)
+    got, layout = _packed(model, rows, [0, 3], cpu, compile_layers=False, attention=attention)
+    assert layout.sizes == (256, 128)
+    chunks = layout.batches([len(r) for r in rows], batch_tokens=256)
+    assert chunks == [[0, 1, 3], [2]]
+    with torch.inference_mode():  # as extraction runs it (the buffers are inference tensors)
+        widths = [
+            layout.inputs([rows[i] for i in c], lambda *t: list(t))[0]["input_ids"].shape[1]
+            for c in chunks
+        ]
+    assert widths == [256, 128]
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    layout.uninstall()
+
+
 def _llama(tmp_path_factory) -> object:
     from transformers import LlamaConfig, LlamaForCausalLM
 
