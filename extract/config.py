@@ -62,7 +62,8 @@ class ExtractConfig:
     batch_tokens: int = option(
         16384,
         help="Tokens per forward: a packed row's size (rounded up to a multiple of 128 and to "
-        "--max-length), or padded length x rows for padded batches.",
+        "--max-length; a row filling no more than a half or a quarter of it runs at that size), "
+        "or padded length x rows for padded batches.",
     )
     compile: str = option(
         "auto",
