@@ -125,8 +125,8 @@ PROFILE = False  # --profile: where the device time of three forwards goes
 # Variants of the compiled mode (`--modes compiled+runs,...`): flex_attention's kernel options,
 # the document BlockMask's block size and whether it lists full blocks apart
 # (`extract.packed_attention`'s FLEX_OPTIONS, MASK_BLOCK, MASK_FULL_BLOCKS), set before the
-# layers compile; "compiled" is the product's default. BLOCKS_ARE_CONTIGUOUS is dropped by
-# `packed_attention` wherever the mask lists full blocks.
+# layers compile; "compiled" is the product's default. BLOCKS_ARE_CONTIGUOUS only where the mask
+# lists no full blocks (with them, a query block's key blocks are two runs).
 _SAFE, _CONTIG = {"ROWS_GUARANTEED_SAFE": True}, {"BLOCKS_ARE_CONTIGUOUS": True}
 _B64 = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 DEFAULT = (pa.FLEX_OPTIONS, pa.MASK_BLOCK, pa.MASK_FULL_BLOCKS)

@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from e2e_inputs import long_tailed_lengths  # noqa: E402
 
-import extract.packed_attention as pa  # noqa: E402
 from extract.batching import length_order, make_batches  # noqa: E402
 from extract.packed_attention import document_block_mask, document_mask_mod  # noqa: E402
 from extract.packing import pack_rows, packed_inputs  # noqa: E402
@@ -117,9 +116,7 @@ def main() -> None:
     mask64 = document_block_mask(doc, document_mask_mod(doc), block_size=64)
     tried = [(opts, mask, "") for opts in CANDIDATES]
     tried += [(opts, mask64, "mask 64, ") for opts in CANDIDATES_64]
-    pa.MASK_FULL_BLOCKS = False  # every visible block partial: contiguous runs of key blocks
-    runs = document_block_mask(doc, document_mask_mod(doc))
-    pa.MASK_FULL_BLOCKS = True
+    runs = document_block_mask(doc, document_mask_mod(doc), full_blocks=False)  # one run each
     tried += [(opts, runs, "no full blocks, ") for opts in CANDIDATES_RUNS]
     for opts, m, tag in tried:
         try:

@@ -206,8 +206,10 @@ def _packed_error(
     """The largest per-token relative difference between the packed row of `size` tokens and
     each row alone."""
 
+    device = next(body.parameters()).device
+
     def send(*tensors: torch.Tensor) -> list[torch.Tensor]:
-        return [t.to(layout.doc_N.device) for t in tensors]
+        return [t.to(device) for t in tensors]
 
     kwargs, index = layout.inputs(rows, send, size=size)
     states = body(**kwargs).last_hidden_state[0, : index.numel()].float()

@@ -97,7 +97,6 @@ class PackedLayout:
         self.sizes = row_sizes(chunk_tokens)
         self.docs = {n: torch.zeros(n, dtype=torch.long, device=device) for n in self.sizes}
         self.mask_mods = {n: document_mask_mod(doc) for n, doc in self.docs.items()}
-        self.doc_N = self.docs[self.sizes[0]]
         types = getattr(body.config, "layer_types", None)
         self.types = sorted(set(types)) if types else None
         self._undo: list[Callable[[], None]] = []

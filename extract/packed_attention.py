@@ -27,11 +27,11 @@ PACKED_ATTENTION = "dflash_packed"
 # (the mask function skipped there), with Inductor's choice of flex_attention's kernel options.
 # Measured against (bench/forward_modes.py, README "Stage one at the GPU's speed"): no full
 # blocks, so that each query block's key blocks are one run and the kernel steps through them
-# without an indirect jump (BLOCKS_ARE_CONTIGUOUS, which `packed_attention` drops wherever a mask
-# lists full blocks): 0.985 of this through the whole forward, the mask function running on
-# every block. ROWS_GUARANTEED_SAFE is wrong for document masks: the kernel reads it as "every
-# key block it visits shows each query a key", which the first block of a query block's keys
-# does not for its later samples (NaN).
+# without an indirect jump (BLOCKS_ARE_CONTIGUOUS, valid only without full blocks): 0.985 of
+# this through the whole forward, the mask function running on every block.
+# ROWS_GUARANTEED_SAFE is wrong for document masks: the kernel reads it as "every key block it
+# visits shows each query a key", which the first block of a query block's keys does not for
+# its later samples (NaN).
 MASK_FULL_BLOCKS = True
 MASK_BLOCK = CHUNK_MULTIPLE
 FLEX_OPTIONS: dict = {}
@@ -182,12 +182,9 @@ def packed_attention(
         return grouped_attention(query, key, value, groups, scaling), None
     if isinstance(attention_mask, BlockMask):
         flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
-        options = dict(FLEX_OPTIONS)
-        if attention_mask.full_kv_num_blocks is not None:  # two runs of blocks, not one
-            options.pop("BLOCKS_ARE_CONTIGUOUS", None)
         out = flex(
             query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa,
-            kernel_options=options or None,
+            kernel_options=FLEX_OPTIONS or None,
         )  # fmt: skip
     else:
         out = F.scaled_dot_product_attention(
