@@ -92,10 +92,10 @@ class LayerCapture:
     ):
         """`layout(body)` makes the layout rows reach the target in (see `extract.layouts`;
         default: padded batches with `own_masks` as PaddedLayout takes it). `sharded`: a model
-        that transformers sharded over the process group (`extract.parallel`): padded batches
-        with the model's own masks, the whole causal LM called (FSDP runs only from its root
-        module; the lm_head on one position per row), under no_grad (expert parallel
-        dispatch fails under inference_mode)."""
+        that transformers sharded over the process group (`extract.parallel`): the whole causal
+        LM called (FSDP runs only from its root module; the lm_head on one position per row),
+        under no_grad (expert parallel dispatch fails under inference_mode); by default in
+        padded batches with the model's own masks."""
         self.model, self.layer_ids, self.pad_id = model, list(layer_ids), pad_id
         self.body = model.get_decoder() if hasattr(model, "get_decoder") else model
         self._forward = functools.partial(model, logits_to_keep=1) if sharded else self.body

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,8 +91,9 @@ class ExtractConfig:
         "loading): none (a whole model per process), tp=N (tensor parallel groups of N sharing "
         "inputs), fsdp=N (fully sharded over N, inputs of their own), ep=N (a MoE target's "
         "experts over N), with data parallel copies over the rest (dp=M); auto: none where the "
-        "target fits one device, else the first layout that fits. Sharded layouts run eager "
-        "padded batches.",
+        "target fits one device, else the first layout that fits. Sharded layouts run the "
+        "same forward as one model per process (--compile, --packing), the ranks of a model "
+        "in step.",
     )
     rows_per_part: int = option(512, help="Source rows per part (the unit of work and resume).")
     max_rows: int | None = option(None, help="Only the first N source rows (quick runs).")
@@ -134,13 +134,6 @@ class ExtractConfig:
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')}: {getattr(self, name)} is too small")
-        sizes = re.findall(r"(?:tp|fsdp|ep)=(\d+)", self.parallel.lower())
-        sharded = any(int(n) > 1 for n in sizes)
-        if sharded and (self.compile == "layers" or self.packing == "on"):
-            raise ValueError(
-                f"--parallel {self.parallel}: a sharded target runs eager padded batches; "
-                "drop --compile layers and --packing on"
-            )
         if self.compile == "layers" and self.packing == "off":
             raise ValueError(
                 "--compile layers needs packed rows (one static shape): drop --packing off, or "

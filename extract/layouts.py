@@ -11,6 +11,7 @@ else keeps padded batches, with a warning that says why.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -98,7 +99,6 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-@torch.inference_mode()
 def choose_layout(
     body: nn.Module,
     *,
@@ -108,71 +108,96 @@ def choose_layout(
     pad_id: int,
     backend: str = "inductor",
     attention: str | None = None,
+    sharded: Sharded | None = None,
 ) -> PaddedLayout | PackedLayout:
     """The layout to run `body` with: packed (compiled or not) where asked for and proven by the
-    probe, else padded."""
+    probe, else padded. `sharded`: a target sharded over the process group, whose ranks probe
+    together and agree on the outcome (padded batches then use the model's own masks)."""
+    options = dict(chunk_tokens=chunk_tokens, pad_id=pad_id, backend=backend, attention=attention)
+    with torch.no_grad() if sharded else torch.inference_mode():
+        return _choose(body, packed=packed, compile_layers=compile_layers, sharded=sharded,
+                       **options)  # fmt: skip
+
+
+class Sharded:
+    """How the probe reaches a target sharded over the process group: its forward runs from the
+    root module (`model`: FSDP gathers each layer only there) under no_grad (expert parallel
+    dispatch fails under inference_mode), and the ranks take the largest of each figure
+    (`agree`), so that all of them choose the same layout and run the same forwards."""
+
+    def __init__(self, model: nn.Module, body: nn.Module, agree: Callable[[list[float]], list]):
+        self.model, self.body, self.agree = model, body, agree
+
+    def states(self, **kwargs: object) -> torch.Tensor:
+        """The decoder's last hidden state of one forward of the whole model on `kwargs`."""
+        got: list[torch.Tensor] = []
+        hook = self.body.register_forward_hook(lambda m, a, out: got.append(out[0]))
+        try:
+            self.model(**kwargs, logits_to_keep=1)
+        finally:
+            hook.remove()
+        return got[0]
+
+
+def _choose(
+    body: nn.Module,
+    *,
+    packed: bool,
+    compile_layers: bool,
+    sharded: Sharded | None,
+    **options: object,
+) -> PaddedLayout | PackedLayout:
+    chunk_tokens, pad_id = options["chunk_tokens"], options["pad_id"]
+    padded = functools.partial(PaddedLayout, body, pad_id=pad_id, own_masks=sharded is not None)
     if not packed:
-        return PaddedLayout(body, pad_id=pad_id)
+        return padded()
     device = next(body.parameters()).device
     why = packed_support(body, device)
     if why is not None:
         log.warning("packed rows are not possible for this target (%s): padded batches", why)
-        return PaddedLayout(body, pad_id=pad_id)
+        return padded()
+    states = sharded.states if sharded else lambda **kw: body(**kw).last_hidden_state
+    agree = sharded.agree if sharded else lambda values: values
     sizes = row_sizes(chunk_tokens)  # the probe runs each size: every graph made before it ends
     probes = [
         _probe_rows(lengths, body, seed, sizes[-1]) for seed, lengths in enumerate(PROBE_LENGTHS)
     ]
-    alone = [[_alone(body, row) for row in rows] for rows in probes]
-    layout = PackedLayout(
-        body,
-        chunk_tokens=chunk_tokens,
-        pad_id=pad_id,
-        device=device,
-        compile_layers=compile_layers,
-        backend=backend,
-        attention=attention,
-    )
+    alone = [[_alone(states, row, device) for row in rows] for rows in probes]
+    layout = PackedLayout(body, device=device, compile_layers=compile_layers, **options)
     try:
         start, before = time.perf_counter(), compiled_graphs()
-        errors = [_packed_error(body, layout, probes[0], alone[0], n) for n in sizes]
+        errors = [_packed_error(states, layout, probes[0], alone[0], n) for n in sizes]
         first, graphs = time.perf_counter() - start, compiled_graphs() - before
-        errors += [_packed_error(body, layout, probes[1], alone[1], n) for n in sizes]
+        errors += [_packed_error(states, layout, probes[1], alone[1], n) for n in sizes]
         again = compiled_graphs() - before - graphs
     except Exception as e:  # a model whose forward the packed layout cannot drive
         layout.uninstall()
         log.warning(
             "packed rows failed on this target (%s: %s): padded batches", type(e).__name__, e
         )
-        return PaddedLayout(body, pad_id=pad_id)
+        return padded()
+    error, again = agree([max(errors), again])
     dtype = next(body.parameters()).dtype
     tolerance = PROBE_TOLERANCE.get(dtype, 0.25)
-    if max(errors) > tolerance:
+    if error > tolerance:
         layout.uninstall()
         log.warning(
             "packed rows changed a probe forward by %.2e per token (allowed %.1e): padded batches",
-            max(errors),
+            error,
             tolerance,
         )
-        return PaddedLayout(body, pad_id=pad_id)
+        return padded()
     if again:
         layout.uninstall()
         log.warning(
             "the compiled layers recompiled for other rows (%d graphs): not compiled", again
         )
-        return choose_layout(
-            body,
-            packed=True,
-            compile_layers=False,
-            chunk_tokens=chunk_tokens,
-            pad_id=pad_id,
-            backend=backend,
-            attention=attention,
-        )
+        return _choose(body, packed=True, compile_layers=False, sharded=sharded, **options)
     compiled = f"; {graphs} compiled graphs in {first:.1f} s" if compile_layers else ""
     log.info(
         "%s: probe rows within %.1e per token of each row alone%s",
         layout.describe(),
-        max(errors),
+        error,
         compiled,
     )
     layout.graphs, layout.compile_s = graphs, first
@@ -190,29 +215,27 @@ def _probe_rows(
     return [rng.integers(0, min(vocab, 1000), max(1, int(n * scale))) for n in lengths]
 
 
-def _alone(body: nn.Module, row: np.ndarray) -> torch.Tensor:
-    device = next(body.parameters()).device
-    out = body(input_ids=torch.from_numpy(row)[None].to(device), use_cache=False)
-    return out.last_hidden_state[0].float()
+def _alone(states: Callable[..., torch.Tensor], row: np.ndarray, device) -> torch.Tensor:  # noqa: ANN001
+    return states(input_ids=torch.from_numpy(row)[None].to(device), use_cache=False)[0].float()
 
 
 def _packed_error(
-    body: nn.Module,
+    states: Callable[..., torch.Tensor],
     layout: PackedLayout,
     rows: list[np.ndarray],
     alone: list[torch.Tensor],
     size: int,
 ) -> float:
     """The largest per-token relative difference between the packed row of `size` tokens and
-    each row alone."""
+    each row alone (`states(**kwargs)`: the decoder's last hidden state)."""
 
-    device = next(body.parameters()).device
+    device = layout.docs[size].device
 
     def send(*tensors: torch.Tensor) -> list[torch.Tensor]:
         return [t.to(device) for t in tensors]
 
     kwargs, index = layout.inputs(rows, send, size=size)
-    states = body(**kwargs).last_hidden_state[0, : index.numel()].float()
+    packed = states(**kwargs)[0, : index.numel()].float()
     ref = torch.cat(alone)
-    per_token = (states - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)
+    per_token = (packed - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)
     return float(per_token.max())

@@ -62,3 +62,10 @@ def cpu_group() -> object:
     if dist.get_backend() == "gloo":
         return dist.group.WORLD
     return dist.new_group(backend="gloo")
+
+
+def agree_max(values: list[float], group: object) -> list[float]:
+    """The largest of each of `values` over the ranks of `group` (every rank calls it)."""
+    flags = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return flags.tolist()

@@ -26,13 +26,17 @@ class LayoutError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A resolved layout for `world` ranks. `shared`: how many consecutive ranks run the same
-    inputs (tp, or ep where the installed transformers runs experts only on shared inputs)."""
+    inputs (tp, or ep where the installed transformers runs experts only on shared inputs).
+    `single`: the key a one-process run named at size 1 (`--parallel fsdp=1` on one GPU): the
+    sharded code path with one rank (the engine loads, the forwards go in step), which shows
+    what that path costs against a plain run."""
 
     tp: int = 1
     fsdp: int = 1
     ep: int = 1
     dp: int = 1
     shared: int = 1
+    single: str = ""
 
     @property
     def world(self) -> int:
@@ -45,7 +49,7 @@ class Layout:
 
     @property
     def sharded(self) -> bool:
-        return self.tp * self.fsdp * self.ep > 1
+        return self.tp * self.fsdp * self.ep > 1 or bool(self.single)
 
     @property
     def groups(self) -> int:
@@ -61,9 +65,10 @@ class Layout:
         return rank // self.shared, rank % self.shared == 0
 
     def __str__(self) -> str:
-        """`tp=2,dp=2`: the sizes above one, `none` when all are one."""
+        """`tp=2,dp=2`: the sizes above one, `none` when all are one (`fsdp=1` if named so on
+        one process)."""
         sizes = [f"{k}={getattr(self, k)}" for k in KEYS if getattr(self, k) > 1]
-        return ",".join(sizes) or "none"
+        return ",".join(sizes) or (f"{self.single}=1" if self.single else "none")
 
 
 def engine_fields() -> frozenset[str]:
@@ -81,6 +86,8 @@ def parse_layout(text: str, world: int, *, fields: frozenset[str] | None = None)
     >>> ALL = frozenset({"tp_size", "fsdp_size", "ep_size", "dp_replicate_size"})
     >>> str(parse_layout("tp=2", 4, fields=ALL)), str(parse_layout("ep=2", 2, fields=ALL))
     ('tp=2,dp=2', 'fsdp=2,ep=2')
+    >>> str(parse_layout("fsdp=1", 1, fields=ALL)), str(parse_layout("fsdp=1", 2, fields=ALL))
+    ('fsdp=1', 'dp=2')
     >>> parse_layout("tp=3", 4, fields=ALL)
     Traceback (most recent call last):
     extract.parallel.LayoutError: --parallel tp=3: 3 ranks per model do not divide the 4 processes
@@ -124,7 +131,9 @@ def parse_layout(text: str, world: int, *, fields: frozenset[str] | None = None)
             f"--parallel {text}: {model} ranks per model x dp={sizes['dp']} is not the "
             f"{world} processes (dp={dp} would be)"
         )
-    return Layout(tp=tp, fsdp=fsdp, ep=ep, dp=dp, shared=shared)
+    named = sorted(given & {"tp", "fsdp", "ep"})
+    single = named[0] if world == 1 and named and model == 1 and ep == 1 else ""
+    return Layout(tp=tp, fsdp=fsdp, ep=ep, dp=dp, shared=shared, single=single)
 
 
 def engine_kwargs(layout: Layout, fields: frozenset[str] | None = None) -> dict:

@@ -15,14 +15,14 @@ from extract.capture import LayerCapture
 from extract.disk import disk_full_message
 from extract.forward_clock import ForwardClock
 from extract.job import Job, writer_threads
-from extract.layouts import choose_layout, compiled_graphs, forward_mode
-from extract.lockstep import LockStep, cpu_group
+from extract.layouts import Sharded, choose_layout, compiled_graphs, forward_mode
+from extract.lockstep import LockStep, agree_max, cpu_group
 from extract.packing import chunk_size
 from extract.parallel import describe_engine, engine_kwargs
 from extract.pipeline import PartPipeline
 from extract.target import load_target
 from extract.units import reader_reading_ahead, run_units
-from shared.dist import RankInfo
+from shared.dist import RankInfo, one_rank_group
 from shared.int4 import prepare_encoder
 from shared.logs import setup_logging
 from shared.progress import RankCounters, SummedBar
@@ -39,6 +39,8 @@ def rank_main(info: RankInfo, job: Job) -> None:
         # Respects OMP_NUM_THREADS; several CPU ranks share the cores.
         torch.set_num_threads(max(1, torch.get_num_threads() // info.world_size))
     sharded = job.layout is not None and job.layout.sharded
+    if sharded and info.world_size == 1:
+        one_rank_group(info)
     mine, writes = _my_units(info, job)
     tokenizer = AutoTokenizer.from_pretrained(job.target)
     read = reader_reading_ahead(job, tokenizer, mine)
@@ -54,27 +56,28 @@ def rank_main(info: RankInfo, job: Job) -> None:
         # recompilations. `--compile none` keeps the encoder eager too.
         seconds = prepare_encoder(model.config.get_text_config().hidden_size, info.device)
         log.info("rank %d: the int4 encoder compiled in %.1f s", info.rank, seconds)
-    if sharded:
-        capture = LayerCapture(model, job.layer_ids, pad_id=pad, sharded=True)
-        if info.is_main:
-            log.info(
-                "--parallel %s: %s; eager padded batches (packed compiled rows are for one "
-                "model per process); %d input groups, each written by its first rank",
-                job.layout,
-                describe_engine(job.layout),
-                job.layout.groups,
-            )
-    else:
-        compiled, packed = forward_mode(job.compile, job.packing, info.device.type)
-        layout = functools.partial(
-            choose_layout,
-            packed=packed,
-            compile_layers=compiled,
-            chunk_tokens=chunk_size(job.batch_tokens, job.max_length),
-            pad_id=pad,
-            attention=None if job.attention == "auto" else job.attention,
+    group = cpu_group() if sharded else None
+    if sharded and info.is_main:
+        log.info(
+            "--parallel %s: %s; %d input groups, each written by its first rank",
+            job.layout,
+            describe_engine(job.layout),
+            job.layout.groups,
         )
-        capture = LayerCapture(model, job.layer_ids, pad_id=pad, layout=layout)
+    compiled, packed = forward_mode(job.compile, job.packing, info.device.type)
+    layout = functools.partial(
+        choose_layout,
+        packed=packed,
+        compile_layers=compiled,
+        chunk_tokens=chunk_size(job.batch_tokens, job.max_length),
+        pad_id=pad,
+        attention=None if job.attention == "auto" else job.attention,
+        # the ranks of a sharded target probe together and keep the same layout
+        sharded=Sharded(model, model.get_decoder(), functools.partial(agree_max, group=group))
+        if sharded
+        else None,
+    )
+    capture = LayerCapture(model, job.layer_ids, pad_id=pad, layout=layout, sharded=sharded)
     log.info("rank %d: the target runs %s", info.rank, capture.layout.describe())
     counters = RankCounters(job.progress_dir, info.rank)
     bar = None
@@ -90,7 +93,7 @@ def rank_main(info: RankInfo, job: Job) -> None:
     threads = writer_threads(job, info)
     clock = ForwardClock(capture.body)  # after LayerCapture's mask probe
     stop = StopRequest().install("finishing the parts in progress, then stopping")
-    lockstep = LockStep(cpu_group(), stop) if sharded else None
+    lockstep = LockStep(group, stop) if sharded else None
     switch_interval = sys.getswitchinterval()
     try:
         pipeline = PartPipeline(

@@ -149,6 +149,17 @@ def _init(
     return RankInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 
+def one_rank_group(info: RankInfo) -> None:
+    """A process group of this process alone, where a run of one process has none: a sharded
+    layout of one rank (`--parallel fsdp=1`) loads through the engine and runs in lock-step,
+    which both need one. `launch` destroys it when the run ends."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if info.device.type == "cuda" else "gloo"
+    kwargs: dict[str, Any] = {"device_id": info.device} if info.device.type == "cuda" else {}
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+
+
 def _spawned(
     local_rank: int,
     fn: Callable,
@@ -252,7 +263,11 @@ def launch(
                 dist.destroy_process_group()
         return
     if spec.nprocs == 1:
-        fn(_init(0, 1, 0, spec, timeout), *args)
+        try:
+            fn(_init(0, 1, 0, spec, timeout), *args)
+        finally:
+            if dist.is_initialized():  # one_rank_group's
+                dist.destroy_process_group()
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(_free_port())

@@ -50,7 +50,9 @@ def family(tmp_path_factory):
     return get
 
 
-def extract_cli(out: Path, target: Path, data: Path, *, procs: int, parallel: str, **popen):
+def extract_cli(
+    out: Path, target: Path, data: Path, *, procs: int, parallel: str, extra=(), **popen
+):
     args = [
         sys.executable,
         "-m",
@@ -73,6 +75,7 @@ def extract_cli(out: Path, target: Path, data: Path, *, procs: int, parallel: st
         ",".join(map(str, LAYERS)),
         "--writer-threads",
         "1",
+        *extra,
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     if popen:
@@ -152,6 +155,44 @@ def test_fsdp_is_bit_exact(tmp_path, data_file, family, kind):
     )
     assert_layout_recorded(tmp_path / "fsdp", "fsdp=2")
     assert checksums(tmp_path / "fsdp") == checksums(tmp_path / "one")
+
+
+@pytest.mark.parametrize(
+    "kind,parallel,options,runs",
+    [
+        ("qwen3", "tp=2", ("--packing", "on", "--compile", "layers"), "layers compiled"),
+        ("qwen3_5", "fsdp=2", ("--packing", "on"), "layers eager"),
+        ("qwen3_moe", "ep=2", ("--packing", "on"), "layers eager"),
+    ],
+)
+def test_packed_rows_under_a_sharded_layout(tmp_path, data_file, family, kind, parallel, options,
+                                            runs):  # fmt: skip
+    """The ranks of a sharded target probe packed rows together and run them (compiled under
+    tensor parallel, the hybrid's linear attention under FSDP, experts under DP+EP), in step."""
+    target = family(kind)
+    done = extract_cli(tmp_path / "c", target, data_file, procs=2, parallel=parallel, extra=options)
+    assert "padded batches" not in done.stderr, done.stderr[-3000:]
+    assert "rank 0: the target runs packed rows" in done.stderr
+    assert runs in done.stderr
+    assert_plain_forward_states(tmp_path / "c", target)
+
+
+def test_a_layout_of_one_process_runs_the_sharded_path_with_the_same_bits(
+    tmp_path, data_file, family
+):
+    """`--parallel fsdp=1` on one process: the engine loads the target and the forwards go in
+    step with a group of one, storing what a plain run stores."""
+    from tests.test_extract import extract as extract_in_process
+
+    target = family("qwen3")
+    done = extract_cli(tmp_path / "one-rank", target, data_file, procs=1, parallel="fsdp=1")
+    assert "DistributedConfig(tp_size=1, fsdp_size=1)" in done.stderr
+    assert "forwards of its own, 0 dummy forwards to keep the ranks in step" in done.stderr
+    extract_in_process(
+        tmp_path / "plain", target, data_file, rows_per_part=5, layers=",".join(map(str, LAYERS))
+    )
+    assert_layout_recorded(tmp_path / "one-rank", "fsdp=1")
+    assert checksums(tmp_path / "one-rank") == checksums(tmp_path / "plain")
 
 
 def test_tensor_parallel_groups_with_data_parallel_across(tmp_path, data_file, family):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from extract.config import ExtractConfig
 from extract.fit import TargetSize, fit_problem, plan_layout
 from extract.parallel import Layout, LayoutError, engine_kwargs, parse_layout
 
@@ -96,9 +95,3 @@ def test_plan_refuses_before_loading(tiny_qwen3):
     assert plan_layout("auto", tiny_qwen3, num_layers=8, world=2, device="cpu", memory=GB) == (
         Layout(dp=2)
     )
-
-
-def test_sharded_layouts_refuse_the_compiled_packed_forward(tmp_path):
-    with pytest.raises(ValueError, match="eager padded batches"):
-        ExtractConfig(out=tmp_path, parallel="tp=2", compile="layers")
-    ExtractConfig(out=tmp_path, parallel="tp=1", compile="layers")
