@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -164,6 +165,7 @@ def _choose(
     ]
     alone = [[_alone(states, row, device) for row in rows] for rows in probes]
     layout = PackedLayout(body, device=device, compile_layers=compile_layers, **options)
+    failed = None
     try:
         start, before = time.perf_counter(), compiled_graphs()
         errors = [_packed_error(states, layout, probes[0], alone[0], n) for n in sizes]
@@ -171,12 +173,13 @@ def _choose(
         errors += [_packed_error(states, layout, probes[1], alone[1], n) for n in sizes]
         again = compiled_graphs() - before - graphs
     except Exception as e:  # a model whose forward the packed layout cannot drive
+        failed, errors, again = e, [math.inf], 0
+    error, again = agree([max(errors), again])  # a failure on one rank is one on all
+    if failed is not None or math.isinf(error):
         layout.uninstall()
-        log.warning(
-            "packed rows failed on this target (%s: %s): padded batches", type(e).__name__, e
-        )
+        why = f"{type(failed).__name__}: {failed}" if failed else "on another rank"
+        log.warning("packed rows failed on this target (%s): padded batches", why)
         return padded()
-    error, again = agree([max(errors), again])
     dtype = next(body.parameters()).dtype
     tolerance = PROBE_TOLERANCE.get(dtype, 0.25)
     if error > tolerance:

@@ -4,13 +4,15 @@ Llama-style targets, eager and compiled; the document mask equals the brute-forc
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from extract.capture import LayerCapture
-from extract.layouts import choose_layout, compiled_graphs
+from extract.layouts import Sharded, choose_layout, compiled_graphs
 from extract.packed_attention import (
     dense_document_mask,
     document_block_mask,
@@ -201,6 +203,29 @@ def test_a_layout_that_changes_the_states_is_refused(targets, monkeypatch, caplo
     )
     assert layout.name == "padded"
     assert "packed rows changed a probe forward" in caplog.text
+
+
+def test_the_ranks_of_a_sharded_target_keep_the_layout_they_agree_on(targets, caplog):
+    """Each rank probes through the whole model and takes the ranks' largest figures: a probe
+    that failed on another rank makes this one keep padded batches too (with the model's own
+    masks, the model given back as loaded); agreement on a good probe keeps packed rows."""
+    model = load_target(str(targets["qwen3"]), device=torch.device("cpu"), last_layer=3)
+    body, seen = model.get_decoder(), []
+    loaded = body.config._attn_implementation
+
+    def another_rank_failed(values: list[float]) -> list[float]:
+        seen.append(values)
+        return [math.inf, values[1]]
+
+    options = dict(packed=True, compile_layers=False, chunk_tokens=256, pad_id=0)
+    layout = choose_layout(body, **options, sharded=Sharded(model, body, another_rank_failed))
+    assert layout.name == "padded" and layout.masks is None
+    assert seen[0][0] < 1e-3  # this rank's own probe passed
+    assert "packed rows failed on this target (on another rank)" in caplog.text
+    assert body.config._attn_implementation == loaded
+    layout = choose_layout(body, **options, sharded=Sharded(model, body, lambda values: values))
+    assert layout.name == "packed"
+    layout.uninstall()
 
 
 def test_cli_packed_cache_equals_the_padded_one(tmp_path, tiny_qwen35, data_file):  # noqa: F811
