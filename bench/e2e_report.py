@@ -186,7 +186,8 @@ def print_table(r: dict[str, Any]) -> None:
         *(
             (
                 f"  with {v['options']}",
-                f"{v['ratio']:.3f} ({v['ratio_until_last_forward']:.3f} until the last forward); "
+                f"{v['ratio']:.3f} = {v['ratio'] / r['extract_ratio']:.3f} of the default "
+                f"({v['ratio_until_last_forward']:.3f} until the last forward); "
                 + forward_split({**r, "extract_forwards": v["forwards"]}),
             )
             for v in r["extract_variants"]
