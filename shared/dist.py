@@ -155,6 +155,8 @@ def one_rank_group(info: RankInfo) -> None:
     which both need one. `launch` destroys it when the run ends."""
     if dist.is_initialized():
         return
+    if info.device.type == "cuda":  # transformers' distributed loading uses cuda:LOCAL_RANK
+        os.environ["LOCAL_RANK"] = str(info.device.index)
     backend = "nccl" if info.device.type == "cuda" else "gloo"
     kwargs: dict[str, Any] = {"device_id": info.device} if info.device.type == "cuda" else {}
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
