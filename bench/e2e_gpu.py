@@ -126,8 +126,12 @@ def extract_variants(
     out, shards = [], work / "variant-shards"
     for k, extra in enumerate(args.also_extract):
         log = work / f"extract-variant{k}.log"
-        command(extract_command(args, work, shards, extra), log, env)
-        shutil.rmtree(shards)
+        command(extract_command(args, work, shards, extra), log, env, check=False)
+        shutil.rmtree(shards, ignore_errors=True)
+        if "extracted in" not in log.read_text():
+            # a variant that fails leaves the default's figures (the log is kept with --logs)
+            out.append({"options": extra, "failed": log.read_text()[-1500:]})
+            continue
         x = extraction_figures(log, plain_tok_s)
         keys = ("ratio", "ratio_until_last_forward", "staging_wait_s", "forwards")
         out.append({"options": extra, **{key: x[key] for key in keys}})

@@ -191,6 +191,12 @@ def print_table(r: dict[str, Any]) -> None:
                 + forward_split({**r, "extract_forwards": v["forwards"]}),
             )
             for v in r["extract_variants"]
+            if "failed" not in v
+        ),
+        *(
+            (f"  with {v['options']}", "FAILED: " + v["failed"].strip().splitlines()[-1])
+            for v in r["extract_variants"]
+            if "failed" in v
         ),
         ("stored bytes/token", f"{r['stored_bytes_per_token']:,.0f}"),
     ]
