@@ -254,9 +254,13 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
     plain = in_child(plain_forward, target, work / "rows.jsonl", device, "eager")
     compiled = in_child(plain_forward, target, work / "rows.jsonl", device, "compiled")
     times["plain_forwards"] = time.perf_counter() - t - times["target"]
+    # each figure as it comes, for a run cut short (the table comes at the end)
+    print(f"matmul {ceiling:.0f} TFLOP/s; eager plain forward {plain['tok_s']:,.0f} tok/s; "
+          f"compiled {compiled['tok_s']:,.0f} tok/s", flush=True)  # fmt: skip
     shards, run = work / "shards", work / "run"
     times["extract"] = command(extract_command(args, work, shards), work / "extract.log", env)
     x = extraction_figures(work / "extract.log", plain["tok_s"])
+    print(f"extraction {x['tok_s']:,.0f} tok/s = {x['ratio']:.3f} x eager", flush=True)
     tokens = x["tokens"]
     manifest = json.loads((shards / "manifest.json").read_text())
     if args.until == "verify":
