@@ -127,8 +127,10 @@ def extract_variants(
     for k, extra in enumerate(args.also_extract):
         log = work / f"extract-variant{k}.log"
         command(extract_command(args, work, shards, extra), log, env, check=False)
+        manifest = shards / "manifest.json"
+        complete = manifest.is_file() and json.loads(manifest.read_text()).get("complete")
         shutil.rmtree(shards, ignore_errors=True)
-        if "extracted in" not in log.read_text():
+        if not complete:
             # a variant that fails leaves the default's figures (the log is kept with --logs)
             out.append({"options": extra, "failed": log.read_text()[-1500:]})
             continue
@@ -255,8 +257,8 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
     compiled = in_child(plain_forward, target, work / "rows.jsonl", device, "compiled")
     times["plain_forwards"] = time.perf_counter() - t - times["target"]
     # each figure as it comes, for a run cut short (the table comes at the end)
-    print(f"matmul {ceiling:.0f} TFLOP/s; eager plain forward {plain['tok_s']:,.0f} tok/s; "
-          f"compiled {compiled['tok_s']:,.0f} tok/s", flush=True)  # fmt: skip
+    rates = f"eager plain forward {plain['tok_s']:,.0f} tok/s; compiled {compiled['tok_s']:,.0f}"
+    print(f"matmul {ceiling:.0f} TFLOP/s; {rates} tok/s", flush=True)
     shards, run = work / "shards", work / "run"
     times["extract"] = command(extract_command(args, work, shards), work / "extract.log", env)
     x = extraction_figures(work / "extract.log", plain["tok_s"])

@@ -160,6 +160,17 @@ def forward_split(r: dict[str, Any]) -> str:
     )
 
 
+def variant_cell(r: dict[str, Any], v: dict[str, Any]) -> str:
+    """An --also-extract variant's figures against the default's, or the last line it logged."""
+    if "failed" in v:
+        return "FAILED: " + (v["failed"].strip().splitlines() or ["(no output)"])[-1]
+    return (
+        f"{v['ratio']:.3f} = {v['ratio'] / r['extract_ratio']:.3f} of the default "
+        f"({v['ratio_until_last_forward']:.3f} until the last forward); "
+        + forward_split({**r, "extract_forwards": v["forwards"]})
+    )
+
+
 def print_table(r: dict[str, Any]) -> None:
     rows = [
         ("shape / target layers / device", f"{r['shape']} / {r['target_layers']} / {r['device']}"),
@@ -183,21 +194,7 @@ def print_table(r: dict[str, Any]) -> None:
             else f"{r['extract_staging_wait_s']:.1f} s of {r['extract_s']:.1f} s",
         ),  # fmt: skip
         ("  device s in forwards", forward_split(r)),
-        *(
-            (
-                f"  with {v['options']}",
-                f"{v['ratio']:.3f} = {v['ratio'] / r['extract_ratio']:.3f} of the default "
-                f"({v['ratio_until_last_forward']:.3f} until the last forward); "
-                + forward_split({**r, "extract_forwards": v["forwards"]}),
-            )
-            for v in r["extract_variants"]
-            if "failed" not in v
-        ),
-        *(
-            (f"  with {v['options']}", "FAILED: " + v["failed"].strip().splitlines()[-1])
-            for v in r["extract_variants"]
-            if "failed" in v
-        ),
+        *((f"  with {v['options']}", variant_cell(r, v)) for v in r["extract_variants"]),
         ("stored bytes/token", f"{r['stored_bytes_per_token']:,.0f}"),
     ]
     if "verify" in r:

@@ -93,7 +93,8 @@ class ExtractConfig:
         "experts over N), with data parallel copies over the rest (dp=M); auto: none where the "
         "target fits one device, else the first layout that fits. Sharded layouts run the "
         "same forward as one model per process (--compile, --packing), the ranks of a model "
-        "in step.",
+        "in step. fsdp=1 (or tp=1) on one process runs that path with one rank, to see what "
+        "it costs.",
     )
     rows_per_part: int = option(512, help="Source rows per part (the unit of work and resume).")
     max_rows: int | None = option(None, help="Only the first N source rows (quick runs).")

@@ -210,15 +210,7 @@ def layout_for(cfg: ExtractConfig, spec: DeviceSpec, planned: Manifest) -> Layou
     anything loads where the target does not fit it."""
     world = torchrun_world_size() if under_torchrun() else spec.nprocs
     plain = cfg.parallel.strip().lower() in ("", "none")
-    if spec.kind == "cpu" and world > 1 and not plain:
-        import torch
-
-        if torch.cuda.is_available():
-            raise LayoutError(
-                f"--parallel {cfg.parallel} with --gpus {spec}: transformers lays a sharded "
-                "model out on the accelerator it finds; use --gpus with GPUs here"
-            )
-    return plan_layout(
+    layout = plan_layout(
         "none" if plain else cfg.parallel,
         Path(planned.target.path),
         num_layers=planned.target.num_layers,
@@ -226,3 +218,12 @@ def layout_for(cfg: ExtractConfig, spec: DeviceSpec, planned: Manifest) -> Layou
         device=spec.kind,
         memory=device_memory(spec.kind, spec.devices),
     )
+    if spec.kind == "cpu" and layout.sharded:
+        import torch
+
+        if torch.cuda.is_available():
+            raise LayoutError(
+                f"--parallel {cfg.parallel} with --gpus {spec}: transformers lays a sharded "
+                "model out on the accelerator it finds; use --gpus with GPUs here"
+            )
+    return layout

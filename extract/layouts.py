@@ -100,6 +100,19 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _without_grad(choose: Callable[..., PaddedLayout | PackedLayout]) -> Callable:
+    """Run `choose` under inference_mode, or no_grad for a sharded target (expert parallel
+    dispatch fails under inference_mode)."""
+
+    @functools.wraps(choose)
+    def run(*args: object, sharded: Sharded | None = None, **kwargs: object):  # noqa: ANN202
+        with torch.no_grad() if sharded else torch.inference_mode():
+            return choose(*args, sharded=sharded, **kwargs)
+
+    return run
+
+
+@_without_grad
 def choose_layout(
     body: nn.Module,
     *,
@@ -114,41 +127,6 @@ def choose_layout(
     """The layout to run `body` with: packed (compiled or not) where asked for and proven by the
     probe, else padded. `sharded`: a target sharded over the process group, whose ranks probe
     together and agree on the outcome (padded batches then use the model's own masks)."""
-    options = dict(chunk_tokens=chunk_tokens, pad_id=pad_id, backend=backend, attention=attention)
-    with torch.no_grad() if sharded else torch.inference_mode():
-        return _choose(body, packed=packed, compile_layers=compile_layers, sharded=sharded,
-                       **options)  # fmt: skip
-
-
-class Sharded:
-    """How the probe reaches a target sharded over the process group: its forward runs from the
-    root module (`model`: FSDP gathers each layer only there) under no_grad (expert parallel
-    dispatch fails under inference_mode), and the ranks take the largest of each figure
-    (`agree`), so that all of them choose the same layout and run the same forwards."""
-
-    def __init__(self, model: nn.Module, body: nn.Module, agree: Callable[[list[float]], list]):
-        self.model, self.body, self.agree = model, body, agree
-
-    def states(self, **kwargs: object) -> torch.Tensor:
-        """The decoder's last hidden state of one forward of the whole model on `kwargs`."""
-        got: list[torch.Tensor] = []
-        hook = self.body.register_forward_hook(lambda m, a, out: got.append(out[0]))
-        try:
-            self.model(**kwargs, logits_to_keep=1)
-        finally:
-            hook.remove()
-        return got[0]
-
-
-def _choose(
-    body: nn.Module,
-    *,
-    packed: bool,
-    compile_layers: bool,
-    sharded: Sharded | None,
-    **options: object,
-) -> PaddedLayout | PackedLayout:
-    chunk_tokens, pad_id = options["chunk_tokens"], options["pad_id"]
     padded = functools.partial(PaddedLayout, body, pad_id=pad_id, own_masks=sharded is not None)
     if not packed:
         return padded()
@@ -157,45 +135,50 @@ def _choose(
     if why is not None:
         log.warning("packed rows are not possible for this target (%s): padded batches", why)
         return padded()
-    states = sharded.states if sharded else lambda **kw: body(**kw).last_hidden_state
+    states = functools.partial(sharded.states, body) if sharded else _body_states(body)
     agree = sharded.agree if sharded else lambda values: values
-    sizes = row_sizes(chunk_tokens)  # the probe runs each size: every graph made before it ends
-    probes = [
-        _probe_rows(lengths, body, seed, sizes[-1]) for seed, lengths in enumerate(PROBE_LENGTHS)
-    ]
+    smallest = row_sizes(chunk_tokens)[-1]
+    probes = [_probe_rows(n, body, seed, smallest) for seed, n in enumerate(PROBE_LENGTHS)]
+    # each row alone through the model as loaded, before the layout changes it
     alone = [[_alone(states, row, device) for row in rows] for rows in probes]
-    layout = PackedLayout(body, device=device, compile_layers=compile_layers, **options)
-    failed = None
-    try:
-        start, before = time.perf_counter(), compiled_graphs()
-        errors = [_packed_error(states, layout, probes[0], alone[0], n) for n in sizes]
-        first, graphs = time.perf_counter() - start, compiled_graphs() - before
-        errors += [_packed_error(states, layout, probes[1], alone[1], n) for n in sizes]
-        again = compiled_graphs() - before - graphs
-    except Exception as e:  # a model whose forward the packed layout cannot drive
-        failed, errors, again = e, [math.inf], 0
-    error, again = agree([max(errors), again])  # a failure on one rank is one on all
-    if failed is not None or math.isinf(error):
+    layout = PackedLayout(
+        body,
+        chunk_tokens=chunk_tokens,
+        pad_id=pad_id,
+        device=device,
+        compile_layers=compile_layers,
+        backend=backend,
+        attention=attention,
+    )
+    failed, error, first, graphs, again = _probe(layout, probes, alone, states, agree)
+    tolerance = PROBE_TOLERANCE.get(next(body.parameters()).dtype, 0.25)
+    if failed is not None or not error <= tolerance:
         layout.uninstall()
-        why = f"{type(failed).__name__}: {failed}" if failed else "on another rank"
-        log.warning("packed rows failed on this target (%s): padded batches", why)
-        return padded()
-    dtype = next(body.parameters()).dtype
-    tolerance = PROBE_TOLERANCE.get(dtype, 0.25)
-    if error > tolerance:
-        layout.uninstall()
-        log.warning(
-            "packed rows changed a probe forward by %.2e per token (allowed %.1e): padded batches",
-            error,
-            tolerance,
-        )
+        if failed is not None:
+            log.warning("packed rows failed on this target (%s): padded batches", failed)
+        else:
+            log.warning(
+                "packed rows changed a probe forward by %.2e per token (allowed %.1e): padded "
+                "batches",
+                error,
+                tolerance,
+            )
         return padded()
     if again:
         layout.uninstall()
         log.warning(
             "the compiled layers recompiled for other rows (%d graphs): not compiled", again
         )
-        return _choose(body, packed=True, compile_layers=False, sharded=sharded, **options)
+        return choose_layout(
+            body,
+            packed=True,
+            compile_layers=False,
+            chunk_tokens=chunk_tokens,
+            pad_id=pad_id,
+            backend=backend,
+            attention=attention,
+            sharded=sharded,
+        )
     compiled = f"; {graphs} compiled graphs in {first:.1f} s" if compile_layers else ""
     log.info(
         "%s: probe rows within %.1e per token of each row alone%s",
@@ -208,6 +191,63 @@ def _choose(
     return layout
 
 
+def _body_states(body: nn.Module) -> Callable[..., torch.Tensor]:
+    return lambda **kwargs: body(**kwargs).last_hidden_state
+
+
+class Sharded:
+    """How the probe reaches a target sharded over the process group: its forward runs from the
+    root module (`model`: FSDP gathers each layer only there) under no_grad (expert parallel
+    dispatch fails under inference_mode), and the ranks take the largest of each figure
+    (`agree`), so that all of them choose the same layout and run the same forwards. A probe
+    that fails on every rank alike (a forward the packed layout cannot drive, a compilation
+    error) falls back everywhere; one that fails on some ranks only, inside a forward's
+    collectives, leaves the others waiting in that collective until the process group's
+    timeout."""
+
+    def __init__(self, model: nn.Module, agree: Callable[[list[float]], list[float]]):
+        self.model, self.agree = model, agree
+
+    def states(self, body: nn.Module, **kwargs: object) -> torch.Tensor:
+        """The last hidden state of `body` (the model's decoder) in one forward of the whole
+        model on `kwargs`."""
+        got: list[torch.Tensor] = []
+        hook = body.register_forward_hook(lambda m, a, out: got.append(out[0]))
+        try:
+            self.model(**kwargs, logits_to_keep=1)
+        finally:
+            hook.remove()
+        return got[0]
+
+
+def _probe(
+    layout: PackedLayout,
+    probes: list[list[np.ndarray]],
+    alone: list[list[torch.Tensor]],
+    states: Callable[..., torch.Tensor],
+    agree: Callable[[list[float]], list[float]],
+) -> tuple[str | None, float, float, int, int]:
+    """The probe rows through `layout` at every row size against each row `alone`: (why it
+    failed or None, the largest error, seconds and graphs of the first probe, graphs made by
+    the second), the error and the graphs agreed by the ranks (a failure or NaN anywhere is an
+    infinite error everywhere)."""
+    sizes = layout.sizes  # the probe runs each size: every graph made before it ends
+    failed, first, graphs = None, 0.0, 0
+    try:
+        start, before = time.perf_counter(), compiled_graphs()
+        errors = [_packed_error(states, layout, probes[0], alone[0], n) for n in sizes]
+        first, graphs = time.perf_counter() - start, compiled_graphs() - before
+        errors += [_packed_error(states, layout, probes[1], alone[1], n) for n in sizes]
+        again = compiled_graphs() - before - graphs
+    except Exception as e:  # a model whose forward the packed layout cannot drive
+        failed, errors, again = f"{type(e).__name__}: {e}", [math.inf], 0
+    worst = math.inf if any(math.isnan(e) for e in errors) else max(errors)
+    error, again = agree([worst, again])
+    if failed is None and math.isinf(error):
+        failed = "on another rank" if math.isfinite(worst) else "a probe forward gave NaN"
+    return failed, error, first, graphs, int(again)
+
+
 def _probe_rows(
     lengths: Sequence[int], body: nn.Module, seed: int, chunk_tokens: int
 ) -> list[np.ndarray]:
@@ -218,7 +258,9 @@ def _probe_rows(
     return [rng.integers(0, min(vocab, 1000), max(1, int(n * scale))) for n in lengths]
 
 
-def _alone(states: Callable[..., torch.Tensor], row: np.ndarray, device) -> torch.Tensor:  # noqa: ANN001
+def _alone(
+    states: Callable[..., torch.Tensor], row: np.ndarray, device: torch.device
+) -> torch.Tensor:
     return states(input_ids=torch.from_numpy(row)[None].to(device), use_cache=False)[0].float()
 
 

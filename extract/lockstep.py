@@ -4,9 +4,11 @@ Under tensor, fully sharded or expert parallel layouts every forward runs collec
 ranks that hold other parts of the model, so every rank must run the same number of forwards,
 whatever its share of the work. Before each forward the ranks exchange two flags on a CPU
 (gloo) group, which never waits for a device: whether each still has a real batch, and whether
-any was asked to stop. A rank out of work then runs one-token dummy forwards until no rank has
-work left (`drain`). A stop signal is acted on only once every rank knows of it, so the ranks of
-an input group (which run the same batches) stop at the same part boundary.
+any was asked to stop. A rank out of work then runs dummy forwards of one token until no rank
+has work left (`drain`): a padded batch of one token, or under packed rows a row of the
+smallest size (a quarter of the packed row: the compiled graphs have no other shapes). A stop
+signal is acted on only once every rank knows of it, so the ranks of an input group (which run
+the same batches) stop at the same part boundary.
 """
 
 from __future__ import annotations
@@ -66,6 +68,6 @@ def cpu_group() -> object:
 
 def agree_max(values: list[float], group: object) -> list[float]:
     """The largest of each of `values` over the ranks of `group` (every rank calls it)."""
-    flags = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    return flags.tolist()
+    largest = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+    return largest.tolist()

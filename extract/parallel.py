@@ -49,6 +49,8 @@ class Layout:
 
     @property
     def sharded(self) -> bool:
+        """Whether the run takes the sharded path (transformers' distributed loading, forwards
+        in step): a layout over several ranks, or one named at size 1 on one process."""
         return self.tp * self.fsdp * self.ep > 1 or bool(self.single)
 
     @property
@@ -131,8 +133,8 @@ def parse_layout(text: str, world: int, *, fields: frozenset[str] | None = None)
             f"--parallel {text}: {model} ranks per model x dp={sizes['dp']} is not the "
             f"{world} processes (dp={dp} would be)"
         )
-    named = sorted(given & {"tp", "fsdp", "ep"})
-    single = named[0] if world == 1 and named and model == 1 and ep == 1 else ""
+    named = sorted(given & {"tp", "fsdp"})
+    single = named[0] if world == 1 and named and model == 1 else ""
     return Layout(tp=tp, fsdp=fsdp, ep=ep, dp=dp, shared=shared, single=single)
 
 

@@ -73,9 +73,7 @@ def rank_main(info: RankInfo, job: Job) -> None:
         pad_id=pad,
         attention=None if job.attention == "auto" else job.attention,
         # the ranks of a sharded target probe together and keep the same layout
-        sharded=Sharded(model, model.get_decoder(), functools.partial(agree_max, group=group))
-        if sharded
-        else None,
+        sharded=Sharded(model, functools.partial(agree_max, group=group)) if sharded else None,
     )
     capture = LayerCapture(model, job.layer_ids, pad_id=pad, layout=layout, sharded=sharded)
     log.info("rank %d: the target runs %s", info.rank, capture.layout.describe())

@@ -152,7 +152,7 @@ def _init(
 def one_rank_group(info: RankInfo) -> None:
     """A process group of this process alone, where a run of one process has none: a sharded
     layout of one rank (`--parallel fsdp=1`) loads through the engine and runs in lock-step,
-    which both need one. `launch` destroys it when the run ends."""
+    which both need one. `launch` destroys it when the run ends, and gives LOCAL_RANK back."""
     if dist.is_initialized():
         return
     if info.device.type == "cuda":  # transformers' distributed loading uses cuda:LOCAL_RANK
@@ -265,11 +265,15 @@ def launch(
                 dist.destroy_process_group()
         return
     if spec.nprocs == 1:
+        had_group, local_rank = dist.is_initialized(), os.environ.get("LOCAL_RANK")
         try:
             fn(_init(0, 1, 0, spec, timeout), *args)
         finally:
-            if dist.is_initialized():  # one_rank_group's
+            if dist.is_initialized() and not had_group:  # one_rank_group's
                 dist.destroy_process_group()
+                os.environ.pop("LOCAL_RANK", None)
+                if local_rank is not None:
+                    os.environ["LOCAL_RANK"] = local_rank
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(_free_port())

@@ -218,12 +218,12 @@ def test_the_ranks_of_a_sharded_target_keep_the_layout_they_agree_on(targets, ca
         return [math.inf, values[1]]
 
     options = dict(packed=True, compile_layers=False, chunk_tokens=256, pad_id=0)
-    layout = choose_layout(body, **options, sharded=Sharded(model, body, another_rank_failed))
+    layout = choose_layout(body, **options, sharded=Sharded(model, another_rank_failed))
     assert layout.name == "padded" and layout.masks is None
     assert seen[0][0] < 1e-3  # this rank's own probe passed
     assert "packed rows failed on this target (on another rank)" in caplog.text
     assert body.config._attn_implementation == loaded
-    layout = choose_layout(body, **options, sharded=Sharded(model, body, lambda values: values))
+    layout = choose_layout(body, **options, sharded=Sharded(model, lambda values: values))
     assert layout.name == "packed"
     layout.uninstall()
 

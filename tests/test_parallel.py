@@ -165,8 +165,9 @@ def test_fsdp_is_bit_exact(tmp_path, data_file, family, kind):
         ("qwen3_moe", "ep=2", ("--packing", "on"), "layers eager"),
     ],
 )
-def test_packed_rows_under_a_sharded_layout(tmp_path, data_file, family, kind, parallel, options,
-                                            runs):  # fmt: skip
+def test_packed_rows_under_a_sharded_layout(
+    tmp_path, data_file, family, kind, parallel, options, runs
+):
     """The ranks of a sharded target probe packed rows together and run them (compiled under
     tensor parallel, the hybrid's linear attention under FSDP, experts under DP+EP), in step."""
     target = family(kind)

@@ -187,6 +187,29 @@ def test_processes_on_this_host_prefers_torchruns_local_world_size(monkeypatch):
     assert processes_on_this_host(16) == 8
 
 
+def test_a_one_rank_group_lives_as_long_as_its_run():
+    """A run of one process that needs a process group (`--parallel fsdp=1`) makes one of its
+    own; `launch` destroys it after the run, and leaves a caller's group alone."""
+    import torch.distributed as dist
+
+    from shared.dist import DeviceSpec, launch, one_rank_group
+
+    def run(info) -> None:  # noqa: ANN001
+        one_rank_group(info)
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        seen.append(dist.get_backend())
+
+    seen: list[str] = []
+    launch(run, (), DeviceSpec("cpu", (0,)))
+    assert seen == ["gloo"] and not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        launch(run, (), DeviceSpec("cpu", (0,)))
+        assert dist.is_initialized()  # the caller's, kept
+    finally:
+        dist.destroy_process_group()
+
+
 def test_cli_from_dataclass():
     r = CliRunner().invoke(_cli(), ["--out", "x", "--layers", "3", "--layers", "1", "--overwrite"])
     assert r.exit_code == 0, r.output
