@@ -205,6 +205,26 @@ def test_a_layout_that_changes_the_states_is_refused(targets, monkeypatch, caplo
     assert "packed rows changed a probe forward" in caplog.text
 
 
+def test_a_probe_that_gives_nan_keeps_padded_batches(targets, monkeypatch, caplog):
+    """NaN compares as within any tolerance: the probe counts it as a failure instead (here an
+    additive attention mask of NaN)."""
+    import extract.packed as packed
+
+    nan = lambda doc: torch.full((1, 1, len(doc), len(doc)), float("nan"))
+    monkeypatch.setattr(packed, "dense_document_mask", nan)
+    model = load_target(str(targets["qwen3"]), device=torch.device("cpu"), last_layer=3)
+    layout = choose_layout(
+        model.get_decoder(),
+        packed=True,
+        compile_layers=False,
+        chunk_tokens=256,
+        pad_id=0,
+        attention="dense",
+    )
+    assert layout.name == "padded"
+    assert "packed rows failed on this target (a probe forward gave NaN)" in caplog.text
+
+
 def test_the_ranks_of_a_sharded_target_keep_the_layout_they_agree_on(targets, caplog):
     """Each rank probes through the whole model and takes the ranks' largest figures: a probe
     that failed on another rank makes this one keep padded batches too (with the model's own
