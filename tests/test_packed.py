@@ -185,13 +185,24 @@ def test_compiled_layers_share_their_graphs_and_never_recompile(targets, kind, a
     assert made[0] > 0 and made[1] == 0
 
 
-def test_a_layout_that_changes_the_states_is_refused(targets, monkeypatch, caplog):
-    """The probe compares packed rows with rows alone: a mask that leaks across samples fails it
-    and extraction keeps padded batches."""
+LEAKY = lambda doc: torch.tril(torch.ones(len(doc), len(doc), dtype=torch.bool))[None, None]
+NAN = lambda doc: torch.full((1, 1, len(doc), len(doc)), float("nan"))  # an additive mask
+
+
+@pytest.mark.parametrize(
+    "mask,says",
+    [
+        (LEAKY, "packed rows changed a probe forward"),
+        # NaN compares as within any tolerance: the probe counts it as a failure instead
+        (NAN, "packed rows failed on this target (a probe forward gave NaN)"),
+    ],
+)
+def test_a_layout_that_changes_the_states_is_refused(targets, monkeypatch, caplog, mask, says):
+    """The probe compares packed rows with rows alone: a mask that leaks across samples, or one
+    that gives NaN, fails it and extraction keeps padded batches."""
     import extract.packed as packed
 
-    leaky = lambda doc: torch.tril(torch.ones(len(doc), len(doc), dtype=torch.bool))[None, None]
-    monkeypatch.setattr(packed, "dense_document_mask", leaky)
+    monkeypatch.setattr(packed, "dense_document_mask", mask)
     model = load_target(str(targets["qwen3"]), device=torch.device("cpu"), last_layer=3)
     layout = choose_layout(
         model.get_decoder(),
@@ -202,27 +213,7 @@ def test_a_layout_that_changes_the_states_is_refused(targets, monkeypatch, caplo
         attention="dense",
     )
     assert layout.name == "padded"
-    assert "packed rows changed a probe forward" in caplog.text
-
-
-def test_a_probe_that_gives_nan_keeps_padded_batches(targets, monkeypatch, caplog):
-    """NaN compares as within any tolerance: the probe counts it as a failure instead (here an
-    additive attention mask of NaN)."""
-    import extract.packed as packed
-
-    nan = lambda doc: torch.full((1, 1, len(doc), len(doc)), float("nan"))
-    monkeypatch.setattr(packed, "dense_document_mask", nan)
-    model = load_target(str(targets["qwen3"]), device=torch.device("cpu"), last_layer=3)
-    layout = choose_layout(
-        model.get_decoder(),
-        packed=True,
-        compile_layers=False,
-        chunk_tokens=256,
-        pad_id=0,
-        attention="dense",
-    )
-    assert layout.name == "padded"
-    assert "packed rows failed on this target (a probe forward gave NaN)" in caplog.text
+    assert says in caplog.text
 
 
 def test_the_ranks_of_a_sharded_target_keep_the_layout_they_agree_on(targets, caplog):
