@@ -20,21 +20,19 @@ sync
 e=$(date +%s.%N)
 python3 -c "print('8 GiB written+synced: %.2f GB/s' % (8 * 2**30 / ($e - $s) / 1e9))"
 rm -f "$dir"/disk_write_w.$$.*
-s=$(date +%s.%N)
-pids=()
-for i in $(seq 8); do
-    dd if="$src" of="$dir/disk_write_w.$$.$i" bs=16M status=none & pids+=($!)
-done
-for pid in "${pids[@]}"; do wait "$pid"; done
-sync
-e=$(date +%s.%N)
-python3 -c "print('8 GiB in 8 streams, synced: %.2f GB/s' % (8 * 2**30 / ($e - $s) / 1e9))"
-rm -f "$dir"/disk_write_w.$$.*
-s=$(date +%s.%N)
-pids=()
-for i in $(seq 8); do
-    dd if="$src" of="$dir/disk_write_d.$$.$i" bs=16M oflag=direct status=none & pids+=($!)
-done
-for pid in "${pids[@]}"; do wait "$pid"; done  # a failed stream fails the script
-e=$(date +%s.%N)
-python3 -c "print('8 GiB direct, 8 streams: %.2f GB/s' % (8 * 2**30 / ($e - $s) / 1e9))"
+# 8 concurrent streams of the source, `dd` given "$@"; then synced; prints GB/s after label $1.
+streams() {
+    local label=$1 s e pid pids=()
+    shift
+    s=$(date +%s.%N)
+    for i in $(seq 8); do
+        dd if="$src" of="$dir/disk_write_d.$$.$i" bs=16M status=none "$@" & pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid"; done  # a failed stream fails the script
+    sync
+    e=$(date +%s.%N)
+    python3 -c "print('$label: %.2f GB/s' % (8 * 2**30 / ($e - $s) / 1e9))"
+    rm -f "$dir"/disk_write_d.$$.*
+}
+streams "8 GiB in 8 streams, synced"
+streams "8 GiB direct, 8 streams" oflag=direct

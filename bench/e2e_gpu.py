@@ -265,9 +265,10 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
     print(f"extraction {x['tok_s']:,.0f} tok/s = {x['ratio']:.3f} x eager", flush=True)
     tokens = x["tokens"]
     manifest = json.loads((shards / "manifest.json").read_text())
-    if args.until == "verify":
+    if args.until != "extract":  # before the variants, which need the default cache's disk
         verify = [py, "-m", "extract.verify", str(shards)]
-        times["verify"] = command(verify, work / "verify.log", env, check=False)
+        times["verify"] = command(verify, work / "verify.log", env, check=args.until == "train")
+        verified = verify_summary(work / "verify.log")
     if args.also_extract:  # --until extract or verify: the default cache has given its figures
         shutil.rmtree(shards)
     variants = extract_variants(args, work, plain["tok_s"], env) if args.also_extract else []
@@ -301,15 +302,12 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
         "extract_variants": variants,
         "stored_bytes_per_token": sum(r["nbytes"] for r in manifest["parts"]) / tokens,
     }
+    if args.until != "extract":
+        result["verify"] = verified
     if args.until != "train":
-        if args.until == "verify":
-            result["verify"] = verify_summary(work / "verify.log")
         result["wall_s"] = times
         finish(result, args, work)
         return
-    verify = [py, "-m", "extract.verify", str(shards)]
-    times["verify"] = command(verify, work / "verify.log", env, check=True)
-    result["verify"] = verify_summary(work / "verify.log")
     shutil.rmtree(target)  # the trainer never reads it; the disk is needed for runs
     times["train"] = command(
         [py, "-m", "train", "--gpus", args.gpus, "--data", str(shards), "--out", str(run),

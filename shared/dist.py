@@ -141,12 +141,16 @@ def _init(
     else:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        backend = "nccl" if spec.kind == "cuda" else "gloo"
-        kwargs: dict[str, Any] = {"timeout": timeout}
-        if spec.kind == "cuda":
-            kwargs["device_id"] = device
-        dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
+        _init_group(device, rank=rank, world_size=world, timeout=timeout)
     return RankInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def _init_group(device: torch.device, **kwargs: Any) -> None:
+    """The process group: NCCL bound to `device` on GPUs, gloo on CPUs."""
+    if device.type == "cuda":
+        dist.init_process_group("nccl", device_id=device, **kwargs)
+    else:
+        dist.init_process_group("gloo", **kwargs)
 
 
 def one_rank_group(info: RankInfo) -> None:
@@ -157,9 +161,7 @@ def one_rank_group(info: RankInfo) -> None:
         return
     if info.device.type == "cuda":  # transformers' distributed loading uses cuda:LOCAL_RANK
         os.environ["LOCAL_RANK"] = str(info.device.index)
-    backend = "nccl" if info.device.type == "cuda" else "gloo"
-    kwargs: dict[str, Any] = {"device_id": info.device} if info.device.type == "cuda" else {}
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    _init_group(info.device, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _spawned(
