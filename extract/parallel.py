@@ -161,12 +161,29 @@ def engine_kwargs(layout: Layout, fields: frozenset[str] | None = None) -> dict:
     return kwargs
 
 
+def engine_places(sharding: dict) -> bool:
+    """Whether transformers shards and places the weights for DistributedConfig(**sharding): only
+    where some size is above 1 (with every size 1 it returns before making a device mesh, and
+    the weights stay where they were loaded: on the CPU without a device_map).
+
+    >>> engine_places({"tp_size": 1, "fsdp_size": 1}), engine_places({"tp_size": 2, "fsdp_size": 1})
+    (False, True)
+    """
+    return any(v > 1 for k, v in sharding.items() if k.endswith("_size"))
+
+
 def describe_engine(layout: Layout) -> str:
     """What loads the target under `layout`, for logs and the manifest."""
     import torch
     import transformers
 
-    args = ", ".join(f"{k}={v}" for k, v in engine_kwargs(layout).items())
+    kwargs = engine_kwargs(layout)
+    if not engine_places(kwargs):
+        return (
+            f"transformers {transformers.__version__}, loaded whole (one process: "
+            f"DistributedConfig would shard nothing), torch {torch.__version__}"
+        )
+    args = ", ".join(f"{k}={v}" for k, v in kwargs.items())
     return (
         f"transformers {transformers.__version__} DistributedConfig({args}), "
         f"torch {torch.__version__}"

@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from extract.parallel import engine_places
 from shared.fsio import public_modes, replace_dir
 from shared.manifest import TargetInfo
 from shared.target_files import EMBED_FILE, EMBED_KEY, LM_HEAD_KEY, TARGET_DIR
@@ -194,11 +195,13 @@ def load_target(
     """Load the causal LM for capture: bf16 on GPU, fp32 on CPU, eval mode, and without the
     layers after `last_layer` (they would be computed for nothing). `sharding`: the arguments
     of transformers' DistributedConfig that shard it over this process group
-    (`extract.parallel.engine_kwargs`); it then places the weights itself."""
+    (`extract.parallel.engine_kwargs`); it then places the weights itself. A layout of one
+    process (`--parallel fsdp=1`) is loaded as without one: the engine would shard nothing."""
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if sharding:
+    sharded = bool(sharding) and engine_places(sharding)
+    if sharded:
         from transformers.distributed import DistributedConfig
 
         placement = {"distributed_config": DistributedConfig(**sharding)}
@@ -211,7 +214,7 @@ def load_target(
     if notice is not None:
         log.log(*notice)
     model = truncate(model.eval().requires_grad_(False), last_layer)
-    return model if sharding else model.to(device)
+    return model if sharded else model.to(device)
 
 
 def linear_attention_notice(

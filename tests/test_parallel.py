@@ -181,13 +181,14 @@ def test_packed_rows_under_a_sharded_layout(
 def test_a_layout_of_one_process_runs_the_sharded_path_with_the_same_bits(
     tmp_path, data_file, family
 ):
-    """`--parallel fsdp=1` on one process: the engine loads the target and the forwards go in
-    step with a group of one, storing what a plain run stores."""
+    """`--parallel fsdp=1` on one process: the target is loaded whole (the engine would shard
+    nothing, and leave the weights on the CPU) and the forwards go in step with a group of one,
+    storing what a plain run stores."""
     from tests.test_extract import extract as extract_in_process
 
     target = family("qwen3")
     done = extract_cli(tmp_path / "one-rank", target, data_file, procs=1, parallel="fsdp=1")
-    assert "DistributedConfig(tp_size=1, fsdp_size=1)" in done.stderr
+    assert "loaded whole (one process: DistributedConfig would shard nothing)" in done.stderr
     assert "forwards of its own, 0 dummy forwards to keep the ranks in step" in done.stderr
     extract_in_process(
         tmp_path / "plain", target, data_file, rows_per_part=5, layers=",".join(map(str, LAYERS))
