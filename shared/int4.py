@@ -317,17 +317,36 @@ def encode_int4(h: torch.Tensor, scheme: Int4Scheme, *, compiled: bool = True) -
     if h.shape[-1] != scheme.hidden:
         raise ValueError(f"states of hidden {h.shape[-1]}, the scheme's is {scheme.hidden}")
     x = h.detach().reshape(-1, scheme.hidden)
-    out = torch.empty(x.shape[0], scheme.width, dtype=torch.uint8, device=h.device)
-    signs, hadamard = _tables(scheme, h.device)
-    step = max(1, STEP_ELEMENTS // scheme.hidden)
-    encode = _compiled_encoder() if h.is_cuda and compiled else _encode_rows
-    for start in range(0, x.shape[0], step):
-        rows = x[start : start + step].to(torch.bfloat16)
-        n = rows.shape[0]
-        if encode is not _encode_rows and n < step:  # one shape for the compiled encoder
-            rows = torch.cat([rows, rows.new_zeros(step - n, scheme.hidden)])
-        out[start : start + n] = encode(rows, scheme, signs, hadamard)[:n]
+    if h.is_cuda and compiled:
+        out = encode_steps(x, scheme, _compiled_encoder())
+    else:
+        out = encode_steps(x, scheme, _encode_rows, fixed=False)
     return out.view(*h.shape[:-1], scheme.width)
+
+
+def encode_steps(
+    x: torch.Tensor, scheme: Int4Scheme, encode: Callable, *, fixed: bool = True
+) -> torch.Tensor:
+    """uint8 records [N, W] of states x [N, H], `encode` (`_encode_rows` or a compiled form of
+    it) called on [STEP_ELEMENTS // H, H] bf16 rows at a time. `fixed`: every call gets one
+    kind of input, whatever x is (a full step of a buffer made under inference_mode, the last
+    step zero-filled), so a compiled `encode` makes one graph: torch.compile's guards tell
+    inference tensors, grad modes and shapes apart, and a graph made again costs seconds."""
+    step = max(1, STEP_ELEMENTS // scheme.hidden)
+    with torch.inference_mode():
+        out = torch.empty(x.shape[0], scheme.width, dtype=torch.uint8, device=x.device)
+        signs, hadamard = _tables(scheme, x.device)
+        buf = torch.empty(step, scheme.hidden, dtype=torch.bfloat16, device=x.device)
+        for start in range(0, x.shape[0], step):
+            rows = x[start : start + step]
+            n = rows.shape[0]
+            if fixed:
+                buf[:n].copy_(rows)
+                if n < step:
+                    buf[n:].zero_()
+                rows = buf
+            out[start : start + n] = encode(rows.to(torch.bfloat16), scheme, signs, hadamard)[:n]
+    return out
 
 
 @functools.cache

@@ -258,4 +258,36 @@ def test_cuda_encoder_compiles_once_for_every_row_count():
         on_gpu, on_cpu = encode_int4(x.cuda(), scheme).cpu(), encode_int4(x, scheme)
         assert (on_gpu == on_cpu).float().mean() > 0.995
         assert_errs_alike(on_gpu, on_cpu, x, scheme)
+    with torch.inference_mode():  # the states extraction captures are inference tensors
+        states = x.cuda()
+    encode_int4(states, scheme)
+    with torch.no_grad():
+        encode_int4(x.cuda(), scheme)
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_compiled_encoder_gets_one_kind_of_input_from_any_states():
+    """Whatever the states (a row count over a step or under it, float32 or bf16, an inference
+    tensor, under no_grad or inference_mode), the compiled encoder is called on one kind of
+    input: one graph (Dynamo's own eager backend, so no compiler runs on the CPU)."""
+    from torch._dynamo.utils import counters
+
+    from shared.int4 import STEP_ELEMENTS, _encode_rows, encode_steps
+
+    scheme = Int4Scheme(hidden=2048)
+    step = STEP_ELEMENTS // scheme.hidden
+    encode = torch.compile(_encode_rows, backend="eager", dynamic=False)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(step + 5, scheme.hidden, generator=g) * 3
+    with torch.inference_mode():
+        states = x.to(torch.bfloat16)
+    before = counters["stats"]["unique_graphs"]
+    first = encode_steps(x, scheme, encode)
+    assert counters["stats"]["unique_graphs"] == before + 1
+    assert torch.equal(first, encode_steps(x, scheme, _encode_rows, fixed=False))
+    assert torch.equal(encode_steps(states, scheme, encode), first)
+    with torch.no_grad():
+        assert torch.equal(encode_steps(x[:9].bfloat16(), scheme, encode), first[:9])
+    with torch.inference_mode():
+        assert torch.equal(encode_steps(states[-3:], scheme, encode), first[-3:])
+    assert counters["stats"]["unique_graphs"] == before + 1
