@@ -12,7 +12,9 @@ parts of random bf16 states [rows, K=5, H=4096] (`shared.cache.open_part_writer`
 extraction writer) as fast as they can. Prints ops/s alone and with writers (their ratio: 1.0
 means the writers cost the launcher nothing) and the raw GB/s the writers delivered meanwhile.
 --staged planes (the default) hands the writers bf16 planes split beforehand, as extraction
-stages them for zarr parts; --staged values gives them the bf16 values (split on the host).
+stages them for zarr parts; --staged values gives them the bf16 values (split on the host);
+--staged int4 gives them int4 records encoded beforehand (`--store int4`, whose records
+extraction encodes on the device); GB/s are raw bf16 bytes in every case.
 On a machine with few cores the launcher also competes for cores: compare code versions or
 settings on the same machine, not figures across machines.
 """
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared import codec  # noqa: E402
 from shared.cache import open_part_writer  # noqa: E402
+from shared.int4 import Int4Scheme, encode_int4  # noqa: E402
 from shared.planes import split_planes  # noqa: E402
 
 K, H = 5, 4096
@@ -53,29 +56,29 @@ def launch_ops(seconds: float) -> float:
 
 
 def writer_loop(root: Path, payloads: list[torch.Tensor], stop: threading.Event, me: int,
-                written: list[int]) -> None:  # fmt: skip
+                written: list[int], store: str) -> None:  # fmt: skip
     """Write parts of one sample each until `stop`; counts raw bytes into written[me]."""
     n = 0
     while not stop.is_set():
         payload = payloads[n % len(payloads)]
         rows = payload.shape[0]
         final = root / f"w{me}-{n}"
-        with open_part_writer(final.parent, n + 1000 * me, fmt="zarr", store="bf16",
+        with open_part_writer(final.parent, n + 1000 * me, fmt="zarr", store=store,
                               num_layers=K, hidden_size=H, lengths=[rows]) as writer:  # fmt: skip
             writer.write(0, sample_index=n, input_ids=np.zeros(rows, np.int32),
                          loss_mask=np.ones(rows, np.uint8), hidden=payload)  # fmt: skip
             writer.commit()
         shutil.rmtree(writer.final, ignore_errors=True)
-        written[me] += rows * K * H * 2  # raw bf16 bytes, staged as values or as planes
+        written[me] += rows * K * H * 2  # raw bf16 bytes, whatever was staged
         n += 1
 
 
-def with_writers(threads: int, seconds: float, payloads: list[torch.Tensor], out: Path | None):
+def with_writers(threads: int, seconds: float, payloads: list, out: Path | None, store: str):
     """(launcher ops/s, writers' raw GB/s) while `threads` writers run."""
     root = Path(tempfile.mkdtemp(prefix="gil-bench-", dir=out))
     stop, written = threading.Event(), [0] * threads
     workers = [
-        threading.Thread(target=writer_loop, args=(root, payloads, stop, i, written))
+        threading.Thread(target=writer_loop, args=(root, payloads, stop, i, written, store))
         for i in range(threads)
     ]
     for w in workers:
@@ -102,11 +105,13 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--codec", choices=("planes", "blosc"), default=codec.BF16_CODEC,
                    help="the bf16 codec the writers use")  # fmt: skip
-    p.add_argument("--staged", choices=("planes", "values"), default="planes",
+    p.add_argument("--staged", choices=("planes", "values", "int4"), default="planes",
                    help="what the writers get: bf16 planes split beforehand, as extraction "
-                   "stages them for zarr parts, or the bf16 values")  # fmt: skip
+                   "stages them for zarr parts, the bf16 values, or int4 records encoded "
+                   "beforehand (--store int4, encoded on the device in extraction)")  # fmt: skip
     args = p.parse_args()
     codec.BF16_CODEC = args.codec  # read at each part's opening (shared.codec.hidden_codec)
+    store = "int4" if args.staged == "int4" else "bf16"
     if args.staged == "planes" and args.codec != "planes":
         p.error("--staged planes needs --codec planes")
     if args.switch_interval is not None:
@@ -121,6 +126,8 @@ def main() -> None:
             planes = split_planes(h)
             e, sm = (x.transpose(0, 1) for x in (planes.exponent, planes.sign_mantissa))
             payloads.append(codec.Bf16Planes(e, sm))
+        elif args.staged == "int4":
+            payloads.append(encode_int4(h, Int4Scheme(hidden=H)).transpose(0, 1))
         else:
             payloads.append(h.transpose(0, 1))
     launch_ops(0.5)  # warm-up
@@ -130,7 +137,7 @@ def main() -> None:
         pairs = []
         for _ in range(args.repeats):
             alone = launch_ops(args.seconds)
-            busy, raw_gb_s = with_writers(threads, args.seconds, payloads, args.out)
+            busy, raw_gb_s = with_writers(threads, args.seconds, payloads, args.out, store)
             pairs.append((busy / alone, alone, busy, raw_gb_s))
         ratio, alone, busy, raw_gb_s = sorted(pairs)[len(pairs) // 2]  # the median pair
         results.append(

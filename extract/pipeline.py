@@ -149,7 +149,9 @@ class PartPipeline:
             for n in batch:  # one task per sample: a batch's samples compress in parallel
                 rows_n = slice(start, start + lengths[n])
                 futures.append(
-                    self.writers.submit(write_sample, writer, n, kept[n], host, rows_n, countdown)
+                    self.writers.submit(
+                        write_sample, writer, n, kept[n], host, rows_n, countdown, self.staging
+                    )
                 )
                 start = rows_n.stop
             self.counters.add(  # done_rows: the bar moves per batch, not per part
@@ -219,6 +221,17 @@ class PartPipeline:
             self.commit_waited_s,
             PARTS_AWAITING_COMMIT,
         )
+        if self.staging.pinned:
+            side_s, longest = self.staging.side_stream_s()
+            log.info(
+                "side stream: the batches' payloads (%s) and copies to the host ended %.1f s "
+                "after their forwards in all (the longest %.0f ms); the writer threads waited "
+                "%.1f s of their time for the copies",
+                self.job.store,
+                side_s,
+                longest * 1e3,
+                self.staging.landing_waited_s,
+            )
         if disk is not None:
             log.info(
                 "disk: %.1f GB written by %d threads in %.1f s of their time; the writer "

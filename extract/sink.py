@@ -36,6 +36,9 @@ class Staging:
     def __init__(self, count: int, *, pinned: bool, rows: int = 0):
         self.pinned, self.rows = pinned, rows
         self.waited_s = 0.0  # time stage() spent blocked for a free buffer (writers behind)
+        self.landing_waited_s = 0.0  # writer threads' time waiting for copies (`wait_landed`)
+        self._lock = threading.Lock()
+        self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # side stream's
         self.nbytes = 0  # of all buffers allocated
         self._free: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
         self._stream: torch.cuda.Stream | None = None
@@ -76,14 +79,17 @@ class Staging:
                 self._stream = torch.cuda.Stream(device=states.device)
             self._stream.wait_stream(torch.cuda.current_stream(states.device))
             with torch.cuda.stream(self._stream):
+                begun = torch.cuda.Event(enable_timing=True)
+                begun.record(self._stream)
                 tensors = payload(states)
                 states.record_stream(self._stream)  # not reused before the payload is made
                 views = {name: self._view(slot, name, t, tokens) for name, t in tensors.items()}
                 for name, t in tensors.items():
                     views[name].copy_(t, non_blocking=True)
                 # Blocking: writer threads waiting for the copy sleep instead of spinning a core.
-                event = torch.cuda.Event(blocking=True)
+                event = torch.cuda.Event(blocking=True, enable_timing=True)
                 event.record(self._stream)
+                self._spans.append((begun, event))
         else:
             tensors = payload(states)
             views = {name: self._view(slot, name, t, tokens) for name, t in tensors.items()}
@@ -91,6 +97,24 @@ class Staging:
                 views[name].copy_(t)
         views["_event"] = event  # type: ignore[assignment]
         return views, lambda: self._free.put(slot)
+
+    def wait_landed(self, views: dict) -> None:
+        """Block until the copy of `stage`'s `views` has landed (at once off CUDA); the wait
+        counts into `landing_waited_s`. Safe from any thread."""
+        event = views["_event"]
+        if event is None:
+            return
+        start = time.perf_counter()
+        event.synchronize()
+        with self._lock:
+            self.landing_waited_s += time.perf_counter() - start
+
+    def side_stream_s(self) -> tuple[float, float]:
+        """(sum, longest) seconds from a staged batch's forward ending to its copy landing, on
+        the device (payload and copy on the side stream, sharing the device with the next
+        forward); (0, 0) off CUDA. Copies not landed yet are left out."""
+        spans = [begun.elapsed_time(end) / 1e3 for begun, end in self._spans if end.query()]
+        return sum(spans), max(spans, default=0.0)
 
     def _view(
         self, slot: dict[str, torch.Tensor], name: str, t: torch.Tensor, tokens: int
@@ -180,10 +204,11 @@ class Countdown:
             self.release()
 
 
-def write_sample(writer, n: int, row: Tokenized, host: dict, rows: slice, countdown) -> None:
+def write_sample(
+    writer, n: int, row: Tokenized, host: dict, rows: slice, countdown, staging: Staging
+) -> None:
     try:
-        if host["_event"] is not None:
-            host["_event"].synchronize()  # the async copy into the pinned buffer has landed
+        staging.wait_landed(host)  # the async copy into the pinned buffer
         # [L, K, H] views of the layer-major buffers: the writers take them without a copy.
         if "q" in host:
             hidden = (host["q"][:, rows].transpose(0, 1), host["scale"][rows])

@@ -101,6 +101,8 @@ def test_gpu_payload_made_on_the_side_stream_survives_the_next_forward(store):
     reused = torch.empty(4096 * 3 * 512, device=device, dtype=torch.bfloat16)
     assert reused.data_ptr() != ptr  # held for the side stream until its payload is made
     reused.fill_(0)
-    views["_event"].synchronize()
+    staging.wait_landed(views)
     assert all(torch.equal(views[k], expected[k]) for k in expected)
+    total, longest = staging.side_stream_s()  # one batch: from its forward's end to its copy's
+    assert 0 < longest == total and staging.landing_waited_s > 0
     release()
