@@ -135,7 +135,7 @@ def extract_variants(
             out.append({"options": extra, "failed": log.read_text()[-1500:]})
             continue
         x = extraction_figures(log, plain_tok_s)
-        keys = ("ratio", "ratio_until_last_forward", "staging_wait_s", "forwards", "side_stream")
+        keys = ("ratio", "ratio_until_last_forward", "staging_wait_s", "forwards", "staging")
         out.append({"options": extra, **{key: x[key] for key in keys}})
     return out
 
@@ -299,7 +299,7 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
         "extract_ratio_until_last_forward": x["ratio_until_last_forward"],
         "extract_forwards": x["forwards"],
         "extract_end": x["end"],
-        "extract_side_stream": x["side_stream"],
+        "extract_staging": x["staging"],
         "extract_variants": variants,
         "stored_bytes_per_token": sum(r["nbytes"] for r in manifest["parts"]) / tokens,
     }

@@ -71,32 +71,41 @@ def extraction_end(log: Path) -> dict[str, float | None] | None:
     return dict(zip(names, map(number, m.groups()), strict=True))
 
 
-def extraction_side_stream(log: Path) -> dict[str, float] | None:
-    """extract's `side stream:` line (a GPU's): device seconds from the forwards' ends to their
-    payloads' copies landing, in all and the longest, and the writer threads' wait for them."""
+def extraction_staging(log: Path) -> dict[str, float] | None:
+    """extract's `writer threads:` line (their busy seconds, their count) and on a GPU its
+    `side stream:` line (device seconds from the forwards' ends to their payloads' copies
+    landing, in all and the longest, and the writer threads' wait for them)."""
+    text = log.read_text()
+    m = re.search(r"writer threads: busy ([\d.]+) s of their (\d+) x", text)
+    if not m:
+        return None
+    out = {"writers_busy_s": float(m.group(1)), "writers": int(m.group(2))}
     m = re.search(
         r"side stream: .*? ended ([\d.]+) s after their forwards in all \(the longest (\d+) ms\); "
         r"the writer threads waited ([\d.]+) s",
-        log.read_text(),
+        text,
     )
-    if not m:
-        return None
-    names = ("span_s", "longest_ms", "waited_s")
-    return dict(zip(names, map(float, m.groups()), strict=True))
+    if m:
+        names = ("span_s", "longest_ms", "waited_s")
+        out.update(zip(names, map(float, m.groups()), strict=True))
+    return out
 
 
-def side_stream_cell(x: dict[str, Any]) -> str:
+def staging_cell(x: dict[str, Any]) -> str:
     """The table's words for an extraction's staging: the device's wait for a free buffer, the
-    side stream's span and the writer threads' wait for the copies."""
+    writer threads' busy time, the side stream's span and the writers' wait for the copies."""
     waited = "n/a" if x["staging_wait_s"] is None else f"{x['staging_wait_s']:.1f} s"
-    side = x.get("side_stream")
-    if side is None:
-        return f"device waited {waited} for a free staging buffer"
-    return (
-        f"device waited {waited} for a free staging buffer; payloads and copies ended "
-        f"{side['span_s']:.1f} s after their forwards (longest {side['longest_ms']:.0f} ms); "
-        f"writer threads waited {side['waited_s']:.1f} s for the copies"
-    )
+    words = f"device waited {waited} for a free staging buffer"
+    st = x.get("staging")
+    if st is None:
+        return words
+    words += f"; {st['writers']} writer threads busy {st['writers_busy_s']:.1f} s"
+    if "span_s" in st:
+        words += (
+            f" ({st['waited_s']:.1f} s of it waiting for copies); payloads and copies ended "
+            f"{st['span_s']:.1f} s after their forwards (longest {st['longest_ms']:.0f} ms)"
+        )
+    return words
 
 
 def end_cell(end: dict[str, float | None] | None) -> str:
@@ -142,7 +151,7 @@ def extraction_figures(log: Path, plain_tok_s: float) -> dict[str, Any]:
         "forwards": extraction_forwards(log),
         "end": extraction_end(log),
         "compile": extraction_compile(log),
-        "side_stream": extraction_side_stream(log),
+        "staging": extraction_staging(log),
     }
 
 
@@ -198,7 +207,7 @@ def variant_cell(r: dict[str, Any], v: dict[str, Any]) -> str:
         f"({v['ratio_until_last_forward']:.3f} until the last forward); "
         + forward_split({**r, "extract_forwards": v["forwards"]})
         + "; "
-        + side_stream_cell(v)
+        + staging_cell(v)
     )
 
 
@@ -227,13 +236,10 @@ def print_table(r: dict[str, Any]) -> None:
         ("  device s in forwards", forward_split(r)),
         (
             "  staging",
-            side_stream_cell(
-                {
-                    "staging_wait_s": r["extract_staging_wait_s"],
-                    "side_stream": r.get("extract_side_stream"),
-                }
+            staging_cell(
+                {"staging_wait_s": r["extract_staging_wait_s"], "staging": r["extract_staging"]}
             ),
-        ),  # fmt: skip
+        ),
         *((f"  with {v['options']}", variant_cell(r, v)) for v in r["extract_variants"]),
         ("stored bytes/token", f"{r['stored_bytes_per_token']:,.0f}"),
     ]

@@ -221,6 +221,12 @@ class PartPipeline:
             self.commit_waited_s,
             PARTS_AWAITING_COMMIT,
         )
+        log.info(
+            "writer threads: busy %.1f s of their %d x %.1f s",
+            self.writers.busy_s,
+            self.threads,
+            wall_s,
+        )
         if self.staging.pinned:
             side_s, longest = self.staging.side_stream_s()
             log.info(

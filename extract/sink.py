@@ -137,13 +137,22 @@ class WriterPool:
     def __init__(self, threads: int):
         self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="writer")
         self.futures: list[Future] = []
+        self.busy_s = 0.0  # the threads' time in tasks, all threads together
         self._lock = threading.Lock()
 
     def submit(self, fn: Callable, *args) -> Future:
-        fut = self.pool.submit(fn, *args)
+        fut = self.pool.submit(self._timed, fn, *args)
         with self._lock:
             self.futures.append(fut)
         return fut
+
+    def _timed(self, fn: Callable, *args) -> object:
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                self.busy_s += time.perf_counter() - start
 
     def wait_idle(self) -> None:
         """Wait for the tasks submitted so far, failed or not (`check` and `close` raise)."""
