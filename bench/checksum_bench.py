@@ -32,14 +32,13 @@ from shared.checksum import crc32c_combine, part_checksum  # noqa: E402
 
 
 def make_part(root: Path, files: int) -> dict[str, tuple[int, int]]:
-    """Shard-like files hidden/c/<i>/0/0; returns their (size, crc32c) by relative path."""
+    """Shard-like files hidden/c.<i>.0.0; returns their (size, crc32c) by relative path."""
     rnd, known = random.Random(0), {}
+    (root / "hidden").mkdir(parents=True)
     for i in range(files):
-        folder = root / "hidden" / "c" / str(i) / "0"
-        folder.mkdir(parents=True)
         data = rnd.randbytes(rnd.randint(100, 400))
-        (folder / "0").write_bytes(data)
-        known[f"hidden/c/{i}/0/0"] = (len(data), crc32c.crc32c(data))
+        (root / "hidden" / f"c.{i}.0.0").write_bytes(data)
+        known[f"hidden/c.{i}.0.0"] = (len(data), crc32c.crc32c(data))
     return known
 
 

@@ -37,9 +37,11 @@ from shared.fsio import start_writeback, sync_tree
 from shared.part import PartReader, PartWriter, Sample, aligned_offsets, layout_problems
 from shared.zarr_codecs import hidden_compressor, hidden_compressors, zarr_compressors
 from shared.zarr_shards import (
+    KEY_SEPARATOR,
     ShardFiles,
     inner_codec,
     shard_buffers,
+    shard_key,
     shard_problems,
     zero_padded,
 )
@@ -98,11 +100,9 @@ class ZarrPartWriter(PartWriter):
             compressors=hidden_compressors(self.store),
             fill_value=0,
             # Pinned, since shard_buffers + write_buffers write the files under these keys.
-            chunk_key_encoding={"name": "default", "separator": "/"},
+            chunk_key_encoding={"name": "default", "separator": KEY_SEPARATOR},
         )
         self._root = str(self.tmp)
-        # Each shard has its own folder hidden/c/<i>/0 (created by the thread that writes it).
-        (self.tmp / "hidden" / "c").mkdir(parents=True, exist_ok=True)
         self._ids = np.zeros(rows, np.int32)
         self._mask = np.zeros(rows, np.uint8)
         self._scale = np.zeros((rows, K), np.float32) if self.store == "fp8" else None
@@ -121,7 +121,7 @@ class ZarrPartWriter(PartWriter):
             if len(block) < CHUNK_ROWS:  # the sample's last shard: zero rows up to the boundary
                 block = zero_padded(block)
             buffers = shard_buffers(block, compress)
-            files.append((f"hidden/c/{(start + row) // CHUNK_ROWS}/0", buffers))
+            files.append((shard_key((start + row) // CHUNK_ROWS, KEY_SEPARATOR), buffers))
             nbytes += sum(len(b) for b in buffers)
         # The payload (a staged batch's rows) is no longer needed once compressed.
         self._queue_write(nbytes, self._write_shards, files)
@@ -134,17 +134,9 @@ class ZarrPartWriter(PartWriter):
     def _write_shards(self, files: list[tuple[str, list[bytes]]]) -> None:
         """Write one sample's shard files (key, buffers) and note their (size, crc32c)."""
         for key, buffers in files:
-            # Plain os calls on strings: pathlib's mkdir(parents=True) costs time under the GIL
-            # that the thread feeding the device then waits for.
-            folder = f"{self._root}/{key}"
-            for d in (folder[: -len("/0")], folder):
-                try:
-                    os.mkdir(d)
-                except FileExistsError:  # a retried write of the same sample
-                    pass
-            size_crc = write_buffers(f"{folder}/0", buffers)
+            size_crc = write_buffers(f"{self._root}/{key}", buffers)  # no folder to make
             with self._lock:
-                self._written_files[f"{key}/0"] = size_crc
+                self._written_files[key] = size_crc
 
     def _small_array(self, name: str, data: np.ndarray) -> None:
         chunks = (SMALL_CHUNK_ROWS, *data.shape[1:])

@@ -28,12 +28,19 @@ from shared.planes import planes_decompress
 # (``shared.zarr_part``).
 PLANES_CODEC_NAME = "dflash_offline.planes"
 INT4_CODEC_NAME = "dflash_offline.int4"
+# The hidden array's chunk keys: `c.<i>.0.0`, every shard file in the array's own folder. A key
+# of '/' (`c/<i>/0/0`, what parts were written with before) costs two new folders a file, which
+# made each file's write about 1.5-2x slower at an int4 shard's size (`python
+# bench/shard_write.py`); parts with either are read.
+KEY_SEPARATOR = "."
+KEY_SEPARATORS = (".", "/")
 
 
-def inner_codec(meta: Path, K: int, H: int) -> str | None:
-    """'planes', 'int4' or 'blosc' when the hidden array's metadata is the layout
-    `shard_buffers` writes (shards [CHUNK_ROWS, K, H] of inner chunks [CHUNK_ROWS, 1, H], H the
-    payload's width, bytes -> codec -> crc32c, index at the end with crc32c, '/' keys); None
+def inner_codec(meta: Path, K: int, H: int) -> tuple[str, str] | None:
+    """('planes', 'int4' or 'blosc', the chunk keys' separator) when the hidden array's metadata
+    is the layout `shard_buffers` writes (shards [CHUNK_ROWS, K, H] of inner chunks
+    [CHUNK_ROWS, 1, H], H the payload's width, bytes -> codec -> crc32c, index at the end with
+    crc32c; keys `c.<i>.0.0`, or `c/<i>/0/0` in parts written before flat keys); None
     otherwise."""
     try:
         m = json.loads(meta.read_text())
@@ -47,16 +54,26 @@ def inner_codec(meta: Path, K: int, H: int) -> str | None:
             and cfg["chunk_shape"] == [CHUNK_ROWS, 1, H]
             and cfg.get("index_location", "end") == "end"
             and index == ["bytes", "crc32c"]
-            and m["chunk_key_encoding"]["configuration"]["separator"] == "/"
+            and m["chunk_key_encoding"]["configuration"]["separator"] in KEY_SEPARATORS
             and names[0] == "bytes"
             and names[-1] == "crc32c"
             and len(names) == 3
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not layout_ok:
+    codec = {PLANES_CODEC_NAME: "planes", INT4_CODEC_NAME: "int4", "blosc": "blosc"}.get(names[1])
+    if not layout_ok or codec is None:
         return None
-    return {PLANES_CODEC_NAME: "planes", INT4_CODEC_NAME: "int4", "blosc": "blosc"}.get(names[1])
+    return codec, m["chunk_key_encoding"]["configuration"]["separator"]
+
+
+def shard_key(i: int, separator: str = KEY_SEPARATOR) -> str:
+    """Shard file i of `hidden`, relative to the part: its zarr chunk key under `separator`.
+
+    >>> shard_key(7), shard_key(7, "/")
+    ('hidden/c.7.0.0', 'hidden/c/7/0/0')
+    """
+    return f"hidden/c{separator}{i}{separator}0{separator}0"
 
 
 def shard_problems(shards: ShardFiles, i: int) -> list[str]:
@@ -87,8 +104,12 @@ class ShardFiles:
     payload's width: the hidden size, or an int4 record's). Plain preads of one file, no event
     loop: several times less CPU than zarr's read path."""
 
-    def __init__(self, path: Path, store: str, inner: str, num_layers: int, hidden_size: int):
-        self.root, self.inner, self.dtype = f"{path}/hidden/c", inner, payload_dtype(store)
+    def __init__(
+        self, path: Path, store: str, inner: tuple[str, str], num_layers: int, hidden_size: int
+    ):
+        """`inner`: (codec, key separator), `inner_codec`'s."""
+        self.path, (self.inner, self.separator) = str(path), inner
+        self.dtype = payload_dtype(store)
         self.num_layers, self.width = num_layers, payload_width(store, hidden_size)
 
     def read(self, rows: slice, layers: Sequence[int]) -> np.ndarray:
@@ -105,7 +126,7 @@ class ShardFiles:
 
     def chunks(self, shard: int, layers: Sequence[int]) -> list[np.ndarray]:
         """The decoded [CHUNK_ROWS, W] chunks of `layers` in shard file `shard`."""
-        file = f"{self.root}/{shard}/0/0"
+        file = f"{self.path}/{shard_key(shard, self.separator)}"
         fd = os.open(file, os.O_RDONLY)
         try:
             size, n_index = os.fstat(fd).st_size, 16 * self.num_layers

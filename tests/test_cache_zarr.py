@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import zarr
@@ -20,7 +22,7 @@ def part(tmp_path):
 
 
 def shard_file(path, row: int):
-    return path / "hidden" / "c" / str(row // CHUNK_ROWS) / "0" / "0"
+    return path / "hidden" / f"c.{row // CHUNK_ROWS}.0.0"
 
 
 def flip_byte(path, offset: int) -> None:
@@ -172,14 +174,40 @@ def test_a_layout_other_than_ours_is_decoded_through_zarr(part, monkeypatch):
     assert any(p.startswith("hidden rows 0..1024") for p in zarr_part.verify_zarr(path))
 
 
-@pytest.mark.parametrize("store", ["bf16", "fp8"])
-def test_direct_shard_reads_equal_zarr_reads(tmp_path, store):
+def to_folder_keys(path) -> None:
+    """Make a part as parts were written before flat keys: each shard file at `c/<i>/0/0` (two
+    folders of its own), the hidden array's metadata naming '/' as its keys' separator."""
+    meta = path / "hidden" / "zarr.json"
+    m = json.loads(meta.read_text())
+    m["chunk_key_encoding"]["configuration"]["separator"] = "/"
+    meta.write_text(json.dumps(m))
+    for f in (path / "hidden").glob("c.*"):
+        dest = path / "hidden" / "c" / f.name.split(".")[1] / "0" / "0"
+        dest.parent.mkdir(parents=True)
+        f.rename(dest)
+
+
+@pytest.mark.parametrize(
+    ("store", "separator"), [("bf16", "."), ("fp8", "."), ("int4", "."), ("bf16", "/")]
+)
+def test_direct_shard_reads_equal_zarr_reads(tmp_path, store, separator):
     """The reader decodes our shards itself (`ShardFiles`); every sample and layer subset equals
-    zarr's own read of the same rows."""
-    write_part(tmp_path, 0, make_records(), fmt="zarr", store=store)
+    zarr's own read of the same rows, in parts whose shard files are all in the array's folder
+    (`c.<i>.0.0`) and in parts written before that (`c/<i>/0/0`), which verify reads too."""
+    records = make_records()
+    write_part(tmp_path, 0, records, fmt="zarr", store=store)
     path = tmp_path / "part-000000"
+    if separator == "/":
+        to_folder_keys(path)
+    files = {p.relative_to(path).as_posix() for p in (path / "hidden").rglob("*") if p.is_file()}
+    shards = -(-int(open_part(path).offsets[-1]) // CHUNK_ROWS)
+    keys = [separator.join(["c", str(i), "0", "0"]) for i in range(shards)]
+    assert files == {"hidden/zarr.json", *(f"hidden/{key}" for key in keys)}
     reader = open_part(path)
     assert reader._shards is not None  # the direct path is the one under test
+    assert verify_part(path) == []
+    for n, record in enumerate(records):
+        assert_matches(reader.read(n), record, store)
     hidden = zarr.open_group(path, mode="r")["hidden"]
     for n in range(reader.num_samples):
         start = int(reader.offsets[n])
