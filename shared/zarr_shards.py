@@ -30,7 +30,7 @@ PLANES_CODEC_NAME = "dflash_offline.planes"
 INT4_CODEC_NAME = "dflash_offline.int4"
 # The hidden array's chunk keys: `c.<i>.0.0`, every shard file in the array's own folder. A key
 # of '/' (`c/<i>/0/0`, what parts were written with before) costs two new folders a file, which
-# made each file's write about 1.5-2x slower at an int4 shard's size (`python
+# cut the disk threads' rate 1.4-2x at an int4 shard's size on a 2-core CPU machine (`python
 # bench/shard_write.py`); parts with either are read.
 KEY_SEPARATOR = "."
 KEY_SEPARATORS = (".", "/")
