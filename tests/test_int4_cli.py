@@ -45,9 +45,7 @@ def hidden_bytes(cache: Path) -> int:
     for rec in read_manifest(cache).parts:
         path = cache / rec.name
         if path.is_dir():
-            total += sum(
-                f.stat().st_size for f in (path / "hidden" / "c").rglob("*") if f.is_file()
-            )
+            total += sum(f.stat().st_size for f in (path / "hidden").glob("c.*") if f.is_file())
         else:
             with tarfile.open(path) as tar:
                 total += sum(i.size for i in tar if i.name.endswith(".hidden.blosc"))
