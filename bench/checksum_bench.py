@@ -29,6 +29,7 @@ import crc32c
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.checksum import crc32c_combine, part_checksum  # noqa: E402
+from shared.zarr_shards import shard_key  # noqa: E402
 
 
 def make_part(root: Path, files: int) -> dict[str, tuple[int, int]]:
@@ -37,8 +38,8 @@ def make_part(root: Path, files: int) -> dict[str, tuple[int, int]]:
     (root / "hidden").mkdir(parents=True)
     for i in range(files):
         data = rnd.randbytes(rnd.randint(100, 400))
-        (root / "hidden" / f"c.{i}.0.0").write_bytes(data)
-        known[f"hidden/c.{i}.0.0"] = (len(data), crc32c.crc32c(data))
+        (root / shard_key(i)).write_bytes(data)
+        known[shard_key(i)] = (len(data), crc32c.crc32c(data))
     return known
 
 

@@ -33,26 +33,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.fsio import sync_tree  # noqa: E402
 from shared.zarr_part import write_buffers  # noqa: E402
+from shared.zarr_shards import shard_key  # noqa: E402
 
 
 def write_file(root: str, i: int, pieces: list[bytes], flat: bool) -> float:
     """One shard file as `ZarrPartWriter._write_shards` writes it (`flat`: under a '.'-separated
     key, in the array's own folder, no folders made); returns its seconds."""
     start = time.perf_counter()
-    if flat:
-        write_buffers(f"{root}/hidden/c.{i}.0.0", pieces)
-    else:
-        folder = f"{root}/hidden/c/{i}/0"
+    key = shard_key(i, "." if flat else "/")
+    if not flat:
+        folder = f"{root}/{key}"[: -len("/0")]
         os.mkdir(folder[: -len("/0")])
         os.mkdir(folder)
-        write_buffers(f"{folder}/0", pieces)
+    write_buffers(f"{root}/{key}", pieces)
     return time.perf_counter() - start
 
 
 def run(dir_: Path, threads: int, files: int, pieces: list[bytes], flat: bool) -> dict:
     root = Path(tempfile.mkdtemp(prefix="shard-write-", dir=dir_))
     try:
-        (root / "hidden" / "c").mkdir(parents=True)
+        (root / "hidden").mkdir()
+        if not flat:
+            (root / "hidden" / "c").mkdir()
         start = time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:
             seconds = list(pool.map(lambda i: write_file(str(root), i, pieces, flat), range(files)))

@@ -28,8 +28,9 @@ class Layout:
     """A resolved layout for `world` ranks. `shared`: how many consecutive ranks run the same
     inputs (tp, or ep where the installed transformers runs experts only on shared inputs).
     `single`: the key a one-process run named at size 1 (`--parallel fsdp=1` on one GPU): the
-    sharded code path with one rank (the engine loads, the forwards go in step), which shows
-    what that path costs against a plain run."""
+    sharded code path with one rank (the target loaded whole, as the engine would shard
+    nothing; the probe and forwards in step), which shows what that path costs against a plain
+    run."""
 
     tp: int = 1
     fsdp: int = 1
@@ -49,8 +50,9 @@ class Layout:
 
     @property
     def sharded(self) -> bool:
-        """Whether the run takes the sharded path (transformers' distributed loading, forwards
-        in step): a layout over several ranks, or one named at size 1 on one process."""
+        """Whether the run takes the sharded path (transformers' distributed loading where it
+        shards anything, forwards in step): a layout over several ranks, or one named at size 1
+        on one process."""
         return self.tp * self.fsdp * self.ep > 1 or bool(self.single)
 
     @property

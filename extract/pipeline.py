@@ -222,7 +222,8 @@ class PartPipeline:
             PARTS_AWAITING_COMMIT,
         )
         log.info(
-            "writer threads: busy %.1f s of their %d x %.1f s",
+            "writer threads: busy %.1f s of their %d x %.1f s (compressing, and waiting for "
+            "copies to land and for room in the disk queue)",
             self.writers.busy_s,
             self.threads,
             wall_s,

@@ -38,7 +38,7 @@ class Staging:
         self.waited_s = 0.0  # time stage() spent blocked for a free buffer (writers behind)
         self.landing_waited_s = 0.0  # writer threads' time waiting for copies (`wait_landed`)
         self._lock = threading.Lock()
-        self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # side stream's
+        self._span_sum = self._span_max = 0.0  # `side_stream_s`
         self.nbytes = 0  # of all buffers allocated
         self._free: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
         self._stream: torch.cuda.Stream | None = None
@@ -73,34 +73,41 @@ class Staging:
         start = time.perf_counter()
         slot = self._free.get()
         self.waited_s += time.perf_counter() - start
-        event = None
-        if self.pinned:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(device=states.device)
-            self._stream.wait_stream(torch.cuda.current_stream(states.device))
-            with torch.cuda.stream(self._stream):
-                begun = torch.cuda.Event(enable_timing=True)
-                begun.record(self._stream)
-                tensors = payload(states)
-                states.record_stream(self._stream)  # not reused before the payload is made
-                views = {name: self._view(slot, name, t, tokens) for name, t in tensors.items()}
-                for name, t in tensors.items():
-                    views[name].copy_(t, non_blocking=True)
-                # Blocking: writer threads waiting for the copy sleep instead of spinning a core.
-                event = torch.cuda.Event(blocking=True, enable_timing=True)
-                event.record(self._stream)
-                self._spans.append((begun, event))
-        else:
+        try:
+            views = self._fill(slot, states, payload, tokens)
+        except BaseException:
+            self._free.put(slot)  # the buffer is not in flight
+            raise
+        return views, lambda: self._free.put(slot)
+
+    def _fill(self, slot: dict, states: torch.Tensor, payload: Callable, tokens: int) -> dict:
+        if not self.pinned:
             tensors = payload(states)
             views = {name: self._view(slot, name, t, tokens) for name, t in tensors.items()}
             for name, t in tensors.items():
                 views[name].copy_(t)
-        views["_event"] = event  # type: ignore[assignment]
-        return views, lambda: self._free.put(slot)
+            return {**views, "_event": None, "_span": None}
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=states.device)
+        main = torch.cuda.current_stream(states.device)
+        forward_end = torch.cuda.Event(enable_timing=True)
+        forward_end.record(main)
+        self._stream.wait_stream(main)
+        with torch.cuda.stream(self._stream):
+            tensors = payload(states)
+            states.record_stream(self._stream)  # not reused before the payload is made
+            views = {name: self._view(slot, name, t, tokens) for name, t in tensors.items()}
+            for name, t in tensors.items():
+                views[name].copy_(t, non_blocking=True)
+            # Blocking: writer threads waiting for the copy sleep instead of spinning a core.
+            landed = torch.cuda.Event(blocking=True, enable_timing=True)
+            landed.record(self._stream)
+        return {**views, "_event": landed, "_span": forward_end}
 
     def wait_landed(self, views: dict) -> None:
         """Block until the copy of `stage`'s `views` has landed (at once off CUDA); the wait
-        counts into `landing_waited_s`. Safe from any thread."""
+        counts into `landing_waited_s`, and the batch's span (its forward's end to the copy's
+        landing) into `side_stream_s` once. Safe from any thread."""
         event = views["_event"]
         if event is None:
             return
@@ -108,13 +115,19 @@ class Staging:
         event.synchronize()
         with self._lock:
             self.landing_waited_s += time.perf_counter() - start
+            forward_end = views.pop("_span", None)
+            if forward_end is not None:
+                span = forward_end.elapsed_time(event) / 1e3
+                self._span_sum += span
+                self._span_max = max(self._span_max, span)
 
     def side_stream_s(self) -> tuple[float, float]:
         """(sum, longest) seconds from a staged batch's forward ending to its copy landing, on
-        the device (payload and copy on the side stream, sharing the device with the next
-        forward); (0, 0) off CUDA. Copies not landed yet are left out."""
-        spans = [begun.elapsed_time(end) / 1e3 for begun, end in self._spans if end.query()]
-        return sum(spans), max(spans, default=0.0)
+        the device: the payload and copy on the side stream, behind the batches before them and
+        sharing the device with the next forward; (0, 0) off CUDA. Counts the batches whose
+        copies a writer has waited for (`wait_landed`)."""
+        with self._lock:
+            return self._span_sum, self._span_max
 
     def _view(
         self, slot: dict[str, torch.Tensor], name: str, t: torch.Tensor, tokens: int

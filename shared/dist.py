@@ -155,8 +155,9 @@ def _init_group(device: torch.device, **kwargs: Any) -> None:
 
 def one_rank_group(info: RankInfo) -> None:
     """A process group of this process alone, where a run of one process has none: a sharded
-    layout of one rank (`--parallel fsdp=1`) loads through the engine and runs in lock-step,
-    which both need one. `launch` destroys it when the run ends, and gives LOCAL_RANK back."""
+    layout of one rank (`--parallel fsdp=1`) runs its probe and forwards in lock-step, which
+    needs one. LOCAL_RANK names the process's GPU, as transformers' distributed loading reads
+    it. `launch` destroys the group when the run ends, and gives LOCAL_RANK back."""
     if dist.is_initialized():
         return
     if info.device.type == "cuda":  # transformers' distributed loading uses cuda:LOCAL_RANK

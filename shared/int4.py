@@ -333,9 +333,9 @@ def encode_steps(
     step zero-filled), so a compiled `encode` makes one graph: torch.compile's guards tell
     inference tensors, grad modes and shapes apart, and a graph made again costs seconds."""
     step = max(1, STEP_ELEMENTS // scheme.hidden)
+    out = torch.empty(x.shape[0], scheme.width, dtype=torch.uint8, device=x.device)  # ordinary
+    signs, hadamard = _tables(scheme, x.device)
     with torch.inference_mode():
-        out = torch.empty(x.shape[0], scheme.width, dtype=torch.uint8, device=x.device)
-        signs, hadamard = _tables(scheme, x.device)
         buf = torch.empty(step, scheme.hidden, dtype=torch.bfloat16, device=x.device)
         for start in range(0, x.shape[0], step):
             rows = x[start : start + step]

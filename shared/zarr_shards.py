@@ -54,6 +54,7 @@ def inner_codec(meta: Path, K: int, H: int) -> tuple[str, str] | None:
             and cfg["chunk_shape"] == [CHUNK_ROWS, 1, H]
             and cfg.get("index_location", "end") == "end"
             and index == ["bytes", "crc32c"]
+            and m["chunk_key_encoding"]["name"] == "default"
             and m["chunk_key_encoding"]["configuration"]["separator"] in KEY_SEPARATORS
             and names[0] == "bytes"
             and names[-1] == "crc32c"

@@ -284,6 +284,7 @@ def test_a_compiled_encoder_gets_one_kind_of_input_from_any_states():
     before = counters["stats"]["unique_graphs"]
     first = encode_steps(x, scheme, encode)
     assert counters["stats"]["unique_graphs"] == before + 1
+    assert not first.is_inference()  # the caller's records: writable outside inference_mode
     assert torch.equal(first, encode_steps(x, scheme, _encode_rows, fixed=False))
     assert torch.equal(encode_steps(states, scheme, encode), first)
     with torch.no_grad():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 
 import pytest
@@ -37,6 +38,27 @@ def test_flush_writes_the_current_counts(tmp_path):
 
 def _as_hidden(states: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"hidden": states}
+
+
+def test_a_payload_that_fails_gives_its_buffer_back():
+    """A failed stage (the payload raised) leaves no buffer taken: with one buffer, the next
+    stage goes through instead of waiting forever."""
+    staging = Staging(1, pinned=False, rows=10)
+
+    def broken(states: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        staging.stage(torch.ones(3, 4), broken, tokens=3)
+    staged = []  # on a thread: a buffer never given back would block it, not the test run
+    ones = torch.ones(3, 4)
+    t = threading.Thread(
+        target=lambda: staged.append(staging.stage(ones, _as_hidden, tokens=3)), daemon=True
+    )
+    t.start()
+    t.join(timeout=60)
+    assert staged, "the failed stage kept its buffer"
+    assert torch.equal(staged[0][0]["hidden"], torch.ones(3, 4))
 
 
 def test_staging_copies_and_reuses_buffers_sized_for_the_budget():
