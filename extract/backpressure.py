@@ -23,6 +23,7 @@ class RankClocks:
     writer_threads: int
     out: str
     disk_waited_s: float | None = None  # writer threads waiting for the disk queue; None: none
+    store: str = "bf16"  # what the rank stores: the remedy names only smaller stores
 
 
 def limit_warning(c: RankClocks) -> str | None:
@@ -36,21 +37,33 @@ def limit_warning(c: RankClocks) -> str | None:
     if c.wall_s <= 0 or waited <= SIGNIFICANT * c.wall_s:
         return None
     share = f"{100 * waited / c.wall_s:.0f}%"
-    remedy = (
-        "--store fp8 (half the bytes) or --store int4 (a quarter; its error is in the README) "
-        "would let it run at its own speed."
-    )
     if c.disk_waited_s is not None and c.disk_waited_s > 0.5 * waited:
         return (
             f"the disk limited this rank: the device waited {share} of the time while the "
-            f"writer threads waited for the disk under {c.out}. A faster disk for --out, or "
-            f"{remedy}"
+            f"writer threads waited for the disk under {c.out}. A faster disk for --out"
+            f"{smaller_stores(c.store)} would let it run at its own speed."
         )
     return (
         f"compression and writing limited this rank: the device waited {share} of the time "
-        f"for the {c.writer_threads} writer threads. More cores per GPU (--writer-threads), or "
-        f"{remedy}"
+        f"for the {c.writer_threads} writer threads. More cores per GPU (--writer-threads)"
+        f"{smaller_stores(c.store)} would let it run at its own speed."
     )
+
+
+def smaller_stores(store: str) -> str:
+    """The remedy's words for the stores that write fewer bytes than `store`.
+
+    >>> smaller_stores("fp8"), smaller_stores("int4")
+    (', or --store int4 (half the bytes of fp8; its error is in the README)', '')
+    """
+    if store == "bf16":
+        return (
+            ", or --store fp8 (half the bytes) or --store int4 (a quarter; its error is in the "
+            "README)"
+        )
+    if store == "fp8":
+        return ", or --store int4 (half the bytes of fp8; its error is in the README)"
+    return ""
 
 
 @dataclass(frozen=True)

@@ -256,6 +256,7 @@ class PartPipeline:
             writer_threads=self.threads,
             out=str(self.job.out),
             disk_waited_s=None if disk is None else disk.waited_s,
+            store=self.job.store,
         )
         warning = limit_warning(clocks)
         if warning is not None:

@@ -33,6 +33,18 @@ def test_the_device_waiting_for_busy_writers_names_compression():
         assert "8 writer threads" in w and "--writer-threads" in w
 
 
+def test_the_remedy_names_only_stores_smaller_than_the_rank_s():
+    for store, named, not_named in (
+        ("bf16", ("--store fp8", "--store int4"), ()),
+        ("fp8", ("--store int4",), ("--store fp8",)),
+        ("int4", (), ("--store fp8", "--store int4")),
+    ):
+        for disk_waited in (20.0, None):  # the disk's warning and the writers'
+            w = limit_warning(clocks(staging_waited_s=30.0, disk_waited_s=disk_waited, store=store))
+            assert w is not None and w.endswith("would let it run at its own speed.")
+            assert all(x in w for x in named) and not any(x in w for x in not_named)
+
+
 def test_the_end_names_each_step_and_the_disk_queue_only_where_there_is_one():
     zarr = describe_end(EndClocks(0.5, 1.25, 2.0, disk_backlog=300_000_000, writers_blocked_s=0.2))
     assert "writer threads finished 0.50 s" in zarr and "(0.20 s of their time waiting" in zarr
