@@ -41,6 +41,25 @@ def test_cuda_extraction_stores_the_forward_states(tmp_path, tiny_qwen3, data_fi
             assert ((got - ref).abs() <= bound).all()
 
 
+def test_a_layout_of_one_process_on_a_gpu_stores_what_a_plain_run_stores(
+    tmp_path,
+    tiny_qwen3,
+    data_file,  # noqa: F811
+):
+    """`--parallel fsdp=1` on one GPU: the target on the GPU (transformers' DistributedConfig of
+    sizes 1 places nothing), the forwards in step with a group of one, and the same states as a
+    run without `--parallel` (rounding of bf16 aside)."""
+    kw = dict(gpus="0", batch_tokens=256, max_rows=12)
+    m = extract(tmp_path / "one-rank", tiny_qwen3, data_file, parallel="fsdp=1", **kw)
+    plain = extract(tmp_path / "plain", tiny_qwen3, data_file, **kw)
+    assert m.complete and plain.complete and m.config["parallel"] == "fsdp=1"
+    a, b = samples_by_row(tmp_path / "one-rank"), samples_by_row(tmp_path / "plain")
+    assert sorted(a) == sorted(b)
+    for row in a:
+        got, want = (x[row].hidden_tensor(torch.device("cpu")).float() for x in (a, b))
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
 def test_planes_split_on_cuda_equals_the_cpu_split():
     """The bf16 planes staged from the device (`shared.planes.split_planes` on CUDA) are the
     CPU's, bit for bit, on every bf16 pattern."""
