@@ -86,7 +86,7 @@ class Staging:
             views = {name: self._view(slot, name, t, tokens) for name, t in tensors.items()}
             for name, t in tensors.items():
                 views[name].copy_(t)
-            return {**views, "_event": None, "_span": None}
+            return {**views, "_event": None}
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=states.device)
         main = torch.cuda.current_stream(states.device)

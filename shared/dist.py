@@ -156,12 +156,9 @@ def _init_group(device: torch.device, **kwargs: Any) -> None:
 def one_rank_group(info: RankInfo) -> None:
     """A process group of this process alone, where a run of one process has none: a sharded
     layout of one rank (`--parallel fsdp=1`) runs its probe and forwards in lock-step, which
-    needs one. LOCAL_RANK names the process's GPU, as transformers' distributed loading reads
-    it. `launch` destroys the group when the run ends, and gives LOCAL_RANK back."""
+    needs one. `launch` destroys the group when the run ends."""
     if dist.is_initialized():
         return
-    if info.device.type == "cuda":  # transformers' distributed loading uses cuda:LOCAL_RANK
-        os.environ["LOCAL_RANK"] = str(info.device.index)
     _init_group(info.device, store=dist.HashStore(), rank=0, world_size=1)
 
 
@@ -268,15 +265,12 @@ def launch(
                 dist.destroy_process_group()
         return
     if spec.nprocs == 1:
-        had_group, local_rank = dist.is_initialized(), os.environ.get("LOCAL_RANK")
+        had_group = dist.is_initialized()
         try:
             fn(_init(0, 1, 0, spec, timeout), *args)
         finally:
             if dist.is_initialized() and not had_group:  # one_rank_group's
                 dist.destroy_process_group()
-                os.environ.pop("LOCAL_RANK", None)
-                if local_rank is not None:
-                    os.environ["LOCAL_RANK"] = local_rank
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(_free_port())

@@ -121,7 +121,7 @@ class ZarrPartWriter(PartWriter):
             if len(block) < CHUNK_ROWS:  # the sample's last shard: zero rows up to the boundary
                 block = zero_padded(block)
             buffers = shard_buffers(block, compress)
-            files.append((shard_key((start + row) // CHUNK_ROWS, KEY_SEPARATOR), buffers))
+            files.append((shard_key((start + row) // CHUNK_ROWS), buffers))
             nbytes += sum(len(b) for b in buffers)
         # The payload (a staged batch's rows) is no longer needed once compressed.
         self._queue_write(nbytes, self._write_shards, files)

@@ -15,14 +15,11 @@ from shared.int4 import (
     Int4Scheme,
     decode_int4,
     encode_int4,
-    hadamard_GG,
     quantize_groups_NGC,
-    rotate_NH,
-    rotation_signs_H,
     scale_of,
-    unrotate_NH,
 )
 from shared.int4_frames import int4_frames, int4_unframe
+from shared.int4_rotation import hadamard_GG, rotate_NH, rotation_signs_H, unrotate_NH
 
 H = 128
 SCHEME = Int4Scheme(hidden=H)
