@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from extract.data import RowIndex, Tokenized, iter_rows
+from shared.fsio import filesystem_type
 from shared.space import free_bytes, size_text
 
 if TYPE_CHECKING:
@@ -126,7 +127,9 @@ def check_space(out: Path, estimate: CacheEstimate, *, rows: int) -> str:
     they do not fit."""
     need = round(estimate.nbytes * rows / max(estimate.rows, 1))
     free = free_bytes(out)
+    fs = filesystem_type(out)
     line = f"{size_text(need)} to write, {size_text(free)} free on the disk holding {out}"
+    line += f" ({fs})" if fs else ""
     if need > free:
         fp8 = STORED_FRACTION["fp8"] / STORED_FRACTION["bf16"]
         smaller = f", store fp8 (--store fp8: about {fp8:.2f} of the size)"
