@@ -52,7 +52,7 @@ def extraction_forwards(log: Path) -> dict[str, float] | None:
     return out
 
 
-def extraction_end(log: Path) -> dict[str, float | None] | None:
+def extraction_end(log: Path) -> dict[str, Any] | None:
     """extract's `after the last forward:` line (`extract.backpressure.describe_end`): seconds
     after the last forward at which the writer threads, the disk queue (zarr) and the last commit
     were done, the writer threads' wait for the disk queue in that time, and the bytes queued for
@@ -68,7 +68,13 @@ def extraction_end(log: Path) -> dict[str, float | None] | None:
         return None
     number = lambda g: None if g is None else float(g)
     names = ("writers_s", "writers_blocked_s", "disk_backlog_gb", "written_s", "committed_s")
-    return dict(zip(names, map(number, m.groups()), strict=True))
+    out: dict[str, Any] = dict(zip(names, map(number, m.groups()), strict=True))
+    # The last part's commit by step (`extract.pipeline.commit_steps`), where it was logged.
+    commits = re.findall(
+        r"committed part-\d+: .*?; its commit took [\d.]+ s \((.*)\)$", log.read_text(), re.M
+    )
+    out["last_commit"] = commits[-1] if commits else None
+    return out
 
 
 def extraction_staging(log: Path) -> dict[str, float] | None:
@@ -108,7 +114,7 @@ def staging_cell(x: dict[str, Any]) -> str:
     return words
 
 
-def end_cell(end: dict[str, float | None] | None) -> str:
+def end_cell(end: dict[str, Any] | None) -> str:
     """The table's cell for `extraction_end`."""
     if end is None:
         return "not logged"
@@ -118,7 +124,8 @@ def end_cell(end: dict[str, float | None] | None) -> str:
     disk = ""
     if end["written_s"] is not None:
         disk = f", disk queue ({end['disk_backlog_gb']:.2f} GB then) {end['written_s']:.2f} s"
-    return f"{writers}{disk}, last commit {end['committed_s']:.2f} s"
+    last = f" ({end['last_commit']})" if end.get("last_commit") else ""
+    return f"{writers}{disk}, last commit {end['committed_s']:.2f} s{last}"
 
 
 def extraction_compile(log: Path) -> dict[str, Any] | None:

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass
@@ -134,6 +135,9 @@ class PartWriter:
         self._written = np.zeros(len(self.lengths), dtype=bool)
         self._supervised = 0
         self._closed = False
+        # Seconds of the commit's steps, for the log: its last queued writes, finishing and
+        # syncing the part, its checksum, the rename.
+        self.commit_seconds: dict[str, float] = {}
 
     @property
     def width(self) -> int:
@@ -190,11 +194,20 @@ class PartWriter:
             if self._closed or len(missing):
                 raise RuntimeError(f"cannot commit {self.final.name}: missing {missing[:10]}")
             self._closed = True
+        clock = [time.perf_counter()]
+
+        def step(name: str) -> None:
+            clock.append(time.perf_counter())
+            self.commit_seconds[name] = clock[-1] - clock[-2]
+
         drain(self._io_futures)  # a failed write raises here: the part is not committed
+        step("writes")
         self._finish()
+        step("sync")
         # One walk of the folder serves the checksum and the size (thousands of shard files).
         sizes = tree_file_sizes(self.tmp) if self.tmp.is_dir() else None
         checksum = part_checksum(self.tmp, self._known_files(), sizes)
+        step("checksum")
         stats = PartStats(
             rows=len(self.lengths),
             tokens=int(self.lengths.sum()),
@@ -211,6 +224,7 @@ class PartWriter:
         else:
             os.replace(self.tmp, self.final)
             fsync_dir(self.final.parent)
+        step("rename")
         log.debug("committed %s: %s", self.final, stats)
         return stats
 
