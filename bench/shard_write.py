@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.fsio import sync_tree  # noqa: E402
+from shared.fsio import filesystem_type, sync_tree  # noqa: E402
 from shared.zarr_part import write_buffers  # noqa: E402
 from shared.zarr_shards import shard_key  # noqa: E402
 
@@ -85,6 +85,8 @@ def main() -> None:
     )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    print(f"{args.dir}: {filesystem_type(args.dir) or 'file system unknown'}", flush=True)
     size = int(args.file_mb * 1e6)
     data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
     # A shard file's pieces: per layer a few frames and a checksum, then the index (16 pieces).
