@@ -1,0 +1,89 @@
+"""Does early writeback work on the disk under DIR? Writes files as the shard writers do, once
+per way of starting their writeback, and prints how much of the written data the kernel still
+held dirty just after (the machine's Dirty in /proc/meminfo, so other writers add noise) and how
+long the sync that a part's commit makes then took.
+
+    python bench/writeback.py DIR [--files 600] [--file-mb 2]
+
+Ways: `none` (left to the commit's sync), `fadvise` (posix_fadvise POSIX_FADV_DONTNEED, what
+`shared.fsio.start_writeback` does) and `sync_file_range` (SYNC_FILE_RANGE_WRITE, which does
+nothing through overlayfs). Linux only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shared.fsio import filesystem_type, start_writeback, sync_tree  # noqa: E402
+
+
+def dirty_mb() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Dirty:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no Dirty line in /proc/meminfo")
+
+
+def _sync_file_range(fd: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    libc.sync_file_range(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE
+
+
+WAYS = {"none": lambda fd: None, "fadvise": start_writeback, "sync_file_range": _sync_file_range}
+
+
+def run(root: Path, way: str, files: int, data: bytes) -> dict[str, float]:
+    folder = Path(tempfile.mkdtemp(prefix=f"writeback-{way}-", dir=root))
+    try:
+        os.sync()
+        before = dirty_mb()
+        start = time.perf_counter()
+        for i in range(files):
+            fd = os.open(folder / f"c.{i}.0.0", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, data)
+                WAYS[way](fd)
+            finally:
+                os.close(fd)
+        written = time.perf_counter() - start
+        left = dirty_mb() - before
+        start = time.perf_counter()
+        sync_tree(folder)
+        synced = time.perf_counter() - start
+    finally:
+        shutil.rmtree(folder)
+    return {"write_s": written, "dirty_mb_left": left, "sync_s": synced}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("dir", type=Path)
+    p.add_argument("--files", type=int, default=600)
+    p.add_argument("--file-mb", type=float, default=2.0)
+    args = p.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    data = os.urandom(int(args.file_mb * (1 << 20)))
+    total = args.files * len(data) / (1 << 20)
+    fs = filesystem_type(args.dir) or "file system unknown"
+    print(f"{args.dir}: {fs}; {total:,.0f} MB a way")
+    for way in WAYS:
+        r = run(args.dir, way, args.files, data)
+        print(
+            f"{way:>16}: written in {r['write_s']:.2f} s, {r['dirty_mb_left']:,.0f} MB left dirty, "
+            f"then synced in {r['sync_s']:.2f} s",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
