@@ -111,10 +111,12 @@ def command(args: list[str], log: Path, env: dict[str, str], check: bool = True)
 
 
 def extract_command(args: argparse.Namespace, work: Path, out: Path, extra: str = "") -> list:
-    """`python -m extract` of the run's target and rows into `out`, with `extra` options."""
+    """`python -m extract` of the run's target and rows into `out`, with --extract-options and
+    `extra` options."""
     return [
         sys.executable, "-m", "extract", "--gpus", args.gpus, "--target", str(args.target_dir),
-        "--data", str(work / "rows.jsonl"), "--out", str(out), *shlex.split(extra),
+        "--data", str(work / "rows.jsonl"), "--out", str(out),
+        *shlex.split(args.extract_options), *shlex.split(extra),
     ]  # fmt: skip
 
 
@@ -188,6 +190,13 @@ def main() -> None:
         help="after the default training, train again on the same cache with these extra "
         "options (quoted, e.g. '--drafter-type dflash2'; repeatable), each its step against "
         "the default's",
+    )
+    p.add_argument(
+        "--extract-options",
+        default="",
+        metavar="ARGS",
+        help="extra options of the default extraction (quoted, e.g. '--store int4'): verify, "
+        "training and every --also-extract run on that cache's options",
     )
     p.add_argument(
         "--also-extract",
@@ -274,6 +283,7 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
     variants = extract_variants(args, work, plain["tok_s"], env) if args.also_extract else []
     result = {
         "shape": args.shape,
+        "extract_options": args.extract_options,
         "target_layers": cfg["num_hidden_layers"],
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,

@@ -221,6 +221,7 @@ def variant_cell(r: dict[str, Any], v: dict[str, Any]) -> str:
 def print_table(r: dict[str, Any]) -> None:
     rows = [
         ("shape / target layers / device", f"{r['shape']} / {r['target_layers']} / {r['device']}"),
+        ("extraction's extra options", r.get("extract_options") or "none (the defaults)"),
         ("rows, tokens (lengths)", f"{r['rows']:,}, {r['tokens']:,} ({r['lengths']})"),
         *forward_rows(r),
         (
