@@ -3,7 +3,7 @@ per way of starting their writeback, and prints how much of the written data the
 held dirty just after (the machine's Dirty in /proc/meminfo, so other writers add noise) and how
 long the sync that a part's commit makes then took.
 
-    python bench/writeback.py DIR [--files 600] [--file-mb 2]
+    python bench/writeback.py DIR [--files 600] [--file-mb 2] [--threads 4]
 
 Ways: `none` (left to the commit's sync), `fadvise` (posix_fadvise POSIX_FADV_DONTNEED, what
 `shared.fsio.start_writeback` does) and `sync_file_range` (SYNC_FILE_RANGE_WRITE, which does
@@ -19,6 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,19 +43,23 @@ def _sync_file_range(fd: int) -> None:
 WAYS = {"none": lambda fd: None, "fadvise": start_writeback, "sync_file_range": _sync_file_range}
 
 
-def run(root: Path, way: str, files: int, data: bytes) -> dict[str, float]:
+def run(root: Path, way: str, files: int, data: bytes, threads: int) -> dict[str, float]:
     folder = Path(tempfile.mkdtemp(prefix=f"writeback-{way}-", dir=root))
     try:
         os.sync()
         before = dirty_mb()
-        start = time.perf_counter()
-        for i in range(files):
+
+        def write(i: int) -> None:
             fd = os.open(folder / f"c.{i}.0.0", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 os.write(fd, data)
                 WAYS[way](fd)
             finally:
                 os.close(fd)
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(write, range(files)))
         written = time.perf_counter() - start
         left = dirty_mb() - before
         start = time.perf_counter()
@@ -70,6 +75,7 @@ def main() -> None:
     p.add_argument("dir", type=Path)
     p.add_argument("--files", type=int, default=600)
     p.add_argument("--file-mb", type=float, default=2.0)
+    p.add_argument("--threads", type=int, default=4, help="writing at once (the disk queue's 4)")
     args = p.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     data = os.urandom(int(args.file_mb * (1 << 20)))
@@ -77,7 +83,7 @@ def main() -> None:
     fs = filesystem_type(args.dir) or "file system unknown"
     print(f"{args.dir}: {fs}; {total:,.0f} MB a way")
     for way in WAYS:
-        r = run(args.dir, way, args.files, data)
+        r = run(args.dir, way, args.files, data, args.threads)
         print(
             f"{way:>16}: written in {r['write_s']:.2f} s, {r['dirty_mb_left']:,.0f} MB left dirty, "
             f"then synced in {r['sync_s']:.2f} s",
