@@ -5,9 +5,9 @@ long the sync that a part's commit makes then took.
 
     python bench/writeback.py DIR [--files 600] [--file-mb 2] [--threads 4]
 
-Ways: `none` (left to the commit's sync), `fadvise` (posix_fadvise POSIX_FADV_DONTNEED, what
-`shared.fsio.start_writeback` does) and `sync_file_range` (SYNC_FILE_RANGE_WRITE, which does
-nothing through overlayfs). Linux only.
+Ways: `none` (left to the commit's sync), `fadvise` (posix_fadvise POSIX_FADV_DONTNEED),
+`sync_file_range` (SYNC_FILE_RANGE_WRITE, which does nothing through overlayfs) and `product`
+(`shared.fsio.start_writeback`: sync_file_range, or fadvise on overlayfs). Linux only.
 """
 
 from __future__ import annotations
@@ -40,7 +40,16 @@ def _sync_file_range(fd: int) -> None:
     libc.sync_file_range(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE
 
 
-WAYS = {"none": lambda fd: None, "fadvise": start_writeback, "sync_file_range": _sync_file_range}
+def _fadvise(fd: int) -> None:
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+WAYS = {
+    "none": lambda fd: None,
+    "fadvise": _fadvise,
+    "sync_file_range": _sync_file_range,
+    "product": start_writeback,
+}
 
 
 def run(root: Path, way: str, files: int, data: bytes, threads: int) -> dict[str, float]:

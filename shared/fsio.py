@@ -51,29 +51,43 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _mounts() -> list[tuple[str, str, str]]:
+    """(device "major:minor", mount point, file system type) of every mount this process sees,
+    from /proc/self/mountinfo (empty where it is missing: not Linux)."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return []
+    mounts = []
+    for line in lines:
+        fields, _, rest = line.partition(" - ")
+        fields = fields.split()
+        if len(fields) >= 5 and rest:
+            point = fields[4].replace("\\040", " ").replace("\\011", "\t")
+            mounts.append((fields[2], point, rest.split()[0]))
+    return mounts
+
+
 def filesystem_type(path: Path) -> str | None:
-    """The type of the file system holding `path` ("ext4", "overlay", "tmpfs", ...), from
-    /proc/self/mountinfo: the mount point that is the longest prefix of its real path. None
-    where that file is missing (not Linux) or names none.
+    """The type of the file system holding `path` ("ext4", "overlay", "tmpfs", ...): that of
+    the mount point that is the longest prefix of its real path. None where no mount is known.
 
     >>> filesystem_type(Path("/proc/self")) in ("proc", None)
     True
     """
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return None
     probe = Path(path).resolve()
     best, kind = -1, None
-    for line in lines:
-        fields = line.split()
-        if " - " not in line or len(fields) < 5:
-            continue
-        point = fields[4].replace("\\040", " ")
-        fstype = line.split(" - ", 1)[1].split()[0]
+    for _, point, fstype in _mounts():
         if (probe == Path(point) or Path(point) in probe.parents) and len(point) > best:
             best, kind = len(point), fstype
     return kind
+
+
+@functools.cache
+def _is_overlay(dev: int) -> bool:
+    """Whether the device number `dev` (a file's st_dev) is an overlayfs mount."""
+    name = f"{os.major(dev)}:{os.minor(dev)}"
+    return any(d == name and fstype == "overlay" for d, _, fstype in _mounts())
 
 
 def _syncfs(path: Path) -> bool:
@@ -93,25 +107,40 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
+_SYNC_FILE_RANGE_WRITE = 2
+
+
 def start_writeback(fd: int) -> None:
-    """Ask the kernel to start writing `fd`'s dirty pages to disk now, without waiting
-    (posix_fadvise POSIX_FADV_DONTNEED; a no-op where it is missing). Pages already clean are
-    dropped from the page cache, which a write-once cache never rereads soon.
+    """Ask the kernel to start writing `fd`'s dirty pages to disk now, without waiting (a no-op
+    where neither way below exists).
 
     Without it a part's data stays dirty until its commit, whose sync then writes gigabytes at
     once; on ext4 that stalled every writer thread while it ran (on an H200 host, extraction
     went from 0.74 to 0.885 of the plain forward with early writeback: README, Results).
     Started per file, the disk writes steadily and the commit's sync finds little left to do.
-    Not sync_file_range(2): through overlayfs (a container's usual file system) it acts on the
-    overlay's own, empty page cache and leaves every page dirty, while fadvise reaches the file
-    below. This only starts the writes: durability still comes from `sync_tree` at the commit."""
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is None:
+    The way: sync_file_range(2) (SYNC_FILE_RANGE_WRITE), except on overlayfs (a container's
+    usual file system), where it acts on the overlay's own, empty page cache and leaves every
+    page dirty: there posix_fadvise's DONTNEED, which reaches the file below (it also drops the
+    file's clean pages, and may drain every CPU's page lists, so it is not used everywhere;
+    `bench/writeback.py` compares them on a disk). This only starts the writes: durability
+    still comes from `sync_tree` at the commit."""
+    fn = _sync_file_range()
+    if fn is None or _is_overlay(os.fstat(fd).st_dev):
+        advise = getattr(os, "posix_fadvise", None)
+        if advise is not None:
+            with contextlib.suppress(OSError):  # advisory: a failure leaves it to the commit
+                advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return
-    try:
-        advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except OSError:
-        pass  # advisory: a failure leaves it to the commit
+    fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # advisory: a failure leaves it to the commit
+
+
+@functools.cache
+def _sync_file_range():  # noqa: ANN202
+    fn = getattr(_libc(), "sync_file_range", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+    return fn
 
 
 def sync_tree(root: Path) -> None:
