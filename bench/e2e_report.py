@@ -69,11 +69,16 @@ def extraction_end(log: Path) -> dict[str, Any] | None:
     number = lambda g: None if g is None else float(g)
     names = ("writers_s", "writers_blocked_s", "disk_backlog_gb", "written_s", "committed_s")
     out: dict[str, Any] = dict(zip(names, map(number, m.groups()), strict=True))
-    # The last part's commit by step (`extract.pipeline.commit_steps`), where it was logged.
+    # The last committed part's own commit time by step (`extract.pipeline.commit_steps`).
     commits = re.findall(
-        r"committed part-\d+: .*?; its commit took [\d.]+ s \((.*)\)$", log.read_text(), re.M
+        r"committed (part-\d+(?:\.tar)?): .*?; its commit took ([\d.]+) s(?: \((.*)\))?$",
+        log.read_text(),
+        re.M,
     )
-    out["last_commit"] = commits[-1] if commits else None
+    out["last_commit"] = None
+    if commits:
+        name, took, steps = commits[-1]
+        out["last_commit"] = f"{name}'s commit took {took} s" + (f": {steps}" if steps else "")
     return out
 
 

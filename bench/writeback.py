@@ -3,7 +3,7 @@ per way of starting their writeback, and prints how much of the written data the
 held dirty just after (the machine's Dirty in /proc/meminfo, so other writers add noise) and how
 long the sync that a part's commit makes then took.
 
-    python bench/writeback.py DIR [--files 600] [--file-mb 2] [--threads 4]
+    python bench/writeback.py DIR [--files 600] [--file-mb 2] [--threads 4] [--rounds 3]
 
 Ways: `none` (left to the commit's sync), `fadvise` (posix_fadvise POSIX_FADV_DONTNEED),
 `sync_file_range` (SYNC_FILE_RANGE_WRITE, which does nothing through overlayfs) and `product`
@@ -16,6 +16,7 @@ import argparse
 import ctypes
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -85,17 +86,25 @@ def main() -> None:
     p.add_argument("--files", type=int, default=600)
     p.add_argument("--file-mb", type=float, default=2.0)
     p.add_argument("--threads", type=int, default=4, help="writing at once (the disk queue's 4)")
+    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     data = os.urandom(int(args.file_mb * (1 << 20)))
     total = args.files * len(data) / (1 << 20)
     fs = filesystem_type(args.dir) or "file system unknown"
-    print(f"{args.dir}: {fs}; {total:,.0f} MB a way")
-    for way in WAYS:
-        r = run(args.dir, way, args.files, data, args.threads)
+    print(f"{args.dir}: {fs}; {total:,.0f} MB a way, {args.rounds} rounds, the ways' order turned")
+    ways = list(WAYS)
+    runs: dict[str, list[dict[str, float]]] = {way: [] for way in ways}
+    for k in range(args.rounds):
+        for way in ways[k % len(ways) :] + ways[: k % len(ways)]:
+            runs[way].append(run(args.dir, way, args.files, data, args.threads))
+    for way in ways:
+        median = {key: statistics.median(r[key] for r in runs[way]) for key in runs[way][0]}
+        each = ", ".join(f"{r['write_s']:.2f}" for r in runs[way])
         print(
-            f"{way:>16}: written in {r['write_s']:.2f} s, {r['dirty_mb_left']:,.0f} MB left dirty, "
-            f"then synced in {r['sync_s']:.2f} s",
+            f"{way:>16}: written in {median['write_s']:.2f} s ({each}), "
+            f"{median['dirty_mb_left']:,.0f} MB left dirty, then synced in "
+            f"{median['sync_s']:.2f} s (medians)",
             flush=True,
         )
 

@@ -129,7 +129,7 @@ def check_space(out: Path, estimate: CacheEstimate, *, rows: int) -> str:
     free = free_bytes(out)
     fs = filesystem_type(out)
     line = f"{size_text(need)} to write, {size_text(free)} free on the disk holding {out}"
-    line += f" ({fs})" if fs else ""
+    line += f" (file system: {fs})" if fs else ""
     if need > free:
         fp8 = STORED_FRACTION["fp8"] / STORED_FRACTION["bf16"]
         smaller = f", store fp8 (--store fp8: about {fp8:.2f} of the size)"

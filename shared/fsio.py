@@ -8,6 +8,7 @@ import fcntl
 import functools
 import json
 import os
+import re
 import shutil
 import threading
 from collections.abc import Iterator
@@ -51,9 +52,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _mounts() -> list[tuple[str, str, str]]:
-    """(device "major:minor", mount point, file system type) of every mount this process sees,
-    from /proc/self/mountinfo (empty where it is missing: not Linux)."""
+def _unescape(field: str) -> str:
+    r"""A mountinfo path with its octal escapes (\040 for a space, \134 for a backslash) undone."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+def _mounts() -> list[tuple[str, str]]:
+    """(mount point, file system type) of every mount this process sees, in mount order, from
+    /proc/self/mountinfo (empty where it is missing: not Linux)."""
     try:
         lines = Path("/proc/self/mountinfo").read_text().splitlines()
     except OSError:
@@ -63,31 +69,39 @@ def _mounts() -> list[tuple[str, str, str]]:
         fields, _, rest = line.partition(" - ")
         fields = fields.split()
         if len(fields) >= 5 and rest:
-            point = fields[4].replace("\\040", " ").replace("\\011", "\t")
-            mounts.append((fields[2], point, rest.split()[0]))
+            mounts.append((_unescape(fields[4]), rest.split()[0]))
     return mounts
 
 
 def filesystem_type(path: Path) -> str | None:
     """The type of the file system holding `path` ("ext4", "overlay", "tmpfs", ...): that of
-    the mount point that is the longest prefix of its real path. None where no mount is known.
+    the mount point that is the longest prefix of its real path (the last mounted, where several
+    share it). None where no mount is known.
 
     >>> filesystem_type(Path("/proc/self")) in ("proc", None)
     True
     """
     probe = Path(path).resolve()
     best, kind = -1, None
-    for _, point, fstype in _mounts():
-        if (probe == Path(point) or Path(point) in probe.parents) and len(point) > best:
+    for point, fstype in _mounts():
+        if (probe == Path(point) or Path(point) in probe.parents) and len(point) >= best:
             best, kind = len(point), fstype
     return kind
 
 
-@functools.cache
-def _is_overlay(dev: int) -> bool:
-    """Whether the device number `dev` (a file's st_dev) is an overlayfs mount."""
-    name = f"{os.major(dev)}:{os.minor(dev)}"
-    return any(d == name and fstype == "overlay" for d, _, fstype in _mounts())
+_OVERLAYFS_SUPER_MAGIC = 0x794C7630
+
+
+def _is_overlay(fd: int) -> bool:
+    """Whether the open file `fd` is on overlayfs: fstatfs(2)'s f_type, the first field of
+    struct statfs (False where fstatfs is missing)."""
+    fn = getattr(_libc(), "fstatfs", None)
+    if fn is None:
+        return False
+    buf = ctypes.create_string_buffer(256)  # larger than struct statfs on any Linux ABI
+    if fn(fd, buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF == _OVERLAYFS_SUPER_MAGIC
 
 
 def _syncfs(path: Path) -> bool:
@@ -110,9 +124,9 @@ def _libc() -> ctypes.CDLL:
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-def start_writeback(fd: int) -> None:
-    """Ask the kernel to start writing `fd`'s dirty pages to disk now, without waiting (a no-op
-    where neither way below exists).
+def start_writeback(fd: int, offset: int = 0, length: int = 0) -> None:
+    """Ask the kernel to start writing the dirty pages of `fd` in [offset, offset + length) (0:
+    to the end) to disk now, without waiting (a no-op where neither way below exists).
 
     Without it a part's data stays dirty until its commit, whose sync then writes gigabytes at
     once; on ext4 that stalled every writer thread while it ran (on an H200 host, extraction
@@ -121,17 +135,17 @@ def start_writeback(fd: int) -> None:
     The way: sync_file_range(2) (SYNC_FILE_RANGE_WRITE), except on overlayfs (a container's
     usual file system), where it acts on the overlay's own, empty page cache and leaves every
     page dirty: there posix_fadvise's DONTNEED, which reaches the file below (it also drops the
-    file's clean pages, and may drain every CPU's page lists, so it is not used everywhere;
-    `bench/writeback.py` compares them on a disk). This only starts the writes: durability
+    range's clean pages, hence only the range just written, and on older kernels drains every
+    CPU's page lists, so it is not used everywhere). This only starts the writes: durability
     still comes from `sync_tree` at the commit."""
     fn = _sync_file_range()
-    if fn is None or _is_overlay(os.fstat(fd).st_dev):
+    if fn is None or _is_overlay(fd):
         advise = getattr(os, "posix_fadvise", None)
         if advise is not None:
             with contextlib.suppress(OSError):  # advisory: a failure leaves it to the commit
-                advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                advise(fd, offset, length, os.POSIX_FADV_DONTNEED)
         return
-    fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # advisory: a failure leaves it to the commit
+    fn(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # advisory: a failure leaves it to the commit
 
 
 @functools.cache

@@ -175,11 +175,13 @@ class WdsPartWriter(PartWriter):
         members.append((f"{key}.json", json.dumps(meta).encode()))
         with self._tar_lock:
             try:
+                start = self._file.tell()
                 for name, data in members:
                     self._add(name, data)
-                # The tar's writeback starts now, not all at once at the commit's fsync.
+                # The tar's writeback starts now, not all at once at the commit's fsync: of the
+                # bytes just appended (an earlier sample's pages are not dropped on overlayfs).
                 self._file.flush()
-                start_writeback(self._file.fileno())
+                start_writeback(self._file.fileno(), start, self._file.tell() - start)
             except BaseException:
                 self._broken = True  # a half-appended sample: the tar cannot be committed
                 raise
