@@ -143,9 +143,10 @@ def test_layout_equals_a_plain_forward(tmp_path, data_file, family, kind, reques
     assert_plain_forward_states(tmp_path / "c", target)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "llama"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "llama", "qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_fsdp_is_bit_exact(tmp_path, data_file, family, kind):
-    """Two ranks of their own inputs (3 and 2 units) store the very bits one process stores."""
+    """Two ranks of their own inputs (3 and 2 units) store the very bits one process stores
+    (the MoE families with their experts fully sharded too, not expert parallel)."""
     from tests.test_extract import extract as extract_in_process
 
     target = family(kind)
