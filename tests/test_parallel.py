@@ -129,21 +129,28 @@ def assert_layout_recorded(cache: Path, layout: str) -> None:
         # qwen3 under tp: test_tensor_parallel_groups_with_data_parallel_across
         ("qwen3_5", "tp=2", "tp=2"),
         ("llama", "tp=2", "tp=2"),
+        ("deepseek_v3", "tp=2", "tp=2"),  # its TP plan leaves the MLA attention whole
+        ("gpt_oss", "tp=2", "tp=2"),  # its TP plan shards only the embedding
+        ("qwen3_moe", "tp=2,ep=2", "tp=2,ep=2"),  # the experts over the tensor-parallel group
         ("qwen3_moe", "ep=2", "fsdp=2,ep=2"),
         ("deepseek_v3", "ep=2", "fsdp=2,ep=2"),
         ("gpt_oss", "ep=2", "fsdp=2,ep=2"),
     ],
 )
 def test_layout_equals_a_plain_forward(tmp_path, data_file, family, kind, request_, layout):
-    """Tensor parallel (one input group: both ranks run every unit, one writes) and DP+EP (each
-    rank its own rows, 3 and 2 units, routed tokens exchanged; dense weights fully sharded)."""
+    """Tensor parallel (one input group: both ranks run every unit, one writes), with the experts
+    over that group, and DP+EP (each rank its own rows, 3 and 2 units, routed tokens exchanged;
+    dense weights fully sharded). Qwen3-MoE under tp=2 alone is not here: one token's routing
+    is a tie that the other reduction order breaks the other way (README)."""
     target = family(kind)
     extract_cli(tmp_path / "c", target, data_file, procs=2, parallel=request_)
     assert_layout_recorded(tmp_path / "c", layout)
     assert_plain_forward_states(tmp_path / "c", target)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "llama", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize(
+    "kind", ["qwen3", "qwen3_5", "llama", "qwen3_moe", "deepseek_v3", "gpt_oss"]
+)
 def test_fsdp_is_bit_exact(tmp_path, data_file, family, kind):
     """Two ranks of their own inputs (3 and 2 units) store the very bits one process stores
     (the MoE families with their experts fully sharded too, not expert parallel)."""
