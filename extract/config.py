@@ -103,6 +103,12 @@ class ExtractConfig:
         help="Compression/write threads per process (0: the usable cores / processes, at most 8; "
         "more threads slow the forward loop down through the GIL).",
     )
+    staging_buffers: int = option(
+        3,
+        help="Host buffers between the device and the writer threads (pinned on a GPU, each "
+        "one forward's states): the device runs this many batches ahead of the writers, so "
+        "more absorb their slow moments at that much more pinned memory.",
+    )
     switch_interval_ms: float = option(
         1.0,
         help="Python's GIL switch interval in the extract processes (ms; Python's own is 5): "
@@ -129,6 +135,7 @@ class ExtractConfig:
             "batch_tokens": self.batch_tokens >= 2,
             "rows_per_part": self.rows_per_part >= 1,
             "writer_threads": self.writer_threads >= 0,
+            "staging_buffers": self.staging_buffers >= 2,
             "switch_interval_ms": self.switch_interval_ms > 0,
             "max_rows": self.max_rows is None or self.max_rows >= 1,
         }

@@ -39,6 +39,10 @@ class Job:
     # 5 ms (Python's) 0.913-0.916 of the plain forward, 1 and 0.5 ms 0.932: 0.9-1.1 s of device
     # time between forwards instead of 1.6 s (`extract.forward_clock`).
     switch_interval_s: float = 0.001
+    # Batches in flight between the device and the writer threads (`--staging-buffers`): the
+    # device runs ahead by this many while their samples are compressed in parallel (pinned
+    # memory: buffers x batch size).
+    staging_buffers: int = 3
     # A sharded layout of the target over the ranks (`extract.parallel`); None: one model per
     # rank. `layout_record`: what each part made under it records (None for one model per rank).
     layout: Layout | None = None

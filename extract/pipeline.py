@@ -33,9 +33,6 @@ from shared.manifest import (
 from shared.progress import RankCounters
 
 log = logging.getLogger(__name__)
-# Batches in flight between the device and the writer threads: the GPU runs ahead by this many
-# while their samples are compressed in parallel (pinned memory: buffers x batch size).
-STAGING_BUFFERS = 3
 # Parts whose forwards are done and whose writes and commit are not: the device runs at most this
 # many parts ahead of the commits, so a stop (SIGTERM, Ctrl-C) ends within that many parts'
 # writes, and the unfinished work a crash loses stays as small, whatever the disk's budget.
@@ -86,15 +83,15 @@ class PartPipeline:
             device_payload, store=job.store, fmt=job.format, compiled=job.compile != "none"
         )
         rows = chunk_size(job.batch_tokens, job.max_length)  # the most a forward holds
-        self.staging = Staging(STAGING_BUFFERS, pinned=device.type == "cuda", rows=rows)
+        self.staging = Staging(job.staging_buffers, pinned=device.type == "cuda", rows=rows)
         start = time.perf_counter()
         one = torch.zeros(1, len(job.layer_ids), _hidden(capture), device=device)  # [N, K, H]
         if writes:
             self.staging.reserve(self.payload(one), tokens=1)
         log.info(
             "%d staging buffers of %.2f GB%s in %.1f s",
-            STAGING_BUFFERS,
-            self.staging.nbytes / STAGING_BUFFERS / 1e9,
+            job.staging_buffers,
+            self.staging.nbytes / job.staging_buffers / 1e9,
             " (pinned)" if device.type == "cuda" else "",
             time.perf_counter() - start,
         )

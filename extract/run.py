@@ -239,6 +239,7 @@ def _run_locked(
         units=pending,
         writer_threads=cfg.writer_threads,
         switch_interval_s=cfg.switch_interval_ms / 1e3,
+        staging_buffers=cfg.staging_buffers,
         progress_dir=cfg.out / PROGRESS_DIR,
         draw_bar=not spawned,
         verbose=cfg.verbose,

@@ -152,6 +152,18 @@ def test_switch_interval_applies_while_extracting_then_is_restored(
         ExtractConfig(out=tmp_path / "x", switch_interval_ms=0)
 
 
+def test_the_staging_buffers_change_no_stored_bit(tmp_path, qwen3, data_file, capfd):
+    extract(tmp_path / "three", qwen3, data_file, max_rows=8)
+    extract(tmp_path / "two", qwen3, data_file, max_rows=8, staging_buffers=2)
+    assert "2 staging buffers of" in capfd.readouterr().err
+    sums = [
+        {p.name: p.checksum for p in read_manifest(tmp_path / c).parts} for c in "three two".split()
+    ]
+    assert sums[0] == sums[1]
+    with pytest.raises(ValueError, match="--staging-buffers"):
+        ExtractConfig(out=tmp_path / "x", staging_buffers=1)
+
+
 def read_config_layers(target: Path) -> int:
     config = json.loads((target / "config.json").read_text())
     return (config.get("text_config") or config)["num_hidden_layers"]
