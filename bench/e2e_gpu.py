@@ -310,6 +310,7 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
         "extract_forwards": x["forwards"],
         "extract_end": x["end"],
         "extract_staging": x["staging"],
+        "extract_filesystem": x["filesystem"],
         "extract_variants": variants,
         "stored_bytes_per_token": sum(r["nbytes"] for r in manifest["parts"]) / tokens,
     }

@@ -164,7 +164,14 @@ def extraction_figures(log: Path, plain_tok_s: float) -> dict[str, Any]:
         "end": extraction_end(log),
         "compile": extraction_compile(log),
         "staging": extraction_staging(log),
+        "filesystem": extraction_filesystem(log),
     }
+
+
+def extraction_filesystem(log: Path) -> str | None:
+    """The file system of the cache's disk, from extract's `space:` line (None: not logged)."""
+    m = re.search(r"space: .* \(file system: ([^)]+)\)", log.read_text())
+    return m.group(1) if m else None
 
 
 def training_figures(run: Path, skip_steps: int) -> dict[str, Any]:
@@ -255,6 +262,7 @@ def print_table(r: dict[str, Any]) -> None:
         ),
         *((f"  with {v['options']}", variant_cell(r, v)) for v in r["extract_variants"]),
         ("stored bytes/token", f"{r['stored_bytes_per_token']:,.0f}"),
+        ("the cache's file system", r.get("extract_filesystem") or "not logged"),
     ]
     if "verify" in r:
         rows.append(("verify", r["verify"]))
