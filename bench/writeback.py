@@ -13,7 +13,6 @@ Ways: `none` (left to the commit's sync), `fadvise` (posix_fadvise POSIX_FADV_DO
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import shutil
 import statistics
@@ -25,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shared import fsio  # noqa: E402
 from shared.fsio import filesystem_type, start_writeback, sync_tree  # noqa: E402
 
 
@@ -36,9 +36,7 @@ def dirty_mb() -> float:
 
 
 def _sync_file_range(fd: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    libc.sync_file_range(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE
+    fsio._sync_file_range()(fd, 0, 0, fsio._SYNC_FILE_RANGE_WRITE)  # the product's, cached
 
 
 def _fadvise(fd: int) -> None:
