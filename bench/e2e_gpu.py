@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import shlex
@@ -44,7 +45,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 from e2e_inputs import long_tailed_lengths, write_rows, write_target  # noqa: E402
-from e2e_report import extraction_figures, print_table, training_figures  # noqa: E402
+from e2e_report import (  # noqa: E402
+    extraction_figures,
+    print_table,
+    ratio_text,
+    training_figures,
+)
 
 from extract.config import ExtractConfig  # noqa: E402
 from extract.target import build_target_layer_ids  # noqa: E402
@@ -82,6 +88,35 @@ def plain_forward(target: Path, rows_path: Path, device: torch.device, mode: str
     )
     figures.pop("_states")  # forward_modes compares packed modes' states; not JSON
     return {**figures, "flops": forward_flops(body, [len(r) for r in rows])}
+
+
+def plain_forwards(target: Path, rows: Path, device: torch.device) -> dict[str, Any]:
+    """The matmul ceiling, then the eager and the compiled plain forward of the rows, each in a
+    process of its own."""
+    from forward_modes import matmul_tflops
+
+    ceiling = in_child(matmul_tflops, device)
+    plain = in_child(plain_forward, target, rows, device, "eager")
+    compiled = in_child(plain_forward, target, rows, device, "compiled")
+    # each figure as it comes, for a run cut short (the table comes at the end)
+    rates = f"eager plain forward {plain['tok_s']:,.0f} tok/s; compiled {compiled['tok_s']:,.0f}"
+    print(f"matmul {ceiling:.0f} TFLOP/s; {rates} tok/s", flush=True)
+    return {"plain_forward": plain, "compiled_forward": compiled, "ceiling_tflops": ceiling}
+
+
+def forward_mfu(forwards: dict[str, Any], x: dict[str, Any]) -> dict[str, Any]:
+    """MFU by count of the plain forwards and of extraction (the plain forward's FLOPs over
+    extraction's seconds), and extraction against the compiled forward."""
+    plain, compiled = forwards["plain_forward"], forwards["compiled_forward"]
+    peak = forwards["ceiling_tflops"] * 1e12
+    return {
+        "mfu": {
+            "eager": plain["flops"] / plain["seconds"] / peak,
+            "compiled": compiled["flops"] / compiled["seconds"] / peak,
+            "extract": plain["flops"] / x["seconds"] / peak,
+        },
+        "extract_vs_compiled": x["tok_s"] / compiled["tok_s"],
+    }
 
 
 def verify_summary(log: Path) -> str:
@@ -137,6 +172,8 @@ def extract_variants(
             out.append({"options": extra, "failed": log.read_text()[-1500:]})
             continue
         x = extraction_figures(log, plain_tok_s)
+        rate = f"{x['tok_s']:,.0f} tok/s = {ratio_text(x['ratio'])} x eager"
+        print(f"extraction with {extra}: {rate}", flush=True)
         keys = ("ratio", "ratio_until_last_forward", "staging_wait_s", "forwards", "staging")
         out.append({"options": extra, **{key: x[key] for key in keys}})
     return out
@@ -215,6 +252,14 @@ def main() -> None:
         help="extract: stop after the extraction (its rows of the table only); verify: after "
         "extract.verify of its cache",
     )
+    p.add_argument(
+        "--no-plain-forwards",
+        dest="plain_forwards",
+        action="store_false",
+        help="skip the matmul ceiling and the plain forwards (the ratios to eager are then "
+        "n/a): for a run that measures extraction and training only, e.g. the trainer's data "
+        "wait on another store",
+    )
     args = p.parse_args()
     if args.also_extract and args.until == "train":
         # Two caches of 1M 8B tokens and the target do not fit the H200 host's 64 GB disk.
@@ -259,19 +304,13 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
     times["target"] = time.perf_counter() - t
     lengths = long_tailed_lengths(args.tokens, seed=0)
     write_rows(work / "rows.jsonl", lengths, cfg["vocab_size"] - 293, seed=0)
-    from forward_modes import matmul_tflops
-
-    ceiling = in_child(matmul_tflops, device)
-    plain = in_child(plain_forward, target, work / "rows.jsonl", device, "eager")
-    compiled = in_child(plain_forward, target, work / "rows.jsonl", device, "compiled")
+    forwards = plain_forwards(target, work / "rows.jsonl", device) if args.plain_forwards else {}
     times["plain_forwards"] = time.perf_counter() - t - times["target"]
-    # each figure as it comes, for a run cut short (the table comes at the end)
-    rates = f"eager plain forward {plain['tok_s']:,.0f} tok/s; compiled {compiled['tok_s']:,.0f}"
-    print(f"matmul {ceiling:.0f} TFLOP/s; {rates} tok/s", flush=True)
+    plain_tok_s = forwards["plain_forward"]["tok_s"] if forwards else math.nan
     shards, run = work / "shards", work / "run"
     times["extract"] = command(extract_command(args, work, shards), work / "extract.log", env)
-    x = extraction_figures(work / "extract.log", plain["tok_s"])
-    print(f"extraction {x['tok_s']:,.0f} tok/s = {x['ratio']:.3f} x eager", flush=True)
+    x = extraction_figures(work / "extract.log", plain_tok_s)
+    print(f"extraction {x['tok_s']:,.0f} tok/s = {ratio_text(x['ratio'])} x eager", flush=True)
     tokens = x["tokens"]
     manifest = json.loads((shards / "manifest.json").read_text())
     if args.until != "extract":  # before the variants, which need the default cache's disk
@@ -280,7 +319,7 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
         verified = verify_summary(work / "verify.log")
     if args.also_extract:  # --until extract or verify: the default cache has given its figures
         shutil.rmtree(shards)
-    variants = extract_variants(args, work, plain["tok_s"], env) if args.also_extract else []
+    variants = extract_variants(args, work, plain_tok_s, env) if args.also_extract else []
     result = {
         "shape": args.shape,
         "extract_options": args.extract_options,
@@ -290,16 +329,9 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
         "rows": len(lengths),
         "tokens": tokens,
         "lengths": {"min": min(lengths), "max": max(lengths), "at_max": lengths.count(3072)},
-        "plain_forward_tok_s": plain["tok_s"],
-        "plain_forward": plain,
-        "compiled_forward": compiled,
-        "ceiling_tflops": ceiling,
-        "mfu": {
-            "eager": plain["flops"] / plain["seconds"] / (ceiling * 1e12),
-            "compiled": compiled["flops"] / compiled["seconds"] / (ceiling * 1e12),
-            "extract": plain["flops"] / x["seconds"] / (ceiling * 1e12),
-        },
-        "extract_vs_compiled": x["tok_s"] / compiled["tok_s"],
+        "plain_forward_tok_s": plain_tok_s,
+        **forwards,
+        **(forward_mfu(forwards, x) if forwards else {}),
         "extract_compile": x["compile"],
         "extract_s": x["seconds"],
         "extract_tok_s": x["tok_s"],

@@ -222,12 +222,17 @@ def variant_cell(r: dict[str, Any], v: dict[str, Any]) -> str:
     if "failed" in v:
         return "FAILED: " + (v["failed"].strip().splitlines() or ["(no output)"])[-1]
     return (
-        f"{v['ratio']:.3f} = {v['ratio'] / r['extract_ratio']:.3f} of the default "
-        f"({v['ratio_until_last_forward']:.3f} until the last forward); "
+        f"{ratio_text(v['ratio'])} = {v['ratio'] / r['extract_ratio']:.3f} of the default "
+        f"({ratio_text(v['ratio_until_last_forward'])} until the last forward); "
         + forward_split({**r, "extract_forwards": v["forwards"]})
         + "; "
         + staging_cell(v)
     )
+
+
+def ratio_text(ratio: float) -> str:
+    """A ratio to the eager plain forward; n/a where the run had none (--no-plain-forwards)."""
+    return "n/a" if math.isnan(ratio) else f"{ratio:.3f}"
 
 
 def print_table(r: dict[str, Any]) -> None:
@@ -239,11 +244,15 @@ def print_table(r: dict[str, Any]) -> None:
         (
             "extract tok/s vs eager plain forward",
             f"{r['extract_tok_s']:,.0f} vs "
-            f"{r['plain_forward_tok_s']:,.0f} = {r['extract_ratio']:.3f}",
-        ),  # fmt: skip
+            + (
+                f"{r['plain_forward_tok_s']:,.0f} = {r['extract_ratio']:.3f}"
+                if "plain_forward" in r
+                else "n/a (no plain forwards in this run)"
+            ),
+        ),
         (
             "  until the last forward / then",
-            f"{r['extract_ratio_until_last_forward']:.3f} / "
+            f"{ratio_text(r['extract_ratio_until_last_forward'])} / "
             f"{r['extract_s'] - r['extract_forwards_s']:.1f} s more",
         ),  # fmt: skip
         ("  after the last forward, over at", end_cell(r.get("extract_end"))),
