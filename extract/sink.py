@@ -227,8 +227,17 @@ class Countdown:
 
 
 def write_sample(
-    writer, n: int, row: Tokenized, host: dict, rows: slice, countdown, staging: Staging
+    writer,
+    n: int,
+    row: Tokenized,
+    host: dict,
+    rows: slice,
+    piece: slice,
+    countdown: Countdown,
+    staging: Staging,
 ) -> None:
+    """Write the `piece` of sample n (token positions in it) that the staged batch `host`
+    holds at `rows`."""
     try:
         staging.wait_landed(host)  # the async copy into the pinned buffer
         # [L, K, H] views of the layer-major buffers: the writers take them without a copy.
@@ -241,8 +250,14 @@ def write_sample(
             hidden = Bf16Planes(e, sm)
         else:
             hidden = host["hidden"][:, rows].transpose(0, 1)
+        whole = piece == slice(0, len(row.input_ids))
         writer.write(
-            n, sample_index=row.row, input_ids=row.input_ids, loss_mask=row.loss_mask, hidden=hidden
+            n,
+            sample_index=row.row,
+            input_ids=row.input_ids[piece],
+            loss_mask=row.loss_mask[piece],
+            hidden=hidden,
+            rows=None if whole else piece,
         )
     finally:
         countdown.done()

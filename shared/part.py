@@ -109,6 +109,10 @@ class PartWriter:
     abort on an exception.
     """
 
+    # Whether `write` takes a sample in pieces of rows (a zarr sample is whole shard files of
+    # CHUNK_ROWS rows; a tar's sample is one member).
+    takes_pieces = False
+
     def __init__(
         self,
         final: Path,
@@ -130,8 +134,9 @@ class PartWriter:
         if (self.lengths <= 0).any():
             raise ValueError("every sample length must be > 0")
         self._lock = threading.Lock()
-        self._claimed: set[int] = set()
-        self._sample_indices: set[int] = set()
+        self._claimed: set[tuple[int, int]] = set()  # (sample, its CHUNK_ROWS block) written
+        self._sample_indices: dict[int, int] = {}  # sample_index -> the sample holding it
+        self._rows_written = np.zeros(len(self.lengths), dtype=np.int64)
         self._written = np.zeros(len(self.lengths), dtype=bool)
         self._supervised = 0
         self._closed = False
@@ -156,33 +161,59 @@ class PartWriter:
         input_ids: torch.Tensor | np.ndarray,
         loss_mask: torch.Tensor | np.ndarray,
         hidden: HiddenInput,
+        rows: slice | None = None,
     ) -> None:
-        """Store sample n (lengths[n] tokens). Safe to call from several threads at once."""
+        """Store sample n (lengths[n] tokens), or with `rows` one piece of it (`takes_pieces`
+        formats): those token positions of the sample, from a multiple of CHUNK_ROWS to one or
+        to the sample's end, `input_ids`, `loss_mask` and `hidden` then the piece's. A sample
+        is written once its pieces cover it; several threads may write pieces of one sample at
+        once, so a long sample's compression is not one thread's. Safe to call from several
+        threads at once."""
         if not 0 <= n < len(self.lengths):
             raise IndexError(f"sample {n} out of range for a part of {len(self.lengths)}")
-        length = int(self.lengths[n])
-        ids = token_array(input_ids, np.int32, length, "input_ids")
-        mask = token_array(loss_mask, np.uint8, length, "loss_mask")
-        shape = (length, self.num_layers, self.hidden_size)
+        start, stop = self._piece(n, rows)
+        ids = token_array(input_ids, np.int32, stop - start, "input_ids")
+        mask = token_array(loss_mask, np.uint8, stop - start, "loss_mask")
+        shape = (stop - start, self.num_layers, self.hidden_size)
         payload, scale = encode_hidden(hidden, self.store, shape)
         sample_index = int(sample_index)
+        chunks = {(n, c) for c in range(start // CHUNK_ROWS, -(-stop // CHUNK_ROWS))}
         with self._lock:
-            if self._closed or n in self._claimed:
+            if self._closed or not chunks.isdisjoint(self._claimed):
                 raise RuntimeError(f"sample {n} already written or writer closed")
-            if sample_index in self._sample_indices:
+            if self._sample_indices.setdefault(sample_index, n) != n:
                 raise ValueError(f"sample_index {sample_index} written twice")
-            self._claimed.add(n)
-            self._sample_indices.add(sample_index)
+            self._claimed |= chunks
         try:
-            self._store(n, sample_index, ids, mask, payload, scale)
+            self._store(n, sample_index, ids, mask, payload, scale, start)
         except BaseException:
             with self._lock:
-                self._claimed.discard(n)
-                self._sample_indices.discard(sample_index)
+                self._claimed -= chunks
+                if not any(m == n for m, _ in self._claimed):
+                    self._sample_indices.pop(sample_index, None)
             raise
         with self._lock:
-            self._written[n] = True
+            self._rows_written[n] += stop - start
+            self._written[n] = self._rows_written[n] == self.lengths[n]
             self._supervised += int(np.count_nonzero(mask))
+
+    def _piece(self, n: int, rows: slice | None) -> tuple[int, int]:
+        """(start, stop) token positions of the piece `rows` of sample n (the whole sample
+        without it), checked."""
+        length = int(self.lengths[n])
+        if rows is None:
+            return 0, length
+        start, stop, step = rows.indices(length)
+        whole = (start, stop) == (0, length)
+        if not whole and not self.takes_pieces:
+            raise ValueError(f"{type(self).__name__} takes whole samples, not rows {rows}")
+        ragged_end = stop % CHUNK_ROWS and stop != length
+        if step != 1 or start >= stop or start % CHUNK_ROWS or ragged_end:
+            raise ValueError(
+                f"rows {rows} of sample {n} ({length} tokens): a piece starts at a multiple of "
+                f"{CHUNK_ROWS} and ends at one or at the sample's end"
+            )
+        return start, stop
 
     def commit(self) -> PartStats:
         """Finish the part, rename ``.tmp`` to its final name and return its stats.
@@ -255,7 +286,8 @@ class PartWriter:
 
     # Format-specific parts.
     def _store(self, n: int, sample_index: int, ids: np.ndarray, mask: np.ndarray,
-               payload: np.ndarray, scale: np.ndarray | None) -> None:  # fmt: skip
+               payload: np.ndarray, scale: np.ndarray | None, first: int) -> None:  # fmt: skip
+        """Store the rows of sample n from token `first` on (0 unless `takes_pieces`)."""
         raise NotImplementedError
 
     def _known_files(self) -> dict[str, tuple[int, int]]:

@@ -150,7 +150,7 @@ class WdsPartWriter(PartWriter):
         info.size, info.mtime, info.mode = len(data), 0, 0o644
         self._tar.addfile(info, io.BytesIO(data))
 
-    def _store(self, n, sample_index, ids, mask, payload, scale) -> None:  # noqa: ANN001
+    def _store(self, n, sample_index, ids, mask, payload, scale, first) -> None:  # noqa: ANN001
         key = sample_key(sample_index)
         if isinstance(payload, Bf16Planes):  # its frames and checksum are of the uint16 bits
             payload = merge_planes(payload)

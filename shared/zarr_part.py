@@ -83,7 +83,10 @@ def write_buffers(path: Path | str, buffers: list[bytes]) -> tuple[int, int]:
 
 
 class ZarrPartWriter(PartWriter):
-    """A zarr v3 group; hidden is written per sample, the small arrays at commit."""
+    """A zarr v3 group; hidden is written per sample or piece of one, the small arrays at
+    commit."""
+
+    takes_pieces = True
 
     def __init__(self, final: Path, **kw) -> None:
         super().__init__(final, **kw)
@@ -110,13 +113,13 @@ class ZarrPartWriter(PartWriter):
         # (size, crc32c) of each shard file as written: the commit's checksum need not reread it.
         self._written_files: dict[str, tuple[int, int]] = {}
 
-    def _store(self, n, sample_index, ids, mask, payload, scale) -> None:  # noqa: ANN001
-        start, stop, length = int(self.offsets[n]), int(self.offsets[n + 1]), len(ids)
+    def _store(self, n, sample_index, ids, mask, payload, scale, first) -> None:  # noqa: ANN001
+        start, length = int(self.offsets[n]) + first, len(ids)
         compress = hidden_compressor(self.store, self.hidden_size)
         if not isinstance(payload, Bf16Planes):  # planes are bytes: no byte order
             payload = payload.astype(payload.dtype.newbyteorder("<"), copy=False)  # as stored
         files, nbytes = [], 0
-        for row in range(0, stop - start, CHUNK_ROWS):
+        for row in range(0, length, CHUNK_ROWS):
             block = payload[row : row + CHUNK_ROWS]
             if len(block) < CHUNK_ROWS:  # the sample's last shard: zero rows up to the boundary
                 block = zero_padded(block)
