@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from extract.pipeline import sample_pieces  # noqa: E402
 from shared import codec  # noqa: E402
 from shared.cache import open_part_writer  # noqa: E402
 from shared.int4 import Int4Scheme, encode_int4  # noqa: E402
@@ -56,29 +57,37 @@ def launch_ops(seconds: float) -> float:
 
 
 def writer_loop(root: Path, payloads: list[torch.Tensor], stop: threading.Event, me: int,
-                written: list[int], store: str) -> None:  # fmt: skip
-    """Write parts of one sample each until `stop`; counts raw bytes into written[me]."""
+                written: list[int], store: str, piece_rows: int) -> None:  # fmt: skip
+    """Write parts of one sample each until `stop`, the sample in pieces of `piece_rows` rows
+    (0: whole) as extraction's writer tasks write long ones; counts raw bytes into
+    written[me]."""
     n = 0
     while not stop.is_set():
         payload = payloads[n % len(payloads)]
         rows = payload.shape[0]
         final = root / f"w{me}-{n}"
+        ids, mask = np.zeros(rows, np.int32), np.ones(rows, np.uint8)
         with open_part_writer(final.parent, n + 1000 * me, fmt="zarr", store=store,
                               num_layers=K, hidden_size=H, lengths=[rows]) as writer:  # fmt: skip
-            writer.write(0, sample_index=n, input_ids=np.zeros(rows, np.int32),
-                         loss_mask=np.ones(rows, np.uint8), hidden=payload)  # fmt: skip
+            for p in sample_pieces(rows, piece_rows or rows):
+                writer.write(0, sample_index=n, input_ids=ids[p], loss_mask=mask[p],
+                             hidden=payload[p], rows=p)  # fmt: skip
             writer.commit()
         shutil.rmtree(writer.final, ignore_errors=True)
         written[me] += rows * K * H * 2  # raw bf16 bytes, whatever was staged
         n += 1
 
 
-def with_writers(threads: int, seconds: float, payloads: list, out: Path | None, store: str):
+def with_writers(
+    threads: int, seconds: float, payloads: list, out: Path | None, store: str, piece_rows: int
+):
     """(launcher ops/s, writers' raw GB/s) while `threads` writers run."""
     root = Path(tempfile.mkdtemp(prefix="gil-bench-", dir=out))
     stop, written = threading.Event(), [0] * threads
     workers = [
-        threading.Thread(target=writer_loop, args=(root, payloads, stop, i, written, store))
+        threading.Thread(
+            target=writer_loop, args=(root, payloads, stop, i, written, store, piece_rows)
+        )
         for i in range(threads)
     ]
     for w in workers:
@@ -100,6 +109,10 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--repeats", type=int, default=3, help="alone / with writers pairs per count")
     p.add_argument("--rows", type=int, default=1024, help="tokens per written sample")
+    p.add_argument("--piece-rows", type=int, default=0,
+                   help="write each sample in pieces of this many rows (a multiple of 64), as "
+                   "extraction's writer tasks write long samples (extract.pipeline.PIECE_ROWS); "
+                   "0: whole")  # fmt: skip
     p.add_argument("--switch-interval", type=float, default=None)
     p.add_argument("--out", type=Path, default=None, help="folder on the disk under test")
     p.add_argument("--json", type=Path, default=None)
@@ -137,7 +150,9 @@ def main() -> None:
         pairs = []
         for _ in range(args.repeats):
             alone = launch_ops(args.seconds)
-            busy, raw_gb_s = with_writers(threads, args.seconds, payloads, args.out, store)
+            busy, raw_gb_s = with_writers(
+                threads, args.seconds, payloads, args.out, store, args.piece_rows
+            )
             pairs.append((busy / alone, alone, busy, raw_gb_s))
         ratio, alone, busy, raw_gb_s = sorted(pairs)[len(pairs) // 2]  # the median pair
         results.append(
@@ -156,6 +171,7 @@ def main() -> None:
             f"writers {raw_gb_s:.2f} GB/s raw"
         )
     res = {"bench": "gil", "switch_interval_s": sys.getswitchinterval(), "rows": args.rows,
+           "piece_rows": args.piece_rows,
            "codec": args.codec, "staged": args.staged,
            "runs": results}  # fmt: skip
     if args.json:
