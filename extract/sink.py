@@ -213,7 +213,8 @@ def device_payload(
 
 
 class Countdown:
-    """Calls `release` when the last of `count` sample writes of one staged batch is done."""
+    """Calls `release` when the last of `count` writer tasks (samples or pieces of them) of one
+    staged batch is done."""
 
     def __init__(self, count: int, release: Callable[[], None]):
         self.left, self.release, self.lock = count, release, threading.Lock()

@@ -136,6 +136,7 @@ class PartWriter:
         self._lock = threading.Lock()
         self._claimed: set[tuple[int, int]] = set()  # (sample, its CHUNK_ROWS block) written
         self._sample_indices: dict[int, int] = {}  # sample_index -> the sample holding it
+        self._index_of: dict[int, int] = {}  # and back
         self._rows_written = np.zeros(len(self.lengths), dtype=np.int64)
         self._written = np.zeros(len(self.lengths), dtype=bool)
         self._supervised = 0
@@ -181,16 +182,21 @@ class PartWriter:
         with self._lock:
             if self._closed or not chunks.isdisjoint(self._claimed):
                 raise RuntimeError(f"sample {n} already written or writer closed")
-            if self._sample_indices.setdefault(sample_index, n) != n:
+            if self._index_of.get(n, sample_index) != sample_index:
+                raise ValueError(
+                    f"sample {n}'s pieces carry sample_index {self._index_of[n]} and {sample_index}"
+                )
+            if self._sample_indices.get(sample_index, n) != n:
                 raise ValueError(f"sample_index {sample_index} written twice")
             self._claimed |= chunks
+            self._index_of[n], self._sample_indices[sample_index] = sample_index, n
         try:
             self._store(n, sample_index, ids, mask, payload, scale, start)
         except BaseException:
             with self._lock:
                 self._claimed -= chunks
-                if not any(m == n for m, _ in self._claimed):
-                    self._sample_indices.pop(sample_index, None)
+                if not any(m == n for m, _ in self._claimed):  # no other piece of it holds them
+                    del self._index_of[n], self._sample_indices[sample_index]
             raise
         with self._lock:
             self._rows_written[n] += stop - start
