@@ -174,8 +174,8 @@ def extract_variants(
         x = extraction_figures(log, plain_tok_s)
         rate = f"{x['tok_s']:,.0f} tok/s = {ratio_text(x['ratio'])} x eager"
         print(f"extraction with {extra}: {rate}", flush=True)
-        keys = ("ratio", "ratio_until_last_forward", "staging_wait_s", "forwards", "staging")
-        out.append({"options": extra, **{key: x[key] for key in keys}})
+        keys = ("tok_s", "ratio", "ratio_until_last_forward", "staging_wait_s", "forwards")
+        out.append({"options": extra, **{key: x[key] for key in (*keys, "staging")}})
     return out
 
 
