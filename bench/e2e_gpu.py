@@ -64,10 +64,13 @@ def in_child(fn, *args):  # noqa: ANN001, ANN201
         return pool.submit(fn, *args).result()
 
 
-def plain_forward(target: Path, rows_path: Path, device: torch.device, mode: str) -> dict[str, Any]:
-    """The target's plain forward (layers up to the last captured one, no hooks) over the rows,
-    `mode` eager (padded batches as `--compile none` cuts them) or compiled (packed rows, the
-    product's default on a GPU), with its FLOPs by count (`bench/forward_modes.py`)."""
+def plain_forward(
+    target: Path, rows_path: Path, device: torch.device, modes: tuple[str, ...]
+) -> dict[str, dict[str, Any]]:
+    """The target's plain forward (layers up to the last captured one, no hooks) over the rows
+    in each of `modes`, one after the other on one load of the target: eager (padded batches as
+    `--compile none` cuts them) or compiled (packed rows, the product's default on a GPU), with
+    its FLOPs by count (`bench/forward_modes.py`)."""
     from forward_modes import forward_flops, measure
 
     from extract.target import load_target, read_config, text_config
@@ -78,26 +81,31 @@ def plain_forward(target: Path, rows_path: Path, device: torch.device, mode: str
     rows = [np.asarray(json.loads(line)["input_ids"], np.int64) for line in open(rows_path)]
     model = load_target(str(target), device=device, last_layer=last)
     body = model.get_decoder()
-    figures = measure(
-        body,
-        rows,
-        mode,
-        batch_tokens=defaults.batch_tokens,
-        max_length=defaults.max_length,
-        rows_per_part=defaults.rows_per_part,
-    )
-    figures.pop("_states")  # forward_modes compares packed modes' states; not JSON
-    return {**figures, "flops": forward_flops(body, [len(r) for r in rows])}
+    flops = forward_flops(body, [len(r) for r in rows])
+    out = {}
+    for mode in modes:
+        figures = measure(
+            body,
+            rows,
+            mode,
+            batch_tokens=defaults.batch_tokens,
+            max_length=defaults.max_length,
+            rows_per_part=defaults.rows_per_part,
+        )
+        figures.pop("_states")  # forward_modes compares packed modes' states; not JSON
+        out[mode] = {**figures, "flops": flops}
+    return out
 
 
 def plain_forwards(target: Path, rows: Path, device: torch.device) -> dict[str, Any]:
-    """The matmul ceiling, then the eager and the compiled plain forward of the rows, each in a
-    process of its own."""
+    """The matmul ceiling in a process of its own, then the eager and the compiled plain forward
+    of the rows in another, on one load of the target."""
     from forward_modes import matmul_tflops
 
     ceiling = in_child(matmul_tflops, device)
-    plain = in_child(plain_forward, target, rows, device, "eager")
-    compiled = in_child(plain_forward, target, rows, device, "compiled")
+    # One load of the target for both (54 GB for the 27B shape); the process ends with them.
+    both = in_child(plain_forward, target, rows, device, ("eager", "compiled"))
+    plain, compiled = both["eager"], both["compiled"]
     # each figure as it comes, for a run cut short (the table comes at the end)
     rates = f"eager plain forward {plain['tok_s']:,.0f} tok/s; compiled {compiled['tok_s']:,.0f}"
     print(f"matmul {ceiling:.0f} TFLOP/s; {rates} tok/s", flush=True)
