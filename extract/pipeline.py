@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -147,6 +146,11 @@ class PartPipeline:
         job, kept, writer = self.job, part.kept, part.writer
         self._wait_for_commits(PARTS_AWAITING_COMMIT - 1)
         lengths = [len(k.input_ids) for k in kept]
+        # One writer task per sample, or per piece of a long one where the format takes pieces:
+        # a batch's samples compress in parallel, and a long one is not one thread's work (it
+        # held the end of a run and each staging buffer's release behind one thread).
+        pieces_too = getattr(writer, "takes_pieces", False)  # writer None: this rank writes nothing
+        piece_rows = PIECE_ROWS if pieces_too else max(lengths, default=1)
         futures = []
         if self.clock is not None:
             self.clock.mark_part()
@@ -157,18 +161,14 @@ class PartPipeline:
             if writer is None:
                 continue  # its input group's writer stores these states
             host, release = self.staging.stage(packed, self.payload, tokens=packed.shape[0])
-            # One task per sample, or per piece of a long one where the format takes pieces:
-            # a batch's samples compress in parallel, and a long one is not one thread's work
-            # (it held the end of a run and each staging buffer's release behind one thread).
-            size = PIECE_ROWS if writer.takes_pieces else max(lengths)
-            tasks = [(n, piece) for n in batch for piece in sample_pieces(lengths[n], size)]
-            ends = itertools.accumulate(lengths[n] for n in batch)
-            starts = dict(zip(batch, itertools.chain([0], ends), strict=False))  # no batch end
-            countdown = Countdown(len(tasks), release)
-            for n, piece in tasks:
-                staged = slice(starts[n] + piece.start, starts[n] + piece.stop)
-                task = (writer, n, kept[n], host, staged, piece, countdown, self.staging)
-                futures.append(self.writers.submit(write_sample, *task))
+            pieces = [sample_pieces(lengths[n], piece_rows) for n in batch]
+            countdown, start = Countdown(sum(map(len, pieces)), release), 0
+            for n, sample in zip(batch, pieces, strict=True):
+                for piece in sample:  # its rows in the staged batch, and in the sample
+                    staged = slice(start + piece.start, start + piece.stop)
+                    task = (writer, n, kept[n], host, staged, piece, countdown, self.staging)
+                    futures.append(self.writers.submit(write_sample, *task))
+                start += lengths[n]
             self.counters.add(  # done_rows: the bar moves per batch, not per part
                 tokens=packed.shape[0], done_rows=len(batch)
             )

@@ -251,14 +251,13 @@ def write_sample(
             hidden = Bf16Planes(e, sm)
         else:
             hidden = host["hidden"][:, rows].transpose(0, 1)
-        whole = piece == slice(0, len(row.input_ids))
         writer.write(
             n,
             sample_index=row.row,
             input_ids=row.input_ids[piece],
             loss_mask=row.loss_mask[piece],
             hidden=hidden,
-            rows=None if whole else piece,
+            rows=piece,  # a format that takes no pieces gets the whole sample as its one piece
         )
     finally:
         countdown.done()
