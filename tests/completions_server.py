@@ -11,6 +11,12 @@ refused). Two faults change the completion instead: "text_only" (no `token_ids`,
 without vLLM's `return_token_ids` answers) and "other_model" (the ids of another model's
 vocabulary, ours in reverse order, with the same text: a server of another model than the
 test's --target).
+
+`llamacpp=True` answers as llama.cpp's llama-server: model cards `owned_by: "llamacpp"` with a
+slot context (`meta.n_ctx`), completions on its own `/completion` endpoint (`n_predict`, the
+generated ids in `tokens` when asked with `return_tokens`, `stop_type`; `truncated` where the
+slot's context ends the answer; its 400 "exceeds the available context size" for a prompt
+longer than that), and a 404 on `/v1/completions`, so a client that does not switch fails.
 """
 
 from __future__ import annotations
@@ -30,7 +36,13 @@ Fault = Callable[[str, int], str | None]
 
 class CompletionsServer:
     def __init__(
-        self, target: Path, *, fault: Fault | None = None, models: tuple[str, ...] = ("tiny",)
+        self,
+        target: Path,
+        *,
+        fault: Fault | None = None,
+        models: tuple[str, ...] = ("tiny",),
+        llamacpp: bool = False,
+        slot_context: int = 4096,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -38,6 +50,9 @@ class CompletionsServer:
         self.model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
         self.fault = fault or (lambda text, attempt: None)
         self.models = models
+        self.llamacpp, self.slot_context = llamacpp, slot_context
+        self.paths: list[str] = []  # every completion request's path
+        self.cut = 0  # llama.cpp answers the slot's context cut (truncated)
         self.requests: list[dict[str, Any]] = []  # every completion request's body
         self.attempts: Counter = Counter()
         self.lock = threading.Lock()
@@ -83,6 +98,35 @@ class CompletionsServer:
         choice = {"index": 0, "text": text, "token_ids": new, "finish_reason": finish}
         return {"model": body["model"], "choices": [choice]}
 
+    def complete_native(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """llama-server's `/completion`: its end-of-generation token (the tokenizer's eos)
+        stops it; the slot's context cuts the answer."""
+        prompt, room = body["prompt"], self.slot_context - len(body["prompt"])
+        if room <= 0:
+            message = (
+                f"request ({len(prompt)} tokens) exceeds the available context size "
+                f"({self.slot_context} tokens), try increasing it"
+            )
+            return 400, {"error": {"code": 400, "message": message}}
+        n = min(body["n_predict"], room)
+        stop = [self.tokenizer.eos_token_id]
+        request = {"prompt": prompt, "max_tokens": n, "stop_token_ids": stop, "model": ""}
+        answer = self.complete(request)
+        choice = answer["choices"][0]
+        new, stopped = choice["token_ids"], choice["finish_reason"] == "stop"
+        truncated = not stopped and n < body["n_predict"]
+        self.cut += truncated
+        native = {
+            "content": choice["text"],
+            "model": self.models[0],
+            "stop_type": "eos" if stopped else "limit",
+            "tokens_predicted": len(new),
+            "truncated": truncated,
+        }
+        if body.get("return_tokens"):
+            native["tokens"] = new
+        return 200, native
+
 
 def _handler(server: CompletionsServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
@@ -105,7 +149,11 @@ def _handler(server: CompletionsServer) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             if server.stopped.is_set():
                 return self._drop()
-            cards = [{"id": m, "object": "model", "max_model_len": 4096} for m in server.models]
+            if server.llamacpp:
+                meta = {"n_ctx": server.slot_context, "n_ctx_train": 8192}
+                cards = [{"id": m, "owned_by": "llamacpp", "meta": meta} for m in server.models]
+            else:
+                cards = [{"id": m, "object": "model", "max_model_len": 4096} for m in server.models]
             self._send(200, {"object": "list", "data": cards})
 
         def do_POST(self) -> None:
@@ -113,8 +161,11 @@ def _handler(server: CompletionsServer) -> type[BaseHTTPRequestHandler]:
             if server.stopped.is_set():
                 return self._drop()
             text = server.tokenizer.decode(body["prompt"])
+            if server.llamacpp != (self.path == "/completion"):
+                return self._send(404, {"error": {"message": f"File Not Found: {self.path}"}})
             with server.lock:
                 server.requests.append(body)
+                server.paths.append(self.path)
                 server.attempts[text] += 1
                 attempt = server.attempts[text]
             fault = server.fault(text, attempt)
@@ -134,6 +185,11 @@ def _handler(server: CompletionsServer) -> type[BaseHTTPRequestHandler]:
             if fault == "too_long":
                 message = "This model's maximum context length is 64 tokens. However, ..."
                 return self._send(400, {"error": {"message": message}})
+            if server.llamacpp:
+                status, native = server.complete_native(body)
+                if fault == "text_only":  # a llama.cpp without return_tokens
+                    native.pop("tokens", None)
+                return self._send(status, native)
             answer = server.complete(body)
             choice = answer["choices"][0]
             if fault == "text_only":

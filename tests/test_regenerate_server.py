@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from extract.regen.client import RequestFailed, ServerClient, foreign_ids
+from extract.regen import llamacpp
+from extract.regen.client import RequestFailed, ServerClient, completion_request, foreign_ids
 from extract.regen.config import RegenConfig, RegenError
 from extract.regen.journal import OpenChunk, journal_path
 from extract.regen.report import format_summary
@@ -105,6 +106,76 @@ def test_rows_equal_the_local_run_and_none_is_asked_twice(serve, target, data_fi
     assert "tiny" in format_summary(state, out=out, seconds=1.0)
     again = regen(out, target, data_file, server=server.url, **FAST)
     assert again.merged_rows == 14 and len(server.requests) == sum(_turns(full).values())
+
+
+def test_llamacpp_is_asked_on_its_own_endpoint_for_the_same_rows(
+    serve, target, data_file, full, tmp_path, caplog
+):
+    server = serve(llamacpp=True)
+    out = tmp_path / "llamacpp.jsonl"
+    state = regen(out, target, data_file, server=server.url, **FAST)
+    assert out.read_bytes() == full.read_bytes()  # its token ids, not our tokenization of text
+    assert not [r for r in caplog.records if "without token ids" in r.getMessage()]
+    assert set(server.paths) == {"/completion"}
+    assert len(server.requests) == sum(_turns(full).values())
+    for r in server.requests:
+        assert r["return_tokens"] and r["n_predict"] == MAX_NEW and r["temperature"] == 0.0
+        assert r["repeat_penalty"] == 1.0 and r["top_k"] == 0 and r["top_p"] == 1.0
+        assert r["dry_multiplier"] == 0.0 and r["min_p"] == 0.0 and not r["ignore_eos"]
+    local = read_state(parts_dir(full))
+    ours, theirs = state.totals(range(len(state.chunks))), local.totals(range(len(local.chunks)))
+    for key in ("rows_kept", "turns", "turns_at_limit", "new_tokens"):
+        assert ours[key] == theirs[key], key
+
+
+def test_llamacpp_slot_context_bounds_rows_and_a_cut_answer_is_a_rejected_row(
+    serve, target, data_file, full, tmp_path
+):
+    local = read_state(parts_dir(full))
+    kept = {r["source_row"]: r for r in _read(full)}
+    before = {
+        r["row"]: r["reason"] for r in local.totals(range(len(local.chunks)))["rejected_rows"]
+    }
+    # Rows whose prompt fits a slot but not with a whole answer after it: the server cuts
+    # their answers (truncated) unless eos comes first; longer prompts get its 400.
+    slot = 72  # cuts the answer of a row that the full run keeps
+    server = serve(llamacpp=True, slot_context=slot)
+    out = tmp_path / "slot.jsonl"
+    state = regen(out, target, data_file, server=server.url, **FAST)
+    rejected = {
+        r["row"]: r["reason"] for r in state.totals(range(len(state.chunks)))["rejected_rows"]
+    }
+    rows = {r["source_row"]: r for r in _read(out)}
+    assert state.merged_rows == 14 and rows and all(rows[k] == kept[k] for k in rows)
+    assert set(rows) | set(rejected) == set(kept) | set(before)
+    newly = {row: reason for row, reason in rejected.items() if row not in before}
+    assert newly and set(newly.values()) == {"too_long"}
+    assert server.cut and any(len(r["prompt"]) >= slot for r in server.requests)  # and 400s
+    # With no --max-length, a slot's context is the limit: no prompt beyond it is sent.
+    server = serve(llamacpp=True, slot_context=slot)
+    state = regen(
+        tmp_path / "bounded.jsonl", target, data_file, server=server.url, max_length=None, **FAST
+    )
+    assert state.settings["max_length"] == slot
+    assert all(len(r["prompt"]) + MAX_NEW <= slot for r in server.requests)
+
+
+def test_llamacpp_requests_carry_the_sampling_asked_for_and_text_only_is_warned_about(
+    serve, target, data_file, full, tmp_path, caplog
+):
+    request = completion_request(
+        model="m", prompt=[1, 2], max_tokens=5, stop_token_ids=[2], seed=7,
+        sampling={"temperature": 0.7, "top_p": 0.9, "top_k": 20},
+    )  # fmt: skip
+    native = llamacpp.native_request(request)
+    picked = {k: native[k] for k in ("temperature", "top_p", "top_k", "seed")}
+    assert picked == {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 7}
+    assert native["prompt"] == [1, 2] and native["n_predict"] == 5
+    server = serve(llamacpp=True, fault=lambda text, attempt: "text_only")
+    out = tmp_path / "text.jsonl"
+    state = regen(out, target, data_file, server=server.url, **FAST)
+    assert state.merged_rows == 14 and out.read_bytes() == full.read_bytes()
+    assert any("without token ids" in r.getMessage() for r in caplog.records)
 
 
 def _progress(caplog) -> str:

@@ -2,9 +2,11 @@
 
 One request per assistant turn, to `/v1/completions` with the prompt as token ids (vLLM, SGLang
 and llama.cpp take a list of ints there), asking for the generated token ids back (vLLM's
-`return_token_ids`). Every sampling field is sent explicitly: a server fills the fields a
-request leaves out from the checkpoint's generation_config.json (vLLM's default), whose
-repetition penalty or temperature would change greedy answers.
+`return_token_ids`); to llama.cpp's own `/completion` where the model list shows llama-server
+(`extract.regen.llamacpp`: its OpenAI endpoint answers text only). Every sampling field is sent
+explicitly: a server fills the fields a request leaves out from the checkpoint's
+generation_config.json (vLLM's default), whose repetition penalty or temperature would change
+greedy answers.
 
 The first contact, the model list (`models`), is tried once and waits at most
 `FIRST_CONTACT_S`. A later request that times out, is refused, loses its connection or gets a
@@ -31,6 +33,8 @@ from dataclasses import dataclass
 from difflib import SequenceMatcher
 from typing import Any
 
+from extract.regen import llamacpp
+
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0
@@ -38,8 +42,11 @@ MAX_WAIT_S = 60.0
 # (a port that accepts but never replies, a host that drops packets) is told at once, not after
 # --request-timeout, which is sized for long generations.
 FIRST_CONTACT_S = 10
-# vLLM: "maximum context length is N tokens"; SGLang: "longer than the model's context length".
-_TOO_LONG = re.compile(r"context length|context window|max_model_len|too long", re.IGNORECASE)
+# vLLM: "maximum context length is N tokens"; SGLang: "longer than the model's context length";
+# llama.cpp: "exceeds the available context size".
+_TOO_LONG = re.compile(
+    r"context length|context window|context size|max_model_len|too long", re.IGNORECASE
+)
 FAILURE_REASONS = (
     "timeout",  # no answer within --request-timeout
     "refused",  # no server listening
@@ -102,6 +109,7 @@ class ServerClient:
         if key:
             self.headers["Authorization"] = f"Bearer {key}"
         self._local = threading.local()
+        self.llamacpp = False  # set by `models`: llama-server, asked through its own endpoint
 
     def models(self, *, timeout: float = FIRST_CONTACT_S) -> list[dict[str, Any]]:
         """The server's model cards (`/v1/models`): the first contact, tried once and waited
@@ -114,14 +122,27 @@ class ServerClient:
         data = body.get("data") if isinstance(body, dict) else None
         if not isinstance(data, list):
             raise RequestFailed("bad_response", f"/v1/models answered {str(body)[:200]}")
+        self.llamacpp = llamacpp.is_llamacpp(data)
         return data
 
     def complete(self, request: dict[str, Any]) -> dict[str, Any]:
-        """POST `/v1/completions`, retried with backoff; the parsed answer."""
+        """POST `request` (an OpenAI completions body), retried with backoff; the parsed
+        answer, in the OpenAI shape whichever endpoint was asked."""
+        if not self.llamacpp:
+            return self._post("/v1/completions", request)
+        answer = self._post(llamacpp.PATH, llamacpp.native_request(request))
+        try:
+            return llamacpp.openai_answer(answer, request["model"])
+        except llamacpp.Truncated as e:
+            raise TooLong(str(e)) from None
+        except ValueError as e:
+            raise RequestFailed("bad_response", str(e)) from None
+
+    def _post(self, path: str, body: dict[str, Any]) -> Any:
         wait = self.retry_wait
         for attempt in range(self.retries + 1):
             try:
-                return self._request("POST", "/v1/completions", request)
+                return self._request("POST", path, body)
             except RequestFailed as e:
                 last = e
             if attempt == self.retries or self.stop.is_set():

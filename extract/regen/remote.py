@@ -95,7 +95,7 @@ def _warn_text_only(server: Server) -> None:
         "generated (one text has several token sequences; special tokens or a last partial "
         "character may be missing from it), so the drafter may learn sequences the target did "
         "not produce; and a server of another model than --target cannot be told apart. A "
-        "server that returns token ids (vLLM) avoids both.",
+        "server that returns token ids (vLLM; llama.cpp's llama-server) avoids both.",
         server.client.url,
     )
 

@@ -34,6 +34,7 @@ from extract.regen.driver import (
     restore,
     signals_to,
 )
+from extract.regen.llamacpp import PATH, slot_context
 from extract.regen.remote import Server, converse
 from extract.regen.state import Job, RegenState, finish_output
 from extract.regen.turns import target_eos
@@ -130,7 +131,10 @@ def connect(
         raise RegenError(f"--server-model: {cfg.server} serves {names or 'no model'}; name one")
     name = cfg.server_model or names[0]
     card = models[names.index(name)]
-    length = card.get("max_model_len") or card.get("context_length")  # vLLM, SGLang
+    # vLLM, SGLang; llama.cpp: a slot's context
+    length = card.get("max_model_len") or card.get("context_length") or slot_context(card)
+    if client.llamacpp:
+        log.info("%s is llama.cpp's server: turns go to its %s endpoint", cfg.server, PATH)
     return client, (name, int(length) if length else None)
 
 
