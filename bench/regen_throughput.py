@@ -2,6 +2,7 @@
 side by side on this machine: the same demo rows, the same target, the same settings.
 
     python bench/regen_throughput.py --vllm-python PATH [--rows 64 --max-new-tokens 64]
+    python bench/regen_throughput.py --llama-server BIN --gguf FILE [--vllm-python PATH] ...
 
 PATH is the Python of an environment with vLLM (`.ci/run` builds one with vLLM's CPU build). The
 script regenerates the first --rows rows of the shipped demo chats with the embedded tiny demo
@@ -18,6 +19,14 @@ prompts): its figures are the median run's, every run's speed listed beside them
 output is compared. Each server run also reports `server_cpu_s`: the CPU seconds (user and
 system, from /proc) of each of the server's processes in it (API server, engine core, worker),
 beside the client's own `cpu_s`: on a machine of few cores, where the cores went.
+
+`--llama-server BIN --gguf FILE` adds llama.cpp's server as a route (`bench/llama_server.py`:
+FILE is the same target converted by llama.cpp's `convert_hf_to_gguf.py`; `--concurrency`
+slots of `--llama-slot-tokens` each, `--threads` CPU threads), asked through its own
+`/completion` endpoint as `--server` asks it; `--vllm-python` may then be left out (no vLLM
+routes). Its rows are compared with the local route's row by row (`rows_same`): a GGUF's
+kernels round differently from torch's, so a greedy answer can part where two tokens are
+nearly tied.
 """
 
 from __future__ import annotations
@@ -36,6 +45,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from llama_server import llama_server  # noqa: E402
 
 from extract.regen.config import RegenConfig  # noqa: E402
 from extract.regen.regenerate import run  # noqa: E402
@@ -123,6 +135,33 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {**median, "runs_tokens_per_s": [r["tokens_per_s"] for r in runs]}
 
 
+def served_route(
+    server: Any, common: dict[str, Any], concurrency: int, outs: list[Path]
+) -> dict[str, Any]:
+    """The server route run once into each of `outs` on one running `server`: the median
+    run's figures, each run's with the server's processes' CPU seconds in it."""
+    runs = []
+    for out in outs:
+        before = process_tree_cpu_s(server.proc.pid)
+        figures = timed(RegenConfig(out=out, server=server.url, concurrency=concurrency, **common))
+        after = process_tree_cpu_s(server.proc.pid)
+        figures["server_cpu_s"] = {
+            name: round(t - before.get(name, 0.0), 2) for name, t in after.items()
+        }
+        runs.append(figures)
+    return median_run(runs)
+
+
+def rows_same(out: Path, local: Path) -> str:
+    """How many of the local route's rows `out` holds the same (by source row), "k of n"."""
+
+    def rows(path: Path) -> dict[Any, str]:
+        return {json.loads(line)["source_row"]: line for line in path.read_text().splitlines()}
+
+    ours, theirs = rows(out), rows(local)
+    return f"{sum(ours.get(k) == line for k, line in theirs.items())} of {len(theirs)}"
+
+
 def engine_route(args: argparse.Namespace, common: dict[str, Any], out: Path) -> dict[str, Any]:
     """The --engine vllm route, run by --vllm-python (this script again, with --engine-out;
     its figures come back in a file beside the output: vLLM logs to standard output)."""
@@ -148,7 +187,10 @@ def default_target() -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vllm-python", required=True, help="a Python with vLLM installed")
+    parser.add_argument("--vllm-python", help="a Python with vLLM installed: the vLLM routes")
+    parser.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary")
+    parser.add_argument("--gguf", type=Path, help="the target as GGUF, for --llama-server")
+    parser.add_argument("--llama-slot-tokens", type=int, default=1024, help="a slot's context")
     parser.add_argument("--rows", type=int, default=64, help="demo rows to regenerate")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32, help="local route's batch")
@@ -181,6 +223,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the JSON line here")
     parser.add_argument("--engine-out", type=Path, help=argparse.SUPPRESS)  # the engine route
     args = parser.parse_args()
+    if not args.vllm_python and not args.llama_server:
+        parser.error("give --vllm-python, --llama-server (with --gguf), or both")
+    if args.llama_server and not args.gguf:
+        parser.error("--llama-server needs --gguf: the target converted to GGUF")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     import torch
 
@@ -207,57 +253,74 @@ def main() -> None:
         engine_out = Path(tmp) / "engine.jsonl"
         local_cfg = RegenConfig(out=local_out, gpus="cpu", batch_size=args.batch_size, **common)
         local = timed(local_cfg, (extract.regen.regenerate, "regenerate_chats"))
-        kv_bytes = int(args.kv_cache_gib * (1 << 30))
-        with vllm_server(
-            args.vllm_python,
-            Path(target),
-            max_num_seqs=args.max_num_seqs,
-            kv_cache_bytes=kv_bytes,
-            extra=tuple(args.server_args.split()),
-        ) as server:
-            runs, c = [], args.concurrency
+        routes: dict[str, Any] = {}
+        same: dict[str, Any] = {}
+        c = args.concurrency
+        if args.vllm_python:
+            kv_bytes = int(args.kv_cache_gib * (1 << 30))
             served_outs = [served_out] + [
                 Path(tmp) / f"served-{i}.jsonl" for i in range(1, args.repeat)
             ]
-            for out in served_outs:
-                before = process_tree_cpu_s(server.proc.pid)
-                figures = timed(RegenConfig(out=out, server=server.url, concurrency=c, **common))
-                after = process_tree_cpu_s(server.proc.pid)
-                figures["server_cpu_s"] = {
-                    name: round(t - before.get(name, 0.0), 2) for name, t in after.items()
-                }
-                runs.append(figures)
-            served = median_run(runs)
-        engine = engine_route(args, common, engine_out)
-        same = {
-            "server": all(out.read_bytes() == local_out.read_bytes() for out in served_outs),
-            "engine": engine_out.read_bytes() == local_out.read_bytes(),
-        }
+            with vllm_server(
+                args.vllm_python,
+                Path(target),
+                max_num_seqs=args.max_num_seqs,
+                kv_cache_bytes=kv_bytes,
+                extra=tuple(args.server_args.split()),
+            ) as server:
+                served = served_route(server, common, c, served_outs)
+            routes["server"] = {
+                **served,
+                "concurrency": c,
+                "engine": "vllm (float32)",
+                "max_num_seqs": args.max_num_seqs or "vLLM's default",
+            }
+            engine = engine_route(args, common, engine_out)
+            routes["engine"] = {
+                **engine,
+                "concurrency": c,
+                "engine": "vllm (float32)",
+                "omp_threads": args.threads or "vLLM's own",
+            }
+            same["server"] = all(out.read_bytes() == local_out.read_bytes() for out in served_outs)
+            same["engine"] = engine_out.read_bytes() == local_out.read_bytes()
+        if args.llama_server:
+            llama_outs = [Path(tmp) / f"llama-{i}.jsonl" for i in range(args.repeat)]
+            with llama_server(
+                args.llama_server,
+                args.gguf,
+                slots=c,
+                slot_tokens=args.llama_slot_tokens,
+                threads=args.threads,
+            ) as server:
+                served = served_route(server, common, c, llama_outs)
+            routes["llamacpp"] = {
+                **served,
+                "concurrency": c,
+                "engine": f"llama.cpp ({args.gguf.name})",
+                "threads": args.threads or "llama.cpp's own",
+            }
+            same["llamacpp"] = [rows_same(out, local_out) for out in llama_outs]
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
+    ratios = {
+        f"{name}_ratio": round(route["tokens_per_s"] / local["tokens_per_s"], 2)
+        for name, route in routes.items()
+    }
+    if "engine" in routes:
+        ratios["engine_generation_ratio"] = round(
+            routes["engine"]["generation_tokens_per_s"] / local["generation_tokens_per_s"], 2
+        )
+    if "server_ratio" in ratios:
+        ratios["ratio"] = ratios.pop("server_ratio")  # the vLLM server's, as before
     result = {
         "target": args.target or "tiny demo target",
         "rows": args.rows,
         "max_new_tokens": args.max_new_tokens,
         "local": {**local, "batch_size": args.batch_size, "torch_threads": torch.get_num_threads()},
-        "server": {
-            **served,
-            "concurrency": args.concurrency,
-            "engine": "vllm (float32)",
-            "max_num_seqs": args.max_num_seqs or "vLLM's default",
-        },
-        "engine": {
-            **engine,
-            "concurrency": args.concurrency,
-            "engine": "vllm (float32)",
-            "omp_threads": args.threads or "vLLM's own",
-        },
-        "ratio": round(served["tokens_per_s"] / local["tokens_per_s"], 2),
-        "engine_ratio": round(engine["tokens_per_s"] / local["tokens_per_s"], 2),
-        "engine_generation_ratio": round(
-            engine["generation_tokens_per_s"] / local["generation_tokens_per_s"], 2
-        ),
+        **routes,
+        **ratios,
         "same_rows_as_local": same,
         "cpus": os.cpu_count(),
         "machine": cpu_model(),
