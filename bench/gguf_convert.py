@@ -24,11 +24,11 @@ sys.path.insert(0, str(ROOT))
 
 def qwen2_split(target: Path) -> bool:
     """Whether the target's tokenizer.json pre-tokenizes with Qwen2's split pattern."""
-    from extract.tiny import _SPLIT_PATTERN
+    from extract.tiny import SPLIT_PATTERN
 
     spec = json.loads((target / "tokenizer.json").read_text()).get("pre_tokenizer") or {}
     steps = spec.get("pretokenizers", [spec])
-    return any(step.get("pattern", {}).get("Regex") == _SPLIT_PATTERN for step in steps)
+    return any(step.get("pattern", {}).get("Regex") == SPLIT_PATTERN for step in steps)
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.vllm_server import Served, _free_port
+from tests.vllm_server import Served, free_port
 
 
 @contextmanager
@@ -30,7 +30,7 @@ def llama_server(
     threads: int | None = None,
     extra: tuple[str, ...] = (),
 ) -> Iterator[Served]:
-    port = _free_port()
+    port = free_port()
     command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
     command += ["-np", str(slots), "-c", str(slots * slot_tokens), "--no-webui"]
     if threads:

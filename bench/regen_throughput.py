@@ -203,7 +203,7 @@ def main() -> None:
     parser.add_argument(
         "--threads",
         type=int,
-        help="torch threads of the local route and the engine (default: their own)",
+        help="threads of the local route, the engine and llama-server (default: their own)",
     )
     parser.add_argument(
         "--target",

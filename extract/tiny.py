@@ -57,7 +57,7 @@ CHAT_TEMPLATE = (
 )
 # Qwen2/Qwen3's pre-tokenizer split: words with one leading non-letter, single digits, punctuation
 # runs, newlines.
-_SPLIT_PATTERN = (
+SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
@@ -134,7 +134,7 @@ def build_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )

@@ -122,6 +122,8 @@ def test_llamacpp_is_asked_on_its_own_endpoint_for_the_same_rows(
         assert r["return_tokens"] and r["n_predict"] == MAX_NEW and r["temperature"] == 0.0
         assert r["repeat_penalty"] == 1.0 and r["top_k"] == 0 and r["top_p"] == 1.0
         assert r["dry_multiplier"] == 0.0 and r["min_p"] == 0.0 and not r["ignore_eos"]
+        assert r["samplers"] == ["temperature", "top_k", "top_p", "min_p"]
+        assert r["dynatemp_range"] == 0.0
     local = read_state(parts_dir(full))
     ours, theirs = state.totals(range(len(state.chunks))), local.totals(range(len(local.chunks)))
     for key in ("rows_kept", "turns", "turns_at_limit", "new_tokens"):
@@ -170,12 +172,41 @@ def test_llamacpp_requests_carry_the_sampling_asked_for_and_text_only_is_warned_
     native = llamacpp.native_request(request)
     picked = {k: native[k] for k in ("temperature", "top_p", "top_k", "seed")}
     assert picked == {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 7}
+    wide = llamacpp.native_request({**request, "seed": (1 << 62) + 5})["seed"]
+    assert 0 <= wide < llamacpp.NO_SEED  # 32 bits, never llama.cpp's "draw one" value
     assert native["prompt"] == [1, 2] and native["n_predict"] == 5
     server = serve(llamacpp=True, fault=lambda text, attempt: "text_only")
     out = tmp_path / "text.jsonl"
     state = regen(out, target, data_file, server=server.url, **FAST)
     assert state.merged_rows == 14 and out.read_bytes() == full.read_bytes()
     assert any("without token ids" in r.getMessage() for r in caplog.records)
+
+
+def test_llamacpp_answers_read_back_by_how_they_ended():
+    request = completion_request(
+        model="m", prompt=[1], max_tokens=8, stop_token_ids=[2], sampling=None, seed=None
+    )
+
+    def answer(tokens, stop_type, truncated=False):
+        body = {"content": "x", "tokens": tokens, "stop_type": stop_type, "truncated": truncated}
+        return llamacpp.openai_answer({**body, "tokens_predicted": len(tokens)}, request)
+
+    ended = answer([5, 6, 2], "eos")["choices"][0]
+    assert ended["token_ids"] == [5, 6, 2] and ended["finish_reason"] == "stop"
+    assert answer([5] * 8, "limit")["choices"][0]["finish_reason"] == "length"
+    with pytest.raises(llamacpp.Truncated):  # the slot's context, before any stop id
+        answer([5, 6, 7], "limit", truncated=True)
+    # a stop id came before the cut: the turn had ended, the cut is past it
+    assert answer([5, 2, 7], "limit", truncated=True)["choices"][0]["finish_reason"] == "stop"
+    with pytest.raises(llamacpp.Capped):  # the server's own -n
+        answer([5, 6, 7], "limit")
+    with pytest.raises(ValueError):
+        llamacpp.openai_answer({"error": "x"}, request)
+    # a GGUF end-of-generation token the target's config does not list
+    assert llamacpp.foreign_stop(answer([5, 9], "eos"), [2]) == 9
+    assert llamacpp.foreign_stop(answer([5, 2], "eos"), [2]) is None
+    assert llamacpp.slot_context({"meta": {"n_ctx": "many"}}) is None
+    assert llamacpp.slot_context({"meta": {"n_ctx": 512}}) == 512
 
 
 def _progress(caplog) -> str:

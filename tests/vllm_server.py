@@ -40,7 +40,7 @@ class Served:
                 self.proc.wait()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -59,7 +59,7 @@ def vllm_server(
 ) -> Iterator[Served]:
     """`max_num_seqs`: requests vLLM batches at once (None: its own default, 128 on a CPU);
     `extra`: more of `vllm serve`'s arguments."""
-    port = _free_port()
+    port = free_port()
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target)]
     command += ["--served-model-name", name, "--host", "127.0.0.1", "--port", str(port)]
     command += ["--dtype", "float32", "--max-model-len", str(max_model_len), "--seed", "0"]

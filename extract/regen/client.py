@@ -45,7 +45,7 @@ FIRST_CONTACT_S = 10
 # vLLM: "maximum context length is N tokens"; SGLang: "longer than the model's context length";
 # llama.cpp: "exceeds the available context size".
 _TOO_LONG = re.compile(
-    r"context length|context window|context size|max_model_len|too long", re.IGNORECASE
+    r"context length|context window|available context size|max_model_len|too long", re.IGNORECASE
 )
 FAILURE_REASONS = (
     "timeout",  # no answer within --request-timeout
@@ -110,6 +110,7 @@ class ServerClient:
             self.headers["Authorization"] = f"Bearer {key}"
         self._local = threading.local()
         self.llamacpp = False  # set by `models`: llama-server, asked through its own endpoint
+        self._warned_stop = threading.Event()  # llama.cpp stopped at a token not in stop ids
 
     def models(self, *, timeout: float = FIRST_CONTACT_S) -> list[dict[str, Any]]:
         """The server's model cards (`/v1/models`): the first contact, tried once and waited
@@ -130,13 +131,26 @@ class ServerClient:
         answer, in the OpenAI shape whichever endpoint was asked."""
         if not self.llamacpp:
             return self._post("/v1/completions", request)
-        answer = self._post(llamacpp.PATH, llamacpp.native_request(request))
+        native = self._post(llamacpp.PATH, llamacpp.native_request(request))
         try:
-            return llamacpp.openai_answer(answer, request["model"])
+            answer = llamacpp.openai_answer(native, request)
         except llamacpp.Truncated as e:
             raise TooLong(str(e)) from None
+        except llamacpp.Capped as e:
+            raise RequestRefused(str(e)) from None
         except ValueError as e:
             raise RequestFailed("bad_response", str(e)) from None
+        stop = llamacpp.foreign_stop(answer, request["stop_token_ids"])
+        if stop is not None and not self._warned_stop.is_set():
+            self._warned_stop.set()
+            log.warning(
+                "%s stopped an answer at token %d, an end-of-generation token of its GGUF file "
+                "that the target's generation config does not list: such turns end there, "
+                "where the local route would go on",
+                self.url,
+                stop,
+            )
+        return answer
 
     def _post(self, path: str, body: dict[str, Any]) -> Any:
         wait = self.retry_wait

@@ -22,8 +22,19 @@ OWNER = "llamacpp"  # `owned_by` of llama-server's model cards
 PATH = "/completion"
 
 
+# llama.cpp's sampler chain, in the order vLLM and transformers apply them (temperature first;
+# at 0 only the largest logit is left: greedy); named, so that the chain of the server's launch
+# flags (its defaults put temperature last and add others) never applies.
+SAMPLERS = ["temperature", "top_k", "top_p", "min_p"]
+NO_SEED = 0xFFFFFFFF  # llama.cpp's seed is 32-bit, and this one means "draw one at random"
+
+
 class Truncated(ValueError):
     """The slot's context ended the answer before max_tokens or an end-of-generation token."""
+
+
+class Capped(ValueError):
+    """The server ends every answer before max_tokens (its own -n): no row can be answered."""
 
 
 def is_llamacpp(cards: list[dict[str, Any]]) -> bool:
@@ -35,18 +46,20 @@ def slot_context(card: dict[str, Any]) -> int | None:
     """The context of one of llama-server's slots (its `-c` over `-np`), from a model card."""
     meta = card.get("meta")
     length = meta.get("n_ctx") if isinstance(meta, dict) else None
-    return int(length) if length else None
+    return length if isinstance(length, int) and length > 0 else None
 
 
 def native_request(request: dict[str, Any]) -> dict[str, Any]:
     """`/completion`'s body for an OpenAI completions `request` (`client.completion_request`):
-    the same prompt ids and sampling, every sampler llama.cpp would otherwise apply by default
-    turned off, and the generated ids asked for."""
+    the same prompt ids and sampling through `SAMPLERS` alone (no other sampler of llama.cpp,
+    whatever its launch flags), and the generated ids asked for."""
     top_k = request["top_k"]
     native = {
         "prompt": request["prompt"],
         "n_predict": request["max_tokens"],
+        "samplers": SAMPLERS,
         "temperature": request["temperature"],
+        "dynatemp_range": 0.0,
         "top_k": top_k if top_k > 0 else 0,  # 0: off, as vLLM's -1
         "top_p": request["top_p"],
         "min_p": request["min_p"],
@@ -64,28 +77,48 @@ def native_request(request: dict[str, Any]) -> dict[str, Any]:
         "stream": False,
     }
     if "seed" in request:
-        native["seed"] = request["seed"]
+        native["seed"] = request["seed"] % NO_SEED
     return native
 
 
-def openai_answer(body: Any, model: str) -> dict[str, Any]:
-    """llama.cpp's `/completion` answer as an OpenAI completions answer with vLLM's
+def openai_answer(body: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's `/completion` answer to `request` as an OpenAI completions answer with vLLM's
     `token_ids` (left out if the server gave none: an older llama.cpp). ValueError: not an
-    answer; `Truncated`: cut short by the slot's context."""
+    answer; `Truncated`: cut short by the slot's context before any of the request's stop ids;
+    `Capped`: ended short of max_tokens by the server's own limit."""
     if not isinstance(body, dict) or not isinstance(body.get("content"), str):
         raise ValueError(f"no completion in {str(body)[:200]}")
-    if body.get("truncated"):
-        made = body.get("tokens_predicted", "some")
+    ids = body.get("tokens")
+    ids = [int(t) for t in ids] if isinstance(ids, list) else None
+    ended = ids is not None and any(t in request["stop_token_ids"] for t in ids)
+    made = body.get("tokens_predicted")
+    if body.get("truncated") and not ended:
         raise Truncated(
             f"the server's context ended the answer after {made} tokens (llama.cpp's slot "
             "context, its -c over -np, is shorter than the prompt plus --max-new-tokens)"
         )
     stopped = body.get("stop_type") in ("eos", "word")
+    if not stopped and not ended and isinstance(made, int) and made < request["max_tokens"]:
+        raise Capped(
+            f"it ended an answer after {made} of the {request['max_tokens']} tokens asked for "
+            "(its own limit: start llama-server with -n -1, or at least --max-new-tokens)"
+        )
     choice: dict[str, Any] = {
         "index": 0,
         "text": body["content"],
-        "finish_reason": "stop" if stopped else "length",
+        "finish_reason": "stop" if stopped or ended else "length",
     }
-    if isinstance(body.get("tokens"), list):
-        choice["token_ids"] = body["tokens"]
-    return {"model": body.get("model", model), "choices": [choice]}
+    if ids is not None:
+        choice["token_ids"] = ids
+    return {"model": body.get("model", request["model"]), "choices": [choice]}
+
+
+def foreign_stop(answer: dict[str, Any], stop_ids: list[int]) -> int | None:
+    """The token an answer (`openai_answer`'s) stopped at that is none of `stop_ids`, if any:
+    an end-of-generation token of the GGUF that the target's generation config does not list
+    (the local route would have gone on there)."""
+    choice = answer["choices"][0]
+    ids = choice.get("token_ids")
+    if choice["finish_reason"] != "stop" or not ids or any(t in stop_ids for t in ids):
+        return None
+    return ids[-1]
