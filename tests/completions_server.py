@@ -16,7 +16,8 @@ test's --target).
 slot context (`meta.n_ctx`), completions on its own `/completion` endpoint (`n_predict`, the
 generated ids in `tokens` when asked with `return_tokens`, `stop_type`; `truncated` where the
 slot's context ends the answer; its 400 "exceeds the available context size" for a prompt
-longer than that), and a 404 on `/v1/completions`, so a client that does not switch fails.
+longer than that; `answer_cap`, its -n, ends every answer at that length), and a 404 on
+`/v1/completions`, so a client that does not switch fails.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class CompletionsServer:
         models: tuple[str, ...] = ("tiny",),
         llamacpp: bool = False,
         slot_context: int = 4096,
+        answer_cap: int | None = None,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -51,6 +53,7 @@ class CompletionsServer:
         self.fault = fault or (lambda text, attempt: None)
         self.models = models
         self.llamacpp, self.slot_context = llamacpp, slot_context
+        self.answer_cap = answer_cap  # llama-server's -n: no answer longer
         self.paths: list[str] = []  # every completion request's path
         self.cut = 0  # llama.cpp answers the slot's context cut (truncated)
         self.requests: list[dict[str, Any]] = []  # every completion request's body
@@ -108,13 +111,13 @@ class CompletionsServer:
                 f"({self.slot_context} tokens), try increasing it"
             )
             return 400, {"error": {"code": 400, "message": message}}
-        n = min(body["n_predict"], room)
+        n = min(body["n_predict"], room, self.answer_cap or room)
         stop = [self.tokenizer.eos_token_id]
         request = {"prompt": prompt, "max_tokens": n, "stop_token_ids": stop, "model": ""}
         answer = self.complete(request)
         choice = answer["choices"][0]
         new, stopped = choice["token_ids"], choice["finish_reason"] == "stop"
-        truncated = not stopped and n < body["n_predict"]
+        truncated = not stopped and n == room < body["n_predict"]
         self.cut += truncated
         native = {
             "content": choice["text"],

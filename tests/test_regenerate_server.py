@@ -182,6 +182,23 @@ def test_llamacpp_requests_carry_the_sampling_asked_for_and_text_only_is_warned_
     assert any("without token ids" in r.getMessage() for r in caplog.records)
 
 
+def test_a_llamacpp_server_capping_answers_is_a_message_and_a_resumable_state(
+    serve, target, data_file, full, tmp_path
+):
+    capped = serve(llamacpp=True, answer_cap=MAX_NEW // 2)
+    out = tmp_path / "capped.jsonl"
+    proc = _cli(out, target, data_file, capped.url)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in stderr + stdout, stderr
+    message = stderr.strip().splitlines()[-1]
+    assert message.startswith(f"Error: --server {capped.url}: the run stopped (answers_capped: ")
+    assert "start the server without a limit on answers (llama-server -n -1)" in message
+    assert message.endswith("run the same command to resume.")
+    server = serve(llamacpp=True)
+    state = regen(out, target, data_file, server=server.url, **FAST)
+    assert state.merged_rows == 14 and out.read_bytes() == full.read_bytes()
+
+
 def test_llamacpp_answers_read_back_by_how_they_ended():
     request = completion_request(
         model="m", prompt=[1], max_tokens=8, stop_token_ids=[2], sampling=None, seed=None

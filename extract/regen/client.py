@@ -76,6 +76,10 @@ class RequestRefused(Exception):
     """A 4xx other than the context length: no request of this form will be served."""
 
 
+class AnswersCapped(RequestRefused):
+    """The server ends answers short of max_tokens by a limit of its own (llama-server's -n)."""
+
+
 @dataclass(frozen=True)
 class Completion:
     token_ids: list[int]
@@ -137,7 +141,7 @@ class ServerClient:
         except llamacpp.Truncated as e:
             raise TooLong(str(e)) from None
         except llamacpp.Capped as e:
-            raise RequestRefused(str(e)) from None
+            raise AnswersCapped(str(e)) from None
         except ValueError as e:
             raise RequestFailed("bad_response", str(e)) from None
         stop = llamacpp.foreign_stop(answer, request["stop_token_ids"])

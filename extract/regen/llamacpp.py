@@ -101,7 +101,7 @@ def openai_answer(body: Any, request: dict[str, Any]) -> dict[str, Any]:
     if not stopped and not ended and isinstance(made, int) and made < request["max_tokens"]:
         raise Capped(
             f"it ended an answer after {made} of the {request['max_tokens']} tokens asked for "
-            "(its own limit: start llama-server with -n -1, or at least --max-new-tokens)"
+            "by a limit of its own (llama-server's -n)"
         )
     choice: dict[str, Any] = {
         "index": 0,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from extract.data import Rejected, RowError
 from extract.regen.client import (
+    AnswersCapped,
     RequestFailed,
     RequestRefused,
     ServerClient,
@@ -78,6 +79,8 @@ def converse(chat: Chat, server: Server) -> Outcome:
         return Failed(e.reason, e.detail, stops_run=True)
     except RequestFailed as e:
         return Failed(e.reason, e.detail, stops_run=False)
+    except AnswersCapped as e:
+        return Failed("answers_capped", str(e), stops_run=True)
     except RequestRefused as e:
         return Failed("refused_request", str(e), stops_run=True)
     return kept(conv, prompter, new_tokens, from_text=bool(from_text))

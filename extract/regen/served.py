@@ -172,6 +172,8 @@ def _hint(stopped: str, target: str) -> str:
         return "start the server again, then "
     if stopped.startswith("refused_request:"):
         return "the server refuses these requests (check --server-model and the URL), then "
+    if stopped.startswith("answers_capped:"):
+        return "start the server without a limit on answers (llama-server -n -1), then "
     if stopped.startswith("other_model:"):
         return (
             "the server answers another model's token ids: serve --target's model there "
