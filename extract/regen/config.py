@@ -50,8 +50,8 @@ class RegenConfig:
     max_length: int | None = option(
         None,
         help="Reject a conversation when a turn's prompt plus --max-new-tokens exceeds this "
-        "many tokens. Default: the context length --server reports, else the target's "
-        "max_position_embeddings.",
+        "many tokens. Default: the context length --server reports (llama-server: a slot's), "
+        "else the target's max_position_embeddings.",
     )
     batch_size: int = option(32, help="Conversations generated together on one device.")
     rows_per_chunk: int = option(256, help="Source rows per chunk (the unit of work and resume).")
@@ -69,7 +69,8 @@ class RegenConfig:
     server: str | None = option(
         None,
         help="URL of an OpenAI-compatible server already serving the target (vllm serve, "
-        "SGLang, ...), e.g. http://localhost:8000: each turn goes to its completions endpoint "
+        "SGLang, llama.cpp's llama-server, ...), e.g. http://localhost:8000: each turn goes to "
+        "its completions endpoint (llama-server's own /completion, which returns token ids) "
         "as token ids of our chat template rendering. --target names the folder it serves "
         "(its tokenizer and template are used here).",
     )
