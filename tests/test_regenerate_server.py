@@ -219,6 +219,8 @@ def test_llamacpp_answers_read_back_by_how_they_ended():
         answer([5, 6, 7], "limit")
     with pytest.raises(ValueError):
         llamacpp.openai_answer({"error": "x"}, request)
+    with pytest.raises(ValueError):
+        answer([5, None], "eos")
     # a GGUF end-of-generation token the target's config does not list
     assert llamacpp.foreign_stop(answer([5, 9], "eos"), [2]) == 9
     assert llamacpp.foreign_stop(answer([5, 2], "eos"), [2]) is None

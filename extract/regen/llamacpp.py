@@ -89,7 +89,11 @@ def openai_answer(body: Any, request: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(body, dict) or not isinstance(body.get("content"), str):
         raise ValueError(f"no completion in {str(body)[:200]}")
     ids = body.get("tokens")
-    ids = [int(t) for t in ids] if isinstance(ids, list) else None
+    if isinstance(ids, list):
+        if not all(isinstance(t, int) for t in ids):
+            raise ValueError(f"token ids that are not integers: {str(ids)[:200]}")
+    else:
+        ids = None
     ended = ids is not None and any(t in request["stop_token_ids"] for t in ids)
     made = body.get("tokens_predicted")
     if body.get("truncated") and not ended:
