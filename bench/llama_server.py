@@ -8,8 +8,6 @@ UI; `extra`: more of its arguments.
 
 from __future__ import annotations
 
-import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -17,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.vllm_server import Served, free_port
+from tests.vllm_server import Served, free_port, launch
 
 
 @contextmanager
@@ -36,24 +34,11 @@ def llama_server(
     if threads:
         command += ["-t", str(threads)]
     command += list(extra)
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    served = Served(f"http://127.0.0.1:{port}", proc)
-
-    def drain() -> None:  # read all output, so that a full pipe never blocks the server
-        for line in proc.stdout:
-            served.lines.append(line)
-
-    threading.Thread(target=drain, daemon=True).start()
+    served = launch(command, f"http://127.0.0.1:{port}")
     try:
         deadline = time.monotonic() + 300
         while not _healthy(served.url):
-            if proc.poll() is not None or time.monotonic() > deadline:
+            if served.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("llama-server did not start:\n" + "".join(served.lines[-40:]))
             time.sleep(0.2)
         yield served

@@ -14,7 +14,7 @@ import signal
 import socket
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +38,27 @@ class Served:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+def launch(command: list[str], url: str, on_line: Callable[[str], None] | None = None) -> Served:
+    """`command` started in a process group of its own (its children are stopped with it), its
+    output read into `lines` as it comes, so that a full pipe never blocks it; `on_line` gets
+    each line, and "" once the output ends."""
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    served = Served(url, proc)
+
+    def drain() -> None:
+        for line in proc.stdout:
+            served.lines.append(line)
+            if on_line is not None:
+                on_line(line)
+        if on_line is not None:
+            on_line("")
+
+    threading.Thread(target=drain, daemon=True).start()
+    return served
 
 
 def free_port() -> int:
@@ -68,26 +89,15 @@ def vllm_server(
     if max_num_seqs is not None:
         command += ["--max-num-seqs", str(max_num_seqs)]
     command += list(extra)
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its engine process is stopped with it
-    )
-    served = Served(f"http://127.0.0.1:{port}", proc)
     ready = threading.Event()
 
-    def drain() -> None:  # read all output, so that a full pipe never blocks the server
-        for line in proc.stdout:
-            served.lines.append(line)
-            if READY in line:
-                ready.set()
-        ready.set()  # ended: the caller sees the exit
+    def seen(line: str) -> None:  # ready, or ended: the caller then sees the exit
+        if READY in line or not line:
+            ready.set()
 
-    threading.Thread(target=drain, daemon=True).start()
+    served = launch(command, f"http://127.0.0.1:{port}", seen)  # its engine process too
     try:
-        if not ready.wait(timeout=600) or proc.poll() is not None:
+        if not ready.wait(timeout=600) or served.proc.poll() is not None:
             raise RuntimeError("vLLM did not start:\n" + "".join(served.lines[-40:]))
         yield served
     finally:
