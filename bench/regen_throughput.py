@@ -25,8 +25,7 @@ FILE is the same target converted by llama.cpp's `convert_hf_to_gguf.py`; `--con
 slots of `--llama-slot-tokens` each, `--threads` CPU threads), asked through its own
 `/completion` endpoint as `--server` asks it; `--vllm-python` may then be left out (no vLLM
 routes). Its rows are compared with the local route's row by row (`rows_same`): a GGUF's
-kernels round differently from torch's, so a greedy answer can part where two tokens are
-nearly tied.
+kernels round differently from torch's, so greedy answers can part.
 """
 
 from __future__ import annotations
