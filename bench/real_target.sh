@@ -30,7 +30,11 @@
 # must still be there; bench/README.md has the stage times).
 # BENCH_SKIP=STAGE[,STAGE...]: leave those stages out (e.g. codec, already measured); fp8: no
 # fp8 cache, nor its drafter and error report; int4: no int4 cache, nor its drafter and store
-# report (fp8,int4: the family ablation alone).
+# report (fp8,int4: the family ablation alone); family: no DFlash2 and DSpark drafters.
+# TRAIN_SEEDS=N: DFlash on each cache at seeds 0 to N-1 (default 1), and train.proof.tau pairs
+# each cache's seeds with bf16's (the seeds' spread is the error of one cache against another).
+# SPEC_PROCS=N: the held-out prompts decoded in N processes side by side, each a contiguous share
+# (default 8 on the GPU, where one decoding is bound by its kernel launches; 1 on the CPU).
 # BENCH_DATA=shipped: the data set the package ships (extract/data/smollm2_chats.jsonl and its 32
 # held-out prompts, the CPU mode's regeneration from 800 seeds) instead of writing one.
 # BENCH_TINY=1 (or BENCH_MODE=tiny): a handful of rows and steps on the CPU (a check, not a figure).
@@ -55,18 +59,18 @@ case $MODE in
   tiny)
     GPUS=cpu STORE_DEVICE=cpu SEEDS=${SEEDS:-12} HELD_OUT=${HELD_OUT:-3} Q_TOKENS=24 A_TOKENS=16 BATCH=12
     STEPS=${STEPS:-3} SPEC_TOKENS=16 TRAIN=(--drafter-layers 1 --num-anchors 8 --batch-tokens 512)
-    PARTS=(--rows-per-part 8) ;;  # training holds a part out: at least two
+    PARTS=(--rows-per-part 8) SPEC_PROCS=${SPEC_PROCS:-2} ;;  # training holds a part out: two+
   cpu)  # real figures a 2-core machine can produce in about an hour: ~1K conversations
     GPUS=cpu STORE_DEVICE=cpu SEEDS=${SEEDS:-800} HELD_OUT=${HELD_OUT:-32} Q_TOKENS=48 A_TOKENS=${A_TOKENS:-128}
     BATCH=${BATCH:-64} STEPS=${STEPS:-400} SPEC_TOKENS=${SPEC_TOKENS:-32}
     TRAIN=(--drafter-layers 2 --num-anchors 64 --batch-tokens 1024 --lr 2e-3)
-    EVAL=(--eval-fraction 0.02) PARTS=() ;;
+    EVAL=(--eval-fraction 0.02) PARTS=() SPEC_PROCS=${SPEC_PROCS:-1} ;;
   gpu)
     # 50,500 seeds (then all there were) gave 19,923 distinct questions on an H200 (2026-12-01):
     # 60K (of 64,640) for 20K+ chats.
     GPUS=${GPUS:-0} STORE_DEVICE=cuda SEEDS=${SEEDS:-60000} HELD_OUT=${HELD_OUT:-32} Q_TOKENS=48
-    A_TOKENS=${A_TOKENS:-128} BATCH=${BATCH:-1024} STEPS=${STEPS:-800} SPEC_TOKENS=96 TRAIN=()
-    PARTS=() ;;
+    A_TOKENS=${A_TOKENS:-128} BATCH=${BATCH:-1024} STEPS=${STEPS:-800}
+    SPEC_TOKENS=${SPEC_TOKENS:-96} TRAIN=() PARTS=() SPEC_PROCS=${SPEC_PROCS:-8} ;;
   *) echo "BENCH_MODE must be gpu, cpu or tiny, not $MODE" >&2; exit 2 ;;
 esac
 T=smollm2-135m-instruct
@@ -131,6 +135,9 @@ FP8=1
 [[ " ${SKIP//,/ } " == *" fp8 "* ]] && FP8=0
 INT4=1
 [[ " ${SKIP//,/ } " == *" int4 "* ]] && INT4=0
+FAMILY=1
+[[ " ${SKIP//,/ } " == *" family "* ]] && FAMILY=0
+TRAIN_SEEDS=${TRAIN_SEEDS:-1}
 stage materialize python3 -m extract.models $T --source "$SOURCE"
 shipped() {  # the shipped data set and its held-out prompts, as the data stages would leave them
   cp extract/data/smollm2_chats.jsonl "$WORK/data.jsonl"
@@ -166,33 +173,66 @@ train() {  # train STORE NAME [OPTION...]: a drafter on one cache, into run-NAME
   shift 2
   rm -rf "$WORK/run-$name"
   python3 -m train --data "$WORK/$store" --out "$WORK/run-$name" --gpus "$GPUS" --steps "$STEPS" \
-    --seed 0 "${EVAL[@]}" --checkpoint-every "$STEPS" "${TRAIN[@]}" "$@"
+    "${EVAL[@]}" --checkpoint-every "$STEPS" "${TRAIN[@]}" "$@"
 }
 # DFlash on each cache, and the family ablation on the bf16 cache with the same seed, steps and
 # options: DFlash2 and DSpark (their published defaults: DSpark's block of 7, its three-term
 # objective on the cached last layer); all side by side.
-RUNS=(bf16)
-TRAINS=(train bf16 bf16 --target-layers $TAPS)
-[ $FP8 = 0 ] || { RUNS+=(fp8); TRAINS+=(-- train fp8 fp8 --target-layers $TAPS); }
-[ $INT4 = 0 ] || { RUNS+=(int4); TRAINS+=(-- train int4 int4 --target-layers $TAPS); }
-RUNS+=(dflash2 dspark)
-TRAINS+=(-- train bf16 dflash2 --drafter-type dflash2 --target-layers $TAPS)
-TRAINS+=(-- train bf16 dspark --drafter-type dspark)
-stage train side_by_side "${TRAINS[@]}"
+# TRAIN_SEEDS > 1: DFlash on each cache at seeds 0 to TRAIN_SEEDS - 1 (run-bf16, run-bf16-s1, ...):
+# a cache's coding error moves a drafter as another seed does, so the seeds' spread is the error
+# of a cache against another (train.proof.tau --compare below)
+RUNS=() TRAINS=()
+for store in bf16 fp8 int4; do
+  [ $store != fp8 ] || [ $FP8 = 1 ] || continue
+  [ $store != int4 ] || [ $INT4 = 1 ] || continue
+  for ((seed = 0; seed < TRAIN_SEEDS; seed++)); do
+    name=$store$([ $seed = 0 ] || echo "-s$seed")
+    RUNS+=("$name")
+    TRAINS+=(-- train "$store" "$name" --target-layers $TAPS --seed $seed)
+  done
+done
+if [ $FAMILY = 1 ]; then
+  RUNS+=(dflash2 dspark)
+  TRAINS+=(-- train bf16 dflash2 --drafter-type dflash2 --target-layers $TAPS --seed 0)
+  TRAINS+=(-- train bf16 dspark --drafter-type dspark --seed 0)
+fi
+stage train side_by_side "${TRAINS[@]:1}"
 stage compare python3 -m train.proof.compare "${RUNS[@]/#/$WORK/run-}" --out "$WORK/compare.md"
-speculate() {  # the exports in one process: the target's greedy reference is made once
-  local run drafters=()
+# the exports in one process per share of the prompts (SPEC_PROCS side by side: one decoding is
+# bound by its launches, not by the GPU), each making the target's greedy reference once
+SPEC_FILES=()
+for ((k = 1; k <= SPEC_PROCS; k++)); do
+  SPEC_FILES+=("$WORK/spec$([ "$SPEC_PROCS" = 1 ] || echo "-$k").txt")
+done
+speculate_share() {  # speculate_share K: share K of SPEC_PROCS into its SPEC_FILES entry
+  local run drafters=() k=$1
   for run in "${RUNS[@]}"; do drafters+=(--drafter "$WORK/run-$run/export"); done
-  python3 -u -m train.proof.speculate --target $T "${drafters[@]}" \
-    --prompts "$WORK/held_out.json" --max-new-tokens $SPEC_TOKENS --json >"$WORK/spec.txt"
-  awk '/^drafter /{d=$2} /^tau /{print d, $0}' "$WORK/spec.txt"
+  python3 -u -m train.proof.speculate --target $T "${drafters[@]}" --prompts "$WORK/held_out.json" \
+    --max-new-tokens $SPEC_TOKENS --json --shard "$k/$SPEC_PROCS" >"${SPEC_FILES[k - 1]}"
+}
+speculate() {
+  local shares=() k
+  for ((k = 1; k <= SPEC_PROCS; k++)); do shares+=(-- speculate_share "$k"); done
+  side_by_side "${shares[@]:1}"
+  echo "$HELD_OUT prompts in $SPEC_PROCS processes: ${SPEC_FILES[*]}"
 }
 stage speculate speculate
-# tau with standard errors over the prompts, each drafter against the bf16 cache's DFlash, paired
-stage tau python3 -m train.proof.tau "$WORK/spec.txt"
+# tau with standard errors over the prompts, each drafter against the bf16 cache's DFlash, paired;
+# with seeds, each other cache's seeds against bf16's one to one, and their mean over the pairs
+taus() {
+  local store compared=0
+  for store in fp8 int4; do  # each prints the table of every drafter first
+    [ "$TRAIN_SEEDS" -gt 1 ] && [[ " ${RUNS[*]} " == *" $store "* ]] || continue
+    python3 -m train.proof.tau "${SPEC_FILES[@]}" --compare /run-bf16 "/run-$store"
+    compared=1
+  done
+  [ $compared = 1 ] || python3 -m train.proof.tau "${SPEC_FILES[@]}"
+}
+stage tau taus
 echo "rows: $(wc -l <"$WORK/data.jsonl") conversations, held-out prompts: $HELD_OUT" | tee -a "$LOG"
 if [ -n "${OUT:-}" ]; then
-  cp "$LOG" "$WORK"/compare.md "$WORK"/spec.txt "$OUT"/
+  cp "$LOG" "$WORK"/compare.md "$OUT"/
+  tar czf "$OUT"/spec.tgz -C "$WORK" "${SPEC_FILES[@]#"$WORK"/}"
   cp "$WORK"/bf16/manifest.json "$OUT"/manifest-bf16.json
   [ $FP8 = 0 ] || cp "$WORK"/fp8_error.json "$OUT"/
   [ $FP8 = 0 ] || cp "$WORK"/fp8/manifest.json "$OUT"/manifest-fp8.json

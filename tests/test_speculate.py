@@ -503,3 +503,44 @@ def test_cli_full_blocks_keeps_the_last_blocks_whole(tmp_path, tiny_qwen3):
             assert sum(row["lengths"]) == row["new_tokens"] - 1  # the prefill's token
     assert [r["new_ids"] for r in rows[False]] == [r["new_ids"] for r in rows[True]]
     assert [r["lengths"] for r in rows[False]] != [r["lengths"] for r in rows[True]]
+
+
+def test_cli_shards_joined_in_order_are_the_whole_run(tmp_path, tiny_qwen3, random_export):
+    """--shard K/N decodes a contiguous share; train.proof.tau joins the shares' JSON lines, in
+    K's order, into the whole run's per-prompt figures, indices into the whole prompt list."""
+    from train.proof.tau import read_runs
+
+    prompts = write_json(tmp_path / "prompts.json", ["Say hello.", [1, 5, 9, 13], [2, 7], "Hi."])
+    common = ["--target", tiny_qwen3, "--drafter", random_export, "--prompts", prompts]
+    common += ["--device", "cpu", "--max-new-tokens", 10, "--warmup", 0, "--json"]
+    outputs = []
+    for shard in (None, "1/3", "2/3", "3/3"):
+        result = run_cli(*common, *(() if shard is None else ("--shard", shard)))
+        assert result.exit_code == 0, result.output
+        path = tmp_path / f"spec-{len(outputs)}.txt"
+        path.write_text(result.stdout)
+        outputs.append((path, json.loads(result.stdout.strip().splitlines()[-1])))
+    (_, whole), *shards = outputs
+    assert [[r["index"] for r in s["per_prompt"]] for _, s in shards] == [[0, 1], [2], [3]]
+    assert [s["shard"] for _, s in shards] == ["1/3", "2/3", "3/3"] and whole["shard"] is None
+    joined, alone = read_runs([p for p, _ in shards]), read_runs([outputs[0][0]])
+    for key in ("n", "s", "prompts"):
+        assert joined[0][key] == alone[0][key], key
+    assert [r["steps"] for r in whole["per_prompt"]] == joined[0]["s"]
+
+
+@pytest.mark.parametrize(
+    ("shard", "message"), [("3/2", "1 <= K <= N"), ("2", "K/N"), ("0/4", "K/N"), ("a/b", "K/N")]
+)
+def test_cli_bad_shard_is_refused(tmp_path, tiny_qwen3, random_export, shard, message):
+    prompts = write_json(tmp_path / "prompts.json", ["hi"])
+    result = run_cli(
+        "--target", tiny_qwen3, "--drafter", random_export, "--prompts", prompts, "--shard", shard
+    )
+    assert result.exit_code != 0 and message in result.output, result.output
+    result = run_cli(
+        "--target", tiny_qwen3, "--drafter", random_export, "--prompts", prompts, "--device",
+        "cpu", "--shard", "2/2",
+    )  # fmt: skip
+    assert result.exit_code != 0, result.output
+    assert "no prompt falls in this share of 1; give N <= 1" in result.output

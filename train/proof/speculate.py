@@ -74,6 +74,12 @@ class SpeculateConfig:
         help="draft every block whole and cut the output at --max-new-tokens (vLLM's and "
         "llama.cpp's last blocks) instead of shortening the last blocks (z-lab's)",
     )
+    shard: str | None = option(
+        None,
+        help="K/N: decode only the K-th (from 1) of N contiguous shares of the prompts, to run N "
+        "processes side by side on one device; `python -m train.proof.tau` joins their --json "
+        "outputs given in K's order",
+    )
 
     def __post_init__(self) -> None:
         for name, low in (("max_new_tokens", 1), ("warmup", 0), ("temperature", 0)):
@@ -81,6 +87,24 @@ class SpeculateConfig:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         if self.confidence_threshold is not None and not 0 <= self.confidence_threshold <= 1:
             raise ValueError("confidence_threshold must be in [0, 1]")
+        if self.shard is not None:
+            shard_range(self.shard, 1 << 30)  # the form and K <= N, before any work
+
+
+def shard_range(shard: str, count: int) -> range:
+    """The prompt indices of share K of N ("K/N", K from 1) of `count` prompts: contiguous,
+    the first count % N shares one longer, so the shares in K's order are the prompts in order.
+
+    >>> [list(shard_range(f"{k}/3", 7)) for k in (1, 2, 3)]
+    [[0, 1, 2], [3, 4], [5, 6]]
+    """
+    k, sep, n = shard.partition("/")
+    if not (sep and k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise ValueError(f"shard must be K/N with 1 <= K <= N (e.g. 2/8), got {shard!r}")
+    k, n = int(k) - 1, int(n)
+    base, extra = divmod(count, n)
+    start = k * base + min(k, extra)
+    return range(start, start + base + (k < extra))
 
 
 def load_prompts(path: Path, tokenizer: Any, vocab_size: int) -> list[list[int]]:
@@ -205,6 +229,13 @@ def main(**kwargs: Any) -> None:
         target, drafters, prompts, eos = load(cfg)
     except SpeculateError as e:
         raise click.ClickException(str(e)) from None
+    share = range(len(prompts)) if cfg.shard is None else shard_range(cfg.shard, len(prompts))
+    if not share:
+        raise click.ClickException(
+            f"--shard {cfg.shard}: no prompt falls in this share of {len(prompts)}; give N <= "
+            f"{len(prompts)}"
+        )
+    prompts, first = prompts[share.start : share.stop], share.start
     limits = dict(max_new_tokens=cfg.max_new_tokens, eos_ids=eos)
     sampled = cfg.temperature > 0  # no single right output: tau alone, no greedy comparison
     baselines = None if sampled else greedy_baselines(target, prompts, **limits, warmup=cfg.warmup)
@@ -222,7 +253,11 @@ def main(**kwargs: Any) -> None:
                 target, drafter, prompts, **limits, warmup=cfg.warmup, baselines=baselines,
                 options=options,
             )  # fmt: skip
-        summaries.append({"drafter": str(path), **summary, "full_blocks": cfg.full_blocks})
+        for row in summary.get("per_prompt", []):  # indices into the whole --prompts list
+            row["index"] += first
+        summaries.append(
+            {"drafter": str(path), **summary, "full_blocks": cfg.full_blocks, "shard": cfg.shard}
+        )
         if len(drafters) > 1:
             click.echo(f"drafter {path}:")
         click.echo(format_sampled(summary) if sampled else format_report(summary))
