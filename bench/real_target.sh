@@ -234,8 +234,9 @@ if [ -n "${OUT:-}" ]; then
   cp "$LOG" "$WORK"/compare.md "$OUT"/
   tar czf "$OUT"/spec.tgz -C "$WORK" "${SPEC_FILES[@]#"$WORK"/}"
   cp "$WORK"/bf16/manifest.json "$OUT"/manifest-bf16.json
-  [ $FP8 = 0 ] || cp "$WORK"/fp8_error.json "$OUT"/
   [ $FP8 = 0 ] || cp "$WORK"/fp8/manifest.json "$OUT"/manifest-fp8.json
-  [ $INT4 = 0 ] || cp "$WORK"/stores.json "$OUT"/
   [ $INT4 = 0 ] || cp "$WORK"/int4/manifest.json "$OUT"/manifest-int4.json
+  for report in fp8_error stores; do  # unless their stages were skipped
+    [ ! -e "$WORK/$report.json" ] || cp "$WORK/$report.json" "$OUT"/
+  done
 fi
