@@ -1,8 +1,9 @@
-"""speculators 0.9.0's `train` on a CPU, patched in this process only (never in the package).
+"""speculators 0.9.0's `train`, patched in this process only (never in the package).
 
     python bench/peer_runner.py STEP_TIMES_JSON [speculators train arguments...]
 
-Run by bench/peer_speculators.py in the Python that has speculators. Three patches:
+Run by bench/peer_speculators.py in the Python that has speculators. Three patches, the first
+two on a machine without an accelerator only:
 - `Trainer` moves its model and every batch to `get_local_rank()`, an int (`cuda:N`): here
   the CPU device (`speculators.train.trainer` imported the function by name).
 - `_StepTimer` calls `torch.accelerator.synchronize()` whether or not there is an
@@ -27,8 +28,8 @@ import torch
 def _patch(step_times: list[float]) -> None:
     from speculators.train import trainer as spec_trainer
 
-    spec_trainer.get_local_rank = lambda: torch.device("cpu")
-    if not torch.accelerator.is_available():
+    if not torch.accelerator.is_available():  # on a GPU its own rank and synchronize do
+        spec_trainer.get_local_rank = lambda: torch.device("cpu")
         torch.accelerator.synchronize = lambda *args, **kwargs: None
 
     def run_training(self) -> None:

@@ -19,13 +19,15 @@ then trains, per seed, three drafters on the same samples and the same number of
 Speculators runs in `--spec-python` (default this one) through bench/peer_runner.py, which
 patches its CPU problems in that process. On a CPU it needs `--draft-attn-impl sdpa`,
 `--loss-implementation eager` and `--hidden-states-dtype float32` (given here) and runs with
-`--num-workers 0` (its 12 spawned loader workers do not fit two cores). Its checkpoint becomes a
-z-lab DFlash export by a config rewrite (`peer_layout.zlab_config`), and every export is
-decoded by `python -m train.proof.speculate` on `--prompts`. Printed: per recipe the mean tau
-over seeds with its standard error, each drafter's tau with the prompts' standard error, and
-the median step time after `--warmup-steps`; WORK/summary.json holds it all. A run found
-complete in WORK is reused (`--retrain`: trained again), so a second call decodes what the
-first trained.
+`--num-workers 0` (its 12 spawned loader workers do not fit two cores). `--device cuda` runs
+both on GPU 0 with their own fast paths instead, one job at a time: ours with `--gpus 0` and its
+defaults (flex_attention compiled), speculators with its defaults (its flex attention, its loss,
+bf16 hidden states, its loader workers); the layout is then written in bf16. Its checkpoint
+becomes a z-lab DFlash export by a config rewrite (`peer_layout.zlab_config`), and every export
+is decoded by `python -m train.proof.speculate` on `--prompts`. Printed: per recipe the mean tau
+over seeds with its standard error, each drafter's tau with the prompts' standard error, and the
+median step time after `--warmup-steps`; WORK/summary.json holds it all. A run found complete in
+WORK is reused (`--retrain`: trained again), so a second call decodes what the first trained.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import torch  # noqa: E402
 from peer_layout import train_ratio, write_layout, write_zlab_export  # noqa: E402
 
 from shared.manifest import read_manifest  # noqa: E402
@@ -57,6 +60,11 @@ from train.sweep.report import mean_se  # noqa: E402
 
 RECIPES = ("ours", "spec-default", "spec-shape")
 SPEC_DEFAULT_ROW = 8192  # speculators' --total-seq-len default
+SPEC_CPU_ARGS = {  # what speculators needs on a CPU; on a GPU its defaults
+    "cpu": ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
+            "--hidden-states-dtype", "float32", "--num-workers", "0"],
+    "cuda": [],
+}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,6 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-fraction", type=float, default=0.05)
     p.add_argument("--spec-python", default=sys.executable)
     p.add_argument("--parallel", type=int, default=2, help="processes at once, 1 thread each")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: both trainers on GPU 0, their own fast paths, one job at a time",
+    )
     p.add_argument("--prompts", type=Path, default=ROOT / "extract/data/smollm2_held_out.json")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--warmup-steps", type=int, default=5, help="steps left out of the median")
@@ -103,10 +117,14 @@ def prepare_layout(a: argparse.Namespace, target: str) -> dict:
         return json.loads(info_path.read_text())
     num = sum(p.rows_kept for p in read_manifest(a.cache).parts)
     held = evenly_spaced(num, eval_sample_count(a.eval_fraction, num))
-    with safe_open(str(Path(target) / "model.safetensors"), framework="pt") as f:
-        norm = f.get_tensor("model.norm.weight")  # the final norm: see peer_layout's docstring
+    index = Path(target) / "model.safetensors.index.json"  # a checkpoint in several files
+    name = "model.norm.weight"  # the final norm: see peer_layout's docstring
+    file = json.loads(index.read_text())["weight_map"][name] if index.is_file() else None
+    with safe_open(str(Path(target) / (file or "model.safetensors")), framework="pt") as f:
+        norm = f.get_tensor(name)
     shutil.rmtree(out, ignore_errors=True)
-    return write_layout(a.cache, out, taps=_taps(a), norm_weight=norm, held=held)
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32  # speculators' own on a GPU
+    return write_layout(a.cache, out, taps=_taps(a), norm_weight=norm, held=held, dtype=dtype)
 
 
 def _taps(a: argparse.Namespace) -> list[int]:
@@ -122,13 +140,14 @@ def mask_token(cache: Path) -> int:
 
 
 def our_command(a: argparse.Namespace, seed: int, out: Path) -> list[str]:
+    cpu = a.device == "cpu"
     return [
         sys.executable, "-m", "train", "--data", str(a.cache), "--out", str(out),
-        "--gpus", "cpu", "--seed", str(seed), "--target-layers", a.taps,
+        "--gpus", "cpu" if cpu else "0", "--seed", str(seed), "--target-layers", a.taps,
         "--drafter-layers", str(a.drafter_layers), "--num-anchors", str(a.num_anchors),
         "--batch-tokens", str(a.batch_tokens), "--steps", str(a.steps), "--lr", str(a.lr),
-        "--eval-fraction", str(a.eval_fraction), "--workers", "0", "--log-every", "1",
-        "--checkpoint-every", str(a.steps),
+        "--eval-fraction", str(a.eval_fraction), *(["--workers", "0"] if cpu else []),
+        "--log-every", "1", "--checkpoint-every", str(a.steps),
     ]  # fmt: skip
 
 
@@ -148,9 +167,8 @@ def spec_command(
         "--data-path", str(a.work / "layout"), "--save-path", str(out / "checkpoints"),
         "--log-dir", str(out / "logs"), "--target-layer-ids",
         *map(str, layout["aux_hidden_state_layer_ids"]),
-        "--mask-token-id", str(mask_token(a.cache)), "--draft-attn-impl", "sdpa",
-        "--loss-implementation", "eager", "--hidden-states-dtype", "float32",
-        "--num-workers", "0", "--on-missing", "raise", "--seed", str(seed),
+        "--mask-token-id", str(mask_token(a.cache)), *SPEC_CPU_ARGS[a.device],
+        "--on-missing", "raise", "--seed", str(seed),
         "--train-data-ratio", str(train_ratio(layout["samples"], layout["held_last"])),
         "--max-steps", str(spec_steps(a, recipe)), "--no-resume-from-checkpoint",
     ]  # fmt: skip
@@ -175,7 +193,9 @@ def next_job(pending: list, running: dict) -> int | None:
 def run_jobs(jobs: list[tuple[str, list[str], Path]], parallel: int) -> dict[str, float]:
     """Run (name, command, log) jobs, `parallel` at a time (`next_job`), each on one thread;
     their seconds. A failed job stops the bench with its log's tail."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if parallel > 1:  # each process one core's worth
+        env |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     pending, running, seconds = list(jobs), {}, {}
     while pending or running:
@@ -292,6 +312,8 @@ def summarize(a: argparse.Namespace, runs: dict[str, tuple], exports: dict, taus
 
 def main() -> None:
     a = parse_args()
+    if a.device == "cuda":
+        a.parallel = 1  # one job on the GPU at a time: step times of each alone
     a.work.mkdir(parents=True, exist_ok=True)
     target = resolve_target_name(a.target)
     started, load0 = time.time(), load_avg()
