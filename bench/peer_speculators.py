@@ -314,6 +314,8 @@ def main() -> None:
     a = parse_args()
     if a.device == "cuda":
         a.parallel = 1  # one job on the GPU at a time: step times of each alone
+    else:  # every job on the CPU, speculators too (peer_runner patches it where no GPU is seen)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     a.work.mkdir(parents=True, exist_ok=True)
     target = resolve_target_name(a.target)
     started, load0 = time.time(), load_avg()

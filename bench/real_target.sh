@@ -138,6 +138,9 @@ INT4=1
 FAMILY=1
 [[ " ${SKIP//,/ } " == *" family "* ]] && FAMILY=0
 TRAIN_SEEDS=${TRAIN_SEEDS:-1}
+for count in TRAIN_SEEDS SPEC_PROCS; do
+  [[ ${!count} =~ ^[1-9][0-9]*$ ]] || { echo "$count must be 1 or more, not ${!count}" >&2; exit 2; }
+done
 stage materialize python3 -m extract.models $T --source "$SOURCE"
 shipped() {  # the shipped data set and its held-out prompts, as the data stages would leave them
   cp extract/data/smollm2_chats.jsonl "$WORK/data.jsonl"
@@ -200,6 +203,7 @@ stage train side_by_side "${TRAINS[@]:1}"
 stage compare python3 -m train.proof.compare "${RUNS[@]/#/$WORK/run-}" --out "$WORK/compare.md"
 # the exports in one process per share of the prompts (SPEC_PROCS side by side: one decoding is
 # bound by its launches, not by the GPU), each making the target's greedy reference once
+SPEC_PROCS=$((SPEC_PROCS < HELD_OUT ? SPEC_PROCS : HELD_OUT))  # no share without a prompt
 SPEC_FILES=()
 for ((k = 1; k <= SPEC_PROCS; k++)); do
   SPEC_FILES+=("$WORK/spec$([ "$SPEC_PROCS" = 1 ] || echo "-$k").txt")
@@ -213,7 +217,7 @@ speculate_share() {  # speculate_share K: share K of SPEC_PROCS into its SPEC_FI
 speculate() {
   local shares=() k
   for ((k = 1; k <= SPEC_PROCS; k++)); do shares+=(-- speculate_share "$k"); done
-  side_by_side "${shares[@]:1}"
+  side_by_side "${shares[@]:1}" || return 1  # (set -e is off inside a stage's command)
   echo "$HELD_OUT prompts in $SPEC_PROCS processes: ${SPEC_FILES[*]}"
 }
 stage speculate speculate
@@ -223,10 +227,10 @@ taus() {
   local store compared=0
   for store in fp8 int4; do  # each prints the table of every drafter first
     [ "$TRAIN_SEEDS" -gt 1 ] && [[ " ${RUNS[*]} " == *" $store "* ]] || continue
-    python3 -m train.proof.tau "${SPEC_FILES[@]}" --compare /run-bf16 "/run-$store"
+    python3 -m train.proof.tau "${SPEC_FILES[@]}" --compare /run-bf16 "/run-$store" || return 1
     compared=1
   done
-  [ $compared = 1 ] || python3 -m train.proof.tau "${SPEC_FILES[@]}"
+  [ $compared = 1 ] || python3 -m train.proof.tau "${SPEC_FILES[@]}" || return 1
 }
 stage tau taus
 echo "rows: $(wc -l <"$WORK/data.jsonl") conversations, held-out prompts: $HELD_OUT" | tee -a "$LOG"

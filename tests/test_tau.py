@@ -108,3 +108,27 @@ def test_groups_of_other_sizes_or_overlapping_names_are_refused(tmp_path):
     assert r.exit_code != 0 and "2 drafters named with 'a/' against 1" in r.output
     r = CliRunner().invoke(main, [str(spec), "--compare", "/", "a/"])
     assert r.exit_code != 0 and "named with both" in r.output
+
+
+def test_shares_missing_or_out_of_order_are_refused(tmp_path):
+    """speculate's rows carry their index in the whole prompt list: shares joined must give
+    0, 1, 2, ... (a share that failed and printed nothing, or files in another order, would
+    otherwise give a tau over other prompts without a word)."""
+
+    def share(path, indices):
+        rows = [{"tau": 1.5, "steps": 4, "index": i} for i in indices]
+        line = {"drafter": "A", "per_prompt": rows, "lossless_up_to_near_ties": True}
+        path.write_text(json.dumps(line) + "\n")
+        return str(path)
+
+    first, second, third = (
+        share(tmp_path / f"s{k}", idx) for k, idx in enumerate([[0, 1], [2], [3]])
+    )
+    empty = tmp_path / "empty"
+    empty.write_text("Traceback (most recent call last): ...\n")
+    assert CliRunner().invoke(main, [first, second, third]).exit_code == 0
+    for files in ([first, third], [first, third, second], [second, first, third]):
+        r = CliRunner().invoke(main, files)
+        assert r.exit_code != 0 and "not the whole prompt list in order" in r.output, files
+    r = CliRunner().invoke(main, [first, str(empty), third])
+    assert r.exit_code != 0 and "not the whole prompt list in order" in r.output

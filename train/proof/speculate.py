@@ -99,7 +99,7 @@ def shard_range(shard: str, count: int) -> range:
     [[0, 1, 2], [3, 4], [5, 6]]
     """
     k, sep, n = shard.partition("/")
-    if not (sep and k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+    if not (sep and k.isdecimal() and n.isdecimal() and 1 <= int(k) <= int(n)):
         raise ValueError(f"shard must be K/N with 1 <= K <= N (e.g. 2/8), got {shard!r}")
     k, n = int(k) - 1, int(n)
     base, extra = divmod(count, n)

@@ -108,9 +108,17 @@ def read_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
             run["n"] += [r["tau"] * r["steps"] for r in rows]
             run["s"] += [r["steps"] for r in rows]
             run["prompts"] += [r.get("prompt_tokens") for r in rows]
+            run["indices"] = run.get("indices", []) + [r.get("index") for r in rows]
             run["lossless"] &= summary["lossless_up_to_near_ties"]
     if not runs:
         raise click.ClickException("no JSON lines: run train.proof.speculate with --json")
+    for run in runs.values():  # shares of one prompt list: all of them, in order
+        if None not in run["indices"] and run["indices"] != list(range(len(run["indices"]))):
+            raise click.ClickException(
+                f"{run['drafter']}: its prompts, joined in the order the files were given, are "
+                "not the whole prompt list in order (a share missing, given twice or out of "
+                "order? give every --shard K/N output once, in K's order)"
+            )
     first, *rest = runs.values()
     for run in rest:
         if run["prompts"] != first["prompts"]:
