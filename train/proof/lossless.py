@@ -90,11 +90,13 @@ def compare_with_greedy(
     warmup: int = 0,
     baselines: Sequence[Result] | None = None,
     options: dict[str, Any] | None = None,
+    first_index: int = 0,
 ) -> dict[str, Any]:
     """Speculative vs plain greedy decoding of every prompt: tau, losslessness, tokens/s.
     `baselines`: the prompts' greedy decodings already made (`greedy_baselines`, same prompts
     and limits), else they are made here. `options`: passed to each decoding (`full_blocks`; a
-    DSpark drafter's confidence cut)."""
+    DSpark drafter's confidence cut). `first_index`: the first prompt's index in the list it was
+    cut from (a share of it), for the rows and warnings."""
     kwargs = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids)
     if baselines is None:
         baselines = greedy_baselines(target, prompts, **kwargs, warmup=warmup)
@@ -106,7 +108,7 @@ def compare_with_greedy(
     dtype = next(target.parameters()).dtype
     tolerance = near_tie_tolerance(dtype)
     rows, lengths, spec_s, base_s, base_tokens, per_prompt = [], [], 0.0, 0.0, 0, []
-    for n, (ids, base) in enumerate(zip(prompts, baselines, strict=True)):
+    for n, (ids, base) in enumerate(zip(prompts, baselines, strict=True), start=first_index):
         spec = decode(target, drafter, ids, **kwargs_spec)
         mismatch = _first_mismatch(spec.new_ids, base.new_ids)
         gap = None

@@ -235,7 +235,7 @@ def main(**kwargs: Any) -> None:
             f"--shard {cfg.shard}: no prompt falls in this share of {len(prompts)}; give N <= "
             f"{len(prompts)}"
         )
-    prompts, first = prompts[share.start : share.stop], share.start
+    prompts = prompts[share.start : share.stop]
     limits = dict(max_new_tokens=cfg.max_new_tokens, eos_ids=eos)
     sampled = cfg.temperature > 0  # no single right output: tau alone, no greedy comparison
     baselines = None if sampled else greedy_baselines(target, prompts, **limits, warmup=cfg.warmup)
@@ -251,10 +251,8 @@ def main(**kwargs: Any) -> None:
         else:
             summary = compare_with_greedy(
                 target, drafter, prompts, **limits, warmup=cfg.warmup, baselines=baselines,
-                options=options,
+                options=options, first_index=share.start,
             )  # fmt: skip
-        for row in summary.get("per_prompt", []):  # indices into the whole --prompts list
-            row["index"] += first
         summaries.append(
             {"drafter": str(path), **summary, "full_blocks": cfg.full_blocks, "shard": cfg.shard}
         )
