@@ -538,6 +538,10 @@ def test_cli_bad_shard_is_refused(tmp_path, tiny_qwen3, random_export, shard, me
         "--target", tiny_qwen3, "--drafter", random_export, "--prompts", prompts, "--shard", shard
     )
     assert result.exit_code != 0 and message in result.output, result.output
+
+
+def test_cli_shard_without_prompts_is_refused(tmp_path, tiny_qwen3, random_export):
+    prompts = write_json(tmp_path / "prompts.json", ["hi"])
     result = run_cli(
         "--target", tiny_qwen3, "--drafter", random_export, "--prompts", prompts, "--device",
         "cpu", "--shard", "2/2",

@@ -88,7 +88,15 @@ class SpeculateConfig:
         if self.confidence_threshold is not None and not 0 <= self.confidence_threshold <= 1:
             raise ValueError("confidence_threshold must be in [0, 1]")
         if self.shard is not None:
-            shard_range(self.shard, 1 << 30)  # the form and K <= N, before any work
+            parse_shard(self.shard)  # before any work
+
+
+def parse_shard(shard: str) -> tuple[int, int]:
+    """(K, N) of "K/N"; ValueError unless 1 <= K <= N."""
+    k, sep, n = shard.partition("/")
+    if not (sep and k.isdecimal() and n.isdecimal() and 1 <= int(k) <= int(n)):
+        raise ValueError(f"shard must be K/N with 1 <= K <= N (e.g. 2/8), got {shard!r}")
+    return int(k), int(n)
 
 
 def shard_range(shard: str, count: int) -> range:
@@ -98,10 +106,8 @@ def shard_range(shard: str, count: int) -> range:
     >>> [list(shard_range(f"{k}/3", 7)) for k in (1, 2, 3)]
     [[0, 1, 2], [3, 4], [5, 6]]
     """
-    k, sep, n = shard.partition("/")
-    if not (sep and k.isdecimal() and n.isdecimal() and 1 <= int(k) <= int(n)):
-        raise ValueError(f"shard must be K/N with 1 <= K <= N (e.g. 2/8), got {shard!r}")
-    k, n = int(k) - 1, int(n)
+    k, n = parse_shard(shard)
+    k -= 1
     base, extra = divmod(count, n)
     start = k * base + min(k, extra)
     return range(start, start + base + (k < extra))

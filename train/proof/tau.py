@@ -102,13 +102,13 @@ def read_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
         for summary in found:
             run = runs.setdefault(
                 summary["drafter"],
-                {"drafter": summary["drafter"], "n": [], "s": [], "prompts": [], "lossless": True},
+                dict(drafter=summary["drafter"], n=[], s=[], prompts=[], indices=[], lossless=True),
             )
             rows = summary["per_prompt"]
             run["n"] += [r["tau"] * r["steps"] for r in rows]
             run["s"] += [r["steps"] for r in rows]
             run["prompts"] += [r.get("prompt_tokens") for r in rows]
-            run["indices"] = run.get("indices", []) + [r.get("index") for r in rows]
+            run["indices"] += [r.get("index") for r in rows]
             run["lossless"] &= summary["lossless_up_to_near_ties"]
     if not runs:
         raise click.ClickException("no JSON lines: run train.proof.speculate with --json")
