@@ -34,7 +34,7 @@
 # TRAIN_SEEDS=N: DFlash on each cache at seeds 0 to N-1 (default 1), and train.proof.tau pairs
 # each cache's seeds with bf16's (the seeds' spread is the error of one cache against another).
 # SPEC_PROCS=N: the held-out prompts decoded in N processes side by side, each a contiguous share
-# (default 8 on the GPU, where one decoding is bound by its kernel launches; 1 on the CPU).
+# (default 8 on the GPU, where a decoding's speed side by side is not yet timed; 1 on the CPU).
 # BENCH_DATA=shipped: the data set the package ships (extract/data/smollm2_chats.jsonl and its 32
 # held-out prompts, the CPU mode's regeneration from 800 seeds) instead of writing one.
 # BENCH_TINY=1 (or BENCH_MODE=tiny): a handful of rows and steps on the CPU (a check, not a figure).
@@ -139,7 +139,10 @@ FAMILY=1
 [[ " ${SKIP//,/ } " == *" family "* ]] && FAMILY=0
 TRAIN_SEEDS=${TRAIN_SEEDS:-1}
 for count in TRAIN_SEEDS SPEC_PROCS; do
-  [[ ${!count} =~ ^[1-9][0-9]*$ ]] || { echo "$count must be 1 or more, not ${!count}" >&2; exit 2; }
+  if ! [[ ${!count} =~ ^[1-9][0-9]*$ ]]; then
+    echo "$count must be 1 or more, not ${!count}" >&2
+    exit 2
+  fi
 done
 stage materialize python3 -m extract.models $T --source "$SOURCE"
 shipped() {  # the shipped data set and its held-out prompts, as the data stages would leave them
@@ -201,8 +204,8 @@ if [ $FAMILY = 1 ]; then
 fi
 stage train side_by_side "${TRAINS[@]:1}"
 stage compare python3 -m train.proof.compare "${RUNS[@]/#/$WORK/run-}" --out "$WORK/compare.md"
-# the exports in one process per share of the prompts (SPEC_PROCS side by side: one decoding is
-# bound by its launches, not by the GPU), each making the target's greedy reference once
+# the exports in one process per share of the prompts (SPEC_PROCS side by side), each making the
+# target's greedy reference once
 SPEC_PROCS=$((SPEC_PROCS < HELD_OUT ? SPEC_PROCS : HELD_OUT))  # no share without a prompt
 SPEC_FILES=()
 for ((k = 1; k <= SPEC_PROCS; k++)); do
