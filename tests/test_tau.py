@@ -132,3 +132,16 @@ def test_shares_missing_or_out_of_order_are_refused(tmp_path):
         assert r.exit_code != 0 and "not the whole prompt list in order" in r.output, files
     r = CliRunner().invoke(main, [first, str(empty), third])
     assert r.exit_code != 0 and "not the whole prompt list in order" in r.output
+
+
+def test_a_last_share_missing_is_refused(tmp_path):
+    """The shares' `shard` (K/N) tells a missing last share, which the indices alone cannot."""
+    paths = []
+    for k, indices in enumerate([[0, 1], [2], [3]], start=1):
+        rows = [{"tau": 1.5, "steps": 4, "index": i} for i in indices]
+        line = {"drafter": "A", "per_prompt": rows, "lossless_up_to_near_ties": True}
+        paths.append(tmp_path / f"s{k}")
+        paths[-1].write_text(json.dumps({**line, "shard": f"{k}/3"}) + "\n")
+    assert CliRunner().invoke(main, [str(p) for p in paths]).exit_code == 0
+    r = CliRunner().invoke(main, [str(p) for p in paths[:2]])
+    assert r.exit_code != 0 and "not the whole prompt list in order" in r.output

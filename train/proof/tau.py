@@ -102,18 +102,24 @@ def read_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
         for summary in found:
             run = runs.setdefault(
                 summary["drafter"],
-                dict(drafter=summary["drafter"], n=[], s=[], prompts=[], indices=[], lossless=True),
+                {"drafter": summary["drafter"], "lossless": True}
+                | {key: [] for key in ("n", "s", "prompts", "indices", "shards")},
             )
             rows = summary["per_prompt"]
             run["n"] += [r["tau"] * r["steps"] for r in rows]
             run["s"] += [r["steps"] for r in rows]
             run["prompts"] += [r.get("prompt_tokens") for r in rows]
             run["indices"] += [r.get("index") for r in rows]
+            run["shards"].append(summary.get("shard"))
             run["lossless"] &= summary["lossless_up_to_near_ties"]
     if not runs:
         raise click.ClickException("no JSON lines: run train.proof.speculate with --json")
     for run in runs.values():  # shares of one prompt list: all of them, in order
-        if None not in run["indices"] and run["indices"] != list(range(len(run["indices"]))):
+        shards, n = run["shards"], len(run["shards"])
+        whole = [f"{k}/{n}" for k in range(1, n + 1)] if None not in shards else shards
+        if shards != whole or (
+            None not in run["indices"] and run["indices"] != list(range(len(run["indices"])))
+        ):
             raise click.ClickException(
                 f"{run['drafter']}: its prompts, joined in the order the files were given, are "
                 "not the whole prompt list in order (a share missing, given twice or out of "
