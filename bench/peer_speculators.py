@@ -33,6 +33,7 @@ WORK is reused (`--retrain`: trained again), so a second call decodes what the f
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -115,6 +116,11 @@ def prepare_layout(a: argparse.Namespace, target: str) -> dict:
     info_path = out / "peer_layout.json"
     if info_path.is_file():
         return json.loads(info_path.read_text())
+    if importlib.util.find_spec("datasets") is None:
+        raise SystemExit(
+            f"{sys.executable} has no `datasets`, which writes speculators' layout: run this "
+            f"script with the python of speculators' environment ({a.spec_python})"
+        )
     num = sum(p.rows_kept for p in read_manifest(a.cache).parts)
     held = evenly_spaced(num, eval_sample_count(a.eval_fraction, num))
     index = Path(target) / "model.safetensors.index.json"  # a checkpoint in several files
