@@ -42,7 +42,7 @@ def main(**kwargs) -> None:
         raise click.ClickException(str(e)) from None
     end = time.monotonic()
     working = end - started[0] if started else None
-    click.echo(format_summary(manifest, seconds=end - start, extract_seconds=working))
+    click.echo(format_summary(manifest, out=cfg.out, seconds=end - start, extract_seconds=working))
     if not manifest.complete:
         raise SystemExit(1)
 

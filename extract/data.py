@@ -161,8 +161,9 @@ def iter_rows(
             truncated = len(ids_T) > max_length
             ids_T, mask_T = ids_T[:max_length], mask_T[:max_length]
             if not np.any(mask_T[:-1] & mask_T[1:]):
-                cut = " after truncation" if truncated else ""
-                raise RowError("too_few_supervised_tokens", f"no two consecutive{cut}")
+                cut = f" in its first {max_length} tokens (--max-length)" if truncated else ""
+                detail = f"no two consecutive supervised tokens{cut}"
+                raise RowError("too_few_supervised_tokens", detail)
             yield Tokenized(row, source, line, ids_T, mask_T, truncated)
         except RowError as e:
             yield Rejected(row, source, line, e.reason, e.detail)

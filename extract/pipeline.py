@@ -25,6 +25,7 @@ from shared.cache import open_part_writer, part_name
 from shared.codec import CHUNK_ROWS, codec_description
 from shared.diskqueue import DiskQueue
 from shared.manifest import (
+    MAX_DETAIL,
     MAX_LISTED_REJECTS,
     PartRecord,
     RejectedRow,
@@ -325,7 +326,13 @@ def _commit(part: OpenPart, job: Job, futures: list[Future], counters: RankCount
         rows_truncated=sum(k.truncated for k in kept),
         rejected=reasons,
         rejected_rows=tuple(
-            RejectedRow(row=r.row, source=r.source, line=r.line, reason=r.reason)
+            RejectedRow(
+                row=r.row,
+                source=r.source,
+                line=r.line,
+                reason=r.reason,
+                detail=r.detail[:MAX_DETAIL],
+            )
             for r in rejected[:MAX_LISTED_REJECTS]
         ),
     )

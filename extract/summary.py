@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 from extract.data import REASON_HINTS
 from shared.manifest import Manifest
@@ -11,13 +12,13 @@ LISTED_REJECTS = 5
 
 
 def format_summary(
-    manifest: Manifest, *, seconds: float, extract_seconds: float | None = None
+    manifest: Manifest, *, out: Path, seconds: float, extract_seconds: float | None = None
 ) -> str:
-    """Totals, rejected rows, size on disk, time, and what to run next. `seconds` is the whole
-    command; `extract_seconds` the part after planning (loading the target on each device, the
-    forwards and the writes), when known."""
+    """Totals, rejected rows, size on disk, time, and what to run next, for the cache at `out`
+    as this command named it (the manifest's own record is the first run's). `seconds` is the
+    whole command; `extract_seconds` the part after planning (loading the target on each
+    device, the forwards and the writes), when known."""
     t = manifest.totals()
-    out = manifest.config.get("out", "")
     rows = [
         ("cache", out),
         ("complete", f"{manifest.complete} ({t['parts']}/{manifest.num_units} parts)"),
@@ -37,10 +38,7 @@ def format_summary(
         for reason, n in t["rejected"].items()
     ]
     first = [r for p in manifest.parts for r in p.rejected_rows][:LISTED_REJECTS]
-    rows += [
-        ("  first rejected" if i == 0 else "", f"{r.source}:{r.line}: {r.reason}")
-        for i, r in enumerate(first)
-    ]
+    rows += [("  first rejected" if i == 0 else "", r.describe()) for i, r in enumerate(first)]
     if t["rows_rejected"] > len(first):
         rows.append(("", f"... all of them in {out}/manifest.json"))
     rows += [
@@ -48,7 +46,7 @@ def format_summary(
         ("on disk", on_disk(manifest)),
         ("time", time_line(seconds, extract_seconds, t["tokens"])),
     ]
-    rows += [("next" if i == 0 else "", cmd) for i, cmd in enumerate(next_commands(manifest))]
+    rows += [("next" if i == 0 else "", c) for i, c in enumerate(next_commands(manifest, out))]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
@@ -79,9 +77,8 @@ def time_line(seconds: float, extract_seconds: float | None, tokens: int) -> str
     return f"{seconds:,.1f} s in all: {plan:,.1f} s planning, {work:,.1f} s extracting{rate}"
 
 
-def next_commands(manifest: Manifest) -> list[str]:
+def next_commands(manifest: Manifest, out: Path) -> list[str]:
     """What to run after this extraction: check and train on a complete cache, else resume."""
-    out = manifest.config.get("out", "")
     if not manifest.complete:
         return [f"{manifest.extract_command(out)}   (finishes the cache)"]
     return [

@@ -31,6 +31,7 @@ LAST_LAYER_WARNING = (
     "package and `python -m train.proof.speculate` feed it"
 )
 MAX_LISTED_REJECTS = 200  # per part; counts stay exact, the list of rows is capped
+MAX_DETAIL = 200  # characters of a rejected row's detail kept in the manifest
 
 
 class CacheMismatch(ValueError):
@@ -66,6 +67,12 @@ class RejectedRow:
     source: str
     line: int
     reason: str
+    detail: str = ""  # what exactly is wrong with it (cut at MAX_DETAIL characters)
+
+    def describe(self) -> str:
+        """`source:line: reason (detail)`, the row's line in a summary or an error."""
+        detail = f" ({self.detail})" if self.detail else ""
+        return f"{self.source}:{self.line}: {self.reason}{detail}"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -84,11 +84,33 @@ def test_extract_summary_lists_the_first_rejected_rows(tmp_path, tiny_qwen3):
     lines[1] = "{not json"
     lines[3] = json.dumps({"prompt": "unknown schema"})
     data.write_text("\n".join(lines) + "\n")
-    text = format_summary(extract(tmp_path / "c", tiny_qwen3, data), seconds=1.0)
+    text = format_summary(
+        extract(tmp_path / "c", tiny_qwen3, data), out=tmp_path / "c", seconds=1.0
+    )
     assert f"{data}:2: " in text and f"{data}:4: " in text, text
     assert re.search(r"unknown_schema +1 \(a row needs `messages` \(OpenAI\), `conv", text)
+    assert f"{data}:4: unknown_schema (a row needs" in text and "its keys: ['prompt']" in text
     counts = progress.read_counters(tmp_path / "c" / ".progress")
     assert counts["done_rows"] == 4  # the bar's position: kept rows per batch + rejected rows
+
+
+def test_extract_summary_names_the_cache_as_this_command_did(tmp_path, tiny_qwen3):
+    """A cache copied elsewhere and completed there: its summary and next commands name the
+    copy, not the folder its manifest was first written in."""
+    import shutil
+
+    from tests.test_extract import chat
+    from tests.test_extract_safety import _cli
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(chat(i)) + "\n" for i in range(4)))
+    args = ["--target", str(tiny_qwen3), "--data", str(data), "--layers", "0,2"]
+    assert _cli("--out", str(tmp_path / "first"), *args).exit_code == 0
+    shutil.copytree(tmp_path / "first", tmp_path / "copy")
+    r = _cli("--out", str(tmp_path / "copy"), *args)
+    assert r.exit_code == 0, r.output
+    assert f"extract.verify {tmp_path / 'copy'}" in r.output, r.output
+    assert str(tmp_path / "first") not in r.output
 
 
 def test_an_extraction_logged_to_a_file_has_no_carriage_returns(tmp_path):

@@ -264,12 +264,32 @@ def test_failures_before_any_work_name_the_file(tmp_path, tiny_qwen3, data_file)
     assert not (tmp_path / "c").exists()
 
 
+def test_every_row_rejected_names_the_target_or_the_option_that_caused_it(tmp_path, tiny_qwen3):
+    """Good rows rejected because of the target (no chat template) or of --max-length: the
+    error says so, with the template's own failure, instead of blaming the data's form."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(chat(i)) + "\n" for i in range(3)))
+    base = tmp_path / "base"
+    shutil.copytree(tiny_qwen3, base)
+    (base / "chat_template.jinja").unlink()  # a base model: no template
+    r = _cli("--out", str(tmp_path / "c"), "--target", str(base), "--data", str(data))
+    assert r.exit_code == 1 and f"{data}:1: template_error (" in r.output, r.output
+    assert "chat_template" in r.output and "a base model has none" in r.output
+    assert "--data takes JSONL" not in r.output and "Traceback" not in r.output
+    r = _cli("--out", str(tmp_path / "c"), "--target", str(tiny_qwen3), "--data", str(data),
+             "--max-length", "4")  # fmt: skip
+    assert r.exit_code == 1 and "too_few_supervised_tokens" in r.output, r.output
+    assert "a larger --max-length" in r.output and "--data takes JSONL" not in r.output
+    assert not (tmp_path / "c").exists()
+
+
 def test_every_row_rejected_leaves_no_cache_and_says_what_is_accepted(tmp_path, tiny_qwen3):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n" + json.dumps({"prompt": "unknown schema"}) + "\n")
     r = _cli("--out", str(tmp_path / "c"), "--target", str(tiny_qwen3), "--data", str(bad))
     assert r.exit_code == 1 and "no row of --data was kept" in r.output, r.output
     assert f"{bad}:1: malformed_json" in r.output and f"{bad}:2: unknown_schema" in r.output
+    assert "its keys: ['prompt']" in r.output  # the row's own detail, not the reason alone
     assert "parquet" in r.output and "`input_ids` + `loss_mask`" in r.output
     assert "extract finished" not in r.output and "Traceback" not in r.output
     assert not (tmp_path / "c").exists()  # nothing committed: nothing left behind
