@@ -14,7 +14,13 @@ from extract.config import ExtractConfig
 from extract.data import RowIndex, index_rows, source_fingerprint, template_fingerprint
 from extract.estimate import CacheEstimate, estimate_cache
 from extract.sources import check_table, source_kind
-from extract.target import build_target_layer_ids, read_config, target_info, text_config
+from extract.target import (
+    build_target_layer_ids,
+    check_model_type,
+    read_config,
+    target_info,
+    text_config,
+)
 from shared.cli import to_json
 from shared.codec import codec_description, payload_width
 from shared.fsio import unwritable_reason
@@ -91,6 +97,7 @@ def plan_manifest(cfg: ExtractConfig) -> tuple[Manifest, RowIndex, CacheEstimate
     cache's expected size. Validates everything; writes nothing."""
     target = resolve_target(cfg)
     config = read_config(target)
+    check_model_type(target, config)
     files = cfg.data or default_data()
     _check_data(files)
     layer_ids = _layer_ids(cfg, int(text_config(config)["num_hidden_layers"]))

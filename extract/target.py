@@ -22,6 +22,9 @@ from shared.target_files import EMBED_FILE, EMBED_KEY, LM_HEAD_KEY, TARGET_DIR
 log = logging.getLogger(__name__)
 
 
+SHAPE_KEYS = ("num_hidden_layers", "hidden_size")  # what planning reads of any target
+
+
 class TargetError(ValueError):
     """The target cannot be used; the message says why and what to do."""
 
@@ -56,12 +59,33 @@ def read_config(target: str) -> dict[str, Any]:
             "(download it first: this tool never fetches models)"
         )
     try:
-        return json.loads((path / "config.json").read_text())
+        config = json.loads((path / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise TargetError(
             f"--target {target}: {path / 'config.json'} cannot be read ({e}); restore it "
             "from the model's original files"
         ) from None
+    missing = [k for k in SHAPE_KEYS if not isinstance(text_config(config).get(k), int)]
+    if missing:
+        raise TargetError(
+            f"--target {target}: its config.json has no integer {' or '.join(missing)}, which "
+            "every Hugging Face causal LM's holds: is it a language model's folder?"
+        )
+    return config
+
+
+def check_model_type(target: str, config: dict[str, Any]) -> None:
+    """Refuse, before any work, a model type this transformers does not know."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    kind = config.get("model_type")
+    if kind not in CONFIG_MAPPING_NAMES:
+        raise TargetError(
+            f"--target {target}: model_type {kind!r} is not one transformers "
+            f"{transformers.__version__} knows: a newer transformers may "
+            "(pip install -U transformers), or the folder's config.json is not a causal LM's"
+        )
 
 
 def weight_files(target: Path) -> list[Path]:

@@ -363,12 +363,7 @@ def main(cache: Path, samples: int, seed: int, device: str | None, repair: bool)
         except LockHeld as e:
             raise click.ClickException(str(e)) from None
         sys.exit(1)
-    problems = list(damaged)
-    if not manifest.complete:
-        problems.append(
-            f"the cache is incomplete ({len(manifest.parts)}/{manifest.num_units} "
-            f"parts): run `{manifest.extract_command(cache)}` to finish it"
-        )
+    problems = damaged + unfinished(cache, manifest)
     if samples and not problems:
         problems += _rerun(cache, manifest, samples=samples, seed=seed, device=device)
     for p in problems:
@@ -377,6 +372,19 @@ def main(cache: Path, samples: int, seed: int, device: str | None, repair: bool)
     if damaged:
         click.echo(f"to repair: {repair_commands(cache, manifest)}", err=True)
     sys.exit(1 if problems else 0)
+
+
+def unfinished(cache: Path, manifest: Manifest) -> list[str]:
+    """The cache's work units not listed in its manifest, as a problem (none: []), also where
+    the manifest says complete (one edited by hand, or cut)."""
+    unlisted = sorted(set(range(manifest.num_units)) - manifest.done_units())
+    if manifest.complete and not unlisted:
+        return []
+    said = ", though it says complete" if manifest.complete else ""
+    return [
+        f"the cache is incomplete ({manifest.num_units - len(unlisted)}/{manifest.num_units} "
+        f"parts listed{said}): run `{manifest.extract_command(cache)}` to finish it"
+    ]
 
 
 def _rerun(

@@ -18,6 +18,7 @@ from typing import Any
 
 from shared.format import FORMAT_VERSION
 from shared.fsio import atomic_write_json, file_lock
+from shared.json_types import wrong_types
 
 MANIFEST = "manifest.json"
 LAYER_CONVENTION = (
@@ -257,6 +258,13 @@ class Manifest:
             raise CacheMismatch(
                 "manifest", [f"format version {version!r}, this tool reads {FORMAT_VERSION}"]
             )
+        wrong = wrong_types(obj, cls) + [
+            f"parts[{i}].{w}"
+            for i, p in enumerate(obj.get("parts", []))
+            for w in wrong_types(p, PartRecord)
+        ]
+        if wrong:
+            raise CacheMismatch("manifest", [f"{MANIFEST} is malformed: {', '.join(wrong)}"])
         parts = tuple(
             PartRecord(
                 **{**p, "rejected_rows": tuple(RejectedRow(**r) for r in p["rejected_rows"])}
@@ -283,9 +291,19 @@ def drop_parts(manifest: Manifest, names: set[str]) -> Manifest:
 
 
 def identity_mismatches(old: Manifest, new: Manifest) -> list[str]:
-    """Human-readable differences between two manifests' identities."""
+    """Human-readable differences between two manifests' identities; a hash's difference
+    names the files it came from (the target folder, the data files) of both."""
     a, b = old.identity(), new.identity()
-    return [f"{k}: cache has {a[k]!r}, requested {b[k]!r}" for k in a if a[k] != b[k]]
+    out = []
+    for k in (k for k in a if a[k] != b[k]):
+        line = f"{k}: cache has {a[k]!r}, requested {b[k]!r}"
+        if k in ("target", "tokenizer_sha256", "chat_template_sha256"):
+            line += f" (the cache's target {old.target.path}, this run's {new.target.path})"
+        elif k == "sources":
+            paths = [", ".join(s.path for s in m.sources) for m in (old, new)]
+            line += f" (the cache's data {paths[0]}, this run's {paths[1]})"
+        out.append(line)
+    return out
 
 
 def repair_commands(cache: Path | str, manifest: Manifest | None = None) -> str:

@@ -184,7 +184,7 @@ def test_truncation_is_flagged_and_checked_after_the_cut(tokenizer, tmp_path):
     np.testing.assert_array_equal(cut.input_ids, full.input_ids[:keep])
     np.testing.assert_array_equal(cut.loss_mask, full.loss_mask[:keep])
     assert isinstance(late_out, Rejected) and late_out.reason == "too_few_supervised_tokens"
-    assert "after truncation" in late_out.detail
+    assert f"in its first {keep} tokens (--max-length)" in late_out.detail
 
 
 def test_count_rows_skips_blank_lines(tmp_path):

@@ -331,6 +331,31 @@ def test_verify_passes_then_names_a_corrupt_part(tmp_path, qwen3, data_file):
     assert bad.returncode == 1 and "part-000001" in bad.stderr
 
 
+def test_verify_refuses_a_manifest_cut_or_edited_by_hand(tmp_path, qwen3, data_file):
+    """A manifest that says complete but lists fewer parts than its rows make, and one whose
+    layer ids are no ints: each a named problem, not a pass and not a traceback; the command
+    verify prints finishes the cut cache."""
+    from click.testing import CliRunner
+
+    from extract.verify import main as verify
+
+    cache = tmp_path / "c"
+    extract(cache, qwen3, data_file, max_rows=12)  # 2 parts of 6 rows
+    path = cache / "manifest.json"
+    whole = json.loads(path.read_text())
+    assert whole["complete"] and len(whole["parts"]) == 2
+    path.write_text(json.dumps({**whole, "parts": whole["parts"][:1]}))
+    r = CliRunner().invoke(verify, [str(cache), "--samples", "0"])
+    assert r.exit_code == 1 and "1/2 parts listed, though it says complete" in r.output, r.output
+    extract(cache, qwen3, data_file, max_rows=12)  # what verify says to run: unit 1 again
+    assert len(read_manifest(cache).parts) == 2
+    assert CliRunner().invoke(verify, [str(cache), "--samples", "0"]).exit_code == 0
+    path.write_text(json.dumps({**whole, "layer_ids": [0, "x", 3]}))
+    r = CliRunner().invoke(verify, [str(cache)])
+    assert r.exit_code == 1 and "layer_ids holds 'x', not int" in r.output, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
 def test_verify_rerun_catches_states_of_other_weights(tmp_path, qwen3, data_file):
     """Every checksum holds, but the target at the recorded path now has other weights: only the
     re-run can see it, layer by layer, and names the part, the sample and the layer."""

@@ -250,6 +250,14 @@ def test_failures_before_any_work_name_the_file(tmp_path, tiny_qwen3, data_file)
     (target / "config.json").write_text("{broken")
     with pytest.raises(ExtractError, match=r"target/config.json cannot be read"):
         extract(tmp_path / "a", target, data_file)
+    config = json.loads((tiny_qwen3 / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "num_hidden_layers": None}))
+    with pytest.raises(ExtractError, match=r"config.json has no integer num_hidden_layers"):
+        extract(tmp_path / "a", target, data_file)
+    (target / "config.json").write_text(json.dumps({**config, "model_type": "alien9"}))
+    with pytest.raises(ExtractError, match=r"model_type 'alien9' is not one transformers"):
+        extract(tmp_path / "a", target, data_file)
+    assert not (tmp_path / "a").exists()
     shutil.copy(tiny_qwen3 / "config.json", target / "config.json")
     weights = next(target.glob("*.safetensors"))
     weights.write_bytes(b"\xff" * 64)

@@ -118,6 +118,11 @@ def test_identity_mismatches_name_the_setting():
     diffs = identity_mismatches(a, b)
     assert any(d.startswith("layer_ids") for d in diffs) and any("store" in d for d in diffs)
     assert identity_mismatches(a, a.with_part(part(0))) == []
+    other = dataclasses.replace(a, sources=(SourceFile(path="new.jsonl", sha256="f", rows=3),))
+    (diff,) = identity_mismatches(a, other)  # hashes alone would not say which files
+    assert diff.startswith("sources:") and diff.endswith(
+        f"data {a.sources[0].path}, this run's new.jsonl)"
+    )
 
 
 @pytest.mark.parametrize(
