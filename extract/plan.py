@@ -87,6 +87,10 @@ def _check_data(files: tuple[Path, ...]) -> None:
     missing = [str(f) for f in files if not Path(f).exists()]
     if missing:
         raise ExtractError(f"--data: no such file: {', '.join(missing)}")
+    seen = [Path(f).resolve() for f in files]
+    twice = sorted({str(f) for f, r in zip(files, seen, strict=True) if seen.count(r) > 1})
+    if twice:
+        raise ExtractError(f"--data {', '.join(twice)}: given twice, its rows would be read twice")
     for path in files:
         if source_kind(path) != "jsonl":
             check_table(path)

@@ -30,6 +30,7 @@ _PARQUET_MAGIC = b"PAR1"
 _ARROW_FILE_MAGIC = b"ARROW1"
 _ARROW_STREAM_MAGIC = b"\xff\xff\xff\xff"  # an IPC stream's first message (save_to_disk's files)
 _DATASET_STATE = "state.json"
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"(\xb5/\xfd": "zstd", b"BZh": "bzip2", b"\xfd7zXZ": "xz"}
 
 
 class SourceError(ValueError):
@@ -55,6 +56,11 @@ def source_kind(path: Path | str) -> str:
         return "parquet"
     if head.startswith(_ARROW_FILE_MAGIC) or head.startswith(_ARROW_STREAM_MAGIC):
         return "arrow"
+    for magic, how in _COMPRESSED.items():
+        if head.startswith(magic):
+            raise SourceError(
+                f"--data {path} is {how}-compressed: decompress it first. {ACCEPTED_INPUT}"
+            )
     return "jsonl"
 
 

@@ -321,6 +321,8 @@ def manifest_path(cache: Path) -> Path:
 
 def read_manifest(cache: Path) -> Manifest:
     path = manifest_path(cache)
+    if not Path(cache).is_dir():
+        raise CacheMismatch(cache, ["no such folder" if not Path(cache).exists() else "a file"])
     if not path.is_file():
         raise CacheMismatch(cache, [f"no {MANIFEST}: not a cache, or extraction never started"])
     try:

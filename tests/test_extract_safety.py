@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import shutil
 import subprocess
@@ -265,6 +266,14 @@ def test_failures_before_any_work_name_the_file(tmp_path, tiny_qwen3, data_file)
         extract(tmp_path / "b", target, data_file)
     with pytest.raises(ExtractError, match="/proc/nope"):
         extract(Path("/proc/nope/c"), tiny_qwen3, data_file)
+    packed = tmp_path / "d.jsonl.gz"
+    packed.write_bytes(gzip.compress(data_file.read_bytes()))
+    with pytest.raises(ExtractError, match="d.jsonl.gz is gzip-compressed: decompress it"):
+        extract(tmp_path / "c", tiny_qwen3, packed)
+    with pytest.raises(ExtractError, match="given twice, its rows would be read twice"):
+        run(ExtractConfig(out=tmp_path / "c", target=str(tiny_qwen3), data=(data_file, data_file)))
+    r = _verify(tmp_path / "c")  # no cache was made: verify says the folder is missing
+    assert r.exit_code == 1 and "no such folder" in r.output and "Traceback" not in r.output
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(ExtractError, match="holds no rows"):
