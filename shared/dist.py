@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import datetime
 import logging
+import multiprocessing.util
 import os
 import signal
 import socket
@@ -194,8 +195,12 @@ def _exit_now(code: int) -> None:
     that (noexcept) release: `terminate called without an active exception`, SIGABRT, after a
     run that had saved and exported everything (seen once under load on a 2-core machine).
     Everything a rank writes is written and closed when its function returns, so only the logs
-    need flushing. A failing rank keeps the normal path: torch records its traceback.
+    need flushing, and multiprocessing's own exit hooks run (the semaphore numcodecs' Blosc
+    makes for its lock is otherwise reported leaked at shutdown). A failing rank keeps the
+    normal path: torch records its traceback.
     """
+    with contextlib.suppress(Exception):
+        multiprocessing.util._run_finalizers(0)  # what its process bootstrap runs at exit
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
