@@ -50,6 +50,7 @@ from shared.manifest import (
     write_manifest,
 )
 from shared.progress import SummedBar
+from shared.ranks import usable_cpus
 from shared.target_files import target_checksums, target_problems
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,24 @@ def checked_resume(out: Path, resume: Manifest, *, write: bool = True) -> Manife
         names = {p.split(":", 1)[0] for p in damaged}
         resume = update_manifest(out, lambda m: drop_parts(m, names))
     return resume
+
+
+def idle_ranks(spec: DeviceSpec, parts: int, *, sharded: bool) -> list[str]:
+    """Warnings for processes that will wait rather than work: more than the parts to do (one
+    model per process), or more CPU processes than usable cores."""
+    out = []
+    if not sharded and 0 < parts < spec.nprocs:
+        out.append(
+            f"{spec.nprocs} processes for {parts} parts to do: {spec.nprocs - parts} will have "
+            "nothing to do (a smaller --rows-per-part makes more parts)"
+        )
+    cores = usable_cpus()
+    if spec.kind == "cpu" and spec.nprocs > cores:
+        out.append(
+            f"--gpus cpu:{spec.nprocs} runs {spec.nprocs} processes on {cores} usable cores: "
+            f"they share them, which is slower than cpu:{cores}"
+        )
+    return out
 
 
 def nothing_kept(manifest: Manifest, out: Path) -> str:
@@ -283,6 +302,8 @@ def _run_locked(
         list(planned.layer_ids),
         spec,
     )
+    for warning in idle_ranks(spec, len(pending), sharded=layout.sharded):
+        log.warning(warning)
     if not pending:
         log.info(
             "every part is committed: `python -m extract.verify %s` checks them against their "

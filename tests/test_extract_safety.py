@@ -336,3 +336,16 @@ def test_parts_checked_on_several_threads_report_as_on_one(tmp_path, tiny_qwen3,
     assert found[0].startswith(names[1]) and found[-1] == (
         f"{names[-1]}: listed in the manifest but missing on disk"
     )
+
+
+def test_processes_that_would_idle_are_warned_of():
+    from extract.run import idle_ranks
+    from shared.dist import DeviceSpec
+    from shared.ranks import usable_cpus
+
+    n = usable_cpus() + 1
+    warned = idle_ranks(DeviceSpec("cpu", (0,) * n), 1, sharded=False)
+    assert f"{n} processes for 1 parts to do: {n - 1} will have nothing" in warned[0]
+    assert f"--gpus cpu:{n} runs {n} processes on {n - 1} usable cores" in warned[1]
+    assert idle_ranks(DeviceSpec("cuda", (0, 1)), 4, sharded=False) == []
+    assert idle_ranks(DeviceSpec("cuda", (0, 1)), 1, sharded=True) == []  # one model on both
