@@ -1,12 +1,14 @@
 """Stage two end to end on CPU: loss falls, resume is bitwise exact, export, run-folder checks."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
+from shared.stopping import StopRun
 from tests.cachegen import write_cache
 from train.__main__ import main
 from train.checkpoint import list_checkpoints, load_drafter, load_state
@@ -105,6 +107,29 @@ def test_killed_run_resumes_bitwise(cache, tmp_path, workers):
     assert [s for s, _ in list_checkpoints(broken)] == [10, 12]  # keeps the newest 2
     assert [r["step"] for r in records(broken)] == list(range(1, 13))  # rewound to step 5
     assert [r["loss"] for r in records(broken)] == [r["loss"] for r in records(whole)]
+
+
+def test_the_same_command_finishes_a_finished_or_damaged_run(cache, tmp_path):
+    """Rerun after the end: the export again, not an error (a run killed between its last
+    checkpoint and its export gets it); a newest checkpoint damaged after it was written and
+    a metrics line torn by a kill: resumed from the checkpoint before it, each step logged once."""
+    out = tmp_path / "run"
+    export = run(tiny(cache, out, steps=4, checkpoint_every=2))
+    first = load_file(str(export / "model.safetensors"))
+    shutil.rmtree(export)
+    assert run(tiny(cache, out, steps=4, checkpoint_every=2)) == export
+    again = load_file(str(export / "model.safetensors"))
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+    with pytest.raises(StopRun, match="step-4 is at step 4, past --steps 3"):
+        run(tiny(cache, out, steps=3, checkpoint_every=2))
+    newest = list_checkpoints(out)[-1][1]
+    with open(newest / "state.pt", "r+b") as f:
+        f.truncate(1000)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 5, "lo')  # what a kill mid-write leaves
+    run(tiny(cache, out, steps=6, checkpoint_every=2))
+    assert final_state(out)["step"] == 6
+    assert [r["step"] for r in records(out)] == [1, 2, 3, 4, 5, 6]  # resumed from step 2
 
 
 def test_run_folder_refuses_a_different_run(cache, tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -67,6 +68,23 @@ def resolve_resume(run_dir: Path, resume: str) -> Path | None:
     if not is_complete(path):
         raise ValueError(f"resume: {path} is not a complete checkpoint folder")
     return path
+
+
+def load_resume(
+    run_dir: Path, resume: str, device: torch.device | str = "cpu"
+) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint `resume` names and its state, or None to start from scratch. With `auto`,
+    a newest checkpoint that cannot be read (a file damaged after it was written) is named in
+    a warning and the one before it is used."""
+    if resume != "auto":
+        path = resolve_resume(run_dir, resume)
+        return None if path is None else (path, load_state(path, device))
+    for _, path in reversed(list_checkpoints(run_dir)):
+        try:
+            return path, load_state(path, device)
+        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+            log.warning("%s cannot be read (%s): trying the checkpoint before it", path, e)
+    return None
 
 
 def save_checkpoint(

@@ -222,11 +222,12 @@ class MetricsWriter:
         so a resumed run's log has each step once."""
         if not self.enabled or not self.path.is_file():
             return
-        lines = self.path.read_text().splitlines()
-        kept = [line for line in lines if json.loads(line)["step"] <= step]
+        lines = self.path.read_text(errors="replace").splitlines()
+        read = [(line, _record(line)) for line in lines]  # a torn last line: None
+        kept = [(line, r) for line, r in read if r is not None and r["step"] <= step]
         if len(kept) < len(lines):
-            atomic_write_text(self.path, "".join(line + "\n" for line in kept))
-        self.history = [json.loads(line) for line in kept]
+            atomic_write_text(self.path, "".join(line + "\n" for line, _ in kept))
+        self.history = [r for _, r in kept]
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -305,3 +306,16 @@ def plot_metrics(history: list[dict[str, Any]], out_dir: Path) -> None:
     ax.legend()
     fig.savefig(out_dir / "accuracy.png", dpi=100, bbox_inches="tight")
     plt.close(fig)
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    """A metrics line's record; None for one a killed run left half-written.
+
+    >>> _record('{"step": 3, "loss": 1.5}'), _record('{"step": 4, "lo')
+    ({'step': 3, 'loss': 1.5}, None)
+    """
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None

@@ -13,7 +13,8 @@ from typing import Any
 
 from shared.cli import to_json
 from shared.dist import all_gather_objects, barrier
-from train.checkpoint import load_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
+from shared.stopping import StopRun
+from train.checkpoint import load_resume, rng_state, save_checkpoint, set_rng_state
 from train.data.loader import LoaderState
 
 log = logging.getLogger(__name__)
@@ -23,11 +24,17 @@ def restore_run_state(trainer: Any) -> None:
     """Load the checkpoint `--resume` names into `trainer` (a `train.loop.Trainer`); log a start
     from scratch when there is none."""
     t = trainer
-    path = resolve_resume(t.cfg.out, t.cfg.resume)
-    if path is None:
+    found = load_resume(t.cfg.out, t.cfg.resume, t.device)
+    if found is None:
         log.info("starting from scratch: %d steps", t.total)
         return
-    state = load_state(path, t.device)
+    path, state = found
+    if int(state["step"]) > t.total:
+        raise StopRun(
+            f"{path} is at step {state['step']}, past --steps {t.total}: give --steps "
+            f"{state['step']} or more to go on from it (or export it: python -m train.export "
+            f"{path} OUT_DIR), or start another run with another --out"
+        )
     t.model.load_state_dict(state["model"])
     t.optimizer.load_state_dict(state["optimizer"])
     t.scheduler.load_state_dict(state["scheduler"])
@@ -35,7 +42,8 @@ def restore_run_state(trainer: Any) -> None:
         state["loader"], world_size=t.info.world_size, workers=t.workers
     )
     t.step = int(state["step"])
-    t.writer.rewind(t.step)
+    t.guard.checked = t.step  # checked finite when it was saved: a run resumed at its end
+    t.writer.rewind(t.step)  # saves and exports it without another step
     if len(state["rng"]) == t.info.world_size:
         set_rng_state(state["rng"][t.info.rank], t.device)
     log.info("resumed from %s at step %d of %d", path, t.step, t.total)
