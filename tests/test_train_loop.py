@@ -204,3 +204,19 @@ def test_drafter_shape_overrides_reach_the_export(cache, tmp_path):
         + ["--drafter-heads", "3", "--drafter-kv-heads", "2"],
     )
     assert result.exit_code == 1 and "num_key_value_heads (2) must divide" in result.output
+
+
+def test_a_warm_start_that_cannot_fit_is_refused_before_the_run_folder(cache, tmp_path):
+    base = tmp_path / "base"
+    run(tiny(cache, base, steps=2))
+    out = tmp_path / "warm"
+    for source, kw, needle in [
+        (tmp_path / "missing", {}, "no such folder"),
+        (base, {}, f"it is a run folder; give {base / 'export'}"),
+        (base / "export", {"drafter_layers": 2}, "num_layers: 1 in"),
+    ]:
+        with pytest.raises(RunError, match=needle):
+            run(tiny(cache, out, steps=2, init_from=source, **kw))
+        assert not out.exists()  # nothing written: the corrected command is not refused
+    run(tiny(cache, out, steps=2, init_from=base / "export"))
+    assert final_state(out)["step"] == 2

@@ -50,6 +50,7 @@ from train.follow_start import await_first_step, await_manifest, holdout, start_
 from train.loop import EXPORT_DIR, train_rank
 from train.prepared import FollowPlan, Prepared
 from train.run_dir import RunError, prepare_run_dir, resumed_plan
+from train.warm_start import init_from_problems
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,10 @@ def run(cfg: TrainConfig) -> Path:
             raise RunError("\n".join([f"{cfg.data} changed under the run {cfg.out}:", *changed]))
         view = read_view(cfg.data, manifest)
     cfg, prep = prepare(cfg, manifest, device_kind=spec.kind, view=view)
+    if cfg.init_from is not None:  # before the run folder is written: its fix is the command's
+        problems = init_from_problems(cfg.init_from, prep.drafter)
+        if problems:
+            raise RunError("--init-from does not fit the drafter:\n  - " + "\n  - ".join(problems))
     try:
         with output_lock(cfg.out, "python -m train", enabled=takes_output_lock()):
             estimate = saved.get("rows_estimate") if saved else None

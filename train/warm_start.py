@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import torch
 
-from train.checkpoint import is_complete, load_drafter
+from train.checkpoint import DRAFTER_FILE, is_complete, load_drafter
 from train.drafters.config import DrafterConfig
 from train.drafters.dflash import DFlashDrafter
-from train.export import load_export
+from train.export import CONFIG_FILE, config_from_hf, load_export
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +30,60 @@ _WARM_START_FIELDS = (
 )
 
 
+def init_from_problems(path: str | Path, cfg: DrafterConfig) -> list[str]:
+    """What keeps `path` from starting a drafter of `cfg`, read from its config alone (before
+    any rank starts, and before the run folder is written): [] when it fits."""
+    folder = Path(path)
+    kind = _kind(folder)
+    try:
+        if kind == "checkpoint":
+            source = DrafterConfig.from_dict(json.loads((folder / DRAFTER_FILE).read_text()))
+        elif kind == "export":
+            source = config_from_hf(json.loads((folder / CONFIG_FILE).read_text()))
+        else:
+            return [_not_a_drafter(folder)]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"--init-from {folder}: its config cannot be read ({e})"]
+    return config_problems(source, cfg, path)
+
+
+def _kind(folder: Path) -> str | None:
+    """ "checkpoint" (a step-N folder), "export", or None (a run folder holds a config.json of
+    its own: not an export's)."""
+    if is_complete(folder):
+        return "checkpoint"
+    if (folder / "checkpoints").is_dir() or (folder / "export").is_dir():
+        return None
+    return "export" if (folder / CONFIG_FILE).is_file() else None
+
+
+def _not_a_drafter(folder: Path) -> str:
+    hint = ""
+    if (folder / "export").is_dir() or (folder / "checkpoints").is_dir():
+        hint = f": it is a run folder; give {folder / 'export'} or one of its checkpoints"
+    elif not folder.exists():
+        hint = ": no such folder"
+    return f"--init-from {folder} is neither a complete checkpoint nor an export{hint}"
+
+
+def config_problems(source: DrafterConfig, cfg: DrafterConfig, path: str | Path) -> list[str]:
+    return [
+        f"{name}: {getattr(source, name)} in {path}, {getattr(cfg, name)} here"
+        for name in _WARM_START_FIELDS
+        if getattr(source, name) != getattr(cfg, name)
+    ]
+
+
 def warm_start_state(path: str | Path) -> tuple[dict[str, torch.Tensor], DrafterConfig]:
     """(float32 weights, config) of a checkpoint folder (step-N) or an export folder."""
     folder = Path(path)
-    if is_complete(folder):
+    kind = _kind(folder)
+    if kind == "checkpoint":
         drafter, cfg = load_drafter(folder)
-    elif (folder / "config.json").is_file():
+    elif kind == "export":
         drafter, cfg = load_export(folder)
     else:
-        raise ValueError(f"init_from: {folder} is neither a complete checkpoint nor an export")
+        raise ValueError(_not_a_drafter(folder))
     return {k: v.float() for k, v in drafter.state_dict().items()}, cfg
 
 
@@ -47,11 +93,7 @@ def warm_start(model: DFlashDrafter, path: str | Path) -> list[str]:
     hold (a DFlash start leaves DFlash2's additions at their no-op init). ValueError names every
     config field, weight name or shape that does not fit."""
     state, source = warm_start_state(path)
-    problems = [
-        f"{name}: {getattr(source, name)} in {path}, {getattr(model.cfg, name)} here"
-        for name in _WARM_START_FIELDS
-        if getattr(source, name) != getattr(model.cfg, name)
-    ]
+    problems = config_problems(source, model.cfg, path)
     own = model.state_dict()
     problems += [
         f"{name}: not a parameter of this drafter" for name in sorted(set(state) - set(own))
