@@ -186,3 +186,21 @@ def test_out_that_is_a_file_or_read_only_names_out(cache, tmp_path):
         r = CliRunner().invoke(main, [*base, "--out", str(disk / "run")])
         assert r.exit_code == 1 and f"--out {disk}/run: {disk} is not a writable folder" in r.output
         assert "read-only file system" in r.output and "Traceback" not in r.output
+
+
+def test_data_that_will_never_be_a_cache_is_refused_at_once(tmp_path):
+    """--follow waits for an extraction to start writing --data; a file, or a folder of
+    files no extraction writes, never will be one: refused at once, not after the wait."""
+    from shared.manifest import CacheMismatch
+    from train.follow_start import never_a_cache
+
+    afile = tmp_path / "notes.txt"
+    afile.write_text("x")
+    with pytest.raises(CacheMismatch, match="a file, not a cache folder"):
+        run(tiny(afile, tmp_path / "r"))
+    with pytest.raises(CacheMismatch, match=r"files no extraction writes \(notes.txt\)"):
+        run(tiny(tmp_path, tmp_path / "r"))
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    (starting / ".lock").write_text("")
+    assert never_a_cache(starting) is None and never_a_cache(tmp_path / "later") is None

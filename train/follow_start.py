@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from shared.manifest import CacheMismatch, Manifest, manifest_path, read_manifest
 from shared.stopping import Stopped, StopRequest
@@ -26,6 +27,17 @@ log = logging.getLogger(__name__)
 # An extraction loads its target's tokenizer and indexes its data before it creates the cache:
 # a run started with it waits this long for its manifest (no lock to go by yet), then refuses.
 START_WAIT_S = 600.0
+# What an extraction writes in its folder first (see extract.outdir): a folder holding none of
+# these and no manifest is not a cache being started.
+CACHE_ENTRIES = (
+    ".lock",
+    "part-",
+    "target",
+    ".progress",
+    "extract_config",
+    ".extract_config",
+    ".manifest",
+)
 QUIET_S = 10.0  # a wait shorter than this while the extraction runs is not worth a line
 REPEAT_S = 300.0  # a long wait is said again this often
 
@@ -35,10 +47,15 @@ def await_manifest(cfg: TrainConfig) -> Manifest:
     path = manifest_path(cfg.data)
     if not cfg.follow or path.is_file():
         return read_manifest(cfg.data)
+    never = never_a_cache(cfg.data)
+    if never:
+        raise CacheMismatch(cfg.data, [never])
     log.info(
-        "waiting for an extraction to start writing %s (no manifest.json yet; --no-follow "
-        "refuses at once)",
+        "waiting for an extraction to start writing %s (%s; up to %.0f minutes while none "
+        "runs there: check the path if none is starting; --no-follow refuses at once)",
         cfg.data,
+        "no such folder yet" if not Path(cfg.data).exists() else "no manifest.json yet",
+        START_WAIT_S / 60,
     )
     stop = StopRequest().install("stopping the wait")
     try:
@@ -55,6 +72,19 @@ def await_manifest(cfg: TrainConfig) -> Manifest:
     finally:
         stop.restore()
     return read_manifest(cfg.data)
+
+
+def never_a_cache(data: Path) -> str | None:
+    """Why `data` (no manifest.json in it) will not become a cache an extraction writes, or
+    None when it may: a file, or a folder of files no extraction writes."""
+    data = Path(data)
+    if data.is_file():
+        return "a file, not a cache folder: give the folder `python -m extract --out` writes"
+    names = [p.name for p in data.iterdir()] if data.is_dir() else []
+    if names and not any(n.startswith(CACHE_ENTRIES) for n in names):
+        shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+        return f"no manifest.json, and files no extraction writes ({shown}): not a cache"
+    return None
 
 
 def holdout(cfg: TrainConfig, view: CacheView) -> tuple[tuple, tuple]:
