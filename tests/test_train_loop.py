@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -220,3 +221,10 @@ def test_a_warm_start_that_cannot_fit_is_refused_before_the_run_folder(cache, tm
         assert not out.exists()  # nothing written: the corrected command is not refused
     run(tiny(cache, out, steps=2, init_from=base / "export"))
     assert final_state(out)["step"] == 2
+
+
+def test_a_run_resumes_under_another_spelling_of_its_folder(cache, tmp_path, monkeypatch):
+    run(tiny(cache, tmp_path / "run", steps=2))  # an absolute --out
+    monkeypatch.chdir(tmp_path)
+    run(tiny(cache, Path("run"), steps=3))  # the same folder, relative: resumed, not refused
+    assert final_state(tmp_path / "run")["step"] == 3
