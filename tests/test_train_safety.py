@@ -85,6 +85,7 @@ def test_options_that_cannot_work_name_their_flag(cache, tmp_path):
     for args, needle in [
         (["--block-size", "0"], "--block-size: must be >= 2"),
         (["--block-size", "1"], "--block-size: must be >= 2"),
+        (["--block-size", "600", "--batch-tokens", "512"], "must be at most --batch-tokens (512)"),
         (["--max-length", "1"], "--max-length: must be at least --block-size (16)"),
         (["--layer-types", "nope"], "--layer-types: unknown"),
         (["--mask-token-id", "-1"], "--mask-token-id"),

@@ -268,6 +268,11 @@ class TrainConfig:
             object.__setattr__(self, "block_size", self.default_block_size)
         _check(self.block_size >= 2, "block_size", "must be >= 2 (offset 0 is never a target)")
         _check(
+            self.block_size <= self.batch_tokens,
+            "block_size",
+            f"must be at most batch_tokens ({self.batch_tokens}): a block lies in one packed row",
+        )
+        _check(
             self.max_length is None or self.max_length >= self.block_size,
             "max_length",
             f"must be at least block_size ({self.block_size}): no draft block fits in a shorter "
