@@ -9,10 +9,12 @@ from click.testing import CliRunner
 from train.proof.tau import main, paired_difference, ratio_se
 
 
-def summary(name: str, rows: list[tuple[float, int]], lossless: bool = True) -> str:
+def summary(name: str, rows: list[tuple[float, int]], lossless: bool = True, **settings) -> str:
     per_prompt = [{"tau": tau, "steps": steps} for tau, steps in rows]
     return json.dumps(
         {"drafter": name, "per_prompt": per_prompt, "lossless_up_to_near_ties": lossless}
+        | {"max_new_tokens": 64, "dtype": "bfloat16"}
+        | settings
     )
 
 
@@ -51,6 +53,10 @@ def test_files_that_do_not_match_are_refused(tmp_path):
     assert r.exit_code != 0 and "drafter A appears twice" in r.output
     r = CliRunner().invoke(main, [str(none)])
     assert r.exit_code != 0 and "no JSON lines" in r.output
+    short = tmp_path / "short"  # the same prompts, decoded to fewer new tokens
+    short.write_text(summary("C", [(2.0, 3)], max_new_tokens=16) + "\n")
+    r = CliRunner().invoke(main, [str(two), str(short)])
+    assert r.exit_code != 0 and "C was decoded with max_new_tokens 16, A with 64" in r.output
 
 
 def test_files_of_other_drafters_on_the_same_prompts_add_them(tmp_path):

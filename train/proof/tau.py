@@ -86,6 +86,9 @@ def paired_difference(
     }
 
 
+SAME_SETTINGS = ("max_new_tokens", "dtype")  # decodings compared must share these
+
+
 def read_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
     """Per drafter, in the order first seen: its name and per-prompt tokens n and steps s. A
     drafter in several files gets their prompts joined in file order (one prompt set cut into
@@ -105,6 +108,7 @@ def read_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
                 {"drafter": summary["drafter"], "lossless": True}
                 | {key: [] for key in ("n", "s", "prompts", "indices", "shards")},
             )
+            run.setdefault("settings", {k: summary.get(k) for k in SAME_SETTINGS})
             rows = summary["per_prompt"]
             run["n"] += [r["tau"] * r["steps"] for r in rows]
             run["s"] += [r["steps"] for r in rows]
@@ -127,6 +131,13 @@ def read_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
             )
     first, *rest = runs.values()
     for run in rest:
+        if differ := [k for k in SAME_SETTINGS if run["settings"][k] != first["settings"][k]]:
+            k = differ[0]
+            raise click.ClickException(
+                f"{run['drafter']} was decoded with {k} {run['settings'][k]}, "
+                f"{first['drafter']} with {first['settings'][k]}: their taus are not comparable "
+                "(decode every drafter with the same --max-new-tokens and --dtype)"
+            )
         if run["prompts"] != first["prompts"]:
             raise click.ClickException(
                 f"{run['drafter']} was decoded on other prompts than {first['drafter']} "
