@@ -4,6 +4,7 @@ package, the command line's JSON line and its errors."""
 import copy
 import dataclasses
 import json
+import shutil
 import time
 
 import pytest
@@ -365,6 +366,22 @@ def test_cli_missing_files(tmp_path, tiny_qwen3, random_export):
     assert result.exit_code != 0 and f"--prompts: {tmp_path / 'x'} does not exist" in result.output
     result = run_cli("--target", tiny_qwen3, "--drafter", tmp_path, "--prompts", prompts)
     assert result.exit_code != 0 and "--drafter:" in result.output
+    (tmp_path / "run" / "export").mkdir(parents=True)
+    result = run_cli("--target", tiny_qwen3, "--drafter", tmp_path / "run", "--prompts", prompts)
+    assert f"is a run folder: give its export, {tmp_path / 'run' / 'export'}" in result.output
+    for device, needle in [("foo", "not a torch device"), ("cuda", "no CUDA device here")]:
+        if device == "cuda" and torch.cuda.is_available():
+            continue
+        result = run_cli("--target", tiny_qwen3, "--drafter", random_export, "--prompts", prompts,
+                         "--device", device)  # fmt: skip
+        assert result.exit_code != 0 and f"--device {device}: {needle}" in result.output
+    weightless = tmp_path / "weightless"
+    shutil.copytree(tiny_qwen3, weightless)
+    for f in weightless.glob("*.safetensors"):
+        f.unlink()
+    result = run_cli("--target", weightless, "--drafter", random_export, "--prompts", prompts)
+    assert result.exit_code != 0 and "cannot load its weights" in result.output, result.output
+    assert "Traceback" not in result.output
 
 
 def test_cli_drafter_that_does_not_fit(tmp_path, tiny_qwen3):

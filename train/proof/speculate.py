@@ -184,6 +184,10 @@ def load(
         cfg = dataclasses.replace(cfg, target=resolve_target_name(cfg.target))
     except ValueError as e:
         raise SpeculateError(str(e)) from None
+    for d in cfg.drafter:
+        if (d / "export").is_dir() or (d / "checkpoints").is_dir():
+            raise SpeculateError(f"--drafter {d} is a run folder: give its export, {d / 'export'}")
+    device = pick_device(cfg.device)
     files = [(cfg.prompts, "--prompts")] + [(d / CONFIG_FILE, "--drafter") for d in cfg.drafter]
     for path, what in files:
         if not Path(path).is_file():
@@ -216,13 +220,27 @@ def load(
                 which,
             )
     prompts = load_prompts(cfg.prompts, tokenizer, target_config.get_text_config().vocab_size)
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES.get(cfg.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(device).eval()
+    try:
+        target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(device).eval()
+    except (OSError, ValueError) as e:
+        raise SpeculateError(f"--target {cfg.target}: cannot load its weights ({e})") from None
     drafters = [load_export(d)[0].to(device, dtype).eval() for d in cfg.drafter]
     eos = getattr(target.generation_config, "eos_token_id", None)
     eos = {tokenizer.eos_token_id, *(eos if isinstance(eos, (list, tuple)) else [eos])} - {None}
     return target, drafters, prompts, sorted(eos)
+
+
+def pick_device(name: str | None) -> torch.device:
+    """--device as a torch device (default cuda where there is one); SpeculateError for a
+    name torch does not know or a CUDA device this machine lacks."""
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise SpeculateError(f"--device {name}: not a torch device (cpu, cuda, cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SpeculateError(f"--device {name}: no CUDA device here; use --device cpu")
+    return device
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
