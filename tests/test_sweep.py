@@ -135,6 +135,8 @@ def test_the_grid_is_checked_before_any_run(cache, tmp_path):
         "--no-selector-stop-grad",
     ]
     assert jobs[1].argv[-2:] == ("--target-layers", "1,3") and len(jobs) == 4
+    with pytest.raises(GridError, match=r"variant target_layers=1,9: the cache .*\[9\]"):
+        plan(["target-layers=0,1;1,9"])  # a layer the cache does not hold: before the first
     assert not tmp_path.joinpath("runs").exists()  # planning writes nothing
 
 

@@ -157,24 +157,7 @@ def prepare(
     `view`: the committed parts of a cache the run follows while it is being written."""
     cfg = resolve_devices(cfg, device_kind)
     repair = repair_commands(cfg.data, manifest)
-    problems = [f"{p}: {repair}" for p in target_problems(cfg.data, manifest.target_files)]
-    wanted = ascending_layers(cfg.target_layer_ids or default_taps(cfg, manifest))
-    if manifest.target.num_layers - 1 in wanted:
-        log.warning(LAST_LAYER_WARNING, manifest.target.num_layers - 1)
-    read = wanted + last_layer(cfg, manifest, problems)
-    drafter, hidden = _drafter_config(cfg, manifest, wanted, problems)
-    embed_rows = _embedding_rows(cfg.data, manifest, problems)
-    try:
-        check_compatible(
-            manifest,
-            cache=cfg.data,
-            layer_ids=wanted,
-            hidden_size=hidden,
-            vocab_size=embed_rows,
-            require_complete=view is None,
-        )
-    except CacheMismatch as e:
-        problems = e.problems + problems
+    wanted, read, drafter, problems = fit_cache(cfg, manifest, complete=view is None)
     if view is None:
         parts, part_problems = load_catalog(cfg.data, manifest)
         problems += [f"{p}: {repair}" for p in part_problems]
@@ -220,6 +203,33 @@ def prepare(
         follow=None if view is None else FollowPlan(view, 0, manifest.identity()),
     )
     return cfg, prep
+
+
+def fit_cache(
+    cfg: TrainConfig, manifest: Manifest, *, complete: bool = True
+) -> tuple[tuple[int, ...], tuple[int, ...], DrafterConfig | None, list[str]]:
+    """What `cfg` reads of the cache and its drafter: (taps, layers read, drafter config or
+    None, problems: every way the cache cannot serve it, with the repair where one helps)."""
+    repair = repair_commands(cfg.data, manifest)
+    problems = [f"{p}: {repair}" for p in target_problems(cfg.data, manifest.target_files)]
+    wanted = ascending_layers(cfg.target_layer_ids or default_taps(cfg, manifest))
+    if manifest.target.num_layers - 1 in wanted:
+        log.warning(LAST_LAYER_WARNING, manifest.target.num_layers - 1)
+    read = wanted + last_layer(cfg, manifest, problems)
+    drafter, hidden = _drafter_config(cfg, manifest, wanted, problems)
+    embed_rows = _embedding_rows(cfg.data, manifest, problems)
+    try:
+        check_compatible(
+            manifest,
+            cache=cfg.data,
+            layer_ids=wanted,
+            hidden_size=hidden,
+            vocab_size=embed_rows,
+            require_complete=complete,
+        )
+    except CacheMismatch as e:
+        problems = e.problems + problems
+    return wanted, read, drafter, problems
 
 
 def default_taps(cfg: TrainConfig, manifest: Manifest) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from shared.cli import build
+from shared.manifest import Manifest, manifest_path, read_manifest
 from train.config import TrainConfig
 
 RUNS_DIR = "runs"
@@ -122,13 +123,14 @@ def plan_jobs(
             "or varied by --vary; give them there"
         )
     jobs = []
+    manifest = read_manifest(data) if manifest_path(data).is_file() else None  # none yet: follows
     for variant in variants(grid):
         for seed in range(seeds):
             folder = Path(out) / RUNS_DIR / variant.name / f"seed-{seed}"
             argv = ["--data", str(data), "--out", str(folder), "--seed", str(seed)]
             argv += [*train_args, *variant.args()]
             if seed == 0:
-                check(variant, argv)
+                check_cache(variant, check(variant, argv), manifest)
             jobs.append(Job(variant, seed, folder, tuple(argv)))
     return jobs
 
@@ -142,6 +144,18 @@ def check(variant: Variant, argv: list[str]) -> TrainConfig:
             return build(TrainConfig, ctx.params)
     except click.ClickException as e:
         raise GridError(f"variant {variant.name}: {e.format_message()}") from None
+
+
+def check_cache(variant: Variant, cfg: TrainConfig, manifest: Manifest | None) -> None:
+    """GridError naming the variant when the cache cannot serve it (its layers, its family's
+    needs), as `python -m train` would find when its run starts."""
+    from train.run import fit_cache
+
+    if manifest is None:
+        return
+    problems = fit_cache(cfg, manifest, complete=False)[3]
+    if problems:
+        raise GridError(f"variant {variant.name}: the cache {cfg.data}: " + "; ".join(problems))
 
 
 def _is_flag(key: str) -> bool:
