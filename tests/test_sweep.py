@@ -119,6 +119,8 @@ def test_the_grid_is_checked_before_any_run(cache, tmp_path):
 
     with pytest.raises(GridError, match="same for every run"):
         plan(["steps=5,10"])
+    with pytest.raises(GridError, match="has an empty value"):
+        plan(["lr=1e-3,,3e-3"])
     with pytest.raises(GridError, match="no option of python -m train"):
         plan(["optimiser=muon"])
     with pytest.raises(GridError, match="set by the sweep"):

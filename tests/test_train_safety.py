@@ -205,3 +205,12 @@ def test_data_that_will_never_be_a_cache_is_refused_at_once(tmp_path):
     starting.mkdir()
     (starting / ".lock").write_text("")
     assert never_a_cache(starting) is None and never_a_cache(tmp_path / "later") is None
+
+
+def test_a_run_folder_inside_the_cache_is_refused(cache, tmp_path):
+    from train.run import RunError
+
+    for out in (cache, cache / "runs" / "a"):
+        with pytest.raises(RunError, match="is inside the cache --data"):
+            run(tiny(cache, out))
+    assert not (cache / "runs").exists() and not (cache / "config.json").exists()

@@ -77,6 +77,12 @@ def run(cfg: TrainConfig) -> Path:
     problem = unwritable_reason(cfg.out)
     if problem:
         raise RunError(f"--out {cfg.out}: {problem}")
+    data, out = Path(cfg.data).resolve(), Path(cfg.out).resolve()
+    if out == data or data in out.parents:
+        raise RunError(
+            f"--out {cfg.out} is inside the cache --data {cfg.data}: give a run folder "
+            "of its own (e.g. runs/NAME): the cache holds only what extraction wrote"
+        )
     manifest = await_manifest(cfg)
     saved = resumed_plan(cfg)
     view = None

@@ -91,7 +91,9 @@ def parse_vary(texts: tuple[str, ...] | list[str]) -> list[tuple[str, list[str]]
             raise GridError(f"--vary {key} given twice")
         seen.add(key)
         split = ";" if ";" in values else ","
-        items = [v.strip() for v in values.split(split) if v.strip()]
+        items = [v.strip() for v in values.split(split)]
+        if "" in items:
+            raise GridError(f"--vary {text!r} has an empty value (two {split!r} in a row?)")
         if len(set(items)) != len(items):
             raise GridError(f"--vary {text!r} names a value twice")
         out.append((key, items))
