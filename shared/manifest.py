@@ -266,9 +266,7 @@ class Manifest:
         if wrong:
             raise CacheMismatch("manifest", [f"{MANIFEST} is malformed: {', '.join(wrong)}"])
         parts = tuple(
-            PartRecord(
-                **{**p, "rejected_rows": tuple(RejectedRow(**r) for r in p["rejected_rows"])}
-            )
+            PartRecord(**{**p, "rejected_rows": tuple(map(rejected_row, p["rejected_rows"]))})
             for p in obj.pop("parts", [])
         )
         return cls(
@@ -280,6 +278,13 @@ class Manifest:
                 "parts": parts,
             }
         )
+
+
+def rejected_row(obj: dict[str, Any]) -> RejectedRow:
+    """A manifest's rejected row; keys a later version adds beside these are read past (a
+    row is a record for people, not for the cache's reading)."""
+    known = {f.name for f in dataclasses.fields(RejectedRow)}
+    return RejectedRow(**{k: v for k, v in obj.items() if k in known})
 
 
 def drop_parts(manifest: Manifest, names: set[str]) -> Manifest:

@@ -53,6 +53,10 @@ def test_files_that_do_not_match_are_refused(tmp_path):
     assert r.exit_code != 0 and "drafter A appears twice" in r.output
     r = CliRunner().invoke(main, [str(none)])
     assert r.exit_code != 0 and "no JSON lines" in r.output
+    share = tmp_path / "share"  # a second share of A's prompts, decoded otherwise
+    share.write_text(summary("A", [(2.0, 3)], dtype="float32") + "\n")
+    r = CliRunner().invoke(main, [str(two), str(share)])
+    assert r.exit_code != 0 and "decode every share alike" in r.output, r.output
     short = tmp_path / "short"  # the same prompts, decoded to fewer new tokens
     short.write_text(summary("C", [(2.0, 3)], max_new_tokens=16) + "\n")
     r = CliRunner().invoke(main, [str(two), str(short)])

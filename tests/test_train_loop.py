@@ -121,7 +121,7 @@ def test_the_same_command_finishes_a_finished_or_damaged_run(cache, tmp_path):
     assert run(tiny(cache, out, steps=4, checkpoint_every=2)) == export
     again = load_file(str(export / "model.safetensors"))
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
-    with pytest.raises(StopRun, match="step-4 is at step 4, past --steps 3"):
+    with pytest.raises(StopRun, match="step-4 is at step 4, past this run's 3 steps"):
         run(tiny(cache, out, steps=3, checkpoint_every=2))
     newest = list_checkpoints(out)[-1][1]
     with open(newest / "state.pt", "r+b") as f:
@@ -131,6 +131,11 @@ def test_the_same_command_finishes_a_finished_or_damaged_run(cache, tmp_path):
     run(tiny(cache, out, steps=6, checkpoint_every=2))
     assert final_state(out)["step"] == 6
     assert [r["step"] for r in records(out)] == [1, 2, 3, 4, 5, 6]  # resumed from step 2
+    for _, path in list_checkpoints(out):  # every one damaged: refused, never a fresh start
+        with open(path / "state.pt", "r+b") as f:
+            f.truncate(1000)
+    with pytest.raises(StopRun, match="every checkpoint in .* is damaged"):
+        run(tiny(cache, out, steps=8, checkpoint_every=2))
 
 
 def test_run_folder_refuses_a_different_run(cache, tmp_path):

@@ -23,6 +23,7 @@ import torch
 
 from shared.fsio import atomic_write_json, fsync_dir, replace_dir
 from shared.space import DiskFull, free_bytes, is_disk_full, size_text
+from shared.stopping import StopRun
 from train.drafters.config import DrafterConfig
 from train.drafters.dflash import DFlashDrafter
 from train.drafters.registry import build_drafter
@@ -74,17 +75,37 @@ def load_resume(
     run_dir: Path, resume: str, device: torch.device | str = "cpu"
 ) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint `resume` names and its state, or None to start from scratch. With `auto`,
-    a newest checkpoint that cannot be read (a file damaged after it was written) is named in
-    a warning and the one before it is used."""
+    a newest checkpoint whose file is damaged (cut short or overwritten after it was written,
+    the same on every rank) is named in a warning and the one before it is used; any other
+    failure (memory, a torch that reads it otherwise) is raised, as is every one damaged."""
     if resume != "auto":
         path = resolve_resume(run_dir, resume)
         return None if path is None else (path, load_state(path, device))
-    for _, path in reversed(list_checkpoints(run_dir)):
+    found = list_checkpoints(run_dir)
+    for _, path in reversed(found):
         try:
             return path, load_state(path, device)
-        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
-            log.warning("%s cannot be read (%s): trying the checkpoint before it", path, e)
+        except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+            if not is_damaged_archive(e):
+                raise
+            log.warning("%s is damaged (%s): trying the checkpoint before it", path, e)
+    if found:
+        raise StopRun(
+            f"every checkpoint in {checkpoints_dir(run_dir)} is damaged: resume from none of "
+            "them by deleting the folder's checkpoints (the run starts again), or restore them"
+        )
     return None
+
+
+def is_damaged_archive(e: BaseException) -> bool:
+    """Whether torch.load failed on the file's bytes (a zip cut short or overwritten), not
+    for want of memory or by its own rules (weights_only's allowed types)."""
+    if isinstance(e, EOFError):
+        return True
+    text = str(e)
+    if isinstance(e, pickle.UnpicklingError):
+        return "Weights only load failed" not in text
+    return "PytorchStreamReader" in text or "zip archive" in text
 
 
 def save_checkpoint(

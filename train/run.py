@@ -77,13 +77,13 @@ def run(cfg: TrainConfig) -> Path:
     problem = unwritable_reason(cfg.out)
     if problem:
         raise RunError(f"--out {cfg.out}: {problem}")
+    manifest = await_manifest(cfg)
     data, out = Path(cfg.data).resolve(), Path(cfg.out).resolve()
     if out == data or data in out.parents:
         raise RunError(
             f"--out {cfg.out} is inside the cache --data {cfg.data}: give a run folder "
             "of its own (e.g. runs/NAME): the cache holds only what extraction wrote"
         )
-    manifest = await_manifest(cfg)
     saved = resumed_plan(cfg)
     view = None
     # A run follows an extraction on a cache not yet complete, and keeps following (the plan is
@@ -212,12 +212,14 @@ def prepare(
 
 
 def fit_cache(
-    cfg: TrainConfig, manifest: Manifest, *, complete: bool = True
+    cfg: TrainConfig, manifest: Manifest, *, complete: bool = True, target_files: bool = True
 ) -> tuple[tuple[int, ...], tuple[int, ...], DrafterConfig | None, list[str]]:
     """What `cfg` reads of the cache and its drafter: (taps, layers read, drafter config or
-    None, problems: every way the cache cannot serve it, with the repair where one helps)."""
+    None, problems: every way the cache cannot serve it, with the repair where one helps).
+    `target_files`: also checksum the cache's target/ files (the embedding: GBs at 8B)."""
     repair = repair_commands(cfg.data, manifest)
-    problems = [f"{p}: {repair}" for p in target_problems(cfg.data, manifest.target_files)]
+    damaged = target_problems(cfg.data, manifest.target_files) if target_files else []
+    problems = [f"{p}: {repair}" for p in damaged]
     wanted = ascending_layers(cfg.target_layer_ids or default_taps(cfg, manifest))
     if manifest.target.num_layers - 1 in wanted:
         log.warning(LAST_LAYER_WARNING, manifest.target.num_layers - 1)

@@ -31,7 +31,8 @@ def restore_run_state(trainer: Any) -> None:
     path, state = found
     if int(state["step"]) > t.total:
         raise StopRun(
-            f"{path} is at step {state['step']}, past --steps {t.total}: give --steps "
+            f"{path} is at step {state['step']}, past this run's {t.total} steps (--steps, "
+            f"--epochs): give --steps "
             f"{state['step']} or more to go on from it (or export it: python -m train.export "
             f"{path} OUT_DIR), or start another run with another --out"
         )

@@ -108,7 +108,12 @@ def read_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
                 {"drafter": summary["drafter"], "lossless": True}
                 | {key: [] for key in ("n", "s", "prompts", "indices", "shards")},
             )
-            run.setdefault("settings", {k: summary.get(k) for k in SAME_SETTINGS})
+            settings = {k: summary.get(k) for k in SAME_SETTINGS}
+            if run.setdefault("settings", settings) != settings:
+                raise click.ClickException(
+                    f"{path}: {summary['drafter']}'s share was decoded with {settings}, its "
+                    f"others with {run['settings']}: decode every share alike"
+                )
             rows = summary["per_prompt"]
             run["n"] += [r["tau"] * r["steps"] for r in rows]
             run["s"] += [r["steps"] for r in rows]

@@ -92,6 +92,8 @@ def parse_vary(texts: tuple[str, ...] | list[str]) -> list[tuple[str, list[str]]
         seen.add(key)
         split = ";" if ";" in values else ","
         items = [v.strip() for v in values.split(split)]
+        if len(items) > 1 and items[-1] == "":  # a trailing separator: one comma-holding value
+            items.pop()
         if "" in items:
             raise GridError(f"--vary {text!r} has an empty value (two {split!r} in a row?)")
         if len(set(items)) != len(items):
@@ -124,6 +126,11 @@ def plan_jobs(
             f"train options {', '.join(clash)}: set by the sweep (--data, --out, --seeds, --gpus) "
             "or varied by --vary; give them there"
         )
+    if (
+        Path(out).resolve() == Path(data).resolve()
+        or Path(data).resolve() in Path(out).resolve().parents
+    ):
+        raise GridError(f"--out {out} is inside the cache --data {data}: give a folder of its own")
     jobs = []
     manifest = read_manifest(data) if manifest_path(data).is_file() else None  # none yet: follows
     for variant in variants(grid):
@@ -155,7 +162,7 @@ def check_cache(variant: Variant, cfg: TrainConfig, manifest: Manifest | None) -
 
     if manifest is None:
         return
-    problems = fit_cache(cfg, manifest, complete=False)[3]
+    problems = fit_cache(cfg, manifest, complete=False, target_files=False)[3]  # each run does
     if problems:
         raise GridError(f"variant {variant.name}: the cache {cfg.data}: " + "; ".join(problems))
 
