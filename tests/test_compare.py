@@ -154,6 +154,15 @@ def test_cli_prints_writes_and_plots(tmp_path):
         assert "matplotlib is not installed: no plot written" in result.stderr
 
 
+def test_cli_names_a_report_path_it_cannot_write(tmp_path):
+    a, b = two_runs(tmp_path)
+    (tmp_path / "afile").write_text("")
+    for option, path in [("--out", tmp_path), ("--out", tmp_path / "afile" / "r.md")]:
+        result = CliRunner().invoke(main, [str(a), str(b), option, str(path)])
+        assert result.exit_code == 1 and "cannot write" in result.output, result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
 def test_cli_refuses_a_folder_without_config(tmp_path):
     a, _ = two_runs(tmp_path)
     result = CliRunner().invoke(main, [str(a), str(tmp_path / "missing")])

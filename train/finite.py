@@ -86,9 +86,9 @@ class FiniteGuard:
             raise NonFiniteError(
                 f"training stopped at step {step}: steps {self.checked + 1}..{step} had no "
                 "target token at all (every sample shorter than two supervised tokens, or no "
-                "supervised token within --max-length?). Nothing was saved since; check the "
-                f"cache's supervised tokens (`python -m extract.verify {self.data}`) and "
-                "--max-length."
+                "supervised token within --max-length or a --batch-tokens row?). Nothing was "
+                f"saved since; check the cache's supervised tokens (`python -m extract.verify "
+                f"{self.data}`), --max-length and --batch-tokens."
             )
         self.record[1].zero_()
         self.checked = step
