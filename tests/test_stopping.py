@@ -139,6 +139,9 @@ def test_sigterm_checkpoints_train_at_the_step_reached(tmp_path, gpus):
     steps = [s for s, _ in list_checkpoints(out)]
     assert len(steps) == 1 and 2 <= steps[0] < 400
     assert not (out / "export").exists()
+    logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().split("\n")
+              if line]  # fmt: skip
+    assert logged[-1] == steps[0]  # the step it stopped at has its record, which a resume keeps
 
 
 @pytest.mark.parametrize("gpus", ["cpu", "cpu:2"])

@@ -252,6 +252,9 @@ class Trainer:
         if step % cfg.log_every == 0 or last or log_now:
             record = self._log()
             bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}")
+        # Not finite, or a stop requested: after the step's record (a resume keeps it), before
+        # an evaluation or a checkpoint of it. Reads the device on log steps only.
+        self.guard.check_due(step, save=self.save)
         if cfg.eval_every and step % cfg.eval_every == 0 and not last:
             self.evaluate()
         if step % cfg.checkpoint_every == 0 and not last:
@@ -317,7 +320,6 @@ class Trainer:
         self.sums.add_step(grad_norm)
         self.step += 1
         self.feed.ahead()  # the next micro-batch's copy overlaps this step's queued work
-        self.guard.check_due(self.step, save=self.save)  # reads the device on log steps only
         return self.feed.waited - waited
 
     def _log(self) -> dict[str, Any]:
