@@ -12,20 +12,12 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from shared.cache import is_own_entry
+from shared.fsio import within
 from shared.part import remove_path
 
 log = logging.getLogger(__name__)
 
-# Names written by extract: the manifest and its lock, the resolved config, the parts (zarr
-# folders or wds tars) with their `.tmp`/`.old` forms, `target/` with its `.tmp`/`.old` forms,
-# progress counters, the output lock, and the temporary files of atomic writes (`.NAME.tmp.*`).
-_OWN = re.compile(
-    r"^(manifest\.json|\.manifest\.lock|extract_config\.json|\.progress|\.lock"
-    r"|\.lock\.[^/]+"
-    r"|part-\d{6}(\.tar)?(\.tmp|\.old)?"
-    r"|target(\.tmp|\.old)?"
-    r"|\.(manifest|extract_config)\.json\.tmp\.[\d.]+)$"
-)
 # Entries that hold no committed data: a folder holding only these is a start that was
 # interrupted before its manifest, and is cleared without --overwrite.
 _LEFTOVER = re.compile(
@@ -33,11 +25,6 @@ _LEFTOVER = re.compile(
     r"|part-\d{6}(\.tar)?\.tmp|extract_config\.json|\.(manifest|extract_config)\.json\.tmp\.[\d.]+)$"
 )
 MAX_LISTED = 10
-
-
-def is_own_entry(name: str) -> bool:
-    """True for a name this tool writes into a cache folder."""
-    return bool(_OWN.match(name))
 
 
 def entries(out: Path) -> list[str]:
@@ -66,11 +53,10 @@ def protected_reason(out: Path, inputs: Iterable[Path]) -> str | None:
     of `inputs` (data files, the target). None when it may be replaced."""
     folder = Path(out).resolve()
     cwd = Path.cwd().resolve()
-    if folder == cwd or folder in cwd.parents:
+    if within(cwd, folder):
         return f"it is the working directory {cwd} or holds it"
     for item in inputs:
-        path = Path(item).resolve()
-        if path == folder or folder in path.parents:
+        if within(item, folder):
             return f"it holds {item}, an input of this run"
     if folder == Path(folder.anchor) or folder == Path.home().resolve():
         return "it is a root or home folder"

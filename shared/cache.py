@@ -7,6 +7,7 @@ or a webdataset tar (``shared/wds.py``), both built on the classes of ``shared/p
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,6 +28,17 @@ from shared.wds import WdsPartReader, WdsPartWriter, verify_wds
 from shared.zarr_part import ZarrPartReader, ZarrPartWriter, verify_zarr
 
 log = logging.getLogger(__name__)
+
+# Names written by extract: the manifest and its lock, the resolved config, the parts (zarr
+# folders or wds tars) with their `.tmp`/`.old` forms, `target/` with its `.tmp`/`.old` forms,
+# progress counters, the output lock, and the temporary files of atomic writes (`.NAME.tmp.*`).
+_OWN = re.compile(
+    r"^(manifest\.json|\.manifest\.lock|extract_config\.json|\.progress|\.lock"
+    r"|\.lock\.[^/]+"
+    r"|part-\d{6}(\.tar)?(\.tmp|\.old)?"
+    r"|target(\.tmp|\.old)?"
+    r"|\.(manifest|extract_config)\.json\.tmp\.[\d.]+)$"
+)
 
 
 def open_part_writer(
@@ -104,3 +116,8 @@ def missing_or_resized(cache: Path, records: Sequence) -> list[str]:
         elif size != rec.nbytes:
             problems.append(f"{rec.name}: {size} bytes on disk, the manifest says {rec.nbytes}")
     return problems
+
+
+def is_own_entry(name: str) -> bool:
+    """True for a name extraction writes into a cache folder."""
+    return bool(_OWN.match(name))

@@ -261,3 +261,13 @@ def file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def within(path: Path | str, folder: Path | str) -> bool:
+    """Whether `path` is `folder` or lies inside it, both resolved.
+
+    >>> within("/a/b/c", "/a/b"), within("/a/b", "/a/b"), within("/a/bc", "/a/b")
+    (True, True, False)
+    """
+    path, folder = Path(path).resolve(), Path(folder).resolve()
+    return path == folder or folder in path.parents

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from extract.config import ExtractConfig
-from extract.outdir import is_own_entry, protected_reason
+from extract.outdir import protected_reason
 from extract.run import ExtractError, run
+from shared.cache import is_own_entry
 from shared.manifest import read_manifest
 from shared.stopping import StopRun
 from tests.test_extract import chat

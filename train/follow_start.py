@@ -9,6 +9,7 @@ import logging
 import time
 from pathlib import Path
 
+from shared.cache import is_own_entry
 from shared.manifest import CacheMismatch, Manifest, manifest_path, read_manifest
 from shared.stopping import Stopped, StopRequest
 from train.config import TrainConfig
@@ -27,17 +28,6 @@ log = logging.getLogger(__name__)
 # An extraction loads its target's tokenizer and indexes its data before it creates the cache:
 # a run started with it waits this long for its manifest (no lock to go by yet), then refuses.
 START_WAIT_S = 600.0
-# What an extraction writes in its folder first (see extract.outdir): a folder holding none of
-# these and no manifest is not a cache being started.
-CACHE_ENTRIES = (
-    ".lock",
-    "part-",
-    "target",
-    ".progress",
-    "extract_config",
-    ".extract_config",
-    ".manifest",
-)
 QUIET_S = 10.0  # a wait shorter than this while the extraction runs is not worth a line
 REPEAT_S = 300.0  # a long wait is said again this often
 
@@ -81,7 +71,7 @@ def never_a_cache(data: Path) -> str | None:
     if data.is_file():
         return "a file, not a cache folder: give the folder `python -m extract --out` writes"
     names = [p.name for p in data.iterdir()] if data.is_dir() else []
-    if names and not any(n.startswith(CACHE_ENTRIES) for n in names):
+    if names and not any(map(is_own_entry, names)):
         shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
         return f"no manifest.json, and files no extraction writes ({shown}): not a cache"
     return None

@@ -22,7 +22,7 @@ from shared.dist import (
     torchrun_world_size,
     under_torchrun,
 )
-from shared.fsio import unwritable_reason
+from shared.fsio import unwritable_reason, within
 from shared.lock import LockHeld, output_lock
 from shared.manifest import (
     LAST_LAYER_WARNING,
@@ -78,8 +78,7 @@ def run(cfg: TrainConfig) -> Path:
     if problem:
         raise RunError(f"--out {cfg.out}: {problem}")
     manifest = await_manifest(cfg)
-    data, out = Path(cfg.data).resolve(), Path(cfg.out).resolve()
-    if out == data or data in out.parents:
+    if within(cfg.out, cfg.data):
         raise RunError(
             f"--out {cfg.out} is inside the cache --data {cfg.data}: give a run folder "
             "of its own (e.g. runs/NAME): the cache holds only what extraction wrote"

@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from shared.cli import build
+from shared.fsio import within
 from shared.manifest import Manifest, manifest_path, read_manifest
 from train.config import TrainConfig
 
@@ -126,10 +127,7 @@ def plan_jobs(
             f"train options {', '.join(clash)}: set by the sweep (--data, --out, --seeds, --gpus) "
             "or varied by --vary; give them there"
         )
-    if (
-        Path(out).resolve() == Path(data).resolve()
-        or Path(data).resolve() in Path(out).resolve().parents
-    ):
+    if within(out, data):
         raise GridError(f"--out {out} is inside the cache --data {data}: give a folder of its own")
     jobs = []
     manifest = read_manifest(data) if manifest_path(data).is_file() else None  # none yet: follows
