@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.shapes import random_model  # noqa: E402
 from extract.capture import LayerCapture  # noqa: E402
+from extract.layer_check import layer_errors  # noqa: E402
 from extract.target import build_target_layer_ids  # noqa: E402
-from extract.verify import layer_errors  # noqa: E402
 
 # One batch of similar lengths, as extraction's length-sorted batching forms them.
 LENGTHS = (1536, 1400, 1311, 1207, 1024, 900)

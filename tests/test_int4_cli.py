@@ -15,7 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from extract.verify import TOLERANCE, layer_errors
+from extract.layer_check import TOLERANCE, layer_errors
 from shared.cache import open_part
 from shared.int4 import Int4Scheme
 from shared.manifest import read_manifest

@@ -8,11 +8,8 @@ written: a cache that cannot serve the requested drafter (every problem listed i
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
-
-from safetensors import safe_open
 
 from shared.dist import (
     DeviceSpec,
@@ -25,27 +22,16 @@ from shared.dist import (
 from shared.fsio import unwritable_reason, within
 from shared.lock import LockHeld, output_lock
 from shared.manifest import (
-    LAST_LAYER_WARNING,
     CacheMismatch,
     Manifest,
-    check_compatible,
     repair_commands,
 )
-from shared.target_files import (
-    EMBED_FILE,
-    EMBED_KEY,
-    read_target_config,
-    target_dir,
-    target_problems,
-    unused_special_token,
-)
+from train.cache_fit import fit_cache
 from train.config import TrainConfig
 from train.data.follow import CacheView, changed_parts, read_view
 from train.data.loader import layer_positions, load_catalog
 from train.data.plan import PlanSpec, holdout_lengths, plan_rows
 from train.drafters.anchors import default_gamma
-from train.drafters.config import DFLASH2_FIELDS, LOGIT_FIELDS, DrafterConfig
-from train.drafters.objective import TARGET_LOSSES
 from train.follow_start import await_first_step, await_manifest, holdout, start_following
 from train.loop import EXPORT_DIR, train_rank
 from train.prepared import FollowPlan, Prepared
@@ -53,19 +39,6 @@ from train.run_dir import RunError, prepare_run_dir, resumed_plan
 from train.warm_start import init_from_problems
 
 log = logging.getLogger(__name__)
-
-
-def ascending_layers(ids: tuple[int, ...]) -> tuple[int, ...]:
-    """`ids` sorted: SGLang and vLLM feed a drafter its target states in layer order whatever
-    `target_layer_ids` says, so a drafter trained on another order would get permuted features
-    there. The cache's order does not matter (`layer_positions` picks the stored layers)."""
-    if list(ids) != sorted(ids):
-        log.info(
-            "--target-layers %s: trained in ascending order %s (the order serving engines use)",
-            ",".join(map(str, ids)),
-            ",".join(map(str, sorted(ids))),
-        )
-    return tuple(sorted(ids))
 
 
 def run(cfg: TrainConfig) -> Path:
@@ -210,70 +183,6 @@ def prepare(
     return cfg, prep
 
 
-def fit_cache(
-    cfg: TrainConfig, manifest: Manifest, *, complete: bool = True, target_files: bool = True
-) -> tuple[tuple[int, ...], tuple[int, ...], DrafterConfig | None, list[str]]:
-    """What `cfg` reads of the cache and its drafter: (taps, layers read, drafter config or
-    None, problems: every way the cache cannot serve it, with the repair where one helps).
-    `target_files`: also checksum the cache's target/ files (the embedding: GBs at 8B)."""
-    repair = repair_commands(cfg.data, manifest)
-    damaged = target_problems(cfg.data, manifest.target_files) if target_files else []
-    problems = [f"{p}: {repair}" for p in damaged]
-    wanted = ascending_layers(cfg.target_layer_ids or default_taps(cfg, manifest))
-    if manifest.target.num_layers - 1 in wanted:
-        log.warning(LAST_LAYER_WARNING, manifest.target.num_layers - 1)
-    read = wanted + last_layer(cfg, manifest, problems)
-    drafter, hidden = _drafter_config(cfg, manifest, wanted, problems)
-    embed_rows = _embedding_rows(cfg.data, manifest, problems)
-    try:
-        check_compatible(
-            manifest,
-            cache=cfg.data,
-            layer_ids=wanted,
-            hidden_size=hidden,
-            vocab_size=embed_rows,
-            require_complete=complete,
-        )
-    except CacheMismatch as e:
-        problems = e.problems + problems
-    return wanted, read, drafter, problems
-
-
-def default_taps(cfg: TrainConfig, manifest: Manifest) -> tuple[int, ...]:
-    """Without --target-layers: every cached layer; for DSpark every one but the target's last,
-    which it reads as the target's own distribution (and engines cannot feed as a tap)."""
-    cached, last = tuple(manifest.layer_ids), manifest.target.num_layers - 1
-    taps = tuple(i for i in cached if i != last)
-    if cfg.drafter_type != "dspark" or not taps or taps == cached:
-        return cached
-    log.info("dspark: taps %s (the cached layers but the last, %d)", list(taps), last)
-    return taps
-
-
-def last_layer(cfg: TrainConfig, manifest: Manifest, problems: list[str]) -> tuple[int, ...]:
-    """(the target's last layer,) when the run reads the target's distribution (DSpark's
-    `--dspark-loss full`, a DFlash `--loss` in TARGET_LOSSES), else (); a cache without it is a
-    problem naming the extract option that adds it."""
-    if cfg.drafter_type == "dspark" and cfg.dspark_loss == "full":
-        needs = "--drafter-type dspark trains its L1 and confidence terms on"
-        instead = "`--dspark-loss ce` (CE alone, no confidence head)"
-    elif cfg.loss in TARGET_LOSSES:
-        needs = f"--loss {cfg.loss} compares the drafter's distribution with the one of"
-        instead = "`--loss ce` (CE on the data tokens)"
-    else:
-        return ()
-    last, cached = manifest.target.num_layers - 1, list(manifest.layer_ids)
-    if last in cached:
-        return (last,)
-    problems.append(
-        f"{needs} the target's last hidden state (layer {last}, after the final norm), which "
-        f"this cache lacks (cached layers {cached}): extract it again adding layer {last}, "
-        f"`python -m extract --layers {','.join(map(str, sorted({*cached, last})))} ...`, or "
-        f"train with {instead}"
-    )
-    return ()
-
-
 def eval_sample_count(fraction: float, num_samples: int) -> int:
     """Samples held out for evaluation: the fraction rounded down, but at least one when the
     fraction is positive and the cache has two or more samples (a small cache still gets an
@@ -323,79 +232,3 @@ def check_size(cfg: TrainConfig, prep: Prepared, world_size: int) -> None:
         cfg.batch_tokens,
         100 * (1 - tokens / max(rows * cfg.batch_tokens, 1)),
     )
-
-
-def _drafter_config(
-    cfg: TrainConfig, manifest: Manifest, wanted: tuple[int, ...], problems: list[str]
-) -> tuple[DrafterConfig | None, int | None]:
-    """(the drafter's config, the hidden size it needs), None where the target config fails."""
-    try:
-        target_cfg = read_target_config(cfg.data)
-        text = target_cfg.get("text_config") or target_cfg
-        hidden = int(text["hidden_size"])
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        problems.append(f"target config unreadable: {e}")
-        return None, None
-    try:
-        drafter = DrafterConfig.from_target_config(
-            target_cfg,
-            num_layers=cfg.drafter_layers,
-            target_layer_ids=wanted,
-            block_size=cfg.block_size,
-            mask_token_id=cfg.mask_token_id,
-            # None: the published drafters' layer types for this target (all full for most;
-            # DFlash2: all sliding)
-            layer_types=None if cfg.layer_types is None else cfg.layer_type_names,
-            sliding_window=cfg.sliding_window,
-            tokenizer_vocab_size=manifest.target.tokenizer_vocab_size,
-            num_attention_heads=cfg.drafter_heads,
-            num_key_value_heads=cfg.drafter_kv_heads,
-            head_dim=cfg.drafter_head_dim,
-            intermediate_size=cfg.drafter_intermediate,
-            unused_token=unused_special_token(cfg.data),
-            drafter_type=cfg.drafter_type,
-            is_causal=cfg.causal,
-            **family_fields(cfg),
-        )
-    except (ValueError, KeyError) as e:
-        problems.append(f"drafter config: {e}")
-        return None, hidden
-    return drafter, hidden
-
-
-def family_fields(cfg: TrainConfig) -> dict[str, int | float | bool]:
-    """The drafter config's fields of `cfg`'s family (none for a DFlash drafter). DFlash2: its
-    sizes and the logit transform only where given (else the target's, see
-    `target_logit_transform`). DSpark: its heads (a confidence head only with the full loss)
-    and the anchors per row, which its export records."""
-    if cfg.drafter_type == "dspark":
-        return {
-            "markov_rank": cfg.markov_rank,
-            "enable_confidence_head": cfg.with_confidence_head,
-            "confidence_head_with_markov": cfg.confidence_head_with_markov,
-            "num_anchors": cfg.anchors_per_row,
-        }
-    if cfg.drafter_type != "dflash2":
-        return {}
-    fields: dict[str, int | float | bool] = {name: getattr(cfg, name) for name in DFLASH2_FIELDS}
-    for name in LOGIT_FIELDS:
-        if getattr(cfg, name) is not None:
-            fields[name] = getattr(cfg, name)
-    return fields
-
-
-def _embedding_rows(cache: Path, manifest: Manifest, problems: list[str]) -> int | None:
-    """Rows of the cached embedding; a hidden size other than the manifest's is a problem."""
-    path = target_dir(cache) / EMBED_FILE
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            rows, hidden = f.get_slice(EMBED_KEY).get_shape()
-    except (OSError, KeyError, ValueError) as e:
-        problems.append(f"target embedding {path} unreadable ({e})")
-        return None
-    if hidden != manifest.target.hidden_size:
-        problems.append(
-            f"target embedding has hidden size {hidden}, the manifest says "
-            f"{manifest.target.hidden_size}"
-        )
-    return int(rows)

@@ -17,6 +17,7 @@ import click
 from shared.cli import build
 from shared.fsio import within
 from shared.manifest import Manifest, manifest_path, read_manifest
+from train.cache_fit import fit_cache
 from train.config import TrainConfig
 
 RUNS_DIR = "runs"
@@ -156,8 +157,6 @@ def check(variant: Variant, argv: list[str]) -> TrainConfig:
 def check_cache(variant: Variant, cfg: TrainConfig, manifest: Manifest | None) -> None:
     """GridError naming the variant when the cache cannot serve it (its layers, its family's
     needs), as `python -m train` would find when its run starts."""
-    from train.run import fit_cache
-
     if manifest is None:
         return
     problems = fit_cache(cfg, manifest, complete=False, target_files=False)[3]  # each run does
