@@ -194,12 +194,17 @@ def load_state(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]
     return torch.load(Path(path) / STATE_FILE, map_location=device, weights_only=True)
 
 
+def drafter_config(ckpt_dir: Path) -> DrafterConfig:
+    """The drafter config a checkpoint folder records (no weights read)."""
+    return DrafterConfig.from_dict(json.loads((Path(ckpt_dir) / DRAFTER_FILE).read_text()))
+
+
 def load_drafter(ckpt_dir: Path) -> tuple[DFlashDrafter, DrafterConfig]:
     """The trained drafter (float32, CPU) and its config from a checkpoint folder."""
     ckpt_dir = Path(ckpt_dir)
     if not is_complete(ckpt_dir):
         raise ValueError(f"{ckpt_dir} is not a complete checkpoint folder")
-    cfg = DrafterConfig.from_dict(json.loads((ckpt_dir / DRAFTER_FILE).read_text()))
+    cfg = drafter_config(ckpt_dir)
     drafter = build_drafter(cfg)
     drafter.load_state_dict(load_state(ckpt_dir)["model"])
     return drafter, cfg

@@ -342,10 +342,15 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def export_config(export_dir: str | Path) -> DrafterConfig:
+    """The drafter config of an exported folder (its config.json; no weights read)."""
+    return config_from_hf(json.loads((Path(export_dir) / CONFIG_FILE).read_text()))
+
+
 def load_export(export_dir: str | Path) -> tuple[DFlashDrafter, DrafterConfig]:
     """Load an exported folder into a float32 drafter of its type (checks names and shapes)."""
     folder = Path(export_dir)
-    cfg = config_from_hf(json.loads((folder / CONFIG_FILE).read_text()))
+    cfg = export_config(folder)
     tensors = load_file(str(folder / WEIGHTS_FILE))
     check_tensors(tensors, cfg)
     drafter = build_drafter(cfg)

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import torch
 
-from train.checkpoint import DRAFTER_FILE, is_complete, load_drafter
+from train.checkpoint import drafter_config, is_complete, load_drafter
 from train.drafters.config import DrafterConfig
 from train.drafters.dflash import DFlashDrafter
-from train.export import CONFIG_FILE, config_from_hf, load_export
+from train.export import CONFIG_FILE, export_config, load_export
 
 log = logging.getLogger(__name__)
 
@@ -30,36 +29,37 @@ _WARM_START_FIELDS = (
 )
 
 
+# A warm start's kinds of folder: (its config alone, its drafter and config)
+READERS = {"checkpoint": (drafter_config, load_drafter), "export": (export_config, load_export)}
+
+
 def init_from_problems(path: str | Path, cfg: DrafterConfig) -> list[str]:
     """What keeps `path` from starting a drafter of `cfg`, read from its config alone (before
     any rank starts, and before the run folder is written): [] when it fits."""
     folder = Path(path)
     kind = _kind(folder)
+    if kind not in READERS:
+        return [_not_a_drafter(folder, kind)]
     try:
-        if kind == "checkpoint":
-            source = DrafterConfig.from_dict(json.loads((folder / DRAFTER_FILE).read_text()))
-        elif kind == "export":
-            source = config_from_hf(json.loads((folder / CONFIG_FILE).read_text()))
-        else:
-            return [_not_a_drafter(folder)]
+        source = READERS[kind][0](folder)
     except (OSError, ValueError, KeyError, TypeError) as e:
         return [f"--init-from {folder}: its config cannot be read ({e})"]
     return config_problems(source, cfg, path)
 
 
 def _kind(folder: Path) -> str | None:
-    """ "checkpoint" (a step-N folder), "export", or None (a run folder holds a config.json of
-    its own: not an export's)."""
+    """ "checkpoint" (a step-N folder), "export", "run" (a run folder: its config.json is the
+    run's, not an export's), or None."""
     if is_complete(folder):
         return "checkpoint"
     if (folder / "checkpoints").is_dir() or (folder / "export").is_dir():
-        return None
+        return "run"
     return "export" if (folder / CONFIG_FILE).is_file() else None
 
 
-def _not_a_drafter(folder: Path) -> str:
+def _not_a_drafter(folder: Path, kind: str | None) -> str:
     hint = ""
-    if (folder / "export").is_dir() or (folder / "checkpoints").is_dir():
+    if kind == "run":
         hint = f": it is a run folder; give {folder / 'export'} or one of its checkpoints"
     elif not folder.exists():
         hint = ": no such folder"
@@ -78,12 +78,9 @@ def warm_start_state(path: str | Path) -> tuple[dict[str, torch.Tensor], Drafter
     """(float32 weights, config) of a checkpoint folder (step-N) or an export folder."""
     folder = Path(path)
     kind = _kind(folder)
-    if kind == "checkpoint":
-        drafter, cfg = load_drafter(folder)
-    elif kind == "export":
-        drafter, cfg = load_export(folder)
-    else:
-        raise ValueError(_not_a_drafter(folder))
+    if kind not in READERS:
+        raise ValueError(_not_a_drafter(folder, kind))
+    drafter, cfg = READERS[kind][1](folder)
     return {k: v.float() for k, v in drafter.state_dict().items()}, cfg
 
 
