@@ -45,6 +45,7 @@ from e2e_forwards import forward_mfu, in_child, plain_forwards  # noqa: E402
 from e2e_inputs import long_tailed_lengths, write_rows, write_target  # noqa: E402
 from e2e_report import (  # noqa: E402
     extraction_figures,
+    host_cpu,
     print_table,
     ratio_text,
     training_figures,
@@ -258,6 +259,7 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
         "target_layers": cfg["num_hidden_layers"],
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
+        "host_cpu": host_cpu(),
         "rows": len(lengths),
         "tokens": tokens,
         "lengths": {"min": min(lengths), "max": max(lengths), "at_max": lengths.count(3072)},

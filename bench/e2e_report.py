@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -243,9 +244,25 @@ def ratio_text(ratio: float) -> str:
     return "n/a" if math.isnan(ratio) else f"{ratio:.3f}"
 
 
+def host_cpu() -> str:
+    """The host's CPU model and the cores this process may use: hosts of one card differ in how
+    fast the writer threads compress, so a run's record names its host."""
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model}, {cores} usable cores"
+
+
 def print_table(r: dict[str, Any]) -> None:
     rows = [
         ("shape / target layers / device", f"{r['shape']} / {r['target_layers']} / {r['device']}"),
+        ("host CPU", r.get("host_cpu", "not recorded")),
         ("extraction's extra options", r.get("extract_options") or "none (the defaults)"),
         ("rows, tokens (lengths)", f"{r['rows']:,}, {r['tokens']:,} ({r['lengths']})"),
         *forward_rows(r),

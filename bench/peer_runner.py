@@ -13,19 +13,30 @@ two on a machine without an accelerator only:
   trains epochs until `max_steps`, then saves the checkpoint once, as the last epoch would.
   The validation pass is left out (the drafters are compared by real decoding instead).
 It also records the wall time at the end of every optimizer step (the trainer's own
-`step_callback`) into STEP_TIMES_JSON, from which the bench takes the median step time.
+`step_callback`) into STEP_TIMES_JSON, from which the bench takes the median step time. The file
+is rewritten (atomically) after every step and each step prints a line to stderr, so a run cut
+short by a timeout still shows how far it got and how long its steps took.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 import torch
 
 
-def _patch(step_times: list[float]) -> None:
+def _write(out: str, step_times: list[float]) -> None:
+    steps_s = [b - a for a, b in zip(step_times, step_times[1:], strict=False)]
+    tmp = f"{out}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"step_s": steps_s, "torch_threads": torch.get_num_threads()}, f)
+    os.replace(tmp, out)
+
+
+def _patch(out: str, step_times: list[float]) -> None:
     from speculators.train import trainer as spec_trainer
 
     if not torch.accelerator.is_available():  # on a GPU its own rank and synchronize do
@@ -37,8 +48,15 @@ def _patch(step_times: list[float]) -> None:
             raise ValueError("bench/peer_runner.py: pass --max-steps")
         epoch = self.current_epoch
         step_times.append(time.perf_counter())
+
+        def after_step() -> None:
+            step_times.append(time.perf_counter())
+            _write(out, step_times)
+            took = step_times[-1] - step_times[-2]
+            print(f"peer_runner: step {len(step_times) - 1} took {took:.3f} s", file=sys.stderr)
+
         while self.global_step < self.config.max_steps:
-            self.train_epoch(epoch, step_callback=lambda: step_times.append(time.perf_counter()))
+            self.train_epoch(epoch, step_callback=after_step)
             epoch += 1
         self.maybe_save_checkpoint(epoch - 1)
 
@@ -48,15 +66,13 @@ def _patch(step_times: list[float]) -> None:
 def main() -> None:
     out, argv = sys.argv[1], sys.argv[2:]
     step_times: list[float] = []
-    _patch(step_times)
+    _patch(out, step_times)
     from speculators.train.cli import main as spec_main
     from speculators.train.config import TrainConfig
 
     sys.argv = [sys.argv[0], *argv]
     spec_main(TrainConfig.resolve(argv))
-    steps_s = [b - a for a, b in zip(step_times, step_times[1:], strict=False)]
-    with open(out, "w") as f:
-        json.dump({"step_s": steps_s, "torch_threads": torch.get_num_threads()}, f)
+    _write(out, step_times)
 
 
 if __name__ == "__main__":

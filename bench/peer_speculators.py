@@ -36,6 +36,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -94,6 +95,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--warmup-steps", type=int, default=5, help="steps left out of the median")
     p.add_argument("--skip-decode", action="store_true", help="train and time only")
+    p.add_argument(
+        "--spec-args",
+        default="",
+        help="more speculators train arguments, one string (e.g. '--loss-implementation eager')",
+    )
     p.add_argument("--retrain", action="store_true", help="retrain runs found complete in WORK")
     p.add_argument(
         "--tag",
@@ -173,7 +179,8 @@ def spec_command(
         "--data-path", str(a.work / "layout"), "--save-path", str(out / "checkpoints"),
         "--log-dir", str(out / "logs"), "--target-layer-ids",
         *map(str, layout["aux_hidden_state_layer_ids"]),
-        "--mask-token-id", str(mask_token(a.cache)), *SPEC_CPU_ARGS[a.device],
+        "--mask-token-id", str(mask_token(a.cache)),
+        *SPEC_CPU_ARGS[a.device], *shlex.split(a.spec_args),
         "--on-missing", "raise", "--seed", str(seed),
         "--train-data-ratio", str(train_ratio(layout["samples"], layout["held_last"])),
         "--max-steps", str(spec_steps(a, recipe)), "--no-resume-from-checkpoint",
