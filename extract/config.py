@@ -47,7 +47,9 @@ class ExtractConfig:
         None, help="Explicit target layer ids to capture, e.g. 1,9,17 (0-based decoder layers)."
     )
     num_layers: int = option(
-        5, help="Without --layers: capture this many layers by the DFlash default rule."
+        5,
+        help="Without --layers: capture this many layers by the DFlash default rule.",
+        moot_with="layers",
     )
     max_length: int = option(3072, help="Truncate rows to this many tokens (counted).")
     format: str = option("zarr", help="Shard format.", choices=FORMATS)

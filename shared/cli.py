@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 
 def option(
@@ -25,10 +26,14 @@ def option(
     choices: Sequence[str] | None = None,
     flag: str | None = None,
     metavar: str | None = None,
+    moot_with: str | None = None,
 ) -> Any:
-    """A config field with its CLI help. A tuple-typed field takes one or more values."""
+    """A config field with its CLI help. A tuple-typed field takes one or more values.
+    `moot_with`: another field that, when set, makes this one have no effect; `build` refuses
+    the two given together on a command line."""
     meta = {"help": help, "choices": tuple(choices) if choices else None, "flag": flag}
     meta["metavar"] = metavar
+    meta["moot_with"] = moot_with
     if isinstance(default, (list, dict, set)):
         raise TypeError("use a tuple default for sequence fields")
     return dataclasses.field(default=default, metadata=meta)
@@ -63,7 +68,7 @@ def click_options(cls: type) -> Callable[[Callable], Callable]:
             if "help" not in f.metadata:
                 continue
             tp, optional, sequence = _base_type(hints[f.name])
-            name = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            name = _flag(f)
             default = None if f.default is dataclasses.MISSING else f.default
             help_text = f.metadata["help"]
             if tp is bool and not sequence:
@@ -96,10 +101,35 @@ def build(cls: type, kwargs: dict[str, Any]) -> Any:
     for f in dataclasses.fields(cls):
         if values.get(f.name) == () and f.default is not dataclasses.MISSING:
             values[f.name] = f.default
+    refuse_moot(cls, values)
     try:
         return cls(**values)
     except ValueError as e:
         raise click.UsageError(flag_names(cls, str(e))) from None
+
+
+def refuse_moot(cls: type, values: dict[str, Any]) -> None:
+    """A click usage error for an option typed on the command line beside the option that makes
+    it have no effect (`option(moot_with=...)`, e.g. `--num-layers` beside `--layers`): which
+    one the user meant is theirs to say. Outside a click command, or where the moot one is only
+    its default, nothing."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return
+    given = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for f in fields.values():
+        other = f.metadata.get("moot_with")
+        if not other or values.get(other) is None or ctx.get_parameter_source(f.name) not in given:
+            continue
+        raise click.UsageError(
+            f"{_flag(f)} {values[f.name]} has no effect with {_flag(fields[other])} "
+            f"{values[other]}: give one of them"
+        )
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
 def flag_names(cls: type, message: str) -> str:
@@ -109,7 +139,7 @@ def flag_names(cls: type, message: str) -> str:
     for f in sorted(dataclasses.fields(cls), key=lambda f: -len(f.name)):
         if "help" not in f.metadata:
             continue
-        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        flag = _flag(f)
         # Whole words only; a plain word that is also a field (`steps`, `data`) only where the
         # message starts with it, as in "steps: must be >= 1".
         pattern = (

@@ -229,8 +229,9 @@ class TrainConfig:
     grad_clip: float = option(1.0, help="clip the global gradient norm to this (0: off)")
     epochs: int = option(
         6,
-        help="epochs over the training parts (ignored with --steps); on a cache still being "
+        help="epochs over the training parts (not with --steps); on a cache still being "
         "written, the run's steps are fixed at start from an estimate of the finished cache",
+        moot_with="steps",
     )
     steps: int | None = option(None, help="optimizer steps to train; default from --epochs")
     seed: int = option(0, help="seed of init, data order and anchors")
@@ -238,7 +239,8 @@ class TrainConfig:
     eval_fraction: float = option(
         0.01,
         help="fraction of samples held out for evaluation, evenly spaced over the cache (rounded "
-        "down, at least one)",
+        "down, at least one; not with --eval-parts)",
+        moot_with="eval_parts",
     )
     eval_parts: int | None = option(
         None, help="hold out this many whole parts instead (overrides the fraction)"

@@ -1,0 +1,66 @@
+"""An option typed beside the one that makes it have no effect is refused before any work,
+naming both; the same option left at its default, or given alone, is taken as ever."""
+
+from __future__ import annotations
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from extract.__main__ import main as extract_main
+from extract.config import ExtractConfig
+from shared.cli import build
+from train.__main__ import main as train_main
+from train.config import TrainConfig
+from train.sweep.grid import GridError, Variant, check
+
+
+def _build(command: click.Command, cls: type, argv: list[str]):
+    with command.make_context("prog", argv) as ctx:
+        return build(cls, ctx.params)
+
+
+EXTRACT = ["--out", "cache", "--gpus", "cpu"]
+TRAIN = ["--data", "cache", "--out", "run", "--gpus", "cpu"]
+
+
+@pytest.mark.parametrize(
+    "command, cls, argv, named",
+    [
+        (extract_main, ExtractConfig, [*EXTRACT, "--layers", "1,2", "--num-layers", "3"],
+         ("--num-layers 3", "--layers 1,2")),
+        (train_main, TrainConfig, [*TRAIN, "--steps", "5", "--epochs", "2"],
+         ("--epochs 2", "--steps 5")),
+        (train_main, TrainConfig, [*TRAIN, "--eval-fraction", "0.1", "--eval-parts", "1"],
+         ("--eval-fraction 0.1", "--eval-parts 1")),
+    ],
+)  # fmt: skip
+def test_moot_option_beside_its_overrider_is_refused(command, cls, argv, named):
+    with pytest.raises(click.UsageError) as e:
+        _build(command, cls, argv)
+    message = e.value.format_message()
+    assert all(part in message for part in named), message
+
+
+def test_each_alone_or_at_its_default_is_taken():
+    cfg = _build(extract_main, ExtractConfig, [*EXTRACT, "--layers", "1,3"])
+    assert cfg.layer_ids == (1, 3)
+    assert _build(extract_main, ExtractConfig, [*EXTRACT, "--num-layers", "3"]).num_layers == 3
+    cfg = _build(train_main, TrainConfig, [*TRAIN, "--steps", "5"])
+    assert (cfg.steps, cfg.epochs) == (5, 6)  # --epochs's default stays, and has no effect
+    assert _build(train_main, TrainConfig, [*TRAIN, "--epochs", "2"]).epochs == 2
+    assert _build(train_main, TrainConfig, [*TRAIN, "--eval-parts", "1"]).eval_parts == 1
+
+
+def test_the_whole_command_exits_with_a_usage_error(tmp_path):
+    result = CliRunner().invoke(
+        extract_main, ["--out", str(tmp_path / "c"), "--layers", "1,2", "--num-layers", "3"]
+    )
+    assert result.exit_code == 2
+    assert "--num-layers 3 has no effect with --layers 1,2" in result.output
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_sweep_names_the_variant():
+    with pytest.raises(GridError, match=r"variant lr=1e-3: --epochs 2 has no effect with --steps"):
+        check(Variant((("lr", "1e-3"),)), ["--data", "cache", "--steps", "5", "--epochs", "2"])
