@@ -91,7 +91,12 @@ def parse_gpus(spec: str | None, *, visible: int | None = None) -> DeviceSpec:
     DeviceSpec(kind='cpu', devices=(0, 0))
     """
     visible = torch.cuda.device_count() if visible is None else visible
-    if spec is None or spec.strip() in ("", "auto"):
+    if spec is not None and not spec.strip():  # `--gpus $VAR` with VAR unset: not every GPU
+        raise ValueError(
+            f"--gpus {spec!r} is empty: give GPU ids (0-4 or 0,2,5), cpu or cpu:N, or leave "
+            "--gpus out for all visible GPUs"
+        )
+    if spec is None or spec.strip().lower() == "auto":
         return DeviceSpec("cuda", tuple(range(visible))) if visible else DeviceSpec("cpu", (0,))
     spec = spec.strip().lower()
     if spec == "cpu" or spec.startswith("cpu:"):

@@ -145,7 +145,7 @@ def test_parse_gpus(spec, kind, devices):
     assert (got.kind, got.devices) == (kind, devices)
 
 
-@pytest.mark.parametrize("spec", ["0-", "a", "3-1", "0,0", "cpu:0", "cpu:x", "9"])
+@pytest.mark.parametrize("spec", ["0-", "a", "3-1", "0,0", "cpu:0", "cpu:x", "9", "", " "])
 def test_parse_gpus_rejects(spec):
     with pytest.raises(ValueError, match="--gpus"):
         parse_gpus(spec, visible=8)
