@@ -74,6 +74,22 @@ def test_train_summary_table(tmp_path):
     assert str(tmp_path / "export") in text and str(tmp_path / "metrics.jsonl") in text
 
 
+def test_train_summary_says_why_there_is_no_eval(tmp_path):
+    from train.summary import format_summary
+
+    record = {"kind": "train", "step": 3, "loss": 2.5, "tau": 1.5}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+
+    def eval_line() -> str:
+        text = format_summary(tmp_path, export=tmp_path / "export", seconds=1.0)
+        return next(line for line in text.splitlines() if line.startswith("eval"))
+
+    stopped = eval_line()  # no export: the run stopped early, its held-out samples unused yet
+    assert "stopped before the first evaluation" in stopped and "--eval" not in stopped
+    (tmp_path / "export").mkdir()
+    assert "no samples held out (--eval-fraction, --eval-parts)" in eval_line()
+
+
 def test_extract_summary_lists_the_first_rejected_rows(tmp_path, tiny_qwen3):
     from extract.summary import format_summary
     from tests.test_extract import chat

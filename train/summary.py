@@ -54,7 +54,9 @@ def format_summary(out: Path, *, export: Path, seconds: float, target: str | Non
             f"loss {_fig(evals['loss'], '.4f')}, tau {_fig(evals['tau'], '.3f')} "
             f"at step {evals['step']:,}"
             if evals
-            else "no held-out parts (--eval-parts, --eval-fraction)",
+            else "none yet (stopped before the first evaluation)"
+            if not Path(export).is_dir()
+            else "none: no samples held out (--eval-fraction, --eval-parts)",
         ),
         ("export", str(export) if Path(export).is_dir() else "none (stopped before the end)"),
         ("metrics", str(out / METRICS_FILE)),
