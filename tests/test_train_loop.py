@@ -233,3 +233,11 @@ def test_a_run_resumes_under_another_spelling_of_its_folder(cache, tmp_path, mon
     monkeypatch.chdir(tmp_path)
     run(tiny(cache, Path("run"), steps=3))  # the same folder, relative: resumed, not refused
     assert final_state(tmp_path / "run")["step"] == 3
+
+
+def test_holding_out_more_than_is_trained_warns(cache, tmp_path, caplog):
+    caplog.set_level("WARNING", logger="train.run")
+    run(tiny(cache, tmp_path / "run", eval_fraction=0.9, steps=1))
+    (warning,) = [r.getMessage() for r in caplog.records if "holds out" in r.getMessage()]
+    assert warning.startswith("--eval-fraction 0.9 holds out more samples than it trains on")
+    assert "(21 against 3)" in warning  # 24 samples: 0.9 of them, and the rest

@@ -105,6 +105,20 @@ def _run_locked(
         spec.label,
         list(prep.drafter.target_layer_ids),
     )
+    trained = sum(1 for ls in prep.train_lengths for n in ls if n > 0)
+    if prep.num_eval > trained:
+        how = (
+            f"--eval-parts {cfg.eval_parts}"
+            if cfg.eval_parts
+            else f"--eval-fraction {cfg.eval_fraction:g}"
+        )
+        log.warning(
+            "%s holds out more samples than it trains on (%d against %d): was a smaller value "
+            "meant (the default holds out 1%%)?",
+            how,
+            prep.num_eval,
+            trained,
+        )
     launch(train_rank, (cfg, prep), spec)
     return cfg.out / EXPORT_DIR
 
