@@ -13,9 +13,10 @@ two on a machine without an accelerator only:
   trains epochs until `max_steps`, then saves the checkpoint once, as the last epoch would.
   The validation pass is left out (the drafters are compared by real decoding instead).
 It also records the wall time at the end of every optimizer step (the trainer's own
-`step_callback`) into STEP_TIMES_JSON, from which the bench takes the median step time. The file
-is rewritten (atomically) after every step and each step prints a line to stderr, so a run cut
-short by a timeout still shows how far it got and how long its steps took.
+`step_callback`) into STEP_TIMES_JSON at the end, from which the bench takes the median step
+time (the file marks the run complete). STEP_TIMES_JSON.partial is rewritten (atomically) after
+every step and each step prints a line to stderr, so a run cut short by a timeout still shows how
+far it got and how long its steps took.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 
 def _write(out: str, step_times: list[float]) -> None:
+    """The step times so far in `out` (atomically)."""
     steps_s = [b - a for a, b in zip(step_times, step_times[1:], strict=False)]
     tmp = f"{out}.tmp"
     with open(tmp, "w") as f:
@@ -51,7 +53,7 @@ def _patch(out: str, step_times: list[float]) -> None:
 
         def after_step() -> None:
             step_times.append(time.perf_counter())
-            _write(out, step_times)
+            _write(f"{out}.partial", step_times)  # STEP_TIMES_JSON itself marks a finished run
             took = step_times[-1] - step_times[-2]
             print(f"peer_runner: step {len(step_times) - 1} took {took:.3f} s", file=sys.stderr)
 

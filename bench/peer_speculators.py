@@ -24,10 +24,12 @@ both on GPU 0 with their own fast paths instead, one job at a time: ours with `-
 defaults (flex_attention compiled), speculators with its defaults (its flex attention, its loss,
 bf16 hidden states, its loader workers); the layout is then written in bf16. Its checkpoint
 becomes a z-lab DFlash export by a config rewrite (`peer_layout.zlab_config`), and every export
-is decoded by `python -m train.proof.speculate` on `--prompts`. Printed: per recipe the mean tau
-over seeds with its standard error, each drafter's tau with the prompts' standard error, and the
-median step time after `--warmup-steps`; WORK/summary.json holds it all. A run found complete in
-WORK is reused (`--retrain`: trained again), so a second call decodes what the first trained.
+is decoded on `--prompts` by z-lab's reference loop (`bench/reference_decode.py`; `--decoder
+ours`: `python -m train.proof.speculate`, equal to it step by step). Printed: per recipe the
+mean tau over seeds with its standard error, each drafter's tau with the prompts' standard
+error, and the median step time after `--warmup-steps`; WORK/summary.json holds it all. A run
+found complete in WORK is reused (`--retrain`: trained again), so a second call decodes what the
+first trained.
 """
 
 from __future__ import annotations
@@ -95,6 +97,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--warmup-steps", type=int, default=5, help="steps left out of the median")
     p.add_argument("--skip-decode", action="store_true", help="train and time only")
+    p.add_argument(
+        "--decoder",
+        choices=("reference", "ours"),
+        default="reference",
+        help="reference: z-lab's dflash_generate (bench/reference_decode.py); ours: "
+        "train.proof.speculate (equal to it step by step: tests/test_speculate.py)",
+    )
     p.add_argument(
         "--spec-args",
         default="",
@@ -258,11 +267,16 @@ def decode(a: argparse.Namespace, exports: dict[str, Path]) -> dict[str, dict]:
     names = list(exports)
     shards = [names[i :: a.parallel] for i in range(a.parallel) if names[i :: a.parallel]]
     jobs = []
+    decoder = (
+        [str(ROOT / "bench/reference_decode.py")]
+        if a.decoder == "reference"
+        else ["-m", "train.proof.speculate", "--json"]
+    )
     for i, shard in enumerate(shards):
-        cmd = [sys.executable, "-m", "train.proof.speculate", "--target", a.target]
+        cmd = [sys.executable, *decoder, "--target", a.target]
         for name in shard:
             cmd += ["--drafter", str(exports[name])]
-        cmd += ["--prompts", str(a.prompts), "--max-new-tokens", str(a.max_new_tokens), "--json"]
+        cmd += ["--prompts", str(a.prompts), "--max-new-tokens", str(a.max_new_tokens)]
         jobs.append((f"decode-{i}", cmd, a.work / f"decode{a.tag}-{i}.log"))
     run_jobs(jobs, a.parallel)
     by_path = {str(p): n for n, p in exports.items()}
