@@ -77,13 +77,16 @@ def click_options(cls: type) -> Callable[[Callable], Callable]:
                     f"{name}/{no}", f.name, default=bool(default), help=help_text, show_default=True
                 )(fn)
                 continue
+            required = f.default is dataclasses.MISSING
+            # No default at all for a required option: click 8.5 takes an explicit None as a
+            # value and would let the command run without it.
             fn = click.option(
                 name,
                 f.name,
                 type=_click_type(tp, f.metadata.get("choices")),
                 multiple=sequence,
-                default=default if default is not None or optional else None,
-                required=f.default is dataclasses.MISSING,
+                **({} if required else {"default": default}),
+                required=required,
                 help=help_text,
                 show_default=default is not None and default != (),
                 metavar=f.metadata.get("metavar"),

@@ -1,7 +1,10 @@
-"""An option typed beside the one that makes it have no effect is refused before any work,
-naming both; the same option left at its default, or given alone, is taken as ever."""
+"""How the CLIs take their options: a missing required one, and one typed beside the option that
+makes it have no effect (both named), are usage errors before any work; the same option left at
+its default, or given alone, is taken as ever."""
 
 from __future__ import annotations
+
+import importlib
 
 import click
 import pytest
@@ -63,4 +66,19 @@ def test_the_whole_command_exits_with_a_usage_error(tmp_path):
 
 def test_a_sweep_names_the_variant():
     with pytest.raises(GridError, match=r"variant lr=1e-3: --epochs 2 has no effect with --steps"):
-        check(Variant((("lr", "1e-3"),)), ["--data", "cache", "--steps", "5", "--epochs", "2"])
+        check(Variant((("lr", "1e-3"),)), [*TRAIN[:4], "--steps", "5", "--epochs", "2"])
+
+
+@pytest.mark.parametrize(
+    "module, argv, missing",
+    [
+        ("extract.__main__", [], "--out"),
+        ("train.__main__", ["--out", "run"], "--data"),
+        ("train.__main__", ["--data", "cache"], "--out"),
+        ("extract.regen.__main__", [], "--out"),
+    ],
+)
+def test_a_missing_required_option_is_a_usage_error(module, argv, missing):
+    main = importlib.import_module(module).main
+    result = CliRunner().invoke(main, argv)
+    assert result.exit_code == 2 and f"Missing option '{missing}'" in result.output, result.output
