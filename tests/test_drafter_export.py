@@ -59,6 +59,24 @@ def test_export_round_trip_and_replace(tmp_path):
         torch.testing.assert_close(q, p.detach().bfloat16().float(), msg=name)
 
 
+def test_export_never_replaces_a_folder_or_file_that_is_not_an_export(tmp_path):
+    drafter, cfg = _drafter()
+    cache = tmp_path / "cache"
+    (cache / "part-000000").mkdir(parents=True)
+    (cache / "manifest.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"holds other files than an export \(manifest.json, part"):
+        export_drafter(drafter, cfg, cache)
+    assert sorted(p.name for p in cache.iterdir()) == ["manifest.json", "part-000000"]
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="a file is there"):
+        export_drafter(drafter, cfg, tmp_path / "notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    (tmp_path / "empty").mkdir()
+    export_drafter(drafter, cfg, tmp_path / "empty")  # an empty folder is taken
+    assert load_export(tmp_path / "empty")[1] == cfg
+    assert not list(tmp_path.glob(".*tmp*"))  # nothing left beside them
+
+
 def test_export_rejects_unknown_and_missing_keys(tmp_path):
     drafter, cfg = _drafter()
     drafter.embed_tokens = nn.Embedding(300, 64)

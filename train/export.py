@@ -285,10 +285,11 @@ def export_drafter(
 
     Target layer ids are written ascending (`sort_target_layers`). `heads`: the target's
     (embedding, lm_head), which a DSpark export ships. The files are written into a temporary
-    sibling folder that is renamed to `out_dir` (an existing `out_dir` is replaced), so readers
-    never see a half-written export.
+    sibling folder that is renamed to `out_dir` (an earlier export there is replaced; any other
+    folder or file is refused, `refuse_foreign_out`), so readers never see a half-written export.
     """
     out = Path(out_dir)
+    refuse_foreign_out(out)
     state = dict(drafter.state_dict())
     if cfg.drafter_type == "dspark":
         if heads is None:
@@ -315,6 +316,23 @@ def export_drafter(
         raise
     log.info("exported drafter (%d tensors) to %s", len(tensors), out)
     return out
+
+
+def refuse_foreign_out(out: Path) -> None:
+    """ValueError unless `out` is absent, an empty folder or an earlier export (its config and
+    weights only): an export replaces its folder whole, so any other folder or file there (a
+    cache, a run, the working directory) would be deleted."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir():
+        raise ValueError(f"export folder {out}: a file is there; give a new folder")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in (CONFIG_FILE, WEIGHTS_FILE))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise ValueError(
+            f"export folder {out} holds other files than an export ({shown}): an export replaces "
+            "its folder whole, so give a new or empty folder (or an earlier export to replace)"
+        )
 
 
 def export_if_room(
