@@ -121,8 +121,9 @@ def test_the_same_command_finishes_a_finished_or_damaged_run(cache, tmp_path):
     assert run(tiny(cache, out, steps=4, checkpoint_every=2)) == export
     again = load_file(str(export / "model.safetensors"))
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
-    with pytest.raises(StopRun, match="step-4 is at step 4, past this run's 3 steps"):
+    with pytest.raises(RunError, match="step-4 is at step 4, past this run's --steps 3"):
         run(tiny(cache, out, steps=3, checkpoint_every=2))
+    assert json.loads((out / "config.json").read_text())["train"]["steps"] == 4  # untouched
     newest = list_checkpoints(out)[-1][1]
     with open(newest / "state.pt", "r+b") as f:
         f.truncate(1000)
@@ -241,3 +242,16 @@ def test_holding_out_more_than_is_trained_warns(cache, tmp_path, caplog):
     (warning,) = [r.getMessage() for r in caplog.records if "holds out" in r.getMessage()]
     assert warning.startswith("--eval-fraction 0.9 holds out more samples than it trains on")
     assert "(21 against 3)" in warning  # 24 samples: 0.9 of them, and the rest
+
+
+def test_resuming_another_runs_checkpoint_needs_its_settings(cache, tmp_path):
+    first = tmp_path / "first"
+    run(tiny(cache, first, steps=2, checkpoint_every=2, lr=1e-3))
+    step2 = first / "checkpoints" / "step-2"
+    other = tmp_path / "other"
+    with pytest.raises(RunError, match=r"another run \(.*first\) with other settings") as e:
+        run(tiny(cache, other, steps=4, resume=str(step2)))
+    assert "lr: run has 0.001, now 0.003" in str(e.value) and f"--init-from {step2}" in str(e.value)
+    assert not (other / "config.json").exists()  # nothing recorded for a refused run
+    run(tiny(cache, other, steps=4, resume=str(step2), lr=1e-3))  # the same settings: a fork
+    assert [r["step"] for r in records(other)] == [3, 4]

@@ -58,10 +58,7 @@ def prepare_run_dir(
     if path.is_file():
         old = json.loads(path.read_text())
         harmful, harmless = config_changes(old.get("train", {}), record["train"])
-        if old.get("drafter") != record["drafter"]:
-            harmful.append("the drafter derived from the cache differs")
-        if old.get("cache") != record["cache"]:
-            harmful.append("the cache differs (manifest identity)")
+        harmful += _record_changes(old, record)
         if harmful:
             lines = "\n".join(f"  - {h}" for h in harmful)
             raise RunError(f"{out} holds a different run; use another --out or delete it:\n{lines}")
@@ -72,16 +69,35 @@ def prepare_run_dir(
             f"{out} has checkpoints and --resume none was given: use another --out, delete "
             "the folder, or resume (--resume auto)"
         )
-    _check_resume_point(cfg, world_size)
+    _check_resume_point(cfg, world_size, record)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, record)
 
 
-def _check_resume_point(cfg: TrainConfig, world_size: int | None) -> None:
+def _record_changes(old: dict[str, Any], record: dict[str, Any]) -> list[str]:
+    """What differs between two run records beyond their train options: drafter and cache."""
+    changes = []
+    if old.get("drafter") != record["drafter"]:
+        changes.append("the drafter derived from the cache differs")
+    if old.get("cache") != record["cache"]:
+        changes.append("the cache differs (manifest identity)")
+    return changes
+
+
+def _check_resume_point(cfg: TrainConfig, world_size: int | None, record: dict[str, Any]) -> None:
     try:
         path = resolve_resume(cfg.out, cfg.resume)
     except ValueError as e:
         raise RunError(str(e)) from None
+    if path is not None:
+        _check_other_runs_checkpoint(path, cfg.out, record)
+        step = read_meta(path).get("step", 0)
+        if cfg.steps is not None and step > cfg.steps:  # (--epochs: checked once they are steps)
+            raise RunError(
+                f"{path} is at step {step}, past this run's --steps {cfg.steps}: give --steps "
+                f"{step} or more to go on from it (or export it: python -m train.export {path} "
+                "OUT_DIR), or start another run with another --out"
+            )
     if path is None or world_size is None:
         return
     loader = read_meta(path).get("loader") or {}
@@ -91,6 +107,32 @@ def _check_resume_point(cfg: TrainConfig, world_size: int | None) -> None:
             f"{path} was written by {saved[0]} ranks x {saved[1]} loader streams, this run has "
             f"{world_size} x {max(cfg.workers, 1)}: resume with the same --gpus count and "
             "--workers, or start a new --out"
+        )
+
+
+def _check_other_runs_checkpoint(path: Path, out: Path, record: dict[str, Any]) -> None:
+    """RunError when `--resume PATH` names a checkpoint of another run folder made with other
+    settings (or of no run folder): its optimizer, schedule and data position belong to those
+    settings, and this run's config.json would record other ones."""
+    run = Path(path).parent.parent
+    if run.resolve() == Path(out).resolve():
+        return
+    source = run / CONFIG_FILE
+    hint = f"to start from its weights alone, use --init-from {path}"
+    try:
+        old = json.loads(source.read_text())
+    except (OSError, ValueError):
+        raise RunError(
+            f"--resume {path}: not in a run folder (no readable {source}), so what it was "
+            f"trained with is unknown; {hint}"
+        ) from None
+    harmful, _ = config_changes(old.get("train", {}), record["train"])
+    harmful += _record_changes(old, record)
+    if harmful:
+        lines = "\n".join(f"  - {h}" for h in harmful)
+        raise RunError(
+            f"--resume {path} is a checkpoint of another run ({run}) with other settings "
+            f'("run" below is that run):\n{lines}\nresume it with that run\'s settings, or {hint}'
         )
 
 
