@@ -221,14 +221,17 @@ def iter_records(path: Path, required: frozenset[str]) -> Iterator[tuple[str, di
     Raises ValueError at the end if some key never got all of ``required``.
     """
     pending: dict[str, dict[str, bytes]] = {}
-    with tarfile.open(path, "r|") as tar:
-        for info in tar:
-            if not info.isfile() or info.name == PART_MEMBER:
-                continue
-            key, _, ext = info.name.partition(".")
-            pending.setdefault(key, {})[ext] = tar.extractfile(info).read()
-            if required <= pending[key].keys():
-                yield key, pending.pop(key)
+    try:
+        with tarfile.open(path, "r|") as tar:
+            for info in tar:
+                if not info.isfile() or info.name == PART_MEMBER:
+                    continue
+                key, _, ext = info.name.partition(".")
+                pending.setdefault(key, {})[ext] = tar.extractfile(info).read()
+                if required <= pending[key].keys():
+                    yield key, pending.pop(key)
+    except tarfile.TarError as e:
+        raise ValueError(f"{path}: not a readable tar ({e}): damaged or cut short") from None
     if pending:
         raise ValueError(f"incomplete samples: {sorted(pending)[:5]}")
 
@@ -255,9 +258,12 @@ class WdsPartReader(PartReader):
     """Streaming reader of a ``.tar`` part (no random access)."""
 
     def __init__(self, path: Path) -> None:
-        with tarfile.open(path, "r:") as tar:  # seeks over payloads: reads headers and JSON only
-            meta = _read_part_meta(tar, path)
-            records = _scan_json(tar, required_exts(meta["store"]))
+        try:
+            with tarfile.open(path, "r:") as tar:  # seeks over payloads: headers and JSON only
+                meta = _read_part_meta(tar, path)
+                records = _scan_json(tar, required_exts(meta["store"]))
+        except tarfile.TarError as e:  # verify and readers name a damaged part: a ValueError
+            raise ValueError(f"{path}: not a readable tar ({e}): damaged or cut short") from None
         if len(records) != meta["num_samples"]:
             raise ValueError(
                 f"{path}: {len(records)} of {meta['num_samples']} samples (truncated?)"

@@ -200,6 +200,20 @@ def test_repair_drops_exactly_the_damaged_part(tmp_path, tiny_qwen3, data_file):
     assert _verify(cache).exit_code == 0
 
 
+def test_a_cut_short_wds_part_is_named_and_repaired(tmp_path, tiny_qwen3, data_file):
+    cache = tmp_path / "c"
+    extract(cache, tiny_qwen3, data_file, format="wds")
+    tar = cache / "part-000000.tar"
+    with open(tar, "r+b") as f:
+        f.truncate(1000)  # inside the first member: tarfile's "unexpected end of data"
+    r = _verify(cache)
+    assert r.exit_code == 1 and "part-000000.tar: cannot be opened" in r.output, r.output
+    assert "not a readable tar" in r.output and "Traceback" not in r.output
+    r = _verify(cache, "--repair")
+    assert r.exit_code == 1 and "dropped 1 damaged" in r.output, r.output
+    assert [p.name for p in read_manifest(cache).parts] == ["part-000001.tar"]
+
+
 @contextlib.contextmanager
 def small_disk(path: Path, size: str, *, read_only: bool = False):
     """A tmpfs of `size` at `path` (a real full file system; read-only if asked); skips where
