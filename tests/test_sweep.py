@@ -83,6 +83,19 @@ def test_a_rerun_skips_finished_runs(cache, swept):
     assert all(p.read_text().count("\n$ ") == 0 for p in (swept / "logs").iterdir())
 
 
+def test_a_rerun_with_other_train_options_or_cache_is_refused(cache, swept, tmp_path):
+    before = {p: p.read_bytes() for p in swept.glob("runs/*/*/metrics.jsonl")}
+    steps = TRAIN.index("--steps") + 1
+    longer = [*TRAIN[:steps], "7", *TRAIN[steps + 1 :]]
+    args = ["--data", str(cache), "--out", str(swept), *GRID]
+    result = CliRunner().invoke(main, [*args, *longer])
+    assert result.exit_code == 1 and "trained with the train options" in result.output
+    other = write_cache(tmp_path / "other", num_parts=3, samples_per_part=6)
+    result = CliRunner().invoke(main, ["--data", str(other), *args[2:], *TRAIN])
+    assert result.exit_code == 1 and f"trained on {cache.resolve()}" in result.output
+    assert {p: p.read_bytes() for p in swept.glob("runs/*/*/metrics.jsonl")} == before
+
+
 def test_an_interrupted_run_resumes(cache, swept, tmp_path):
     out = tmp_path / "s"
     shutil.copytree(swept / "runs", out / "runs")
@@ -138,6 +151,8 @@ def test_the_grid_is_checked_before_any_run(cache, tmp_path):
         plan(["optimizer=sgd"])
     with pytest.raises(GridError, match="variant noise_std=-1: .*--noise-std"):
         plan(["noise-std=-1"])
+    with pytest.raises(GridError, match="would share the run folder init_from=a_b"):
+        plan(["init-from=a/b,a_b"])
     jobs = plan(["selector-stop-grad=true,false", "target-layers=0,1;1,3"])
     assert [j.variant.args()[0] for j in jobs[::2]] == [
         "--selector-stop-grad",

@@ -6,13 +6,14 @@ Options this command does not know are `python -m train` options, the same for e
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from pathlib import Path
 
 import click
 
-from train.sweep.grid import GridError, parse_vary, plan_jobs
+from train.sweep.grid import GridError, check_same_sweep, parse_vary, plan_jobs
 
 SWEEP_FILE = "sweep.json"
 
@@ -72,7 +73,17 @@ def main(
     out.mkdir(parents=True, exist_ok=True)
     try:
         with output_lock(out, "python -m train.sweep"):
+            old = out / SWEEP_FILE
+            try:
+                check_same_sweep(
+                    json.loads(old.read_text()) if old.is_file() else None,
+                    data=data,
+                    train_args=list(ctx.args),
+                )
+            except GridError as e:
+                raise click.ClickException(f"{out}: {e}") from None
             record = {"command": command, "grid": grid, "seeds": seeds, "train_args": ctx.args}
+            record["data"] = str(data.resolve())
             atomic_write_json(out / SWEEP_FILE, record)
             outcome = run_jobs(jobs, out=out, devices=devices)
             unfinished = [*outcome.failed, *((j, None) for j in outcome.not_started)]

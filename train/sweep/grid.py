@@ -132,6 +132,13 @@ def plan_jobs(
         raise GridError(f"--out {out} is inside the cache --data {data}: give a folder of its own")
     jobs = []
     manifest = read_manifest(data) if manifest_path(data).is_file() else None  # none yet: follows
+    names: dict[str, Variant] = {}
+    for variant in variants(grid):
+        if (same := names.setdefault(variant.name, variant)) is not variant:
+            raise GridError(
+                f"variants {same.settings} and {variant.settings} would share the run folder "
+                f"{variant.name}: give values that differ by more than '/' and '_'"
+            )
     for variant in variants(grid):
         for seed in range(seeds):
             folder = Path(out) / RUNS_DIR / variant.name / f"seed-{seed}"
@@ -175,3 +182,22 @@ def _truth(key: str, value: str) -> bool:
     if value.lower() in ("false", "0", "no", "off"):
         return False
     raise GridError(f"--vary {key}: {value!r} is not true or false")
+
+
+def check_same_sweep(old: dict | None, *, data: Path, train_args: list[str]) -> None:
+    """GridError when the sweep folder's record (`sweep.json`, None for a new folder) was made
+    with other train options or another cache: its finished runs would be reused and reported
+    as runs of this command. Another grid or more seeds only add runs, and are taken."""
+    if old is None:
+        return
+    if old.get("train_args") != list(train_args):
+        raise GridError(
+            f"this sweep folder's runs were trained with the train options {old.get('train_args')}"
+            f", not {list(train_args)}: its finished runs would be reported as runs of these. "
+            "Give the same options, or another --out"
+        )
+    if "data" in old and Path(old["data"]) != Path(data).resolve():
+        raise GridError(
+            f"this sweep folder's runs were trained on {old['data']}, not {Path(data).resolve()}:"
+            " give that cache, or another --out"
+        )
