@@ -255,3 +255,11 @@ def test_resuming_another_runs_checkpoint_needs_its_settings(cache, tmp_path):
     assert not (other / "config.json").exists()  # nothing recorded for a refused run
     run(tiny(cache, other, steps=4, resume=str(step2), lr=1e-3))  # the same settings: a fork
     assert [r["step"] for r in records(other)] == [3, 4]
+
+
+def test_a_run_killed_before_its_first_checkpoint_logs_each_step_once(cache, tmp_path):
+    out = tmp_path / "run"
+    run(tiny(cache, out, steps=3, checkpoint_every=1000, stop_after_steps=2))
+    assert not list_checkpoints(out) and [r["step"] for r in records(out)] == [1, 2]
+    run(tiny(cache, out, steps=3, checkpoint_every=1000))  # starts again from scratch
+    assert [r["step"] for r in records(out)] == [1, 2, 3]

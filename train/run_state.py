@@ -26,6 +26,7 @@ def restore_run_state(trainer: Any) -> None:
     t = trainer
     found = load_resume(t.cfg.out, t.cfg.resume, t.device)
     if found is None:
+        t.writer.rewind(0)  # a run killed before its first checkpoint: its steps logged again
         log.info("starting from scratch: %d steps", t.total)
         return
     path, state = found
