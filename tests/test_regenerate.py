@@ -277,9 +277,10 @@ def test_settings_mismatch_refused_then_overwritten(target, data_file, tmp_path)
     assert [r["source_row"] for r in _read(out)] == [0, 1]
     foreign = tmp_path / "foreign.jsonl"
     foreign.write_text("{}\n")
-    with pytest.raises(RegenError, match="not made by this command"):
-        regen(foreign, target, data_file, max_rows=2)
-    assert foreign.read_text() == "{}\n"
+    for overwrite in (False, True):  # --overwrite replaces this command's output only
+        with pytest.raises(RegenError, match="this command did not write it"):
+            regen(foreign, target, data_file, max_rows=2, overwrite=overwrite)
+        assert foreign.read_text() == "{}\n"
     with pytest.raises(RegenError, match="one of the --data"):
         regen(data_file, target, data_file, overwrite=True)
 
@@ -300,6 +301,20 @@ def test_cli_takes_several_files_after_data(target, data_file, full, tmp_path):
     assert result.exit_code == 0, result.output
     assert out.read_bytes() == full.read_bytes()
     assert re.search(r"no_assistant_turn +1 \(lines b.jsonl:1\)", result.output)
+
+
+def test_an_output_in_use_is_refused(target, data_file, tmp_path):
+    from click.testing import CliRunner
+
+    from extract.regen.__main__ import main
+    from shared.lock import output_lock
+
+    out = tmp_path / "busy.jsonl"
+    args = ["--target", str(target), "--data", str(data_file), "--out", str(out), "--gpus", "cpu"]
+    with output_lock(parts_dir(out), "another regeneration"):
+        result = CliRunner().invoke(main, [*args, "--overwrite", "--max-rows", "2"])
+    assert result.exit_code == 1 and "another regeneration" in result.output, result.output
+    assert not out.exists()
 
 
 def test_hybrid_target_batched_equals_plain_generate(tiny_qwen35, data_file, tmp_path):

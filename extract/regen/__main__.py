@@ -31,10 +31,13 @@ def main(more_data: tuple[Path, ...], **kwargs: Any) -> None:
     from extract.regen.config import RegenError
     from extract.regen.regenerate import run
     from extract.regen.report import format_summary
+    from extract.regen.state import parts_dir
+    from shared.lock import LockHeld, output_lock
 
-    try:
-        state = run(cfg)
-    except RegenError as e:
+    try:  # one run at a time on an output: its lock lives in OUT.parts
+        with output_lock(parts_dir(cfg.out), "python -m extract.regen"):
+            state = run(cfg)
+    except (RegenError, LockHeld) as e:
         raise click.ClickException(str(e)) from None
     click.echo(format_summary(state, out=cfg.out, seconds=time.monotonic() - start))
     if state.merged_rows != state.config["total_rows"]:

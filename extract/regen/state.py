@@ -28,6 +28,7 @@ from extract.data import Rejected, RowIndex
 from extract.regen.config import RegenError
 from extract.regen.turns import Prompter
 from shared.fsio import atomic_write_json, atomic_write_text, file_lock, fsync_dir
+from shared.lock import LOCK_FILE
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +179,11 @@ def existing_state(out: Path, settings: dict[str, Any], *, overwrite: bool) -> R
             problems = settings_mismatches(state.settings, settings)
             if not problems:
                 return state
-    elif out.exists() or (parts.exists() and any(parts.iterdir())):
-        problems = [f"{out} or {parts} exists without {STATE}: not made by this command"]
+    elif out.exists() or (parts.exists() and any(p.name != LOCK_FILE for p in parts.iterdir())):
+        raise RegenError(  # --overwrite replaces only this command's own output
+            f"--out {out}: it or {parts} exists without {STATE}, so this command did not write "
+            "it; give another --out, or move it away"
+        )
     else:
         return None
     if overwrite:
@@ -197,9 +201,11 @@ def init_output(
     """Start a fresh state (deleting any old output) or record this run's options in `resume`."""
     parts = parts_dir(out)
     if resume is None:
-        shutil.rmtree(parts, ignore_errors=True)
+        parts.mkdir(parents=True, exist_ok=True)
+        for old in parts.iterdir():  # all but the lock this run holds (`shared.lock`)
+            if old.name != LOCK_FILE:
+                shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
         out.unlink(missing_ok=True)  # an output never outlives its state
-        parts.mkdir(parents=True)
         write_state(parts, RegenState(settings=settings, config=config))
     else:
         update_state(parts, lambda s: dataclasses.replace(s, config=config, failed={}))
