@@ -13,7 +13,7 @@ from pathlib import Path
 from extract.config import ExtractConfig
 from extract.data import RowIndex, index_rows, source_fingerprint, template_fingerprint
 from extract.estimate import CacheEstimate, estimate_cache
-from extract.sources import check_table, source_kind
+from extract.sources import check_table, source_kind, streams
 from extract.target import (
     build_target_layer_ids,
     check_model_type,
@@ -87,6 +87,8 @@ def _check_data(files: tuple[Path, ...]) -> None:
     missing = [str(f) for f in files if not Path(f).exists()]
     if missing:
         raise ExtractError(f"--data: no such file: {', '.join(missing)}")
+    if problem := streams(files):
+        raise ExtractError(problem)
     seen = [Path(f).resolve() for f in files]
     twice = sorted({str(f) for f, r in zip(files, seen, strict=True) if seen.count(r) > 1})
     if twice:
@@ -105,6 +107,17 @@ def plan_manifest(cfg: ExtractConfig) -> tuple[Manifest, RowIndex, CacheEstimate
     files = cfg.data or default_data()
     _check_data(files)
     layer_ids = _layer_ids(cfg, int(text_config(config)["num_hidden_layers"]))
+    context = text_config(config).get("max_position_embeddings")
+    if isinstance(context, int) and cfg.max_length > context:
+        log.warning(
+            "--max-length %d is over the target's context (max_position_embeddings %d): rows "
+            "longer than %d would be stored with states from positions it was never trained on; "
+            "give --max-length %d or less",
+            cfg.max_length,
+            context,
+            context,
+            context,
+        )
     try:  # the int4 code's groups must tile the hidden size
         payload_width(cfg.store, int(text_config(config)["hidden_size"]))
     except ValueError as e:

@@ -225,3 +225,16 @@ def _file_sha256(path: Path) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def streams(files) -> str | None:  # noqa: ANN001 (paths as given)
+    """The refusal for --data paths that are pipes or devices (`/dev/stdin`, `<(cmd)`), None
+    when there are none: the rows are read several times (fingerprint, index, every process),
+    and a pipe would look empty the second time."""
+    odd = [str(f) for f in files if not Path(f).is_file() and not Path(f).is_dir()]
+    if not odd:
+        return None
+    return (
+        f"--data {', '.join(odd)}: not a regular file (a pipe?): the rows are read several "
+        "times, so write them to a file first"
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 from extract.config import ExtractConfig
 from extract.outdir import protected_reason
+from extract.plan import plan_manifest
 from extract.run import ExtractError, run
 from shared.cache import is_own_entry
 from shared.manifest import read_manifest
@@ -293,7 +295,23 @@ def test_failures_before_any_work_name_the_file(tmp_path, tiny_qwen3, data_file)
     empty.write_text("")
     with pytest.raises(ExtractError, match="holds no rows"):
         extract(tmp_path / "c", tiny_qwen3, empty)
+    pipe = tmp_path / "rows.fifo"  # what `--data <(cmd)` or /dev/stdin gives: read once
+    os.mkfifo(pipe)
+    with pytest.raises(ExtractError, match="rows.fifo: not a regular file"):
+        extract(tmp_path / "c", tiny_qwen3, pipe)
     assert not (tmp_path / "c").exists()
+
+
+def test_a_max_length_over_the_targets_context_is_named(tmp_path, tiny_qwen3, data_file, caplog):
+    context = json.loads((tiny_qwen3 / "config.json").read_text())["max_position_embeddings"]
+    caplog.set_level("WARNING", logger="extract.plan")
+    plan_manifest(
+        ExtractConfig(out=tmp_path / "c", target=str(tiny_qwen3), data=(data_file,),
+                      max_length=context + 1)
+    )  # fmt: skip
+    (warning,) = [r.getMessage() for r in caplog.records if "context" in r.getMessage()]
+    assert f"--max-length {context + 1} is over the target's context" in warning
+    assert f"give --max-length {context} or less" in warning
 
 
 def test_every_row_rejected_names_the_target_or_the_option_that_caused_it(tmp_path, tiny_qwen3):

@@ -126,13 +126,15 @@ def _plan(cfg: RegenConfig, spec: DeviceSpec, server: tuple[str, int | None] | N
     from transformers import AutoTokenizer
 
     from extract.data import index_rows, source_fingerprint, template_fingerprint
-    from extract.sources import check_table, source_kind
+    from extract.sources import check_table, source_kind, streams
     from extract.target import content_hash, read_config, text_config
 
     config = read_config(cfg.target)
     missing = [str(f) for f in cfg.data if not Path(f).exists()]
     if missing:
         raise RegenError(f"--data: no such file: {', '.join(missing)}")
+    if problem := streams(cfg.data):
+        raise RegenError(problem)
     for path in cfg.data:  # a folder, a DatasetDict or a table without a chat column: refused
         if source_kind(path) != "jsonl":
             check_table(path)
