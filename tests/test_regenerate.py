@@ -317,6 +317,20 @@ def test_an_output_in_use_is_refused(target, data_file, tmp_path):
     assert not out.exists()
 
 
+def test_nothing_kept_is_a_failure(target, tmp_path):
+    from click.testing import CliRunner
+
+    from extract.regen.__main__ import main
+
+    data = tmp_path / "system_only.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "system", "content": "hi"}]}) + "\n")
+    out = tmp_path / "none.jsonl"
+    args = ["--target", str(target), "--data", str(data), "--out", str(out), "--gpus", "cpu"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and "no row kept" in result.output, result.output
+    assert "no_assistant_turn" in result.output  # the summary above it says why
+
+
 def test_hybrid_target_batched_equals_plain_generate(tiny_qwen35, data_file, tmp_path):
     out = tmp_path / "hybrid.jsonl"
     regen(out, tiny_qwen35, data_file, max_rows=3, max_new_tokens=MAX_NEW)

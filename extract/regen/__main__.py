@@ -42,6 +42,11 @@ def main(more_data: tuple[Path, ...], **kwargs: Any) -> None:
     click.echo(format_summary(state, out=cfg.out, seconds=time.monotonic() - start))
     if state.merged_rows != state.config["total_rows"]:
         raise SystemExit(1)
+    total = state.config["total_rows"]
+    if not state.totals(range(-(-total // state.config["rows_per_chunk"])))["rows_kept"]:
+        raise click.ClickException(  # as extraction refuses a cache of no rows
+            f"no row kept: {cfg.out} is empty (the rows rejected, and why, are above)"
+        )
 
 
 if __name__ == "__main__":
