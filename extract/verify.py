@@ -245,7 +245,13 @@ def repair_manifest(cache: Path, problems: list[str]) -> str:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("cache", type=click.Path(path_type=Path))
-@click.option("--samples", default=4, show_default=True, help="Samples to re-run the target on.")
+@click.option(
+    "--samples",
+    default=4,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Samples to re-run the target on (0: none).",
+)
 @click.option("--seed", default=0, show_default=True, help="Which samples.")
 @click.option("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present).")
 @click.option(
@@ -260,9 +266,12 @@ def main(cache: Path, samples: int, seed: int, device: str | None, repair: bool)
     from shared.target_files import target_problems
 
     setup_logging()
+    from shared.dist import parse_device
+
     try:
         manifest = read_manifest(cache)
-    except CacheMismatch as e:
+        parse_device(device)  # before the parts are read: a typo is told at once
+    except (CacheMismatch, ValueError) as e:
         raise click.ClickException(str(e)) from None
     damaged = target_problems(cache, manifest.target_files) + check_parts(cache, manifest)
     if repair and damaged:
@@ -300,9 +309,9 @@ def unfinished(cache: Path, manifest: Manifest) -> list[str]:
 def _rerun(
     cache: Path, manifest: Manifest, *, samples: int, seed: int, device: str | None
 ) -> list[str]:
-    import torch
+    from shared.dist import parse_device
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = parse_device(device)
     why_not = _no_rerun(manifest, dev)
     if why_not is not None:
         log.warning("%s: skipping the re-run check", why_not)

@@ -124,6 +124,27 @@ def parse_gpus(spec: str | None, *, visible: int | None = None) -> DeviceSpec:
     return DeviceSpec("cuda", tuple(devices))
 
 
+def parse_device(name: str | None) -> torch.device:
+    """A `--device` value as a torch device (default cuda where there is one, else cpu);
+    ValueError naming it when torch does not know it or this machine has no such device.
+
+    >>> parse_device("cpu"), parse_device("gpu0")
+    Traceback (most recent call last):
+    ValueError: --device gpu0: not a torch device (cpu, cuda, cuda:N)
+    """
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise ValueError(f"--device {name}: not a torch device (cpu, cuda, cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device here; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: {torch.cuda.device_count()} CUDA devices here")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: only cpu and cuda devices are supported")
+    return device
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

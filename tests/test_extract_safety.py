@@ -202,6 +202,16 @@ def test_repair_drops_exactly_the_damaged_part(tmp_path, tiny_qwen3, data_file):
     assert _verify(cache).exit_code == 0
 
 
+def test_verify_options_are_checked_before_any_work(tmp_path, tiny_qwen3, data_file):
+    cache = tmp_path / "c"
+    extract(cache, tiny_qwen3, data_file)
+    r = _verify(cache, "--samples", "-1")
+    assert r.exit_code == 2 and "-1 is not in the range" in r.output
+    for device, needle in [("foo", "not a torch device"), ("mps", "only cpu and cuda")]:
+        r = _verify(cache, "--device", device)
+        assert r.exit_code == 1 and needle in r.output and "parts checked" not in r.output
+
+
 def test_a_cut_short_wds_part_is_named_and_repaired(tmp_path, tiny_qwen3, data_file):
     cache = tmp_path / "c"
     extract(cache, tiny_qwen3, data_file, format="wds")

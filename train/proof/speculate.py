@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from shared.cli import build, click_options, option
+from shared.dist import parse_device
 from shared.logs import setup_logging
 from shared.models import resolve_target_name
 from train.drafters.config import DrafterConfig
@@ -232,15 +233,11 @@ def load(
 
 
 def pick_device(name: str | None) -> torch.device:
-    """--device as a torch device (default cuda where there is one); SpeculateError for a
-    name torch does not know or a CUDA device this machine lacks."""
+    """`shared.dist.parse_device`, its ValueError a SpeculateError."""
     try:
-        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:
-        raise SpeculateError(f"--device {name}: not a torch device (cpu, cuda, cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SpeculateError(f"--device {name}: no CUDA device here; use --device cpu")
-    return device
+        return parse_device(name)
+    except ValueError as e:
+        raise SpeculateError(str(e)) from None
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
