@@ -61,6 +61,10 @@ def test_files_that_do_not_match_are_refused(tmp_path):
     short.write_text(summary("C", [(2.0, 3)], max_new_tokens=16) + "\n")
     r = CliRunner().invoke(main, [str(two), str(short)])
     assert r.exit_code != 0 and "C was decoded with max_new_tokens 16, A with 64" in r.output
+    cut = tmp_path / "cut"  # a decoding killed while it wrote its line
+    cut.write_text("tau 1.6 over ...\n" + summary("A", [(2.0, 3)])[:40] + "\n")
+    r = CliRunner().invoke(main, [str(cut)])
+    assert r.exit_code == 1 and f"{cut}:2: a JSON line cut short" in r.output, r.output
 
 
 def test_files_of_other_drafters_on_the_same_prompts_add_them(tmp_path):

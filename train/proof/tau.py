@@ -89,6 +89,27 @@ def paired_difference(
 SAME_SETTINGS = ("max_new_tokens", "dtype")  # decodings compared must share these
 
 
+def _json_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a decoding's output (its lines that start with '{'); a
+    ClickException naming the line when one is cut short (a decoding killed mid-write)."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise click.ClickException(f"{path}: cannot read it ({e})") from None
+    out = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.startswith("{"):
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise click.ClickException(
+                f"{path}:{number}: a JSON line cut short (its decoding killed while writing?): "
+                "run that decoding again"
+            ) from None
+    return out
+
+
 def read_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
     """Per drafter, in the order first seen: its name and per-prompt tokens n and steps s. A
     drafter in several files gets their prompts joined in file order (one prompt set cut into
@@ -96,9 +117,8 @@ def read_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
     been decoded on the same prompts, which each prompt's length checks."""
     runs: dict[str, dict[str, Any]] = {}
     for path in paths:
-        lines = [ln for ln in Path(path).read_text().splitlines() if ln.startswith("{")]
         # greedy decodings only: a sampled one (DSpark's --temperature) has no per-prompt rows
-        found = [x for x in map(json.loads, lines) if "per_prompt" in x]
+        found = [x for x in _json_lines(Path(path)) if "per_prompt" in x]
         names = [x["drafter"] for x in found]
         if twice := sorted({n for n in names if names.count(n) > 1}):
             raise click.ClickException(f"{path}: drafter {twice[0]} appears twice")
