@@ -34,11 +34,17 @@ def test_defaults_follow_the_recipe():
         (dict(layer_types="full,full", drafter_layers=3), "layer_types"),
         (dict(warmup=1.0), "warmup"),
         (dict(eval_fraction=-0.1), "eval_fraction"),
+        (dict(resume=" "), "resume"),
     ],
 )
 def test_validation_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         cfg(**kw)
+
+
+def test_resume_words_in_any_case():
+    assert (cfg(resume="AUTO").resume, cfg(resume=" None").resume) == ("auto", "none")
+    assert cfg(resume="runs/x/checkpoints/step-4").resume == "runs/x/checkpoints/step-4"
 
 
 def test_list_options():

@@ -266,6 +266,9 @@ class TrainConfig:
         for name in ("log_every", "checkpoint_every", "keep_checkpoints", "prefetch"):
             _check(getattr(self, name) >= 1, name, "must be >= 1")
         _check(self.recompile_limit >= 1, "recompile_limit", "must be >= 1")
+        _check(bool(self.resume.strip()), "resume", "is empty: give auto, none or a checkpoint")
+        if self.resume.strip().lower() in ("auto", "none"):  # AUTO, None: the words, any case
+            object.__setattr__(self, "resume", self.resume.strip().lower())
         if self.block_size is None:  # the family's default, fixed at construction
             object.__setattr__(self, "block_size", self.default_block_size)
         _check(self.block_size >= 2, "block_size", "must be >= 2 (offset 0 is never a target)")
