@@ -113,22 +113,30 @@ def build(cls: type, kwargs: dict[str, Any]) -> Any:
 
 def refuse_moot(cls: type, values: dict[str, Any]) -> None:
     """A click usage error for an option typed on the command line beside the option that makes
-    it have no effect (`option(moot_with=...)`, e.g. `--num-layers` beside `--layers`): which
-    one the user meant is theirs to say. Outside a click command, or where the moot one is only
-    its default, nothing."""
+    it have no effect (`option(moot_with=...)`, e.g. `--num-layers` beside `--layers`), or
+    without the value of another option it acts under (`cls.ONLY_WITH`, e.g. `--markov-rank`
+    only with `--drafter-type dspark`): which one the user meant is theirs to say. Outside a
+    click command, or where the moot one is only its default, nothing."""
     ctx = click.get_current_context(silent=True)
     if ctx is None:
         return
     given = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    for f in fields.values():
+    typed = [f for f in fields.values() if ctx.get_parameter_source(f.name) in given]
+    for f in typed:
         other = f.metadata.get("moot_with")
-        if not other or values.get(other) is None or ctx.get_parameter_source(f.name) not in given:
-            continue
-        raise click.UsageError(
-            f"{_flag(f)} {values[f.name]} has no effect with {_flag(fields[other])} "
-            f"{values[other]}: give one of them"
-        )
+        if other and values.get(other) is not None:
+            raise click.UsageError(
+                f"{_flag(f)} {values[f.name]} has no effect with {_flag(fields[other])} "
+                f"{values[other]}: give one of them"
+            )
+        other, wanted = getattr(cls, "ONLY_WITH", {}).get(f.name, (None, ()))
+        if other and str(values.get(other)) not in wanted:
+            raise click.UsageError(
+                f"{_flag(f)} has no effect unless {_flag(fields[other])} is "
+                f"{' or '.join(wanted)} (this command's: {values.get(other)}): drop it, or give "
+                f"{_flag(fields[other])} {wanted[0]}"
+            )
 
 
 def _flag(f: dataclasses.Field) -> str:

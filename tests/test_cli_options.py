@@ -45,6 +45,24 @@ def test_moot_option_beside_its_overrider_is_refused(command, cls, argv, named):
     assert all(part in message for part in named), message
 
 
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--markov-rank", "3"], "--markov-rank has no effect unless --drafter-type is dspark"),
+        (["--no-confidence-head"], "--confidence-head has no effect unless --drafter-type"),
+        (["--drafter-type", "dspark", "--selector-rank", "4"],
+         "--selector-rank has no effect unless --drafter-type is dflash2 (this command's: dspark)"),
+        (["--muon-lr", "0.1"], "--muon-lr has no effect unless --optimizer is muon"),
+        (["--kl-weight", "0.3", "--loss", "kl"], "--kl-weight has no effect unless --loss is mix"),
+        (["--dpace-alpha", "0.9"], "--dpace-alpha has no effect unless --slot-weights is dpace"),
+    ],
+)  # fmt: skip
+def test_an_option_of_another_family_or_mode_is_refused(argv, named):
+    with pytest.raises(click.UsageError) as e:
+        _build(train_main, TrainConfig, [*TRAIN, *argv])
+    assert named in e.value.format_message()
+
+
 def test_each_alone_or_at_its_default_is_taken():
     cfg = _build(extract_main, ExtractConfig, [*EXTRACT, "--layers", "1,3"])
     assert cfg.layer_ids == (1, 3)
@@ -53,6 +71,10 @@ def test_each_alone_or_at_its_default_is_taken():
     assert (cfg.steps, cfg.epochs) == (5, 6)  # --epochs's default stays, and has no effect
     assert _build(train_main, TrainConfig, [*TRAIN, "--epochs", "2"]).epochs == 2
     assert _build(train_main, TrainConfig, [*TRAIN, "--eval-parts", "1"]).eval_parts == 1
+    dspark = [*TRAIN, "--drafter-type", "dspark", "--markov-rank", "3", "--no-confidence-head"]
+    assert _build(train_main, TrainConfig, dspark).markov_rank == 3
+    muon = [*TRAIN, "--optimizer", "muon", "--muon-lr", "0.1"]
+    assert _build(train_main, TrainConfig, muon).muon_lr == 0.1
 
 
 def test_the_whole_command_exits_with_a_usage_error(tmp_path):

@@ -27,6 +27,7 @@ TRAIN = [
     "--eval-parts", "1", "--checkpoint-every", "2",
 ]  # fmt: skip
 GRID = ["--vary", "optimizer=adamw,muon", "--seeds", "2", "--gpus", "cpu"]
+DFLASH2 = ["--drafter-type", "dflash2"]
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +154,9 @@ def test_the_grid_is_checked_before_any_run(cache, tmp_path):
         plan(["noise-std=-1"])
     with pytest.raises(GridError, match="would share the run folder init_from=a_b"):
         plan(["init-from=a/b,a_b"])
-    jobs = plan(["selector-stop-grad=true,false", "target-layers=0,1;1,3"])
+    with pytest.raises(GridError, match="--markov-rank has no effect unless --drafter-type"):
+        plan(["markov-rank=64,128"])  # a DFlash run twice under two names
+    jobs = plan(["selector-stop-grad=true,false", "target-layers=0,1;1,3"], DFLASH2)
     assert [j.variant.args()[0] for j in jobs[::2]] == [
         "--selector-stop-grad",
         "--no-selector-stop-grad",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from shared.cli import option
 from train.drafters import config as drafter_names  # the drafters' names, fields and defaults
@@ -25,9 +25,28 @@ from train.options import (
     parse_layer_types,
 )
 
+DFLASH2_ONLY = (
+    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_weight",
+    "selector_warmup", "selector_ramp", "selector_stop_grad",
+)  # fmt: skip
+DSPARK_ONLY = (
+    "markov_rank", "confidence_head", "confidence_head_with_markov", "dspark_loss",
+    "dspark_ce_weight", "dspark_l1_weight", "dspark_conf_weight",
+)  # fmt: skip
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
+    # Options that act only where another option has one of some values: typed on a command
+    # line without it, refused (`shared.cli.refuse_moot`), as a sweep of them would train
+    # the same run under several names.
+    ONLY_WITH: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {
+        **dict.fromkeys(DFLASH2_ONLY, ("drafter_type", ("dflash2",))),
+        **dict.fromkeys(DSPARK_ONLY, ("drafter_type", ("dspark",))),
+        "muon_lr": ("optimizer", ("muon",)),
+        "kl_weight": ("loss", ("mix",)),
+        "dpace_alpha": ("slot_weights", ("dpace",)),
+    }
     # where
     data: Path = option(help="cache folder written by `python -m extract` (holds manifest.json)")
     out: Path = option(help="run folder: config.json, checkpoints/, metrics.jsonl, export/")
