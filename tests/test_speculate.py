@@ -369,6 +369,14 @@ def test_cli_missing_files(tmp_path, tiny_qwen3, random_export):
     (tmp_path / "run" / "export").mkdir(parents=True)
     result = run_cli("--target", tiny_qwen3, "--drafter", tmp_path / "run", "--prompts", prompts)
     assert f"is a run folder: give its export, {tmp_path / 'run' / 'export'}" in result.output
+    step = tmp_path / "run" / "checkpoints" / "step-4"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    (step / "state.pt").write_bytes(b"")
+    result = run_cli("--target", tiny_qwen3, "--drafter", step, "--prompts", prompts)
+    assert f"is a checkpoint: export it first (python -m train.export {step}" in result.output
+    result = run_cli("--target", "no-such-model", "--drafter", random_export, "--prompts", prompts)
+    assert "--target no-such-model: no such folder, nor a model" in result.output, result.output
     for device, needle in [("foo", "not a torch device"), ("cuda", "no CUDA device here")]:
         if device == "cuda" and torch.cuda.is_available():
             continue

@@ -188,6 +188,19 @@ def load(
     for d in cfg.drafter:
         if (d / "export").is_dir() or (d / "checkpoints").is_dir():
             raise SpeculateError(f"--drafter {d} is a run folder: give its export, {d / 'export'}")
+        if (d / "meta.json").is_file() and (d / "state.pt").is_file():
+            raise SpeculateError(
+                f"--drafter {d} is a checkpoint: export it first (python -m train.export {d} "
+                "OUT_DIR) and give OUT_DIR"
+            )
+    if not Path(cfg.target).is_dir():  # a hub id is taken from the local cache only
+        try:
+            AutoConfig.from_pretrained(cfg.target, local_files_only=True)
+        except (OSError, ValueError):
+            raise SpeculateError(
+                f"--target {cfg.target}: no such folder, nor a model of that name in the local "
+                "Hugging Face cache"
+            ) from None
     device = pick_device(cfg.device)
     files = [(cfg.prompts, "--prompts")] + [(d / CONFIG_FILE, "--drafter") for d in cfg.drafter]
     for path, what in files:
