@@ -168,6 +168,13 @@ def test_cli_refuses_a_folder_without_config(tmp_path):
     result = CliRunner().invoke(main, [str(a), str(tmp_path / "missing")])
     assert result.exit_code != 0
     assert f"{tmp_path / 'missing'}: no config.json, not a run folder" in result.output
+    export = tmp_path / "run" / "export"  # a run's export, given instead of its run folder
+    export.mkdir(parents=True)
+    (export / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
+    (export / "model.safetensors").write_bytes(b"")
+    result = CliRunner().invoke(main, [str(a), str(export)])
+    assert result.exit_code == 1, result.output
+    assert f"{export}: a drafter export, not a run folder (give {export.parent})" in result.output
 
 
 def test_selected_tau_column_when_a_run_has_a_selector(tmp_path):

@@ -263,3 +263,13 @@ def test_a_run_killed_before_its_first_checkpoint_logs_each_step_once(cache, tmp
     assert not list_checkpoints(out) and [r["step"] for r in records(out)] == [1, 2]
     run(tiny(cache, out, steps=3, checkpoint_every=1000))  # starts again from scratch
     assert [r["step"] for r in records(out)] == [1, 2, 3]
+
+
+def test_an_export_or_another_tools_folder_is_not_a_run_folder(cache, tmp_path):
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
+    (export / "model.safetensors").write_bytes(b"")
+    with pytest.raises(RunError, match="its config.json is a drafter export's, not a training"):
+        run(tiny(cache, export, steps=1))
+    assert sorted(p.name for p in export.iterdir()) == ["config.json", "model.safetensors"]

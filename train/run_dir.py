@@ -56,7 +56,7 @@ def prepare_run_dir(
     path = out / CONFIG_FILE
     record = run_record(cfg, prep, manifest)
     if path.is_file():
-        old = json.loads(path.read_text())
+        old = _run_record(path)
         harmful, harmless = config_changes(old.get("train", {}), record["train"])
         harmful += _record_changes(old, record)
         if harmful:
@@ -72,6 +72,22 @@ def prepare_run_dir(
     _check_resume_point(cfg, world_size, record)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, record)
+
+
+def _run_record(path: Path) -> dict[str, Any]:
+    """A run folder's config.json; RunError when the file is not a run's (a drafter export's
+    config, another tool's, or unreadable)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise RunError(f"{path} cannot be read ({e}): give another --out") from None
+    if not isinstance(record, dict) or not isinstance(record.get("train"), dict):
+        whose = "a drafter export's" if (path.parent / "model.safetensors").is_file() else "another"
+        raise RunError(
+            f"--out {path.parent}: its config.json is {whose}, not a training run's: give another "
+            "--out"
+        )
+    return record
 
 
 def _record_changes(old: dict[str, Any], record: dict[str, Any]) -> list[str]:

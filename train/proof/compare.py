@@ -73,6 +73,13 @@ def read_run(folder: Path | str) -> RunSummary:
         raise CompareError(f"{folder}: no {CONFIG_FILE}, not a run folder") from None
     except (OSError, json.JSONDecodeError) as e:
         raise CompareError(f"{folder}/{CONFIG_FILE} unreadable ({e})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("train"), dict):
+        export = (folder / "model.safetensors").is_file()
+        raise CompareError(
+            f"{folder}: a drafter export, not a run folder (give {folder.parent})"
+            if export
+            else f"{folder}/{CONFIG_FILE} is not a training run's: not a run folder"
+        )
     records = []
     path = folder / METRICS_FILE
     lines = path.read_text().splitlines() if path.is_file() else []
