@@ -51,7 +51,14 @@ def source_kind(path: Path | str) -> str:
             )
         raise SourceError(f"--data {path} is a folder, not a data file. {ACCEPTED_INPUT}")
     with open(path, "rb") as f:  # FileNotFoundError for a missing one
-        head = f.read(8)
+        head = f.read(4096)
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise SourceError(f"--data {path} is UTF-16 text: save it as UTF-8. {ACCEPTED_INPUT}")
+    if head.removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"["):
+        raise SourceError(
+            f"--data {path} is one JSON document (a list), not JSON Lines: write one row per "
+            f"line, e.g. jq -c '.[]' {path} > rows.jsonl. {ACCEPTED_INPUT}"
+        )
     if head.startswith(_PARQUET_MAGIC):
         return "parquet"
     if head.startswith(_ARROW_FILE_MAGIC) or head.startswith(_ARROW_STREAM_MAGIC):

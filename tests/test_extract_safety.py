@@ -305,6 +305,15 @@ def test_failures_before_any_work_name_the_file(tmp_path, tiny_qwen3, data_file)
     empty.write_text("")
     with pytest.raises(ExtractError, match="holds no rows"):
         extract(tmp_path / "c", tiny_qwen3, empty)
+    rows = [json.loads(x) for x in data_file.read_text().splitlines() if x.strip()]
+    document = tmp_path / "rows.json"
+    document.write_text(json.dumps(rows, indent=2))  # a JSON list, as many datasets ship
+    with pytest.raises(ExtractError, match="rows.json is one JSON document .a list., not JSON"):
+        extract(tmp_path / "c", tiny_qwen3, document)
+    wide = tmp_path / "wide.jsonl"
+    wide.write_bytes(data_file.read_text().encode("utf-16"))  # with its byte-order mark
+    with pytest.raises(ExtractError, match="wide.jsonl is UTF-16 text: save it as UTF-8"):
+        extract(tmp_path / "c", tiny_qwen3, wide)
     pipe = tmp_path / "rows.fifo"  # what `--data <(cmd)` or /dev/stdin gives: read once
     os.mkfifo(pipe)
     with pytest.raises(ExtractError, match="rows.fifo: not a regular file"):
