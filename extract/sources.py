@@ -54,7 +54,8 @@ def source_kind(path: Path | str) -> str:
         head = f.read(4096)
     if head.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise SourceError(f"--data {path} is UTF-16 text: save it as UTF-8. {ACCEPTED_INPUT}")
-    if head.removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"["):
+    text = head.removeprefix(b"\xef\xbb\xbf").lstrip()
+    if text.split(b"\n", 1)[0].strip() == b"[" or text.startswith(b"[{"):  # a list of rows
         raise SourceError(
             f"--data {path} is one JSON document (a list), not JSON Lines: write one row per "
             f"line, e.g. jq -c '.[]' {path} > rows.jsonl. {ACCEPTED_INPUT}"
