@@ -131,19 +131,22 @@ class ExtractConfig:
     def __post_init__(self) -> None:
         if self.layers is not None:
             parse_layer_list(self.layers)
-        checks = {
-            "num_layers": self.num_layers >= 1,
-            "max_length": self.max_length >= 2,
-            "batch_tokens": self.batch_tokens >= 2,
-            "rows_per_part": self.rows_per_part >= 1,
-            "writer_threads": self.writer_threads >= 0,
-            "staging_buffers": self.staging_buffers >= 2,
-            "switch_interval_ms": self.switch_interval_ms > 0,
-            "max_rows": self.max_rows is None or self.max_rows >= 1,
+        least = {  # the smallest value each takes
+            "num_layers": 1,
+            "max_length": 2,
+            "batch_tokens": 2,
+            "rows_per_part": 1,
+            "writer_threads": 0,
+            "staging_buffers": 2,
+            "max_rows": 1,
         }
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"--{name.replace('_', '-')}: {getattr(self, name)} is too small")
+        for name, low in least.items():
+            value = getattr(self, name)
+            if value is not None and value < low:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag}: {value} is too small (at least {low})")
+        if not self.switch_interval_ms > 0:
+            raise ValueError(f"--switch-interval-ms: {self.switch_interval_ms} must be above 0")
         if self.compile == "layers" and self.packing == "off":
             raise ValueError(
                 "--compile layers needs packed rows (one static shape): drop --packing off, or "

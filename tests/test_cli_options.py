@@ -104,3 +104,9 @@ def test_a_missing_required_option_is_a_usage_error(module, argv, missing):
     main = importlib.import_module(module).main
     result = CliRunner().invoke(main, argv)
     assert result.exit_code == 2 and f"Missing option '{missing}'" in result.output, result.output
+
+
+def test_a_too_small_value_names_the_least_one():
+    with pytest.raises(click.UsageError) as e:
+        _build(extract_main, ExtractConfig, [*EXTRACT, "--staging-buffers", "1"])
+    assert "--staging-buffers: 1 is too small (at least 2)" in e.value.format_message()
