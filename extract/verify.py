@@ -270,7 +270,7 @@ def main(cache: Path, samples: int, seed: int, device: str | None, repair: bool)
 
     try:
         manifest = read_manifest(cache)
-        parse_device(device)  # before the parts are read: a typo is told at once
+        dev = parse_device(device)  # before the parts are read: a typo is told at once
     except (CacheMismatch, ValueError) as e:
         raise click.ClickException(str(e)) from None
     damaged = target_problems(cache, manifest.target_files) + check_parts(cache, manifest)
@@ -284,7 +284,7 @@ def main(cache: Path, samples: int, seed: int, device: str | None, repair: bool)
         sys.exit(1)
     problems = damaged + unfinished(cache, manifest)
     if samples and not problems:
-        problems += _rerun(cache, manifest, samples=samples, seed=seed, device=device)
+        problems += _rerun(cache, manifest, samples=samples, seed=seed, device=dev)
     for p in problems:
         click.echo(f"MISMATCH {p}", err=True)
     click.echo(f"{len(manifest.parts)} parts checked, {len(problems)} problems")
@@ -307,16 +307,13 @@ def unfinished(cache: Path, manifest: Manifest) -> list[str]:
 
 
 def _rerun(
-    cache: Path, manifest: Manifest, *, samples: int, seed: int, device: str | None
+    cache: Path, manifest: Manifest, *, samples: int, seed: int, device: torch.device
 ) -> list[str]:
-    from shared.dist import parse_device
-
-    dev = parse_device(device)
-    why_not = _no_rerun(manifest, dev)
+    why_not = _no_rerun(manifest, device)
     if why_not is not None:
         log.warning("%s: skipping the re-run check", why_not)
         return []
-    return rerun_samples(cache, manifest, samples=samples, seed=seed, device=dev)
+    return rerun_samples(cache, manifest, samples=samples, seed=seed, device=device)
 
 
 if __name__ == "__main__":

@@ -20,33 +20,16 @@ from train.options import (
     CE_MODES,
     COMPILE_MODES,
     GRAD_CKPT_MODES,
+    ONLY_WITH,
     OPTIMIZERS,
     parse_ints,
     parse_layer_types,
 )
 
-DFLASH2_ONLY = (
-    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_weight",
-    "selector_warmup", "selector_ramp", "selector_stop_grad",
-)  # fmt: skip
-DSPARK_ONLY = (
-    "markov_rank", "confidence_head", "confidence_head_with_markov", "dspark_loss",
-    "dspark_ce_weight", "dspark_l1_weight", "dspark_conf_weight",
-)  # fmt: skip
-
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    # Options that act only where another option has one of some values: typed on a command
-    # line without it, refused (`shared.cli.refuse_moot`), as a sweep of them would train
-    # the same run under several names.
-    ONLY_WITH: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {
-        **dict.fromkeys(DFLASH2_ONLY, ("drafter_type", ("dflash2",))),
-        **dict.fromkeys(DSPARK_ONLY, ("drafter_type", ("dspark",))),
-        "muon_lr": ("optimizer", ("muon",)),
-        "kl_weight": ("loss", ("mix",)),
-        "dpace_alpha": ("slot_weights", ("dpace",)),
-    }
+    ONLY_WITH: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = ONLY_WITH  # train.options
     # where
     data: Path = option(help="cache folder written by `python -m extract` (holds manifest.json)")
     out: Path = option(help="run folder: config.json, checkpoints/, metrics.jsonl, export/")

@@ -67,3 +67,23 @@ def parse_layer_types(text: str | None, num_layers: int) -> tuple[str, ...]:
     if len(names) != num_layers:
         raise ValueError(f"layer_types: {len(names)} given for {num_layers} drafter layers")
     return tuple(LAYER_TYPE_ALIASES[v] for v in names)
+
+
+DFLASH2_ONLY = (
+    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_weight",
+    "selector_warmup", "selector_ramp", "selector_stop_grad",
+)  # fmt: skip
+DSPARK_ONLY = (
+    "markov_rank", "confidence_head", "confidence_head_with_markov", "dspark_loss",
+    "dspark_ce_weight", "dspark_l1_weight", "dspark_conf_weight",
+)  # fmt: skip
+# Options that act only where another option has one of some values: typed on a command line
+# without it, refused (`shared.cli.refuse_moot`, through `TrainConfig.ONLY_WITH`), as a sweep of
+# them would train the same run under several names.
+ONLY_WITH = {
+    **dict.fromkeys(DFLASH2_ONLY, ("drafter_type", ("dflash2",))),
+    **dict.fromkeys(DSPARK_ONLY, ("drafter_type", ("dspark",))),
+    "muon_lr": ("optimizer", ("muon",)),
+    "kl_weight": ("loss", ("mix",)),
+    "dpace_alpha": ("slot_weights", ("dpace",)),
+}
