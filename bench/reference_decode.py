@@ -59,8 +59,7 @@ def decode_one(ref, drafter, target, ids: list[int], *, max_new_tokens: int, eos
     device = next(target.parameters()).device
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     out = ref.dflash_generate(drafter, target, input_ids, max_new_tokens, eos, return_stats=True)
-    new = out.output_ids[0, len(ids) :].tolist() if out.output_ids.dim() == 2 else []
-    return list(out.acceptance_lengths), new
+    return list(out.acceptance_lengths), out.output_ids[0, len(ids) :].tolist()
 
 
 def main(argv: list[str] | None = None) -> None:
