@@ -27,7 +27,14 @@ from extract.packed_attention import (
     document_mask_mod,
     register,
 )
-from extract.packing import fitting_size, pack_rows, packed_inputs, row_sizes, sample_groups
+from extract.packing import (
+    fitting_size,
+    pack_rows,
+    packed_inputs,
+    row_sizes,
+    sample_groups,
+    taper_end,
+)
 from extract.target import decoder_layers
 
 log = logging.getLogger(__name__)
@@ -143,9 +150,15 @@ class PackedLayout:
             f"{attention}, layers {layers})"
         )
 
-    def batches(self, lengths: Sequence[int], *, batch_tokens: int) -> list[list[int]]:
-        """Rows (longest first) grouped into packed rows; `batch_tokens` is in chunk_tokens."""
-        return pack_rows(lengths, chunk_tokens=self.chunk_tokens)
+    def batches(
+        self, lengths: Sequence[int], *, batch_tokens: int, last: bool = False
+    ) -> list[list[int]]:
+        """Rows (longest first) grouped into packed rows; `batch_tokens` is in chunk_tokens.
+        `last`: the rank's last part, whose last rows run at the smallest size (`taper_end`)."""
+        chunks = pack_rows(lengths, chunk_tokens=self.chunk_tokens)
+        if not last:
+            return chunks
+        return taper_end(chunks, lengths, chunk_tokens=self.chunk_tokens, small=self.sizes[-1])
 
     def inputs(
         self,

@@ -79,6 +79,34 @@ def pack_rows(lengths: Sequence[int], *, chunk_tokens: int) -> list[list[int]]:
     return chunks
 
 
+def taper_end(
+    chunks: list[list[int]], lengths: Sequence[int], *, chunk_tokens: int, small: int
+) -> list[list[int]]:
+    """`chunks` (`pack_rows`'s) with the rows of the last ones, about one chunk's worth, packed
+    again into rows of `small` tokens: the run's last forwards are then small, and what the host
+    still has to compress and write after the last one is a small row's states, not a whole
+    chunk's (the larger chunk before them compresses while they run). Only rows that fit `small`
+    are moved; the chunks before them stay as they were.
+
+    >>> taper_end([[0, 1], [2, 3, 4]], [6, 5, 3, 3, 2], chunk_tokens=11, small=4)
+    [[0, 1], [2], [3], [4]]
+    >>> taper_end([[0], [1]], [9, 8], chunk_tokens=10, small=4)
+    [[0], [1]]
+    """
+    moved: list[int] = []
+    keep = len(chunks)
+    while keep and sum(lengths[i] for i in moved) < chunk_tokens:
+        last = chunks[keep - 1]
+        if any(lengths[i] > small for i in last):
+            break
+        moved = last + moved
+        keep -= 1
+    if not moved:
+        return chunks
+    again = pack_rows([lengths[i] for i in moved], chunk_tokens=small)
+    return chunks[:keep] + [[moved[j] for j in chunk] for chunk in again]
+
+
 @dataclass(frozen=True)
 class Packed:
     """One packed row: `ids`, `positions` and `doc_ids` [chunk_tokens]; `cu_seqlens` [segments

@@ -142,8 +142,9 @@ class PartPipeline:
         )
         return OpenPart(unit, kept, rejected, job.unit_rows(unit), writer)
 
-    def submit(self, part: OpenPart) -> None:
-        """Run the part's forwards and queue its writes and commit."""
+    def submit(self, part: OpenPart, *, last: bool = False) -> None:
+        """Run the part's forwards and queue its writes and commit; `last`: the rank's last
+        part, whose last forwards the layout may make small (a short wait after them)."""
         job, kept, writer = self.job, part.kept, part.writer
         self._wait_for_commits(PARTS_AWAITING_COMMIT - 1)
         lengths = [len(k.input_ids) for k in kept]
@@ -155,7 +156,8 @@ class PartPipeline:
         futures = []
         if self.clock is not None:
             self.clock.mark_part()
-        for batch in self.capture.layout.batches(lengths, batch_tokens=job.batch_tokens):
+        batches = self.capture.layout.batches(lengths, batch_tokens=job.batch_tokens, last=last)
+        for batch in batches:
             if self.before_forward is not None:
                 self.before_forward()
             packed = self.capture.run([kept[i].input_ids for i in batch], device=self.device)

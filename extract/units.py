@@ -41,7 +41,7 @@ def run_units(
                 break
             if k + 1 < len(units):
                 ahead = reader.submit(prepare, units[k + 1])
-            pipeline.submit(part)
+            pipeline.submit(part, last=k + 1 == len(units))
             submitted += 1
             if after_part is not None:
                 after_part()

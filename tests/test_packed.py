@@ -19,7 +19,7 @@ from extract.packed_attention import (
     document_mask_mod,
     packed_attention,
 )
-from extract.packing import pack_rows, packed_inputs
+from extract.packing import pack_rows, packed_inputs, taper_end
 from extract.target import load_target
 from tests.test_extract import data_file, extract, samples_by_row  # noqa: F401
 
@@ -34,6 +34,27 @@ def test_pack_rows_keeps_every_row_once_and_within_the_chunk():
     assert all(sum(lengths[i] for i in c) <= 512 for c in chunks)
     # first fit decreasing: all chunks but the last few are nearly full
     assert sum(lengths) / (512 * len(chunks)) > 0.95
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_taper_end_moves_about_one_chunk_of_the_last_rows_into_small_rows(seed):
+    rng = np.random.default_rng(seed)
+    lengths = sorted(rng.integers(1, 300, 150).tolist(), reverse=True)
+    chunks = pack_rows(lengths, chunk_tokens=1024)
+    tapered = taper_end(chunks, lengths, chunk_tokens=1024, small=256)
+    assert sorted(i for c in tapered for i in c) == list(range(len(lengths)))
+    kept = next(k for k in range(len(chunks) + 1) if tapered[k] != chunks[k])
+    assert tapered[:kept] == chunks[:kept]  # the chunks before the moved rows stay
+    moved = [i for c in tapered[kept:] for i in c]
+    assert all(sum(lengths[i] for i in c) <= 256 for c in tapered[kept:])
+    # whole chunks moved, the last ones, until a chunk's worth (or a row too long for 256)
+    assert sorted(moved) == sorted(i for c in chunks[kept:] for i in c)
+    stopped_by_long_row = any(lengths[i] > 256 for i in chunks[kept - 1])
+    assert sum(lengths[i] for i in moved) >= 1024 or stopped_by_long_row
+
+
+def test_taper_end_leaves_rows_too_long_for_the_small_size():
+    assert taper_end([[0], [1]], [300, 280], chunk_tokens=512, small=256) == [[0], [1]]
 
 
 def test_packed_inputs_restart_positions_and_close_with_a_pad_segment():
