@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -257,6 +258,37 @@ def test_resume_after_kill_equals_uninterrupted(target, data_file, full, tmp_pat
     state = regen(out, target, data_file)
     assert out.read_bytes() == full.read_bytes()
     assert state.merged_rows == 14
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_finishes_the_chunk_in_progress_and_says_how_to_resume(
+    target, data_file, full, tmp_path, sig
+):
+    out = tmp_path / "stopped.jsonl"
+    args = ["--target", str(target), "--data", str(data_file), "--out", str(out)]
+    args += ["--gpus", "cpu", "--max-new-tokens", str(MAX_NEW), "--max-length", str(MAX_LENGTH)]
+    args += ["--batch-size", "3", "--rows-per-chunk", str(ROWS_PER_CHUNK)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "extract.regen", *args],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in proc.stderr:  # the signal as soon as the first chunk is committed
+        if "committed chunk-" in line:
+            proc.send_signal(sig)
+            break
+    err = proc.stderr.read()
+    assert proc.wait() == 1
+    name = signal.Signals(sig).name
+    assert f"stopped by {name}" in err and "run the same command to resume" in err
+    partial = read_state(parts_dir(out))
+    assert 1 <= len(partial.chunks) < 4 and not out.exists()
+    assert f"{4 - len(partial.chunks)} chunks" in err  # what is still to do
+    state = regen(out, target, data_file)
+    assert out.read_bytes() == full.read_bytes() and state.merged_rows == 14
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ plus `source_row` (the global row number) and `turns_at_limit` (indices of the m
 Rows are cut into fixed chunks (`--rows-per-chunk`) spread over the ranks; each chunk is written
 to `OUT.parts/chunk-NNNNNN.jsonl` and recorded in `OUT.parts/state.json` (see
 `extract.regen.state`); OUT is the chunks concatenated in row order, replaced atomically at the
-end. Chunk files are kept, so a later run with more rows only generates the new ones.
+end. Chunk files are kept, so a later run with more rows only generates the new ones. SIGINT or
+SIGTERM lets each process commit its chunk in progress, then stop (a second one: at once).
 
 This module plans the run and drives one process per device; the generation itself is in
 `extract.regen.generation`. With `--server URL` a running inference server generates instead
@@ -30,6 +31,7 @@ import torch
 
 from extract.data import Rejected
 from extract.regen.config import Chat, RegenConfig, RegenError, iter_chats
+from extract.regen.driver import RegenStopped
 from extract.regen.generation import BatchGenerator, regenerate_chats
 from extract.regen.report import RowBar
 from extract.regen.state import (
@@ -56,6 +58,7 @@ from shared.dist import (
 )
 from shared.logs import setup_logging
 from shared.progress import RankCounters
+from shared.stopping import Stopped, StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +84,12 @@ def rank_main(info: RankInfo, job: Job) -> None:
             bar.refresh()
 
     log.info("rank %d: %d chunks on %s", info.rank, len(mine), info.device)
+    stop = StopRequest().install("finishing the chunk in progress, then stopping (again: at once)")
+    done = 0
     try:
         for chunk in mine:
+            if stop.requested:
+                break
             rows = job.chunk_rows(chunk)
             items = list(iter_chats(job.files, rows, job.index))
             bad = [x for x in items if isinstance(x, Rejected)]
@@ -94,10 +101,17 @@ def rank_main(info: RankInfo, job: Job) -> None:
             result.rejected = sorted([*bad, *result.rejected], key=lambda r: r.row)
             commit_chunk(job.parts, chunk, rows, result)
             counters.flush()
+            done += 1
     finally:
+        stop.restore()
         counters.close()
         if bar is not None:
             bar.close()
+    if done < len(mine):
+        raise Stopped(
+            f"stopped by {stop.signal_name}: rank {info.rank} committed {done} of its "
+            f"{len(mine)} chunks in this run"
+        )
 
 
 def _generator(job: Job, info: RankInfo) -> BatchGenerator:
@@ -261,7 +275,21 @@ def run(cfg: RegenConfig) -> RegenState:
         bar = RowBar(job.parts / PROGRESS_DIR, total=job.pending_rows) if spawned else None
         try:
             launch(rank_main, (job,), spec, monitor=bar.refresh if bar else None)
+        except (Stopped, KeyboardInterrupt) as e:  # KeyboardInterrupt: a second Ctrl-C
+            why = str(e) if isinstance(e, Stopped) else "stopped at once (its chunk dropped)"
+            raise _stopped(job, why) from None
         finally:
             if bar is not None:
                 bar.close()
     return finish_output(cfg.out, job, regenerated=bool(job.chunks))
+
+
+def _stopped(job: Job, why: str) -> RegenStopped:
+    """What a stopped local run kept, and how to resume it."""
+    state = read_state(job.parts)
+    left = job.pending(state)
+    rows = sum(len(job.chunk_rows(c)) for c in left)
+    return RegenStopped(
+        f"{why}. The committed chunks are kept in {job.parts}; {len(left)} chunks ({rows:,} "
+        "rows) are still to do: run the same command to resume."
+    )
