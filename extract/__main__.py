@@ -38,6 +38,16 @@ def main(**kwargs) -> None:
         manifest = run(cfg, started=lambda: started.append(time.monotonic()))
     except Stopped as e:
         raise click.ClickException(f"{e}\nresume: {resume_command('extract')}") from None
+    except KeyboardInterrupt:  # during planning, or a second Ctrl-C
+        if not started:
+            raise click.ClickException(
+                f"stopped while planning, before extraction began: no part of {cfg.out} was "
+                "written in this run"
+            ) from None
+        raise click.ClickException(
+            "stopped at once: the parts in progress were dropped, the committed ones are kept"
+            f"\nresume: {resume_command('extract')}"
+        ) from None
     except (ExtractError, StopRun) as e:
         raise click.ClickException(str(e)) from None
     end = time.monotonic()
