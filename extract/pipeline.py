@@ -116,6 +116,8 @@ class PartPipeline:
         self.disk = DiskQueue() if job.format == "zarr" else None
         self.committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
         self.commits: list[Future] = []
+        # parts submitted and not yet in the manifest: a failed run removes their .tmp folders
+        self.uncommitted: dict[int, OpenPart] = {}
         self.commit_waited_s = 0.0  # the device's time waiting for parts to commit
         self.threads = threads
         self.started = time.perf_counter()
@@ -146,6 +148,8 @@ class PartPipeline:
         """Run the part's forwards and queue its writes and commit; `last`: the rank's last
         part, whose last forwards the layout may make small (a short wait after them)."""
         job, kept, writer = self.job, part.kept, part.writer
+        if writer is not None:
+            self.uncommitted[part.unit] = part
         self._wait_for_commits(PARTS_AWAITING_COMMIT - 1)
         lengths = [len(k.input_ids) for k in kept]
         # One writer task per sample, or per piece of a long one where the format takes pieces:
@@ -178,7 +182,11 @@ class PartPipeline:
             self.writers.check()
         if writer is None:
             return
-        self.commits.append(self.committer.submit(_commit, part, job, futures, self.counters))
+        commit = self.committer.submit(_commit, part, job, futures, self.counters)
+        commit.add_done_callback(
+            lambda f, unit=part.unit: f.exception() is None and self.uncommitted.pop(unit, None)
+        )
+        self.commits.append(commit)
 
     def _wait_for_commits(self, most: int) -> None:
         """Block until at most `most` parts await their commit; re-raise a failed one (the
@@ -192,21 +200,36 @@ class PartPipeline:
         for f in [f for f in self.commits if f.done()]:
             f.result()
 
-    def close(self) -> None:
-        """Wait for every queued write and commit; re-raise the first failure. Idempotent."""
+    def close(self, *, failed: bool = False) -> None:
+        """Wait for every queued write and commit; re-raise the first failure. Idempotent.
+        `failed` (the caller's run failed), or a failure here: the parts not committed are
+        removed (their .tmp folders would hold the disk, a full one too, until the next run)."""
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        with contextlib.ExitStack() as shutdown:  # run last to first, each despite failures
-            if self.disk is not None:
-                shutdown.callback(self.disk.close)
-            shutdown.callback(self.committer.shutdown, wait=True)
-            shutdown.callback(self.writers.close)
-            if self.forwards_end is not None:
-                self.end = self._wait_for_the_end(self.forwards_end)
-            for f in self.commits:
-                f.result()
+        try:
+            with contextlib.ExitStack() as shutdown:  # run last to first, each despite failures
+                if self.disk is not None:
+                    shutdown.callback(self.disk.close)
+                shutdown.callback(self.committer.shutdown, wait=True)
+                shutdown.callback(self.writers.close)
+                if self.forwards_end is not None:
+                    self.end = self._wait_for_the_end(self.forwards_end)
+                for f in self.commits:
+                    f.result()
+        except BaseException:
+            self._discard_uncommitted()
+            raise
+        if failed:
+            self._discard_uncommitted()
         self._report_backpressure(time.perf_counter() - self.started)
+
+    def _discard_uncommitted(self) -> None:
+        """Remove the parts that never reached the manifest (every thread writing them is done:
+        `close` waited for them)."""
+        for part in list(self.uncommitted.values()):
+            part.writer.abort()
+        self.uncommitted.clear()
 
     def mark_forwards_end(self) -> None:
         """The last forward has ended (the device synchronized): `close` then measures what the

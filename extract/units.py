@@ -31,13 +31,13 @@ def run_units(
 
     reader = ThreadPoolExecutor(1, thread_name_prefix="read")
     submitted = 0
+    ahead: Future | None = None
     try:
         ahead = reader.submit(prepare, units[0]) if units else None
         for k in range(len(units)):
-            part = ahead.result()
+            part, ahead = ahead.result(), None
             if stop is not None and stop.requested:
-                if part.writer is not None:
-                    part.writer.abort()
+                _discard(part)
                 break
             if k + 1 < len(units):
                 ahead = reader.submit(prepare, units[k + 1])
@@ -47,7 +47,16 @@ def run_units(
                 after_part()
     finally:
         reader.shutdown(wait=True, cancel_futures=True)
+        # a failure left the part read ahead opened (its .tmp folder on disk) and never submitted
+        if ahead is not None and ahead.done() and not ahead.cancelled():
+            if ahead.exception() is None:
+                _discard(ahead.result())
     return submitted
+
+
+def _discard(part: OpenPart) -> None:
+    if part.writer is not None:
+        part.writer.abort()
 
 
 def reader_reading_ahead(

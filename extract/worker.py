@@ -130,6 +130,9 @@ def rank_main(info: RankInfo, job: Job) -> None:
                     torch.cuda.synchronize(info.device)
                 forwards = time.perf_counter() - start
                 pipeline.mark_forwards_end()
+            except BaseException:
+                pipeline.close(failed=True)  # its own failure, if any, is the one raised
+                raise
             finally:
                 pipeline.close()
         tokens, seconds = counters.counts["tokens"], time.perf_counter() - start

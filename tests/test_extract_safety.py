@@ -267,6 +267,8 @@ def test_disk_full_in_a_writer_thread_names_the_folder(tmp_path, tiny_qwen3):
         assert "rerun the same command" in str(e.value)
         m = read_manifest(out)
         assert not m.complete and len(m.parts) < m.num_units
+        # the parts in progress (and the one read ahead) are gone: their space is free again
+        assert not list(out.glob("part-*.tmp"))
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
         m = extract(out, tiny_qwen3, data, rows_per_part=30, layers="0,1,2,3")
         assert m.complete and _verify(out).exit_code == 0
