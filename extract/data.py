@@ -4,7 +4,9 @@ Accepted row schemas, one JSON object per line of a JSONL file, or one row of a 
 file or `datasets` folder with these columns (`extract.sources`); the first matching key wins,
 in this order:
 - OpenAI: `{"messages": [{"role": ..., "content": ...}, ...]}` (extra keys such as
-  `reasoning_content` are passed to the chat template);
+  `reasoning_content` are passed to the chat template); a content given as a list of text parts
+  (`[{"type": "text", "text": ...}, ...]`) is their texts joined by newlines, as vLLM's server
+  joins them for a text-only model; other parts (images, audio) reject the row;
 - ShareGPT: `{"conversations": [{"from": ..., "value": ...}, ...]}` with `from` one of system,
   human, user, gpt, assistant;
 - pre-tokenized: `{"input_ids": [...], "loss_mask": [...]}` (ints, equal lengths, mask 0/1, ids
@@ -262,9 +264,39 @@ def _openai_messages(messages: Any) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"]):
             raise RowError("unknown_schema", f"message {i} has no role")
-        if not isinstance(m.get("content"), str):
-            raise RowError("unknown_schema", f"message {i} content is not a string")
-    return messages
+    return [
+        m
+        if isinstance(m.get("content"), str)
+        else {**m, "content": _text_content(m.get("content"), i)}
+        for i, m in enumerate(messages)
+    ]
+
+
+def _text_content(content: Any, i: int) -> str:
+    """A message's content given as OpenAI content parts: its text parts joined by newlines, as
+    vLLM's OpenAI server joins them for a text-only model (what the drafter will be served by).
+
+    >>> _text_content([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], 0)
+    'a\\nb'
+    """
+    if content is None:
+        raise RowError("unknown_schema", f"message {i} has no content")
+    if not isinstance(content, list) or not content:
+        what = "an empty list" if content == [] else f"a {type(content).__name__}"
+        raise RowError(
+            "unknown_schema", f"message {i} content is {what}, not a string or text parts"
+        )
+    if not all(isinstance(p, dict) for p in content):
+        raise RowError("unknown_schema", f"message {i} content is a list of other than parts")
+    other = sorted({str(p.get("type")) for p in content} - {"text"})
+    if other:
+        raise RowError(
+            "unknown_schema",
+            f"message {i} has {', '.join(other)} content parts: only text parts are read",
+        )
+    if not all(isinstance(p.get("text"), str) for p in content):
+        raise RowError("unknown_schema", f"message {i} has a text part without a string text")
+    return "\n".join(p["text"] for p in content)
 
 
 def _sharegpt_messages(turns: Any) -> list[dict[str, Any]]:

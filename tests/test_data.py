@@ -154,6 +154,12 @@ def test_bad_pretokenized_rows(tokenizer, tmp_path, row):
         ('{"messages": 5}', "unknown_schema"),
         ('{"messages": [{"role": "user"}]}', "unknown_schema"),
         ('{"messages": [{"role": "user", "content": ["a"]}]}', "unknown_schema"),
+        ('{"messages": [{"role": "user", "content": []}]}', "unknown_schema"),
+        ('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "unknown_schema"),
+        (
+            '{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+            "unknown_schema",
+        ),
         ('{"conversations": [{"from": "tool", "value": "x"}]}', "unknown_schema"),
         ('{"conversations": []}', "empty"),
         ('{"input_ids": [], "loss_mask": []}', "empty"),
@@ -166,6 +172,29 @@ def test_garbage_is_rejected_never_raised(tokenizer, tmp_path, line, reason):
     path.write_bytes(line.encode("utf-8", errors="surrogateescape") + b"\n")
     (out,) = iter_rows([path], tokenizer, max_length=512)
     assert isinstance(out, Rejected) and out.reason == reason and out.line == 1
+
+
+def test_text_parts_read_as_their_texts_joined_by_newlines(tokenizer, tmp_path):
+    """OpenAI content parts (`[{"type": "text", "text": ...}]`) give the tokens and mask of the
+    string vLLM's server makes of them; an image part names itself in the rejection."""
+    parts = [
+        {"type": "text", "text": "What is the opposite"},
+        {"type": "text", "text": "of 'hot'?"},
+    ]
+    answer = [{"type": "text", "text": "The opposite of 'hot' is 'cold'."}]
+    as_parts = {
+        "messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": answer}]
+    }
+    as_text = {
+        "messages": [{"role": "user", "content": "What is the opposite\nof 'hot'?"}, CHAT[1]]
+    }
+    image = [{"type": "image_url", "image_url": {"url": "x.png"}}, *parts]
+    with_image = {"messages": [{"role": "user", "content": image}, CHAT[1]]}
+    rows = [json.dumps(r) for r in (as_parts, as_text, with_image)]
+    a, b, c = iter_rows([write_lines(tmp_path / "p.jsonl", rows)], tokenizer, max_length=512)
+    assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
+    assert isinstance(c, Rejected) and c.reason == "unknown_schema"
+    assert "image_url content parts: only text parts are read" in c.detail
 
 
 def test_truncation_is_flagged_and_checked_after_the_cut(tokenizer, tmp_path):
