@@ -6,7 +6,10 @@ in this order:
 - OpenAI: `{"messages": [{"role": ..., "content": ...}, ...]}` (extra keys such as
   `reasoning_content` are passed to the chat template); a content given as a list of text parts
   (`[{"type": "text", "text": ...}, ...]`) is their texts joined by newlines, as vLLM's server
-  joins them for a text-only model; other parts (images, audio) reject the row;
+  joins them for a text-only model; other parts (images, audio) reject the row. Tool use in
+  OpenAI's form is read: assistant messages with `tool_calls` (their content may be null),
+  `tool` messages, and the row's `tools`, all rendered by the chat template (a template that
+  leaves the tool calls out rejects the row: it would supervise turns without them);
 - ShareGPT: `{"conversations": [{"from": ..., "value": ...}, ...]}` with `from` one of system,
   human, user, gpt, assistant;
 - pre-tokenized: `{"input_ids": [...], "loss_mask": [...]}` (ints, equal lengths, mask 0/1, ids
@@ -30,7 +33,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from extract.chat import ChatTemplateError, tokenize_chat
+from extract.chat import ChatTemplateError, render_chat, tokenize_chat
+from extract.messages import (  # noqa: F401 (the row schemas' names, used from here too)
+    ACCEPTED_KEYS,
+    SHAREGPT_ROLES,
+    RowError,
+    ToolMessages,
+    parse_row,
+)
 from extract.sources import fingerprint, source_kind, table_row_count, table_rows
 
 if TYPE_CHECKING:  # the type only: importing transformers takes seconds
@@ -45,17 +55,7 @@ REJECT_REASONS = (
     "too_few_supervised_tokens",  # no two consecutive supervised tokens, after truncation
     "template_error",  # the chat template failed, or assistant turns could not be located
 )
-SHAREGPT_ROLES = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-}
 INDEX_EVERY = 4096  # rows between two seek points of a RowIndex
-ACCEPTED_KEYS = (
-    "a row needs `messages` (OpenAI), `conversations` (ShareGPT), or `input_ids` + `loss_mask`"
-)
 # Said beside a reason's count in the summary, where the reason alone does not say what to do.
 REASON_HINTS = {
     "malformed_json": "not JSON: is --data a JSONL, parquet or arrow file?",
@@ -98,14 +98,6 @@ class RowIndex:
     counts: tuple[int, ...]
     every: int
     seeks: tuple[tuple[tuple[int, int], ...], ...]
-
-
-class RowError(Exception):
-    """A row that cannot be used: `reason` (e.g. one of REJECT_REASONS) and a `detail`."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason, self.detail = reason, detail
 
 
 def index_rows(files: Sequence[Path | str], *, every: int = INDEX_EVERY) -> RowIndex:
@@ -212,43 +204,17 @@ def raw_rows(
         first_row = row
 
 
-def parse_row(raw: bytes | dict[str, Any]) -> list[dict[str, Any]] | dict[str, Any]:
-    """The messages of one row (a JSONL line, or a table's row as a dict; ShareGPT converted
-    to OpenAI roles), or, for a pre-tokenized row, its object (its tokens are checked by the
-    caller).
-
-    Raises `RowError` for bad JSON, an unknown schema, a malformed message or a chat without an
-    assistant turn."""
-    if isinstance(raw, dict):
-        obj = raw
-    else:
-        try:
-            obj = json.loads(raw)
-        except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, absurd nesting
-            raise RowError("malformed_json", str(e)) from e
-    if not isinstance(obj, dict):
-        raise RowError("unknown_schema", f"a JSON {type(obj).__name__}, not an object")
-    if "messages" in obj:
-        messages = _openai_messages(obj["messages"])
-    elif "conversations" in obj:
-        messages = _sharegpt_messages(obj["conversations"])
-    elif "input_ids" in obj:
-        return obj
-    else:
-        raise RowError("unknown_schema", f"{ACCEPTED_KEYS}; its keys: {sorted(obj)}")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise RowError("no_assistant_turn", f"roles: {[m['role'] for m in messages]}")
-    return messages
-
-
 def _tokenize_row(
     raw: bytes, tokenizer: PreTrainedTokenizerBase, template_kwargs: Mapping[str, Any] | None
 ) -> tuple[np.ndarray, np.ndarray]:
     parsed = parse_row(raw)
     if isinstance(parsed, dict):
         return _pretokenized(parsed, len(tokenizer))
+    if isinstance(parsed, ToolMessages):
+        template_kwargs = {**(template_kwargs or {}), "tools": parsed.tools}
     try:
         ids_T, mask_T = tokenize_chat(tokenizer, parsed, template_kwargs=template_kwargs)
+        _check_tool_calls_rendered(tokenizer, parsed, template_kwargs)
     except ChatTemplateError as e:
         raise RowError("template_error", str(e)) from e
     if len(ids_T) == 0:
@@ -256,63 +222,25 @@ def _tokenize_row(
     return ids_T, mask_T
 
 
-def _openai_messages(messages: Any) -> list[dict[str, Any]]:
-    if not isinstance(messages, list):
-        raise RowError("unknown_schema", f"messages is a {type(messages).__name__}, not a list")
-    if not messages:
-        raise RowError("empty", "no messages")
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"]):
-            raise RowError("unknown_schema", f"message {i} has no role")
-    return [
-        m
-        if isinstance(m.get("content"), str)
-        else {**m, "content": _text_content(m.get("content"), i)}
-        for i, m in enumerate(messages)
-    ]
-
-
-def _text_content(content: Any, i: int) -> str:
-    """A message's content given as OpenAI content parts: its text parts joined by newlines, as
-    vLLM's OpenAI server joins them for a text-only model (what the drafter will be served by).
-
-    >>> _text_content([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], 0)
-    'a\\nb'
-    """
-    if content is None:
-        raise RowError("unknown_schema", f"message {i} has no content")
-    if not isinstance(content, list) or not content:
-        what = "an empty list" if content == [] else f"a {type(content).__name__}"
-        raise RowError(
-            "unknown_schema", f"message {i} content is {what}, not a string or text parts"
+def _check_tool_calls_rendered(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    template_kwargs: Mapping[str, Any] | None,
+) -> None:
+    """Raise ChatTemplateError when a template renders the row the same without its tool calls
+    (it would train the drafter on assistant turns without them)."""
+    if not any(m.get("tool_calls") for m in messages):
+        return
+    without = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+    try:
+        bare = render_chat(tokenizer, without, template_kwargs=template_kwargs)
+    except ChatTemplateError:  # the template needs them: it renders them
+        return
+    if bare == render_chat(tokenizer, messages, template_kwargs=template_kwargs):
+        raise ChatTemplateError(
+            "the chat template does not render tool calls (the row renders the same without "
+            "them): use the target's own template, which knows its tool-call format"
         )
-    if not all(isinstance(p, dict) for p in content):
-        raise RowError("unknown_schema", f"message {i} content is a list of other than parts")
-    other = sorted({str(p.get("type")) for p in content} - {"text"})
-    if other:
-        raise RowError(
-            "unknown_schema",
-            f"message {i} has {', '.join(other)} content parts: only text parts are read",
-        )
-    if not all(isinstance(p.get("text"), str) for p in content):
-        raise RowError("unknown_schema", f"message {i} has a text part without a string text")
-    return "\n".join(p["text"] for p in content)
-
-
-def _sharegpt_messages(turns: Any) -> list[dict[str, Any]]:
-    if not isinstance(turns, list):
-        raise RowError("unknown_schema", f"conversations is a {type(turns).__name__}, not a list")
-    if not turns:
-        raise RowError("empty", "no conversation turns")
-    messages = []
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict) or turn.get("from") not in SHAREGPT_ROLES:
-            who = turn.get("from") if isinstance(turn, dict) else turn
-            raise RowError("unknown_schema", f"turn {i} from {who!r}")
-        if not isinstance(turn.get("value"), str):
-            raise RowError("unknown_schema", f"turn {i} value is not a string")
-        messages.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]})
-    return messages
 
 
 def _pretokenized(obj: dict[str, Any], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -197,6 +197,71 @@ def test_text_parts_read_as_their_texts_joined_by_newlines(tokenizer, tmp_path):
     assert "image_url content parts: only text parts are read" in c.detail
 
 
+# A ChatML template with tool use in Qwen3's manner (tools in a system turn, calls in the
+# assistant turn, results in a user turn); FORGETFUL_TEMPLATE leaves the calls out.
+_TURNS = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' + (m.content or '') }}"
+    "CALLS"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>' + m.content + '</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+_TOOLS = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n' }}"
+    "{%- for t in tools %}{{- t.function.name + ': ' + t.function.description + '\\n' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}"
+)
+_CALLS = (
+    "{%- for c in m.tool_calls or [] %}{{- '<tool_call>' + c.function.name + ' ' }}"
+    "{{- c.function.arguments | tojson }}{{- '</tool_call>' }}{%- endfor %}"
+)
+TOOL_TEMPLATE = _TOOLS + _TURNS.replace("CALLS", _CALLS)
+FORGETFUL_TEMPLATE = _TOOLS + _TURNS.replace("CALLS", "")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather now"}}
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+TOOL_ROW = {
+    "tools": [WEATHER],
+    "messages": [
+        {"role": "user", "content": "What is the weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "content": "cold and windy"},
+        {"role": "assistant", "content": "It is cold in Oslo."},
+    ],
+}
+
+
+def test_tool_calls_are_supervised_and_tools_and_results_are_not(tmp_path):
+    tok = demo_tokenizer(TOOL_TEMPLATE)
+    (out,) = iter_rows(
+        [write_lines(tmp_path / "t.jsonl", [json.dumps(TOOL_ROW)])], tok, max_length=512
+    )
+    assert isinstance(out, Tokenized), out
+    text = tok.decode(out.input_ids)
+    assert "# Tools" in text and "get_weather: weather now" in text  # the row's tools, rendered
+    supervised = tok.decode(out.input_ids[out.loss_mask == 1])
+    assert '<tool_call>get_weather {"city": "Oslo"}</tool_call>' in supervised
+    assert "It is cold in Oslo." in supervised
+    assert "cold and windy" not in supervised and "weather now" not in supervised
+
+
+def test_tool_calls_a_template_leaves_out_reject_the_row(tmp_path):
+    rows = [json.dumps(TOOL_ROW)]
+    no_content = {"messages": [CHAT[0], {"role": "assistant", "content": None}]}
+    bad_tools = {**TOOL_ROW, "tools": "get_weather"}
+    rows += [json.dumps(no_content), json.dumps(bad_tools)]
+    path = write_lines(tmp_path / "t.jsonl", rows)
+    forgot, no_content, bad_tools = iter_rows(
+        [path], demo_tokenizer(FORGETFUL_TEMPLATE), max_length=512
+    )
+    assert forgot.reason == "template_error" and "does not render tool calls" in forgot.detail
+    assert no_content.reason == "unknown_schema" and "has no content" in no_content.detail
+    assert bad_tools.reason == "unknown_schema" and "tools is not a list" in bad_tools.detail
+
+
 def test_truncation_is_flagged_and_checked_after_the_cut(tokenizer, tmp_path):
     long_answer = "The capital of Norway is Oslo. " * 20
     row = {"messages": CHAT[:1] + [{"role": "assistant", "content": long_answer}]}

@@ -223,6 +223,25 @@ def test_bad_rows_are_counted_with_line_numbers(target, data_file, full):
     assert re.search(rf"pretokenized +1 \(lines chats.jsonl:{_line(5)}\)", summary)
 
 
+def test_tool_use_rows_are_rejected_as_such(tmp_path):
+    from extract.regen.config import iter_chats
+
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    rows = [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+        {"messages": [{"role": "user", "content": "q"},
+                      {"role": "assistant", "tool_calls": [call]}]},
+        {"tools": [{"type": "function"}], "messages": [{"role": "user", "content": "q"},
+                                                     {"role": "assistant", "content": "a"}]},
+    ]  # fmt: skip
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plain, call_row, tools_row = iter_chats([path], range(3))
+    assert plain.messages == rows[0]["messages"]
+    assert call_row.reason == tools_row.reason == "tool_calls" and "tool" in call_row.detail
+    assert "tool_calls" in REGEN_REJECT_REASONS
+
+
 def test_resume_after_max_rows_equals_uninterrupted(target, data_file, full, tmp_path):
     out = tmp_path / "out.jsonl"
     regen(out, target, data_file, max_rows=6)  # chunk 1 holds rows 4-5 only

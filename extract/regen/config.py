@@ -20,6 +20,7 @@ REGEN_REJECT_REASONS = (
     "empty",  # no messages, or a prompt that renders to no tokens
     "template_error",  # the chat template failed on a prompt
     "too_long",  # a turn's prompt plus --max-new-tokens exceeds --max-length (or the server's)
+    "tool_calls",  # tool use: its turns answer tools' results, which no regeneration has
 )
 THINKING = ("auto", "on", "off")
 ENGINES = ("hf", "vllm")
@@ -172,6 +173,14 @@ def parse_chat(raw: bytes) -> list[dict[str, Any]]:
     parsed = parse_row(raw)
     if isinstance(parsed, dict):
         raise RowError("pretokenized", "a pre-tokenized row holds no text to regenerate")
+    if getattr(parsed, "tools", None) or any(
+        m.get("tool_calls") or m["role"] == "tool" for m in parsed
+    ):
+        raise RowError(
+            "tool_calls",
+            "a conversation with tool calls: its later turns answer the tools' results, which "
+            "regeneration has no way to produce; extract such rows as they are",
+        )
     return parsed
 
 
