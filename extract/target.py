@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -120,11 +121,36 @@ def content_hash(target: Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
+# `weights_sample`: windows read per weight file, and their size. A checkpoint of the same
+# shape (another fine-tune, another revision) differs in nearly every byte, so 16 windows tell
+# it apart; reading 1 MiB a file keeps it instant for any target.
+SAMPLE_WINDOWS, SAMPLE_BYTES = 16, 64 << 10
+
+
+def weights_sample(target: Path) -> str:
+    """sha256 over each weight file's name, size and SAMPLE_WINDOWS windows spread over it (the
+    whole file when it is no larger): what `content_hash` (headers only) cannot tell apart, two
+    checkpoints of one shape."""
+    h = hashlib.sha256()
+    for f in weight_files(target):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            if size <= SAMPLE_WINDOWS * SAMPLE_BYTES:
+                h.update(fh.read())
+                continue
+            step = (size - SAMPLE_BYTES) // (SAMPLE_WINDOWS - 1)
+            for i in range(SAMPLE_WINDOWS):
+                h.update(os.pread(fh.fileno(), SAMPLE_BYTES, i * step))
+    return "sha256:" + h.hexdigest()
+
+
 def target_info(target: str, config: dict[str, Any], tokenizer_vocab: int) -> TargetInfo:
     tc = text_config(config)
     return TargetInfo(
         path=str(target),
         revision=content_hash(Path(target)),
+        weights_sample=weights_sample(Path(target)),
         model_type=str(config.get("model_type", "unknown")),
         num_layers=int(tc["num_hidden_layers"]),
         hidden_size=int(tc["hidden_size"]),

@@ -313,7 +313,32 @@ def _rerun(
     if why_not is not None:
         log.warning("%s: skipping the re-run check", why_not)
         return []
+    changed = _changed_target(manifest)
+    if changed is not None:  # its states would differ everywhere: not the cache's fault
+        return [changed]
     return rerun_samples(cache, manifest, samples=samples, seed=seed, device=device)
+
+
+def _changed_target(manifest: Manifest) -> str | None:
+    """Why the target at the recorded path is not the one extracted (its weights' sampled bytes
+    differ from the record), or None (the same, or a cache with no such record)."""
+    from extract.target import TargetError, weights_sample
+
+    recorded = manifest.target.weights_sample
+    if recorded is None:
+        return None
+    try:
+        now = weights_sample(Path(manifest.target.path))
+    except (TargetError, OSError) as e:
+        return f"the target {manifest.target.path} cannot be read: {e}"
+    if now == recorded:
+        return None
+    return (
+        f"the target at {manifest.target.path} is not the one this cache was extracted from: "
+        "its weights differ (sampled bytes), though its shapes are the same. The parts passed "
+        "their checksums; re-running another checkpoint would compare other states. Put the "
+        "extracted checkpoint back there to check the states, or extract again for this one."
+    )
 
 
 if __name__ == "__main__":

@@ -53,6 +53,10 @@ class TargetInfo:
     hidden_size: int
     vocab_size: int  # rows of the embedding matrix
     tokenizer_vocab_size: int
+    # `extract.target.weights_sample`: bytes sampled across the weight files, which tell apart
+    # two checkpoints of one shape (`revision` hashes the headers of large files only); None in
+    # caches written before it.
+    weights_sample: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,6 +312,13 @@ def identity_mismatches(old: Manifest, new: Manifest) -> list[str]:
             paths = [", ".join(s.path for s in m.sources) for m in (old, new)]
             line += f" (the cache's data {paths[0]}, this run's {paths[1]})"
         out.append(line)
+    was, now = old.target.weights_sample, new.target.weights_sample
+    if was is not None and now is not None and was != now:
+        out.append(
+            f"target weights: the cache's target ({old.target.path}) and this run's "
+            f"({new.target.path}) have the same shapes but other weights (sampled bytes differ): "
+            "another checkpoint of the same model"
+        )
     return out
 
 
