@@ -5,6 +5,7 @@ would hang, and the test must say so rather than wait."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -92,16 +93,20 @@ def checksums(cache: Path) -> dict[str, str]:
 
 
 def assert_plain_forward_states(cache: Path, target: Path) -> None:
-    """Every stored sample against `hidden_states[i + 1]` of the whole model run on it alone."""
+    """Every stored sample against `hidden_states[i + 1]` of the whole model run on it alone.
+    A MoE row may differ from the first token whose routing is a near tie (its k-th and k+1-th
+    expert within ROUTING_TIE of each other): another order of summation breaks such a tie
+    either way, and the machine decides which. At most one such row is let through."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
     manifest = read_manifest(cache)
     assert manifest.complete and tuple(manifest.layer_ids) == LAYERS
+    ties = []
     for rec in manifest.parts:
         for sample in open_part(cache / rec.name).iter_samples():
             ids = torch.from_numpy(sample.input_ids.astype(np.int64))[None]
-            with torch.no_grad():
+            with torch.no_grad(), router_logits(model) as routed:
                 states = model(input_ids=ids, output_hidden_states=True).hidden_states
             ref = torch.stack([states[i + 1][0] for i in LAYERS], dim=1)  # [T, K, H]
             stored = sample.hidden_tensor("cpu").float()
@@ -109,11 +114,54 @@ def assert_plain_forward_states(cache: Path, target: Path) -> None:
             low = (ref - delta).to(torch.bfloat16).float()
             high = (ref + delta).to(torch.bfloat16).float()
             outside = ~((stored >= low) & (stored <= high))
+            first = int(outside.nonzero()[:, 0].min()) if outside.any() else None
+            if first is not None and tie_at_or_before(routed, model.config, first):
+                ties.append((rec.name, sample.sample_index))
+                continue
             assert not outside.any(), (
                 f"{rec.name} row {sample.sample_index}: {int(outside.sum())} states differ by "
                 f"more than {REL_TOLERANCE} from a plain forward, at layers "
                 f"{sorted({LAYERS[k] for k in outside.nonzero()[:, 1].tolist()})}"
             )
+    assert len(ties) <= 1, f"rows differing after a routing tie: {ties}"
+
+
+ROUTING_TIE = 1e-5  # relative to the token's largest router logit
+
+
+@contextlib.contextmanager
+def router_logits(model):
+    """The router logits [T, experts] of each MoE layer of a forward run inside, in order (none
+    for a dense model): the outputs of the modules named gate or router."""
+    experts = max(
+        getattr(model.config, n, 0) or 0
+        for n in ("num_experts", "n_routed_experts", "num_local_experts")
+    )
+    found: list[torch.Tensor] = []
+
+    def keep(_module, _inputs, out):
+        out = out[0] if isinstance(out, tuple) else out
+        if torch.is_tensor(out) and out.is_floating_point() and out.shape[-1] == experts:
+            found.append(out.detach().reshape(-1, experts))
+
+    names = (n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] in ("gate", "router"))
+    hooks = [model.get_submodule(n).register_forward_hook(keep) for n in names] if experts else []
+    try:
+        yield found
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def tie_at_or_before(routed: list[torch.Tensor], config, token: int) -> bool:
+    """Whether some MoE layer's routing of a token up to `token` is a near tie."""
+    k = getattr(config, "num_experts_per_tok", 0)
+    for logits in routed:
+        top = logits[: token + 1].sort(dim=-1, descending=True).values
+        gap = top[:, k - 1] - top[:, k]
+        if k and (gap <= ROUTING_TIE * top.abs().amax(dim=-1)).any():
+            return True
+    return False
 
 
 def assert_layout_recorded(cache: Path, layout: str) -> None:
