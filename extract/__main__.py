@@ -45,7 +45,8 @@ def main(**kwargs) -> None:
                 "written in this run"
             ) from None
         raise click.ClickException(
-            "stopped at once: the parts in progress were dropped, the committed ones are kept"
+            "stopped at once: the part in progress was dropped; the parts whose forwards had "
+            "run are committed and kept"
             f"\nresume: {resume_command('extract')}"
         ) from None
     except (ExtractError, StopRun) as e:

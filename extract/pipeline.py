@@ -228,7 +228,7 @@ class PartPipeline:
         """Remove the parts that never reached the manifest (every thread writing them is done:
         `close` waited for them)."""
         for part in list(self.uncommitted.values()):
-            part.writer.abort()
+            discard(part)
         self.uncommitted.clear()
 
     def mark_forwards_end(self) -> None:
@@ -387,3 +387,14 @@ def _commit(part: OpenPart, job: Job, futures: list[Future], counters: RankCount
         rejected=len(rejected),
     )
     counters.flush()
+
+
+def discard(part: OpenPart) -> None:
+    """Remove a part that will not be committed; a failure to is logged, never raised (it would
+    hide the error that stopped the run)."""
+    if part.writer is None:
+        return
+    try:
+        part.writer.abort()
+    except Exception as e:  # noqa: BLE001
+        log.warning("part of unit %d could not be removed: %s", part.unit, e)

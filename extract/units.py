@@ -8,7 +8,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from extract.data import Rejected, Tokenized, iter_rows
 from extract.job import Job
-from extract.pipeline import OpenPart, PartPipeline
+from extract.pipeline import OpenPart, PartPipeline, discard
 from shared.stopping import StopRequest
 
 
@@ -37,7 +37,7 @@ def run_units(
         for k in range(len(units)):
             part, ahead = ahead.result(), None
             if stop is not None and stop.requested:
-                _discard(part)
+                discard(part)
                 break
             if k + 1 < len(units):
                 ahead = reader.submit(prepare, units[k + 1])
@@ -50,13 +50,8 @@ def run_units(
         # a failure left the part read ahead opened (its .tmp folder on disk) and never submitted
         if ahead is not None and ahead.done() and not ahead.cancelled():
             if ahead.exception() is None:
-                _discard(ahead.result())
+                discard(ahead.result())
     return submitted
-
-
-def _discard(part: OpenPart) -> None:
-    if part.writer is not None:
-        part.writer.abort()
 
 
 def reader_reading_ahead(

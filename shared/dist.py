@@ -35,7 +35,7 @@ from shared.ranks import (  # noqa: F401 (re-exported: the launch's environment)
     under_torchrun,
     usable_cpus,
 )
-from shared.stopping import StopRequest, StopRun, die_with_parent, stop_error
+from shared.stopping import Stopped, StopRequest, StopRun, die_with_parent, stop_error
 
 STOP_EXIT = 3  # exit status of a spawned rank that raised StopRun (its message is queued)
 STOP_GRACE_S = 10.0
@@ -204,6 +204,8 @@ def _spawned(
     code = 0
     try:
         fn(info, *args)
+    except Stopped as e:  # a signal reached every rank: each stops at its own consistent point
+        errors.put((local_rank, type(e).__name__, str(e)))  # the launcher waits for all of them
     except StopRun as e:
         errors.put((local_rank, type(e).__name__, str(e)))
         code = STOP_EXIT
@@ -243,7 +245,9 @@ def _join(
     every: float,
     tick: Callable[[], None],
 ) -> None:
-    """Wait for the spawned ranks; a StopRun in any is re-raised here with its message."""
+    """Wait for the spawned ranks; a StopRun in any is re-raised here with its message. A rank
+    stopped by a signal (`Stopped`) ends with 0, so that the others finish their own work in
+    progress rather than being ended STOP_GRACE_S later; its message is raised once all end."""
     try:
         # A failed rank: the others get STOP_GRACE_S to end by themselves (the same StopRun
         # reaches all ranks at once), then SIGTERM, then SIGKILL.
@@ -258,6 +262,9 @@ def _join(
         raise
     if monitor is not None:
         monitor()
+    if not errors.empty():  # ranks that stopped on a signal
+        _, kind, message = min(_drain(errors))
+        raise stop_error(kind, message)
 
 
 def _drain(errors: Any) -> list[tuple[int, str]]:
@@ -316,10 +323,18 @@ def launch(
     # The ranks stop by themselves on a signal; this process passes one sent only to it on to
     # them, and a second one stops them at once.
     stop = StopRequest()
-    stop.on_repeat = lambda: _signal_ranks(ctx, signal.SIGKILL)
+    killed: list[bool] = []
+    stop.on_repeat = lambda: (killed.append(True), _signal_ranks(ctx, signal.SIGKILL))
     stop.install("passing it on to the ranks (again to stop them at once)")
     try:
         _join(ctx, errors, monitor, monitor_every, lambda: _forward(stop, ctx))
+    except mp.ProcessExitedException:
+        if killed:  # the second signal's doing, not a failure
+            raise Stopped(
+                f"stopped at once by a second {stop.signal_name}: the ranks were killed and "
+                "their work in progress is dropped (what they had committed is kept)"
+            ) from None
+        raise
     finally:
         stop.restore()
 

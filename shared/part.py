@@ -10,6 +10,7 @@ file. The webdataset format (``shared/wds.py``) stores the same records as tar m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -271,8 +272,11 @@ class PartWriter:
             self._closed = True
             futures = list(self._io_futures)
         wait(futures)  # no queued write lands in the folder after it is removed
-        self._close_quietly()
-        remove_path(self.tmp)
+        try:
+            with contextlib.suppress(OSError):  # a full disk refuses the last buffered bytes
+                self._close_quietly()
+        finally:
+            remove_path(self.tmp)
 
     def __enter__(self) -> PartWriter:
         return self

@@ -255,7 +255,8 @@ def test_disk_full_while_writing_target_is_one_message(tmp_path, tiny_qwen3, dat
         assert extract(disk / "c", tiny_qwen3, data_file, max_rows=4).complete
 
 
-def test_disk_full_in_a_writer_thread_names_the_folder(tmp_path, tiny_qwen3):
+@pytest.mark.parametrize("fmt", ["zarr", "wds"])
+def test_disk_full_in_a_writer_thread_names_the_folder(tmp_path, tiny_qwen3, fmt):
     from tests.test_extract import chat
 
     data = tmp_path / "long.jsonl"
@@ -263,14 +264,17 @@ def test_disk_full_in_a_writer_thread_names_the_folder(tmp_path, tiny_qwen3):
     with small_disk(tmp_path / "disk", "1m") as disk:
         out = disk / "c"
         with pytest.raises(StopRun, match="disk holding .* is full .*MB free") as e:
-            extract(out, tiny_qwen3, data, rows_per_part=30, layers="0,1,2,3", space_check=False)
+            extract(
+                out, tiny_qwen3, data, rows_per_part=30, layers="0,1,2,3", space_check=False,
+                format=fmt,
+            )  # fmt: skip
         assert "rerun the same command" in str(e.value)
         m = read_manifest(out)
         assert not m.complete and len(m.parts) < m.num_units
         # the parts in progress (and the one read ahead) are gone: their space is free again
         assert not list(out.glob("part-*.tmp"))
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
-        m = extract(out, tiny_qwen3, data, rows_per_part=30, layers="0,1,2,3")
+        m = extract(out, tiny_qwen3, data, rows_per_part=30, layers="0,1,2,3", format=fmt)
         assert m.complete and _verify(out).exit_code == 0
 
 

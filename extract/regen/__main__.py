@@ -33,9 +33,13 @@ def main(more_data: tuple[Path, ...], **kwargs: Any) -> None:
     from extract.regen.report import format_summary
     from extract.regen.state import parts_dir
     from shared.lock import LockHeld, output_lock
+    from shared.ranks import takes_output_lock
 
-    try:  # one run at a time on an output: its lock lives in OUT.parts
-        with output_lock(parts_dir(cfg.out), "python -m extract.regen"):
+    try:  # one run at a time on an output: its lock lives in OUT.parts (rank 0's, torchrun's)
+        lock = output_lock(
+            parts_dir(cfg.out), "python -m extract.regen", enabled=takes_output_lock()
+        )
+        with lock:
             state = run(cfg)
     except (RegenError, LockHeld) as e:
         raise click.ClickException(str(e)) from None

@@ -73,7 +73,12 @@ def rank_main(info: RankInfo, job: Job) -> None:
         # Share the cores the process may use (OMP_NUM_THREADS, or all) among the CPU ranks:
         # oversubscribed intra-op threads spin and run ~10x slower.
         torch.set_num_threads(max(1, torch.get_num_threads() // info.world_size))
-    gen = _generator(job, info)
+    stop = StopRequest().install("finishing the chunk in progress, then stopping (again: at once)")
+    try:
+        gen = _generator(job, info)  # a signal while it loads: no chunk is started
+    except BaseException:
+        stop.restore()
+        raise
     counters = RankCounters(job.parts / PROGRESS_DIR, info.rank)
     bar = RowBar(counters.path.parent, total=job.pending_rows) if job.draw_bar else None
     bar = bar if info.is_main else None
@@ -84,7 +89,6 @@ def rank_main(info: RankInfo, job: Job) -> None:
             bar.refresh()
 
     log.info("rank %d: %d chunks on %s", info.rank, len(mine), info.device)
-    stop = StopRequest().install("finishing the chunk in progress, then stopping (again: at once)")
     done = 0
     try:
         for chunk in mine:
@@ -264,7 +268,11 @@ def run(cfg: RegenConfig) -> RegenState:
             spec = DeviceSpec("cuda", spec.devices[:1])
         return generate(cfg, plan.settings, plan.config, plan.job, spec)
     if under_torchrun():
-        launch(_torchrun_entry, (cfg, plan), spec)
+        try:
+            launch(_torchrun_entry, (cfg, plan), spec)
+        except (Stopped, KeyboardInterrupt) as e:
+            why = str(e) if isinstance(e, Stopped) else "stopped at once (its chunk dropped)"
+            raise _stopped(plan.job, why) from None
         return read_state(plan.job.parts)
     resume = existing_state(cfg.out, plan.settings, overwrite=cfg.overwrite)
     spawned = spec.nprocs > 1
