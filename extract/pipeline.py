@@ -118,6 +118,7 @@ class PartPipeline:
         self.commits: list[Future] = []
         # parts submitted and not yet in the manifest: a failed run removes their .tmp folders
         self.uncommitted: dict[int, OpenPart] = {}
+        self.committing: dict[int, Future] = {}  # by unit
         self.commit_waited_s = 0.0  # the device's time waiting for parts to commit
         self.threads = threads
         self.started = time.perf_counter()
@@ -183,6 +184,7 @@ class PartPipeline:
         if writer is None:
             return
         commit = self.committer.submit(_commit, part, job, futures, self.counters)
+        self.committing[part.unit] = commit
         commit.add_done_callback(
             lambda f, unit=part.unit: f.exception() is None and self.uncommitted.pop(unit, None)
         )
@@ -228,6 +230,10 @@ class PartPipeline:
         """Remove the parts that never reached the manifest (every thread writing them is done:
         `close` waited for them)."""
         for part in list(self.uncommitted.values()):
+            commit = self.committing.get(part.unit)
+            if commit is not None and not commit.done():  # a wait cut short (Ctrl-C once more)
+                log.warning("part of unit %d is still being committed: left as it is", part.unit)
+                continue
             discard(part)
         self.uncommitted.clear()
 
