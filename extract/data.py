@@ -5,8 +5,9 @@ file or `datasets` folder with these columns (`extract.sources`); the first matc
 in this order:
 - OpenAI: `{"messages": [{"role": ..., "content": ...}, ...]}` (extra keys such as
   `reasoning_content` are passed to the chat template); a content given as a list of text parts
-  (`[{"type": "text", "text": ...}, ...]`) is their texts joined by newlines, as vLLM's server
-  joins them for a text-only model; other parts (images, audio) reject the row. Tool use in
+  (`[{"type": "text", "text": ...}, ...]`) goes as it is to a template that reads parts (a
+  multimodal model's) and as their texts joined by newlines to one that reads strings, as
+  vLLM's server does; other parts (images, audio) reject the row. Tool use in
   OpenAI's form is read: assistant messages with `tool_calls` (their content may be null),
   `tool` messages, and the row's `tools`, all rendered by the chat template (a template that
   leaves the tool calls out rejects the row: it would supervise turns without them);
@@ -39,6 +40,7 @@ from extract.messages import (  # noqa: F401 (the row schemas' names, used from 
     SHAREGPT_ROLES,
     RowError,
     ToolMessages,
+    joined_parts,
     parse_row,
 )
 from extract.sources import fingerprint, source_kind, table_row_count, table_rows
@@ -210,6 +212,8 @@ def _tokenize_row(
     parsed = parse_row(raw)
     if isinstance(parsed, dict):
         return _pretokenized(parsed, len(tokenizer))
+    if not _reads_parts(tokenizer):
+        parsed = joined_parts(parsed)
     if isinstance(parsed, ToolMessages):
         template_kwargs = {**(template_kwargs or {}), "tools": parsed.tools}
     try:
@@ -220,6 +224,28 @@ def _tokenize_row(
     if len(ids_T) == 0:
         raise RowError("empty", "the chat template rendered no tokens")
     return ids_T, mask_T
+
+
+_PROBE_PARTS = ("dflash-probe-part-one", "dflash-probe-part-two")
+_READS_PARTS: dict[str, bool] = {}  # by chat template
+
+
+def _reads_parts(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the chat template renders a content given as text parts itself (a multimodal
+    model's, which loops over them, as vLLM detects): then it gets them as they are. Otherwise
+    they are joined first (`joined_parts`); a template that reads strings fails on a list, or
+    writes its repr."""
+    key = repr(getattr(tokenizer, "chat_template", None))
+    if key not in _READS_PARTS:
+        parts = [{"type": "text", "text": t} for t in _PROBE_PARTS]
+        probe = [{"role": "user", "content": parts}, {"role": "assistant", "content": "x"}]
+        try:
+            text = render_chat(tokenizer, probe)
+        except ChatTemplateError:
+            text = ""
+        shown = "'type'" in text or '"type"' in text  # the list's repr or JSON, not read
+        _READS_PARTS[key] = all(t in text for t in _PROBE_PARTS) and not shown
+    return _READS_PARTS[key]
 
 
 def _check_tool_calls_rendered(

@@ -1,10 +1,10 @@
 """One row's chat as OpenAI messages: the accepted schemas checked and normalized.
 
-OpenAI `messages` (a content as text parts is their texts joined by newlines, as vLLM's server
-joins them for a text-only model; an assistant message of `tool_calls` may have a null content,
-and the row's `tools` ride along as `ToolMessages.tools`) and ShareGPT `conversations`
-(converted to OpenAI roles); a pre-tokenized row is returned as its object. Anything else is a
-`RowError` with a reason and a detail, never another exception.
+OpenAI `messages` (a content as text parts is checked and kept: `joined_parts` makes it a string
+for a template that reads strings, as vLLM's server does; an assistant message of `tool_calls`
+may have a null content, and the row's `tools` ride along as `ToolMessages.tools`) and ShareGPT
+`conversations` (converted to OpenAI roles); a pre-tokenized row is returned as its object.
+Anything else is a `RowError` with a reason and a detail, never another exception.
 """
 
 from __future__ import annotations
@@ -91,12 +91,30 @@ def _openai_messages(messages: Any) -> list[dict[str, Any]]:
             calls and isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
         ):
             raise RowError("unknown_schema", f"message {i} tool_calls is not a list of objects")
-    return [
-        m
-        if isinstance(m.get("content"), str) or (m.get("content") is None and _calls_only(m))
-        else {**m, "content": _text_content(m.get("content"), i)}
-        for i, m in enumerate(messages)
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not (isinstance(content, str) or (content is None and _calls_only(m))):
+            _check_text_parts(content, i)
+    return messages
+
+
+def joined_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with each content given as text parts (checked by `parse_row`) made one string:
+    their texts joined by newlines, as vLLM's OpenAI server joins them for a chat template that
+    reads content as a string. A template that reads the parts itself gets them as they are
+    (`extract.data`).
+
+    >>> joined_parts([{"role": "user", "content": [{"type": "text", "text": "a"},
+    ...                                            {"type": "text", "text": "b"}]}])
+    [{'role': 'user', 'content': 'a\\nb'}]
+    """
+    out = [
+        {**m, "content": "\n".join(p["text"] for p in m["content"])}
+        if isinstance(m.get("content"), list)
+        else m
+        for m in messages
     ]
+    return _with_tools(out, messages.tools) if isinstance(messages, ToolMessages) else out
 
 
 def _calls_only(m: dict[str, Any]) -> bool:
@@ -104,13 +122,8 @@ def _calls_only(m: dict[str, Any]) -> bool:
     return m["role"] == "assistant" and bool(m.get("tool_calls"))
 
 
-def _text_content(content: Any, i: int) -> str:
-    """A message's content given as OpenAI content parts: its text parts joined by newlines, as
-    vLLM's OpenAI server joins them for a text-only model (what the drafter will be served by).
-
-    >>> _text_content([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], 0)
-    'a\\nb'
-    """
+def _check_text_parts(content: Any, i: int) -> None:
+    """Raise RowError unless a message's content is a non-empty list of OpenAI text parts."""
     if content is None:
         raise RowError("unknown_schema", f"message {i} has no content")
     if not isinstance(content, list) or not content:
@@ -128,7 +141,6 @@ def _text_content(content: Any, i: int) -> str:
         )
     if not all(isinstance(p.get("text"), str) for p in content):
         raise RowError("unknown_schema", f"message {i} has a text part without a string text")
-    return "\n".join(p["text"] for p in content)
 
 
 def _sharegpt_messages(turns: Any) -> list[dict[str, Any]]:

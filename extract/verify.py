@@ -313,10 +313,9 @@ def _rerun(
     if why_not is not None:
         log.warning("%s: skipping the re-run check", why_not)
         return []
-    changed = _changed_target(manifest)
-    if changed is not None:  # its states would differ everywhere: not the cache's fault
-        return [changed]
-    return rerun_samples(cache, manifest, samples=samples, seed=seed, device=device)
+    changed = _changed_target(manifest)  # said first: the re-run's mismatches follow from it
+    first = [changed] if changed is not None else []
+    return first + rerun_samples(cache, manifest, samples=samples, seed=seed, device=device)
 
 
 def _changed_target(manifest: Manifest) -> str | None:
@@ -335,9 +334,9 @@ def _changed_target(manifest: Manifest) -> str | None:
         return None
     return (
         f"the target at {manifest.target.path} is not the one this cache was extracted from: "
-        "its weights differ (sampled bytes), though its shapes are the same. The parts passed "
-        "their checksums; re-running another checkpoint would compare other states. Put the "
-        "extracted checkpoint back there to check the states, or extract again for this one."
+        "its weights differ (sampled bytes), though its shapes are the same, so the re-run "
+        "below compares the cache with another checkpoint's states. Put the extracted "
+        "checkpoint back there to check the states, or extract again for this one."
     )
 
 

@@ -197,6 +197,29 @@ def test_text_parts_read_as_their_texts_joined_by_newlines(tokenizer, tmp_path):
     assert "image_url content parts: only text parts are read" in c.detail
 
 
+# ChatML whose template reads a content given as parts itself (a multimodal model's does).
+PARTS_TEMPLATE = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}"
+    "{%- if m.content is string %}{{- m.content }}"
+    "{%- else %}{%- for p in m.content %}{{- p.text }}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_a_template_that_reads_parts_gets_them_as_they_are(tmp_path):
+    tok = demo_tokenizer(PARTS_TEMPLATE)
+    parts = [
+        {"type": "text", "text": "What is the opposite"},
+        {"type": "text", "text": " of 'hot'?"},
+    ]
+    as_parts = {"messages": [{"role": "user", "content": parts}, CHAT[1]]}
+    as_text = {"messages": [{"role": "user", "content": "What is the opposite of 'hot'?"}, CHAT[1]]}
+    rows = [json.dumps(as_parts), json.dumps(as_text)]
+    a, b = iter_rows([write_lines(tmp_path / "p.jsonl", rows)], tok, max_length=512)
+    assert np.array_equal(a.input_ids, b.input_ids)  # the template's own rendering: no newline
+
+
 # A ChatML template with tool use in Qwen3's manner (tools in a system turn, calls in the
 # assistant turn, results in a user turn); FORGETFUL_TEMPLATE leaves the calls out.
 _TURNS = (

@@ -379,6 +379,8 @@ def test_verify_rerun_catches_states_of_other_weights(tmp_path, qwen3, data_file
     bad = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
     assert bad.returncode == 1, bad.stderr
     mismatches = [line for line in bad.stderr.splitlines() if line.startswith("MISMATCH")]
+    changed = mismatches.pop(0)  # first, what explains the rest: the recorded weights differ
+    assert "is not the one this cache was extracted from" in changed, bad.stderr
     assert len(mismatches) == 3, bad.stderr
     # Layers 0 and 2 come before the change and still match: only layer 7 is named.
     assert all("part-" in m and "at layer 7:" in m for m in mismatches), mismatches

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from extract.data import Rejected, RowError, RowIndex, parse_row, raw_rows
+from extract.messages import joined_parts
 from shared.cli import option
 
 REGEN_REJECT_REASONS = (
@@ -181,7 +182,7 @@ def parse_chat(raw: bytes) -> list[dict[str, Any]]:
             "a conversation with tool calls: its later turns answer the tools' results, which "
             "regeneration has no way to produce; extract such rows as they are",
         )
-    return parsed
+    return joined_parts(parsed)  # its rows are written with string contents
 
 
 def iter_chats(
