@@ -253,19 +253,24 @@ def test_resume_after_max_rows_equals_uninterrupted(target, data_file, full, tmp
     assert state.merged_rows == 14 and state.chunks[1].end_row == 8
 
 
-def test_resume_after_kill_equals_uninterrupted(target, data_file, full, tmp_path):
-    out = tmp_path / "killed.jsonl"
+def _start(out: Path, target: Path, data_file: Path) -> subprocess.Popen:
+    """`python -m extract.regen` on the test's data in a process of its own, stderr piped."""
     args = ["--target", str(target), "--data", str(data_file), "--out", str(out)]
     args += ["--gpus", "cpu", "--max-new-tokens", str(MAX_NEW), "--max-length", str(MAX_LENGTH)]
     args += ["--batch-size", "3", "--rows-per-chunk", str(ROWS_PER_CHUNK)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "extract.regen", *args],
         cwd=ROOT,
         env=env,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def test_resume_after_kill_equals_uninterrupted(target, data_file, full, tmp_path):
+    out = tmp_path / "killed.jsonl"
+    proc = _start(out, target, data_file)
     for line in proc.stderr:  # kill -9 as soon as the first chunk is committed
         if "committed chunk-" in line:
             proc.kill()
@@ -284,17 +289,7 @@ def test_a_signal_finishes_the_chunk_in_progress_and_says_how_to_resume(
     target, data_file, full, tmp_path, sig
 ):
     out = tmp_path / "stopped.jsonl"
-    args = ["--target", str(target), "--data", str(data_file), "--out", str(out)]
-    args += ["--gpus", "cpu", "--max-new-tokens", str(MAX_NEW), "--max-length", str(MAX_LENGTH)]
-    args += ["--batch-size", "3", "--rows-per-chunk", str(ROWS_PER_CHUNK)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "extract.regen", *args],
-        cwd=ROOT,
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _start(out, target, data_file)
     for line in proc.stderr:  # the signal as soon as the first chunk is committed
         if "committed chunk-" in line:
             proc.send_signal(sig)
