@@ -257,14 +257,24 @@ def _join(
                 monitor()
     except mp.ProcessExitedException as e:
         if e.exit_code == STOP_EXIT and not errors.empty():
-            _, kind, message = min(_drain(errors))
+            _, kind, message = _first(_drain(errors))
             raise stop_error(kind, message) from None
         raise
     if monitor is not None:
         monitor()
     if not errors.empty():  # ranks that stopped on a signal
-        _, kind, message = min(_drain(errors))
+        _, kind, message = _first(_drain(errors))
         raise stop_error(kind, message)
+
+
+def _first(errors: list[tuple[int, str, str]]) -> tuple[int, str, str]:
+    """The error to raise of those the ranks queued: a failure before a signal's stop, then the
+    lowest rank's.
+
+    >>> _first([(0, "Stopped", "a"), (1, "DiskFull", "b")])
+    (1, 'DiskFull', 'b')
+    """
+    return min(errors, key=lambda e: (e[1] == "Stopped", e[0]))
 
 
 def _drain(errors: Any) -> list[tuple[int, str]]:
