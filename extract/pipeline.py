@@ -116,9 +116,9 @@ class PartPipeline:
         self.disk = DiskQueue() if job.format == "zarr" else None
         self.committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
         self.commits: list[Future] = []
-        # parts submitted and not yet in the manifest: a failed run removes their .tmp folders
-        self.uncommitted: dict[int, OpenPart] = {}
-        self.committing: dict[int, Future] = {}  # by unit
+        # by unit, the parts submitted here and their commits (None: not queued yet); a failed
+        # run removes those that did not reach the manifest
+        self.submitted: dict[int, tuple[OpenPart, Future | None]] = {}
         self.commit_waited_s = 0.0  # the device's time waiting for parts to commit
         self.threads = threads
         self.started = time.perf_counter()
@@ -150,7 +150,7 @@ class PartPipeline:
         part, whose last forwards the layout may make small (a short wait after them)."""
         job, kept, writer = self.job, part.kept, part.writer
         if writer is not None:
-            self.uncommitted[part.unit] = part
+            self.submitted[part.unit] = (part, None)
         self._wait_for_commits(PARTS_AWAITING_COMMIT - 1)
         lengths = [len(k.input_ids) for k in kept]
         # One writer task per sample, or per piece of a long one where the format takes pieces:
@@ -184,10 +184,7 @@ class PartPipeline:
         if writer is None:
             return
         commit = self.committer.submit(_commit, part, job, futures, self.counters)
-        self.committing[part.unit] = commit
-        commit.add_done_callback(
-            lambda f, unit=part.unit: f.exception() is None and self.uncommitted.pop(unit, None)
-        )
+        self.submitted[part.unit] = (part, commit)
         self.commits.append(commit)
 
     def _wait_for_commits(self, most: int) -> None:
@@ -229,13 +226,12 @@ class PartPipeline:
     def _discard_uncommitted(self) -> None:
         """Remove the parts that never reached the manifest (every thread writing them is done:
         `close` waited for them)."""
-        for part in list(self.uncommitted.values()):
-            commit = self.committing.get(part.unit)
-            if commit is not None and not commit.done():  # a wait cut short (Ctrl-C once more)
+        for part, commit in self.submitted.values():
+            if commit is None or (commit.done() and commit.exception() is not None):
+                discard(part)
+            elif not commit.done():  # a wait cut short (Ctrl-C once more)
                 log.warning("part of unit %d is still being committed: left as it is", part.unit)
-                continue
-            discard(part)
-        self.uncommitted.clear()
+        self.submitted.clear()
 
     def mark_forwards_end(self) -> None:
         """The last forward has ended (the device synchronized): `close` then measures what the

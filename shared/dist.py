@@ -257,31 +257,30 @@ def _join(
                 monitor()
     except mp.ProcessExitedException as e:
         if e.exit_code == STOP_EXIT and not errors.empty():
-            _, kind, message = _first(_drain(errors))
-            raise stop_error(kind, message) from None
+            raise _queued(errors) from None
         raise
     if monitor is not None:
         monitor()
     if not errors.empty():  # ranks that stopped on a signal
-        _, kind, message = _first(_drain(errors))
-        raise stop_error(kind, message)
+        raise _queued(errors)
 
 
-def _first(errors: list[tuple[int, str, str]]) -> tuple[int, str, str]:
-    """The error to raise of those the ranks queued: a failure before a signal's stop, then the
-    lowest rank's.
+def _queued(errors: Any) -> StopRun:
+    """The error to raise of those the ranks queued (rank, class name, message): a failure
+    before a signal's stop, then the lowest rank's.
 
-    >>> _first([(0, "Stopped", "a"), (1, "DiskFull", "b")])
-    (1, 'DiskFull', 'b')
+    >>> import queue
+    >>> q = queue.SimpleQueue()
+    >>> q.put((0, "Stopped", "a")), q.put((1, "StopRun", "b"))
+    (None, None)
+    >>> str(_queued(q))
+    'b'
     """
-    return min(errors, key=lambda e: (e[1] == "Stopped", e[0]))
-
-
-def _drain(errors: Any) -> list[tuple[int, str]]:
     out = []
     while not errors.empty():
         out.append(errors.get())
-    return out
+    _, kind, message = min(out, key=lambda e: (e[1] == "Stopped", e[0]))
+    return stop_error(kind, message)
 
 
 def launch(

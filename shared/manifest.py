@@ -53,9 +53,7 @@ class TargetInfo:
     hidden_size: int
     vocab_size: int  # rows of the embedding matrix
     tokenizer_vocab_size: int
-    # `extract.target.weights_sample`: bytes sampled across the weight files, which tell apart
-    # two checkpoints of one shape (`revision` hashes the headers of large files only); None in
-    # caches written before it.
+    # bytes sampled across the weight files (`extract.target.weights_sample`); None: before it
     weights_sample: str | None = None
 
 
@@ -312,8 +310,8 @@ def identity_mismatches(old: Manifest, new: Manifest) -> list[str]:
             paths = [", ".join(s.path for s in m.sources) for m in (old, new)]
             line += f" (the cache's data {paths[0]}, this run's {paths[1]})"
         out.append(line)
-    was, now = old.target.weights_sample, new.target.weights_sample
-    if was is not None and now is not None and was != now:
+    was, now = old.target.weights_sample, new.target.weights_sample  # what `revision` misses
+    if a["target"] == b["target"] and None not in (was, now) and was != now:
         out.append(
             f"target weights: the cache's target ({old.target.path}) and this run's "
             f"({new.target.path}) have the same shapes but other weights (sampled bytes differ): "

@@ -21,8 +21,10 @@ This module plans the run and drives one process per device; the generation itse
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,9 +78,20 @@ def rank_main(info: RankInfo, job: Job) -> None:
     stop = StopRequest().install("finishing the chunk in progress, then stopping (again: at once)")
     try:
         gen = _generator(job, info)  # a signal while it loads: no chunk is started
-    except BaseException:
+        done = _regenerate(info, job, mine, gen, stop)
+    finally:
         stop.restore()
-        raise
+    if done < len(mine):
+        raise Stopped(
+            f"stopped by {stop.signal_name}: rank {info.rank} committed {done} of its "
+            f"{len(mine)} chunks in this run"
+        )
+
+
+def _regenerate(
+    info: RankInfo, job: Job, mine: tuple[int, ...], gen: BatchGenerator, stop: StopRequest
+) -> int:
+    """Regenerate and commit the chunks `mine` in turn until `stop`; how many were committed."""
     counters = RankCounters(job.parts / PROGRESS_DIR, info.rank)
     bar = RowBar(counters.path.parent, total=job.pending_rows) if job.draw_bar else None
     bar = bar if info.is_main else None
@@ -107,15 +120,10 @@ def rank_main(info: RankInfo, job: Job) -> None:
             counters.flush()
             done += 1
     finally:
-        stop.restore()
         counters.close()
         if bar is not None:
             bar.close()
-    if done < len(mine):
-        raise Stopped(
-            f"stopped by {stop.signal_name}: rank {info.rank} committed {done} of its "
-            f"{len(mine)} chunks in this run"
-        )
+    return done
 
 
 def _generator(job: Job, info: RankInfo) -> BatchGenerator:
@@ -268,11 +276,8 @@ def run(cfg: RegenConfig) -> RegenState:
             spec = DeviceSpec("cuda", spec.devices[:1])
         return generate(cfg, plan.settings, plan.config, plan.job, spec)
     if under_torchrun():
-        try:
+        with _stops_said(plan.job):
             launch(_torchrun_entry, (cfg, plan), spec)
-        except (Stopped, KeyboardInterrupt) as e:
-            why = str(e) if isinstance(e, Stopped) else "stopped at once (its chunk dropped)"
-            raise _stopped(plan.job, why) from None
         return read_state(plan.job.parts)
     resume = existing_state(cfg.out, plan.settings, overwrite=cfg.overwrite)
     spawned = spec.nprocs > 1
@@ -282,22 +287,25 @@ def run(cfg: RegenConfig) -> RegenState:
     if job.chunks:
         bar = RowBar(job.parts / PROGRESS_DIR, total=job.pending_rows) if spawned else None
         try:
-            launch(rank_main, (job,), spec, monitor=bar.refresh if bar else None)
-        except (Stopped, KeyboardInterrupt) as e:  # KeyboardInterrupt: a second Ctrl-C
-            why = str(e) if isinstance(e, Stopped) else "stopped at once (its chunk dropped)"
-            raise _stopped(job, why) from None
+            with _stops_said(job):
+                launch(rank_main, (job,), spec, monitor=bar.refresh if bar else None)
         finally:
             if bar is not None:
                 bar.close()
     return finish_output(cfg.out, job, regenerated=bool(job.chunks))
 
 
-def _stopped(job: Job, why: str) -> RegenStopped:
-    """What a stopped local run kept, and how to resume it."""
-    state = read_state(job.parts)
-    left = job.pending(state)
-    rows = sum(len(job.chunk_rows(c)) for c in left)
-    return RegenStopped(
-        f"{why}. The committed chunks are kept in {job.parts}; {len(left)} chunks ({rows:,} "
-        "rows) are still to do: run the same command to resume."
-    )
+@contextlib.contextmanager
+def _stops_said(job: Job) -> Iterator[None]:
+    """A stop of the ranks (Stopped, or KeyboardInterrupt: a second Ctrl-C) as RegenStopped,
+    saying what the run kept and how to resume it."""
+    try:
+        yield
+    except (Stopped, KeyboardInterrupt) as e:
+        why = str(e) if isinstance(e, Stopped) else "stopped at once (its chunk dropped)"
+        left = job.pending(read_state(job.parts))
+        rows = sum(len(job.chunk_rows(c)) for c in left)
+        raise RegenStopped(
+            f"{why}. The committed chunks are kept in {job.parts}; {len(left)} chunks ({rows:,} "
+            "rows) are still to do: run the same command to resume."
+        ) from None
