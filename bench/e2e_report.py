@@ -84,14 +84,21 @@ def extraction_end(log: Path) -> dict[str, Any] | None:
 
 
 def extraction_staging(log: Path) -> dict[str, float] | None:
-    """extract's `writer threads:` line (their busy seconds, their count) and on a GPU its
-    `side stream:` line (device seconds from the forwards' ends to their payloads' copies
-    landing, in all and the longest, and the writer threads' wait for them)."""
+    """extract's `writer threads:` line (their busy seconds, their count, and in logs that say
+    it their seconds on a core) and on a GPU its `side stream:` line (device seconds from the
+    forwards' ends to their payloads' copies landing, in all and the longest, and the writer
+    threads' wait for them)."""
     text = log.read_text()
-    m = re.search(r"writer threads: busy ([\d.]+) s of their (\d+) x", text)
+    m = re.search(
+        r"writer threads: busy ([\d.]+) s of their (\d+) x [\d.]+ s"
+        r"(?:, ([\d.]+) s of it on a core)?",
+        text,
+    )
     if not m:
         return None
     out = {"writers_busy_s": float(m.group(1)), "writers": int(m.group(2))}
+    if m.group(3) is not None:  # logged since the threads' CPU time was
+        out["writers_cpu_s"] = float(m.group(3))
     m = re.search(
         r"side stream: .*? ended ([\d.]+) s after their forwards in all \(the longest (\d+) ms\); "
         r"the writer threads waited ([\d.]+) s",
@@ -112,9 +119,14 @@ def staging_cell(x: dict[str, Any]) -> str:
     if st is None:
         return words
     words += f"; {st['writers']} writer threads busy {st['writers_busy_s']:.1f} s"
+    of_it = [f"{st['writers_cpu_s']:.1f} s on a core"] if "writers_cpu_s" in st else []
+    if "span_s" in st:
+        of_it.append(f"{st['waited_s']:.1f} s waiting for copies")
+    if of_it:
+        words += f" ({', '.join(of_it)} of it)"
     if "span_s" in st:
         words += (
-            f" ({st['waited_s']:.1f} s of it waiting for copies); payloads and copies ended "
+            f"; payloads and copies ended "
             f"{st['span_s']:.1f} s after their forwards (longest {st['longest_ms']:.0f} ms)"
         )
     return words

@@ -265,11 +265,13 @@ class PartPipeline:
             PARTS_AWAITING_COMMIT,
         )
         log.info(
-            "writer threads: busy %.1f s of their %d x %.1f s (compressing, and waiting for "
-            "copies to land and for room in the disk queue)",
+            "writer threads: busy %.1f s of their %d x %.1f s, %.1f s of it on a core "
+            "(compressing; the rest waiting for copies to land, room in the disk queue, the GIL "
+            "or a free core)",
             self.writers.busy_s,
             self.threads,
             wall_s,
+            self.writers.cpu_s,
         )
         if self.staging.pinned:
             side_s, longest = self.staging.side_stream_s()
@@ -284,11 +286,13 @@ class PartPipeline:
             )
         if disk is not None:
             log.info(
-                "disk: %.1f GB written by %d threads in %.1f s of their time; the writer "
+                "disk: %.1f GB written by %d threads in %.1f s of their time (%.1f s on a "
+                "core); the writer "
                 "threads waited %.1f s for the queue, which held at most %.1f GB (%.1f allowed)",
                 disk.written / 1e9,
                 disk.threads,
                 disk.busy_s,
+                disk.cpu_s,
                 disk.waited_s,
                 disk.peak / 1e9,
                 disk.budget / 1e9,

@@ -151,6 +151,7 @@ class WriterPool:
         self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="writer")
         self.futures: list[Future] = []
         self.busy_s = 0.0  # the threads' time in tasks, all threads together
+        self.cpu_s = 0.0  # of it, their time running on a core (the rest: GIL, cores, waits)
         self._lock = threading.Lock()
 
     def submit(self, fn: Callable, *args) -> Future:
@@ -160,12 +161,13 @@ class WriterPool:
         return fut
 
     def _timed(self, fn: Callable, *args) -> object:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return fn(*args)
         finally:
             with self._lock:
                 self.busy_s += time.perf_counter() - start
+                self.cpu_s += time.thread_time() - cpu
 
     def wait_idle(self) -> None:
         """Wait for the tasks submitted so far, failed or not (`check` and `close` raise)."""

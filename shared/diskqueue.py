@@ -32,6 +32,7 @@ class DiskQueue:
         self.peak = 0  # the most bytes pending at once
         self.waited_s = 0.0  # callers' time blocked on the budget
         self.busy_s = 0.0  # write threads' time in the jobs
+        self.cpu_s = 0.0  # of it, their time running on a core (the rest: the disk, the GIL)
         self.written = 0  # bytes of the jobs that succeeded
         self._error: BaseException | None = None
         self._closed = False
@@ -62,7 +63,7 @@ class DiskQueue:
         return future
 
     def _run(self, fn: Callable[..., Any], args: tuple) -> Any:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return fn(*args)
         except BaseException as e:
@@ -72,6 +73,7 @@ class DiskQueue:
         finally:
             with self._cond:
                 self.busy_s += time.perf_counter() - start
+                self.cpu_s += time.thread_time() - cpu
 
     def _finished(self, nbytes: int, future: Future) -> None:
         with self._cond:
