@@ -21,7 +21,7 @@ CACHE = {
 }
 
 
-def write_run(folder, *, records, train=None, cache=None):
+def write_run(folder, *, records, train=None, cache=None, ranks=1):
     """A run folder as train.run and train.metrics write it: config.json and metrics.jsonl."""
     config_train = {
         "data": "shards",
@@ -38,6 +38,8 @@ def write_run(folder, *, records, train=None, cache=None):
         **(train or {}),
     }
     config = {"train": config_train, "drafter": {"block_size": 4}, "cache": cache or CACHE}
+    if ranks is not None:  # None: a run folder written before the rank count was recorded
+        config["ranks"] = ranks
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -103,7 +105,19 @@ def test_report_takes_the_last_eval_record_and_lists_settings_that_differ(tmp_pa
     assert rows[3] == [str(b), "eval", "40", "1.5000", "2.900", "0.850", "0.650", "0.450"]
     # The ablated setting appears once, with one value per run; bookkeeping fields do not.
     assert ["drafter_layers", "5", "3"] in rows
-    assert not any(row[0] in ("out", "log_every") for row in rows)
+    assert not any(row[0] in ("out", "log_every", "ranks") for row in rows)
+
+
+def test_the_number_of_training_processes_is_a_setting_and_the_cards_are_not(tmp_path):
+    # Four processes take four micro-batches a step: the global batch differs.
+    a, b = two_runs(tmp_path, ranks=4, train={"drafter_layers": 5, "gpus": "4-7"})
+    rows = rows_of(markdown_report([read_run(a), read_run(b)]))
+    assert ["ranks", "1", "4"] in rows
+    assert not any(row[0] == "gpus" for row in rows)
+    # A run folder without the record shows "-" beside the other's count.
+    old = write_run(tmp_path / "old", records=[eval_record(5, 2.0, 2.0, [0.5])], ranks=None)
+    rows = rows_of(markdown_report([read_run(old), read_run(b)]))
+    assert ["ranks", "-", "4"] in rows
 
 
 def test_train_records_stand_in_without_evaluations(tmp_path):

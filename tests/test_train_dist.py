@@ -7,6 +7,7 @@ from tests.cachegen import write_cache
 from tests.test_train_loop import final_state, records, tiny
 from train.checkpoint import list_checkpoints, load_drafter
 from train.drafters.dflash import DFlashDrafter, init_drafter_weights
+from train.proof.compare import differing_settings, read_run
 from train.run import run
 
 
@@ -26,6 +27,9 @@ def test_two_ranks_equal_one_rank_with_twice_the_accumulation(cache, tmp_path):
     run(tiny(cache, one, gpus="cpu", workers=2, grad_accum=2, **kw))
     a, b = final_state(two), final_state(one)
     assert a["step"] == b["step"] == 6
+    # Each run records its processes, and a comparison names them among what the runs vary.
+    settings = dict(differing_settings([read_run(two), read_run(one)]))
+    assert settings["ranks"] == [2, 1] and settings["grad_accum"] == [1, 2]
     for key in a["model"]:
         torch.testing.assert_close(a["model"][key], b["model"][key], rtol=1e-4, atol=1e-5)
     # Adam hides a constant gradient factor; the logged (pre-clip) gradient norm does not.

@@ -89,7 +89,7 @@ def _run_locked(
     world = world_size or torchrun_world_size()
     if prep.follow is None:
         check_size(cfg, prep, world)
-    prepare_run_dir(cfg, prep, manifest, world_size=world_size)
+    prepare_run_dir(cfg, prep, manifest, world_size=world_size, ranks=world)
     if prep.follow is not None:
         view = await_first_step(cfg, prep.follow.view, manifest, world_size=world)
         train, evals = holdout(cfg, view)

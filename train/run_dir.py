@@ -35,26 +35,38 @@ def resumed_plan(cfg: TrainConfig) -> dict[str, Any] | None:
     return None if path is None else read_meta(path).get("plan") or {"follow": False}
 
 
-def run_record(cfg: TrainConfig, prep: Prepared, manifest: Manifest) -> dict[str, Any]:
-    """What config.json holds: the resolved options, the drafter and the cache identity."""
-    return {
+def run_record(
+    cfg: TrainConfig, prep: Prepared, manifest: Manifest, *, ranks: int | None = None
+) -> dict[str, Any]:
+    """What config.json holds: the resolved options, the drafter, the cache identity and the
+    number of training processes (a step takes a micro-batch from each: the global batch)."""
+    record = {
         "train": to_json(cfg),
         "drafter": prep.drafter.to_dict(),
         "cache": manifest.identity(),
     }
+    if ranks is not None:
+        record["ranks"] = ranks
+    return record
 
 
 def prepare_run_dir(
-    cfg: TrainConfig, prep: Prepared, manifest: Manifest, *, world_size: int | None = None
+    cfg: TrainConfig,
+    prep: Prepared,
+    manifest: Manifest,
+    *,
+    world_size: int | None = None,
+    ranks: int | None = None,
 ) -> None:
     """Create the run folder or check that it holds this run; write config.json.
 
     `world_size` (None when unknown here, as under torchrun) is checked against the checkpoint
-    a resume would start from: the data plan depends on it.
+    a resume would start from: the data plan depends on it. `ranks`: the processes the run
+    trains on (torchrun's too), recorded.
     """
     out = Path(cfg.out)
     path = out / CONFIG_FILE
-    record = run_record(cfg, prep, manifest)
+    record = run_record(cfg, prep, manifest, ranks=ranks)
     if path.is_file():
         old = _run_record(path)
         harmful, harmless = config_changes(old.get("train", {}), record["train"])

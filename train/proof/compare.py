@@ -129,9 +129,12 @@ def _norm(path: Any) -> str | None:
 
 
 def differing_settings(runs: list[RunSummary]) -> list[tuple[str, list[Any]]]:
-    """(TrainConfig field, value per run) for the fields that differ: what the runs ablate."""
+    """(TrainConfig field, value per run) for the fields that differ: what the runs ablate.
+    The number of training processes is one ("ranks": each step takes a micro-batch from every
+    one, so it scales the global batch); --gpus itself is not (the same count on other cards)."""
     keys = sorted({k for run in runs for k in run.train} - NOT_SETTINGS)
     rows = [(k, [run.train.get(k) for run in runs]) for k in keys]
+    rows.append(("ranks", [run.config.get("ranks") for run in runs]))
     return [(k, values) for k, values in rows if any(v != values[0] for v in values)]
 
 
