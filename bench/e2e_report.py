@@ -70,7 +70,7 @@ def extraction_end(log: Path) -> dict[str, Any] | None:
     number = lambda g: None if g is None else float(g)
     names = ("writers_s", "writers_blocked_s", "disk_backlog_gb", "written_s", "committed_s")
     out: dict[str, Any] = dict(zip(names, map(number, m.groups()), strict=True))
-    # The last committed part's own commit time by step (`extract.pipeline.commit_steps`).
+    # The last committed part's own commit time by step (`extract.commit.commit_steps`).
     commits = re.findall(
         r"committed (part-\d+(?:\.tar)?): .*?; its commit took ([\d.]+) s(?: \((.*)\))?$",
         log.read_text(),

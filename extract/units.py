@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from extract.commit import OpenPart, discard
 from extract.data import Rejected, Tokenized, iter_rows
 from extract.job import Job
-from extract.pipeline import OpenPart, PartPipeline, discard
+from extract.pipeline import PartPipeline
 from shared.stopping import StopRequest
 
 
