@@ -95,9 +95,10 @@ def write_all(out: Path, samples: list[Bf16Planes], threads: int) -> dict:
     with ThreadPoolExecutor(threads) as pool:
         for f in [pool.submit(task, n, piece) for n, piece in tasks]:
             f.result()
-    io.close()  # every shard file on disk
+    io.wait_idle()  # every shard file on disk (`close` would drop the writes not started)
     wall, process = time.perf_counter() - start, process_cpu_s() - c0
     writer.commit()
+    io.close()
     return {"wall_s": wall, "process_cpu_s": process, "busy_s": busy[0], "cpu_s": cpu[0]}
 
 

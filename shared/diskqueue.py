@@ -22,6 +22,10 @@ DEFAULT_BUDGET = 2 << 30
 DEFAULT_THREADS = 4
 
 
+class WriteDropped(RuntimeError):
+    """A write that `DiskQueue.close` dropped before it started: its part is not committed."""
+
+
 class DiskQueue:
     """`submit(nbytes, fn, *args)` runs fn(*args) on a write thread, blocking the caller while
     more than `budget` bytes are queued or being written (never for a lone job larger than it)."""
@@ -63,6 +67,8 @@ class DiskQueue:
         return future
 
     def _run(self, fn: Callable[..., Any], args: tuple) -> Any:
+        if self._closed:  # dropped: the future fails, so whoever waits for it wakes
+            raise WriteDropped("the disk queue was closed before this write started")
         start, cpu = time.perf_counter(), time.thread_time()
         try:
             return fn(*args)
@@ -93,10 +99,13 @@ class DiskQueue:
 
     def close(self) -> None:
         """Wait for the writes running, drop those not started (a part whose writes were all
-        waited for is already committed; the others are not); idempotent."""
+        waited for is already committed; the others are not); idempotent. A dropped write's
+        future fails with WriteDropped: one cancelled by the executor's own shutdown would
+        never wake a `wait` for it (a commit draining its part's writes would hang, and the
+        process with it at exit)."""
         with self._cond:
             self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=True)
 
 
 def drain(futures: list[Future]) -> None:

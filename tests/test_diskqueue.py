@@ -7,13 +7,14 @@ from __future__ import annotations
 import errno
 import threading
 import zlib
+from concurrent.futures import wait
 
 import pytest
 
 import shared.zarr_part
 from shared.cache import open_part, open_part_writer
 from shared.codec import CHUNK_ROWS
-from shared.diskqueue import DiskQueue, drain
+from shared.diskqueue import DiskQueue, WriteDropped, drain
 from tests.test_cache import H, K, assert_matches, make_records, write_part
 
 
@@ -137,14 +138,23 @@ def test_queued_writes_hold_their_own_bytes(tmp_path, store):
 
 
 def test_close_drops_queued_jobs_and_refuses_new_ones():
-    q, hold = DiskQueue(threads=1), threading.Event()
-    running = q.submit(1, hold.wait)
-    queued = q.submit(1, lambda: None)
+    q, started, hold = DiskQueue(threads=1), threading.Event(), threading.Event()
+    ran = []
+    running = q.submit(1, lambda: (started.set(), hold.wait()))
+    queued = q.submit(1, ran.append, "queued")
+    started.wait()
     closer = threading.Thread(target=q.close)
     closer.start()
+    while not q._closed:  # close has begun: the queued job is dropped from here on
+        closer.join(0.001)
     hold.set()  # the running job ends; close waits for it and drops the queued one
     closer.join()
-    assert running.done() and (queued.cancelled() or queued.done())
-    assert q.pending == 0
+    assert running.done() and running.exception() is None
+    assert ran == [] and q.pending == 0
+    # A dropped write wakes whoever waits for it (a part's commit draining its writes) and
+    # fails it: the part is not committed.
+    assert not wait([queued], timeout=60).not_done  # (a cancelled future would never wake it)
+    with pytest.raises(WriteDropped):
+        drain([queued])
     with pytest.raises(RuntimeError, match="closed"):
         q.submit(1, lambda: None)
