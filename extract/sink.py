@@ -144,6 +144,11 @@ class Staging:
         return buf[: t.numel()].view(t.shape)
 
 
+class TaskDropped(RuntimeError):
+    """A writer task that `WriterPool.close` dropped before it started: its part is not
+    committed."""
+
+
 class WriterPool:
     """Threads for compression and writing; errors surface on the next `check()` or `close()`."""
 
@@ -153,6 +158,7 @@ class WriterPool:
         self.busy_s = 0.0  # the threads' time in tasks, all threads together
         self.cpu_s = 0.0  # of it, their time running on a core (the rest: GIL, cores, waits)
         self._lock = threading.Lock()
+        self._closed = False
 
     def submit(self, fn: Callable, *args) -> Future:
         fut = self.pool.submit(self._timed, fn, *args)
@@ -161,6 +167,8 @@ class WriterPool:
         return fut
 
     def _timed(self, fn: Callable, *args) -> object:
+        if self._closed:  # dropped: the future fails, so whoever waits for it wakes
+            raise TaskDropped("the writer threads were closed before this task started")
         start, cpu = time.perf_counter(), time.thread_time()
         try:
             return fn(*args)
@@ -183,11 +191,16 @@ class WriterPool:
             f.result()
 
     def close(self) -> None:
+        """Wait for the tasks, raising the first failure; on a failure (or an interrupt) the
+        tasks not started are dropped: each fails with TaskDropped. Not cancelled: a future
+        cancelled by the executor's shutdown never wakes a `wait` for it, and a part's commit
+        waits for its tasks (`extract.commit.commit_part`)."""
         try:
             for f in list(self.futures):
                 f.result()
         finally:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            self._closed = True
+            self.pool.shutdown(wait=True)
 
 
 def device_payload(

@@ -53,12 +53,15 @@ class DiskQueue:
                 self._cond.wait_for(
                     lambda: (
                         self._error is not None
+                        or self._closed
                         or self.pending + nbytes <= self.budget
                         or not self.pending
                     )  # fmt: skip
                 )
                 self.waited_s += time.perf_counter() - start
                 self._raise_error()
+                if self._closed:
+                    raise RuntimeError("the disk queue is closed")
             future = self._pool.submit(self._run, fn, args)
             self.pending += nbytes
             self.peak = max(self.peak, self.pending)

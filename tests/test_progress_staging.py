@@ -1,14 +1,17 @@
-"""Progress counters across ranks, and the host staging buffers of extraction."""
+"""Progress counters across ranks, the host staging buffers of extraction, and its writer
+threads' close."""
 
 from __future__ import annotations
 
+import errno
 import threading
+from concurrent.futures import wait
 from functools import partial
 
 import pytest
 import torch
 
-from extract.sink import Staging, device_payload
+from extract.sink import Staging, TaskDropped, WriterPool, device_payload
 from shared.progress import RankCounters, read_counters
 
 
@@ -128,3 +131,41 @@ def test_gpu_payload_made_on_the_side_stream_survives_the_next_forward(store):
     total, longest = staging.side_stream_s()  # one batch: from its forward's end to its copy's
     assert 0 < longest == total and staging.landing_waited_s > 0
     release()
+
+
+def test_closing_the_writers_after_a_failure_wakes_a_commit_waiting_for_dropped_tasks():
+    # A full disk with two parts in flight: a task fails, close raises it and drops the tasks
+    # not started, and the part's commit waiting for them (a thread in wait()) must wake, or
+    # the commit thread and the process hang.
+    pool, started, gate = WriterPool(1), threading.Event(), threading.Event()
+
+    def full_disk():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    ran = []
+    failing = pool.submit(full_disk)
+    running = pool.submit(lambda: (started.set(), gate.wait()))
+    queued = [pool.submit(ran.append, k) for k in range(3)]
+    commit = threading.Thread(target=wait, args=([running, *queued],))  # commit_part's wait
+    commit.start()
+    closing = []
+    closer = threading.Thread(target=lambda: closing.append(_raised(pool.close)))
+    closer.start()
+    started.wait()
+    while not pool._closed:  # close has seen the failure: what has not started is dropped
+        closer.join(0.001)
+    gate.set()
+    closer.join()
+    commit.join(60)
+    assert not commit.is_alive()
+    assert isinstance(closing[0], OSError) and failing.exception() is closing[0]
+    assert running.exception() is None and ran == []
+    assert all(isinstance(f.exception(), TaskDropped) for f in queued)
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return e
+    return None
