@@ -123,7 +123,7 @@ def staging_cell(x: dict[str, Any]) -> str:
     if "span_s" in st:
         of_it.append(f"{st['waited_s']:.1f} s waiting for copies")
     if of_it:
-        words += f" ({', '.join(of_it)} of it)"
+        words += f" (of it {', '.join(of_it)})"
     if "span_s" in st:
         words += (
             f"; payloads and copies ended "

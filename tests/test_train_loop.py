@@ -139,7 +139,7 @@ def test_the_same_command_finishes_a_finished_or_damaged_run(cache, tmp_path):
         run(tiny(cache, out, steps=8, checkpoint_every=2))
 
 
-def test_run_folder_refuses_a_different_run(cache, tmp_path):
+def test_run_folder_refuses_a_different_run(cache, tmp_path, monkeypatch):
     out = tmp_path / "run"
     run(tiny(cache, out, steps=2))
     with pytest.raises(RunError, match="lr: run has 0.003, now 0.001"):
@@ -148,6 +148,12 @@ def test_run_folder_refuses_a_different_run(cache, tmp_path):
         run(tiny(cache, out, steps=2, resume="none"))
     with pytest.raises(RunError, match="1 ranks x 1 loader streams, this run has 2 x 1"):
         run(tiny(cache, out, steps=2, gpus="cpu:2"))
+    with monkeypatch.context() as env:  # two processes under torchrun: refused alike, first
+        for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
+            env.setenv(name, value)
+        with pytest.raises(RunError, match="1 ranks x 1 loader streams, this run has 2 x 1"):
+            run(tiny(cache, out, steps=2))
+    assert json.loads((out / "config.json").read_text())["ranks"] == 1  # the record stands
     with pytest.raises(RunError, match="not a complete checkpoint"):
         run(tiny(cache, out, steps=2, resume=str(tmp_path / "missing")))
     run(tiny(cache, out, steps=3))  # more steps: harmless, resumes from step 2

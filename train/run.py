@@ -85,11 +85,10 @@ def run(cfg: TrainConfig) -> Path:
 def _run_locked(
     cfg: TrainConfig, prep: Prepared, manifest: Manifest, spec: DeviceSpec, estimate: int | None
 ) -> Path:
-    world_size = None if under_torchrun() else spec.nprocs
-    world = world_size or torchrun_world_size()
+    world = torchrun_world_size() if under_torchrun() else spec.nprocs
     if prep.follow is None:
         check_size(cfg, prep, world)
-    prepare_run_dir(cfg, prep, manifest, world_size=world_size, ranks=world)
+    prepare_run_dir(cfg, prep, manifest, world_size=world)
     if prep.follow is not None:
         view = await_first_step(cfg, prep.follow.view, manifest, world_size=world)
         train, evals = holdout(cfg, view)

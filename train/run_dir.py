@@ -51,22 +51,17 @@ def run_record(
 
 
 def prepare_run_dir(
-    cfg: TrainConfig,
-    prep: Prepared,
-    manifest: Manifest,
-    *,
-    world_size: int | None = None,
-    ranks: int | None = None,
+    cfg: TrainConfig, prep: Prepared, manifest: Manifest, *, world_size: int | None = None
 ) -> None:
     """Create the run folder or check that it holds this run; write config.json.
 
-    `world_size` (None when unknown here, as under torchrun) is checked against the checkpoint
-    a resume would start from: the data plan depends on it. `ranks`: the processes the run
-    trains on (torchrun's too), recorded.
+    `world_size`, the processes the run trains on (torchrun's WORLD_SIZE under torchrun), is
+    recorded and checked against the checkpoint a resume would start from, before the record
+    is written: the data plan depends on it. None: neither.
     """
     out = Path(cfg.out)
     path = out / CONFIG_FILE
-    record = run_record(cfg, prep, manifest, ranks=ranks)
+    record = run_record(cfg, prep, manifest, ranks=world_size)
     if path.is_file():
         old = _run_record(path)
         harmful, harmless = config_changes(old.get("train", {}), record["train"])
