@@ -108,6 +108,7 @@ class DiskQueue:
         process with it at exit)."""
         with self._cond:
             self._closed = True
+            self._cond.notify_all()  # a submit waiting for room is refused
         self._pool.shutdown(wait=True)
 
 

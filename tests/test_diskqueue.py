@@ -158,3 +158,27 @@ def test_close_drops_queued_jobs_and_refuses_new_ones():
         drain([queued])
     with pytest.raises(RuntimeError, match="closed"):
         q.submit(1, lambda: None)
+
+
+def test_a_submit_waiting_for_room_when_the_queue_closes_is_refused():
+    q, hold = DiskQueue(threads=1, budget=2), threading.Event()
+    running = q.submit(2, hold.wait)  # the budget is full until it ends
+    refused = []
+
+    def submit_one_more():
+        try:
+            q.submit(1, lambda: None)
+        except RuntimeError as e:
+            refused.append(str(e))
+
+    submitter = threading.Thread(target=submit_one_more)
+    submitter.start()  # waits for room (or finds the queue closed)
+    closer = threading.Thread(target=q.close)
+    closer.start()
+    while not q._closed:
+        closer.join(0.001)
+    hold.set()
+    closer.join()
+    submitter.join()
+    assert running.exception() is None
+    assert refused == ["the disk queue is closed"] and q.pending == 0
