@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from extract.data import Rejected, Tokenized
 from extract.job import Job
 from shared.cache import part_name
 from shared.codec import codec_description
+from shared.diskqueue import drain
 from shared.manifest import (
     MAX_DETAIL,
     MAX_LISTED_REJECTS,
@@ -61,9 +62,7 @@ def commit_steps(seconds: dict[str, float]) -> str:
 def commit_part(part: OpenPart, job: Job, futures: list[Future], counters: RankCounters) -> None:
     unit, writer, kept, rejected, rows = part.unit, part.writer, part.kept, part.rejected, part.rows
     start = time.perf_counter()
-    wait(futures)
-    for f in futures:
-        f.result()  # re-raise a failed write: the part is not committed
+    drain(futures)  # a failed write is raised: the part is not committed
     samples_s = time.perf_counter() - start
     stats = writer.commit()
     reasons: dict[str, int] = {}

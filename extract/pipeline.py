@@ -267,9 +267,9 @@ class PartPipeline:
             )
         if disk is not None:
             log.info(
-                "disk: %.1f GB written by %d threads in %.1f s of their time (%.1f s on a "
-                "core); the writer "
-                "threads waited %.1f s for the queue, which held at most %.1f GB (%.1f allowed)",
+                "disk: %.1f GB written by %d threads in %.1f s of their time (%.1f s on a core); "
+                "the writer threads waited %.1f s for the queue, which held at most %.1f GB "
+                "(%.1f allowed)",
                 disk.written / 1e9,
                 disk.threads,
                 disk.busy_s,
