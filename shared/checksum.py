@@ -111,11 +111,14 @@ def part_checksum(
 
     `known` maps relative paths to (size, crc32c of the bytes) that the writer computed while
     writing them: those files are combined in without being read again (a file whose size
-    differs is read). Verification never passes `known`: it reads everything. `sizes`: the
-    folder's `tree_file_sizes`, when the caller has it already.
+    differs is read); a .tar's own under "". Verification never passes `known`: it reads
+    everything. `sizes`: the folder's `tree_file_sizes`, when the caller has it already.
     """
     path = Path(path)
-    if path.is_file():
+    if path.is_file():  # a tar: `known` may give its (size, crc32c) under ""
+        size_crc = (known or {}).get("")
+        if size_crc is not None and size_crc[0] == path.stat().st_size:
+            return f"{CHECKSUM_PREFIX}{size_crc[1]:08x}"
         return crc32c_file(path)
     files = tree_file_sizes(path) if sizes is None else sizes
     known = known or {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import fcntl
@@ -146,6 +147,68 @@ def start_writeback(fd: int, offset: int = 0, length: int = 0) -> None:
                 advise(fd, offset, length, os.POSIX_FADV_DONTNEED)
         return
     fn(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # advisory: a failure leaves it to the commit
+
+
+_SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 4
+# Bytes written after a file before its pages leave the page cache (`DropBehind`): far more than
+# a disk's queue of writes in flight, so that its writeback is done by then (no wait).
+DROP_BEHIND_BYTES = 256 << 20
+
+
+def drop_written(fd: int, offset: int = 0, length: int = 0) -> None:
+    """Drop the pages of `fd` in [offset, offset + length) (0: to the end) from the page cache,
+    once on disk: sync_file_range(2) waits for the writeback `start_writeback` began, writes a
+    page that is dirty again (one an append wrote into while its writeback ran, which that
+    skipped) and waits for it; no wait for pages long written. A no-op where sync_file_range is
+    missing. Only the page cache's copy goes: a read finds the data on disk.
+
+    Why: a cache is written once and read another day, or by another machine, so its pages in
+    memory serve nobody, while every new page the kernel takes for the next writes costs more
+    than one it reuses: on a virtual machine that returns idle memory to its host (free page
+    reporting), several times more (`python bench/writer_cost.py`'s system seconds against
+    `--keep-cached`). Dropped pages are free for the next writes at once."""
+    fn, advise = _sync_file_range(), getattr(os, "posix_fadvise", None)
+    if fn is None or advise is None:
+        return
+    with contextlib.suppress(OSError):  # advisory: a failure leaves the pages cached
+        fn(
+            fd,
+            offset,
+            length,
+            _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER,
+        )
+        advise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
+class DropBehind:
+    """Drops the pages of files written one after another from the page cache (`drop_written`),
+    each once `lag` more bytes have been written after it: the disk has them by then, and the
+    files being written keep theirs. Thread-safe; files that are gone by then are skipped."""
+
+    def __init__(self, lag: int | None = None):
+        """`lag`: bytes (default DROP_BEHIND_BYTES)."""
+        self.lag, self._behind = DROP_BEHIND_BYTES if lag is None else lag, 0
+        self._files: collections.deque[tuple[str, int]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def written(self, path: str, nbytes: int) -> None:
+        """`path` (`nbytes`) has just been written, its writeback started."""
+        old = []
+        with self._lock:
+            self._files.append((path, nbytes))
+            self._behind += nbytes
+            while self._files and self._behind - self._files[0][1] >= self.lag:
+                old.append(self._files.popleft())
+                self._behind -= old[-1][1]
+        for path, _ in old:  # outside the lock: a wait for a slow disk blocks this thread only
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                drop_written(fd)
+            finally:
+                os.close(fd)
 
 
 @functools.cache

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import crc32c
 import numpy as np
 
 from shared.checksum import crc32c_hex
@@ -38,7 +39,7 @@ from shared.codec import (
     numcodecs_blosc,
     payload_dtype,
 )
-from shared.fsio import start_writeback
+from shared.fsio import DROP_BEHIND_BYTES, drop_written, start_writeback
 from shared.int4_frames import int4_frames, int4_unframe
 from shared.part import PartReader, PartWriter, Sample
 from shared.planes import merge_planes, planes_compress, planes_decompress
@@ -125,6 +126,23 @@ def _npy_load(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
+class _HashedFile:
+    """A file being appended to that keeps the size and crc32c of every byte written through it
+    (tarfile writes headers, data and padding alike by `write`): the commit's checksum without
+    reading the tar back, from a disk once its pages have been dropped."""
+
+    def __init__(self, f: io.BufferedWriter):
+        self._f, self.size, self.crc = f, 0, 0
+
+    def write(self, data: bytes) -> int:
+        n = self._f.write(data)
+        self.size, self.crc = self.size + len(data), crc32c.crc32c(data, self.crc)
+        return n
+
+    def __getattr__(self, name: str):  # noqa: ANN204  (tell, flush, fileno, close)
+        return getattr(self._f, name)
+
+
 class WdsPartWriter(PartWriter):
     """Appends each sample's members to ``part-XXXXXX.tar.tmp`` as soon as it is written."""
 
@@ -132,7 +150,9 @@ class WdsPartWriter(PartWriter):
         super().__init__(final, **kw)
         self._tar_lock = threading.Lock()
         self._broken = False
-        self._file = open(self.tmp, "xb")
+        self._file = _HashedFile(open(self.tmp, "xb"))  # noqa: SIM115 (closed by commit/abort)
+        # The tar's bytes before these offsets: their writeback started; their pages dropped.
+        self._submitted = self._dropped = 0
         self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.PAX_FORMAT)
         meta = dict(
             format_version=FORMAT_VERSION,
@@ -175,13 +195,23 @@ class WdsPartWriter(PartWriter):
         members.append((f"{key}.json", json.dumps(meta).encode()))
         with self._tar_lock:
             try:
-                start = self._file.tell()
                 for name, data in members:
                     self._add(name, data)
                 # The tar's writeback starts now, not all at once at the commit's fsync: of the
-                # bytes just appended (an earlier sample's pages are not dropped on overlayfs).
+                # bytes appended since the last start (an earlier sample's pages are not dropped
+                # on overlayfs).
                 self._file.flush()
-                start_writeback(self._file.fileno(), start, self._file.tell() - start)
+                start, end = self._submitted, self._file.tell()
+                start_writeback(self._file.fileno(), start, end - start)
+                self._submitted = end
+                # The pages of bytes appended long enough ago leave the page cache, as a zarr
+                # part's files do: whole pages, from 2 MB before the last range's end, so that a
+                # large folio across it (kept, as not wholly in the range) goes this time.
+                upto = (end - DROP_BEHIND_BYTES) & ~4095
+                if upto > self._dropped:
+                    start = max(0, self._dropped - (2 << 20)) & ~((2 << 20) - 1)
+                    drop_written(self._file.fileno(), start, upto - start)
+                    self._dropped = upto
             except BaseException:
                 self._broken = True  # a half-appended sample: the tar cannot be committed
                 raise
@@ -194,6 +224,9 @@ class WdsPartWriter(PartWriter):
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
+
+    def _known_files(self) -> dict[str, tuple[int, int]]:
+        return {"": (self._file.size, self._file.crc)}
 
     def _close_quietly(self) -> None:
         with self._tar_lock:

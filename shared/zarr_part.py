@@ -33,7 +33,7 @@ import numpy as np
 import zarr
 
 from shared.codec import CHUNK_ROWS, FORMAT_VERSION, Bf16Planes, payload_dtype, payload_width
-from shared.fsio import start_writeback, sync_tree
+from shared.fsio import DropBehind, start_writeback, sync_tree
 from shared.part import PartReader, PartWriter, Sample, aligned_offsets, layout_problems
 from shared.zarr_codecs import hidden_compressor, hidden_compressors, zarr_compressors
 from shared.zarr_shards import (
@@ -54,6 +54,10 @@ SMALL_CHUNK_ROWS = 1 << 14
 # Start each shard file's writeback as soon as it is written (`shared.fsio.start_writeback`);
 # off only to measure what it changes (`bench/extract_bench.py --writeback commit`).
 EARLY_WRITEBACK = True
+# Drop each shard file's pages from the page cache once the disk has them
+# (`shared.fsio.DropBehind`); off only to measure what it changes (`bench/writer_cost.py
+# --keep-cached`).
+DROP_BEHIND = True
 
 
 def write_buffers(path: Path | str, buffers: list[bytes]) -> tuple[int, int]:
@@ -112,6 +116,7 @@ class ZarrPartWriter(PartWriter):
         self._sample_index = np.zeros(len(self.lengths), np.int64)
         # (size, crc32c) of each shard file as written: the commit's checksum need not reread it.
         self._written_files: dict[str, tuple[int, int]] = {}
+        self._drop_behind = DropBehind() if DROP_BEHIND else None
 
     def _store(self, n, sample_index, ids, mask, payload, scale, first) -> None:  # noqa: ANN001
         start, length = int(self.offsets[n]) + first, len(ids)
@@ -137,9 +142,12 @@ class ZarrPartWriter(PartWriter):
     def _write_shards(self, files: list[tuple[str, list[bytes]]]) -> None:
         """Write one sample's shard files (key, buffers) and note their (size, crc32c)."""
         for key, buffers in files:
-            size_crc = write_buffers(f"{self._root}/{key}", buffers)  # no folder to make
+            path = f"{self._root}/{key}"
+            size_crc = write_buffers(path, buffers)  # no folder to make
             with self._lock:
                 self._written_files[key] = size_crc
+            if self._drop_behind is not None:
+                self._drop_behind.written(path, size_crc[0])
 
     def _small_array(self, name: str, data: np.ndarray) -> None:
         chunks = (SMALL_CHUNK_ROWS, *data.shape[1:])

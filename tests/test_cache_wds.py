@@ -13,6 +13,7 @@ import webdataset
 
 from shared import wds
 from shared.cache import open_part, verify_part
+from shared.checksum import part_checksum
 from tests.test_cache import K, assert_matches, make_records, write_part
 
 LENGTHS = [5, 64, 70, 1]
@@ -33,6 +34,16 @@ def rewrite_tar(src, dst, reorder) -> None:
     with tarfile.open(dst, "w", format=tarfile.PAX_FORMAT) as out:
         for info, data in head + rest:
             out.addfile(info, io.BytesIO(data))
+
+
+def test_commit_checksum_from_the_written_bytes_equals_a_full_read(part):
+    # The writer hashes every byte of the tar as it appends it; commit takes that hash instead
+    # of reading the tar back (its pages may have left the page cache). It must equal a full
+    # read, and a size that no longer matches the tar must make it read the tar.
+    path, _, stats, _ = part
+    assert part_checksum(path) == stats.checksum
+    assert part_checksum(path, {"": (path.stat().st_size + 1, 0)}) == stats.checksum
+    assert part_checksum(path, {"": (path.stat().st_size, 0)}) != stats.checksum  # taken as said
 
 
 def test_members_and_keys(part):

@@ -1,6 +1,8 @@
 """Early writeback: a shard file's pages leave the dirty state as soon as it is written, on a
 plain file system and through overlayfs (where sync_file_range(2) does nothing), so a part's
-commit finds little left to sync."""
+commit finds little left to sync. Drop-behind: the pages of what was written long enough ago
+leave the page cache (zarr shard files and a webdataset tar alike), and the data reads back
+from the disk."""
 
 from __future__ import annotations
 
@@ -12,9 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
-from shared.fsio import filesystem_type, start_writeback
+import shared.wds
+from shared.cache import open_part, open_part_writer
+from shared.fsio import DropBehind, filesystem_type, start_writeback
 from shared.zarr_part import write_buffers
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux page cache")
@@ -31,21 +37,53 @@ class _Stat(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "recent")]
 
 
-def dirty_pages(path: Path) -> int:
-    """Pages of `path`, just written, that are dirty in the page cache (cachestat(2), Linux
-    6.5). Skips where its pages are not seen there (a file system stacked on another, as an
-    overlay seen from above, or one without a page cache)."""
+def cachestat(path: Path, offset: int = 0, length: int = 0) -> _Stat:
+    """cachestat(2) (Linux 6.5) of `path`'s pages in [offset, offset + length) (0: to the end);
+    skips where the call is missing."""
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(path, os.O_RDONLY)
     try:
         stat = _Stat()
-        if libc.syscall(_CACHESTAT, fd, ctypes.byref(_Range(0, 0)), ctypes.byref(stat), 0):
+        rng = ctypes.byref(_Range(offset, length))
+        if libc.syscall(_CACHESTAT, fd, rng, ctypes.byref(stat), 0):
             pytest.skip(f"cachestat(2): {os.strerror(ctypes.get_errno())}")
-        if stat.cache == 0:
-            pytest.skip(f"{path}: its pages are not in this file system's page cache")
-        return stat.dirty
+        return stat
     finally:
         os.close(fd)
+
+
+def dirty_pages(path: Path) -> int:
+    """Pages of `path`, just written, that are dirty in the page cache. Skips where its pages
+    are not seen there (a file system stacked on another, as an overlay seen from above, or one
+    without a page cache)."""
+    stat = cachestat(path)
+    if stat.cache == 0:
+        pytest.skip(f"{path}: its pages are not in this file system's page cache")
+    return stat.dirty
+
+
+def cached_pages(path: Path, offset: int = 0, length: int = 0) -> int:
+    return cachestat(path, offset, length).cache
+
+
+@pytest.fixture
+def on_disk(tmp_path):
+    """A folder on a file system with a page cache of its own (sync_file_range reaches it)."""
+    if _in_memory(tmp_path):
+        pytest.skip(f"{tmp_path} is in memory: its pages are its only copy")
+    import shared.fsio as fsio
+
+    probe = tmp_path / "probe"
+    probe.write_bytes(bytes(4096))
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        if fsio._sync_file_range() is None or fsio._is_overlay(fd):
+            pytest.skip("no sync_file_range(2) on this file system")
+    finally:
+        os.close(fd)
+    if cached_pages(probe) == 0:
+        pytest.skip(f"{tmp_path}: its pages are not in this file system's page cache")
+    return tmp_path
 
 
 def _in_memory(path: Path) -> bool:
@@ -133,3 +171,62 @@ def test_through_an_overlay_sync_file_range_alone_leaves_the_pages_dirty(tmp_pat
         monkeypatch.setattr(fsio, "_is_overlay", lambda dev: False)
         write_buffers(write_to / "c.0.0.0", [os.urandom(4 * MB)])
         assert dirty_pages(seen_at / "c.0.0.0") > 0
+
+
+def test_files_written_long_enough_ago_leave_the_page_cache(on_disk):
+    drop = DropBehind(lag=8 * MB)
+    data = [os.urandom(4 * MB) for _ in range(6)]
+    for n, d in enumerate(data):
+        write_buffers(on_disk / f"c.{n}.0.0", [d])
+        drop.written(str(on_disk / f"c.{n}.0.0"), len(d))
+    # 8 MB or more written after files 0-3; files 4 and 5 are the latest and keep their pages.
+    assert [cached_pages(on_disk / f"c.{n}.0.0") > 0 for n in range(6)] == [False] * 4 + [True] * 2
+    assert [(on_disk / f"c.{n}.0.0").read_bytes() for n in range(6)] == data  # from the disk
+
+
+def test_without_drop_behind_written_files_stay_cached(on_disk):
+    # What the test above would see if nothing dropped the pages: it can fail.
+    for n in range(6):
+        write_buffers(on_disk / f"c.{n}.0.0", [os.urandom(4 * MB)])
+    assert all(cached_pages(on_disk / f"c.{n}.0.0") > 0 for n in range(6))
+
+
+def test_a_file_removed_before_its_turn_is_skipped(on_disk):
+    drop = DropBehind(lag=MB)
+    write_buffers(on_disk / "a", [os.urandom(MB)])
+    drop.written(str(on_disk / "a"), MB)
+    (on_disk / "a").unlink()  # an aborted part's folder goes while its writes are in flight
+    write_buffers(on_disk / "b", [os.urandom(2 * MB)])
+    drop.written(str(on_disk / "b"), 2 * MB)  # drops "a": gone, so nothing to do
+    assert cached_pages(on_disk / "b") > 0
+
+
+@pytest.mark.parametrize("fmt", ["zarr", "wds"])
+def test_a_parts_early_bytes_leave_the_page_cache_and_read_back(on_disk, monkeypatch, fmt):
+    import shared.fsio as fsio
+
+    monkeypatch.setattr(fsio, "DROP_BEHIND_BYTES", 4 * MB)
+    monkeypatch.setattr(shared.wds, "DROP_BEHIND_BYTES", 4 * MB)
+    lengths, hidden = [512] * 12, 1024  # 2 MB of bf16 states a sample, barely compressible
+    rng = np.random.default_rng(0)
+    states = [torch.from_numpy(rng.standard_normal((n, 2, hidden), np.float32)) for n in lengths]
+    states = [h.to(torch.bfloat16) for h in states]
+    writer = open_part_writer(
+        on_disk, 0, fmt=fmt, store="bf16", num_layers=2, hidden_size=hidden, lengths=lengths
+    )
+    for n, h in enumerate(states):  # one after another, in this thread
+        writer.write(n, sample_index=n, input_ids=np.arange(512), loss_mask=np.ones(512),
+                     hidden=h)  # fmt: skip
+    writer.commit()
+    if fmt == "zarr":
+        shards = sorted((writer.final / "hidden").glob("c.*"), key=lambda p: int(p.name[2:-4]))
+        cached = [cached_pages(p) > 0 for p in shards]
+        assert not any(cached[:8]) and cached[-1], cached  # the first samples' shards dropped
+    else:
+        size = writer.final.stat().st_size
+        assert cached_pages(writer.final, 0, size // 2) == 0
+        assert cached_pages(writer.final, size - MB, MB) > 0
+    read = {s.sample_index: np.asarray(s.hidden) for s in open_part(writer.final)}
+    assert sorted(read) == list(range(len(states)))  # every sample, from the disk
+    for n, h in enumerate(states):
+        assert np.array_equal(read[n].view(np.uint16), h.view(torch.uint16).numpy())
