@@ -1,6 +1,7 @@
 """Where an extraction writer thread's time goes: the codec, the write path around it, waiting.
 
     python bench/writer_cost.py [--rows 4096] [--samples 8] [--threads 1,4,8,12] [--out DIR]
+                                [--page-cache drop|keep|both] [--pause S]
 
 Random bf16 states staged as extraction stages them (layer-major `planes`, `shared.planes`),
 written by the extraction's own zarr part writer in its tasks (pieces of PIECE_ROWS rows, one
@@ -11,6 +12,13 @@ with another thread, for the disk queue). The first line is the codec alone (`pl
 on the same 64-row chunks, one thread): the least a byte can cost. A host whose writer threads
 were slow in `bench/e2e_gpu.py` runs this beside it: CPU per GB far above the codec's says the
 write path or the cores, busy far above CPU says the threads wait.
+
+--page-cache: `drop` (the product's: each shard file's pages leave the page cache once the disk
+has them, `shared.fsio.DropBehind`), `keep` (left cached), or `both`, one after the other for
+each thread count; --pause S waits S seconds before each run, long enough for a virtual machine
+that returns idle memory to its host to have done so (its new pages then cost what a long
+extraction's do). The process's CPU seconds are split into user and system (the kernel: page
+cache, page faults) per raw GB.
 
 Random data: real speed of the codec within a factor, not a real compression ratio.
 """
@@ -33,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import shared.zarr_part  # noqa: E402
 from extract.pipeline import PIECE_ROWS  # noqa: E402
 from shared.cache import open_part_writer  # noqa: E402
 from shared.codec import CHUNK_ROWS, Bf16Planes  # noqa: E402
@@ -42,9 +51,10 @@ from shared.planes import planes_frames, split_planes  # noqa: E402
 K, H = 5, 4096  # the 8B shape's five taps
 
 
-def process_cpu_s() -> float:
+def process_cpu_s() -> tuple[float, float]:
+    """(user, system) CPU seconds of this process so far."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    return r.ru_utime, r.ru_stime
 
 
 def staged(rows: int, seed: int) -> Bf16Planes:
@@ -96,10 +106,14 @@ def write_all(out: Path, samples: list[Bf16Planes], threads: int) -> dict:
         for f in [pool.submit(task, n, piece) for n, piece in tasks]:
             f.result()
     io.wait_idle()  # every shard file on disk (`close` would drop the writes not started)
-    wall, process = time.perf_counter() - start, process_cpu_s() - c0
+    wall, (user, system) = time.perf_counter() - start, process_cpu_s()
+    user, system = user - c0[0], system - c0[1]
     writer.commit()
     io.close()
-    return {"wall_s": wall, "process_cpu_s": process, "busy_s": busy[0], "cpu_s": cpu[0]}
+    return {
+        "wall_s": wall, "process_cpu_s": user + system, "user_s": user, "system_s": system,
+        "busy_s": busy[0], "cpu_s": cpu[0],
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -108,6 +122,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--threads", default="1,4,8,12")
     p.add_argument("--out", type=Path, default=None, help="where the parts go (default: /tmp)")
+    p.add_argument("--page-cache", choices=("drop", "keep", "both"), default="drop")
+    p.add_argument("--pause", type=float, default=0.0, help="seconds idle before each run")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     samples = [staged(args.rows, seed) for seed in range(args.samples)]
@@ -117,16 +133,23 @@ def main() -> None:
     result = {"raw_gb": gb, "codec_cpu_s_per_gb": codec_s / gb, "threads": {}}
     root = Path(tempfile.mkdtemp(prefix="writer-cost-", dir=args.out))
     try:
+        modes = ("drop", "keep") if args.page_cache == "both" else (args.page_cache,)
         for n in (int(t) for t in args.threads.split(",")):
-            r = write_all(root / f"t{n}", samples, n)
-            shutil.rmtree(root / f"t{n}", ignore_errors=True)
-            waiting = 1 - r["cpu_s"] / r["busy_s"]
-            print(
-                f"{n:2d} threads: {gb / r['wall_s']:5.2f} GB/s, "
-                f"{r['process_cpu_s'] / gb:5.2f} CPU s/GB (process), tasks busy "
-                f"{r['busy_s']:6.1f} s of which CPU {r['cpu_s']:6.1f} s ({waiting:.0%} waiting)"
-            )
-            result["threads"][n] = r
+            for mode in modes:
+                shared.zarr_part.DROP_BEHIND = mode == "drop"
+                time.sleep(args.pause)
+                r = write_all(root / f"t{n}", samples, n)
+                shutil.rmtree(root / f"t{n}", ignore_errors=True)
+                waiting = 1 - r["cpu_s"] / r["busy_s"]
+                print(
+                    f"{n:2d} threads, page cache {mode}: {gb / r['wall_s']:5.2f} GB/s, "
+                    f"{r['process_cpu_s'] / gb:5.2f} CPU s/GB (process; user "
+                    f"{r['user_s'] / gb:.2f}, system {r['system_s'] / gb:.2f}), tasks busy "
+                    f"{r['busy_s']:6.1f} s of which CPU {r['cpu_s']:6.1f} s ({waiting:.0%} "
+                    "waiting)",
+                    flush=True,
+                )
+                result["threads"][f"{n} {mode}"] = r
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json is not None:
