@@ -165,8 +165,9 @@ def drop_written(fd: int, offset: int = 0, length: int = 0) -> None:
     Why: a cache is written once and read another day, or by another machine, so its pages in
     memory serve nobody, while every new page the kernel takes for the next writes costs more
     than one it reuses: on a virtual machine that returns idle memory to its host (free page
-    reporting), several times more (`python bench/writer_cost.py`'s system seconds against
-    `--keep-cached`). Dropped pages are free for the next writes at once."""
+    reporting), several times more (`python bench/writer_cost.py --page-cache both --pause 5`:
+    system seconds per GB, dropped against kept). Dropped pages are free for the next writes at
+    once."""
     fn, advise = _sync_file_range(), getattr(os, "posix_fadvise", None)
     if fn is None or advise is None:
         return

@@ -56,7 +56,7 @@ SMALL_CHUNK_ROWS = 1 << 14
 EARLY_WRITEBACK = True
 # Drop each shard file's pages from the page cache once the disk has them
 # (`shared.fsio.DropBehind`); off only to measure what it changes (`bench/writer_cost.py
-# --keep-cached`).
+# --page-cache keep`).
 DROP_BEHIND = True
 
 
