@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import errno
 import fcntl
 import functools
 import json
@@ -105,14 +106,25 @@ def _is_overlay(fd: int) -> bool:
     return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF == _OVERLAYFS_SUPER_MAGIC
 
 
+# What a sync call answers where it cannot be made (not what a failed write answers).
+_UNSUPPORTED = (errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP)
+
+
 def _syncfs(path: Path) -> bool:
-    """syncfs(2) on the file system holding `path`; False where it is not available."""
+    """syncfs(2) on the file system holding `path`; False where it is not available. Raises
+    OSError for a write that failed (a full disk, an I/O error): an fsync per file after it
+    might no longer see that error, and the part would be committed without its data."""
     fn = getattr(_libc(), "syncfs", None)
     if fn is None:
         return False
     fd = os.open(path, os.O_RDONLY)
     try:
-        return fn(fd) == 0
+        if fn(fd) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in _UNSUPPORTED:
+            return False
+        raise OSError(err, os.strerror(err), str(path))
     finally:
         os.close(fd)
 
@@ -155,12 +167,14 @@ _SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 4
 DROP_BEHIND_BYTES = 256 << 20
 
 
-def drop_written(fd: int, offset: int = 0, length: int = 0) -> None:
+def drop_written(fd: int, offset: int = 0, length: int = 0, name: str | None = None) -> None:
     """Drop the pages of `fd` in [offset, offset + length) (0: to the end) from the page cache,
     once on disk: sync_file_range(2) waits for the writeback `start_writeback` began, writes a
     page that is dirty again (one an append wrote into while its writeback ran, which that
     skipped) and waits for it; no wait for pages long written. A no-op where sync_file_range is
-    missing. Only the page cache's copy goes: a read finds the data on disk.
+    missing. Only the page cache's copy goes: a read finds the data on disk. Raises OSError
+    (naming `name`) for a write that failed: the wait takes the error from the file, so a later
+    fsync or syncfs would not see it, and the part must fail here.
 
     Why: a cache is written once and read another day, or by another machine, so its pages in
     memory serve nobody, while every new page the kernel takes for the next writes costs more
@@ -171,13 +185,13 @@ def drop_written(fd: int, offset: int = 0, length: int = 0) -> None:
     fn, advise = _sync_file_range(), getattr(os, "posix_fadvise", None)
     if fn is None or advise is None:
         return
+    flags = _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER
+    if fn(fd, offset, length, flags) != 0:
+        err = ctypes.get_errno()
+        if err in _UNSUPPORTED:
+            return
+        raise OSError(err, os.strerror(err), name)
     with contextlib.suppress(OSError):  # advisory: a failure leaves the pages cached
-        fn(
-            fd,
-            offset,
-            length,
-            _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER,
-        )
         advise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
@@ -193,7 +207,8 @@ class DropBehind:
         self._lock = threading.Lock()
 
     def written(self, path: str, nbytes: int) -> None:
-        """`path` (`nbytes`) has just been written, its writeback started."""
+        """`path` (`nbytes`) has just been written, its writeback started. Raises OSError when
+        the writeback of a file dropped now failed (see `drop_written`)."""
         old = []
         with self._lock:
             self._files.append((path, nbytes))
@@ -207,7 +222,7 @@ class DropBehind:
             except OSError:
                 continue
             try:
-                drop_written(fd)
+                drop_written(fd, name=path)
             finally:
                 os.close(fd)
 

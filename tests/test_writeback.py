@@ -230,3 +230,82 @@ def test_a_parts_early_bytes_leave_the_page_cache_and_read_back(on_disk, monkeyp
     assert sorted(read) == list(range(len(states)))  # every sample, from the disk
     for n, h in enumerate(states):
         assert np.array_equal(read[n].view(np.uint16), h.view(torch.uint16).numpy())
+
+
+def _run(*cmd: object) -> str:
+    return subprocess.run([str(c) for c in cmd], check=True, capture_output=True).stdout.decode()
+
+
+@pytest.fixture
+def failing_disk(tmp_path):
+    """(a folder on ext4, `fail` and `heal` its disk): ext4 on a loop device whose 1 GB image
+    lies on a 64 MB tmpfs, which `fail` fills up to 2 MB and `heal` frees again. A write there
+    succeeds (ext4 has room) and its writeback fails later, the way a thin-provisioned or
+    network disk fails. Skips where it cannot be built (not root, no loop devices, no
+    mkfs.ext4)."""
+    backing, folder = tmp_path / "backing", tmp_path / "mnt"
+    backing.mkdir()
+    folder.mkdir()
+    undo = []
+    try:
+        _run("mount", "-t", "tmpfs", "-o", "size=64M", "tmpfs", backing)
+        undo.append(("umount", "-l", backing))
+        image = backing / "img"
+        with open(image, "wb") as f:
+            f.truncate(1 << 30)
+        _run("mkfs.ext4", "-q", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard", image)
+        loop = _run("losetup", "-f", "--show", image).strip()
+        undo.append(("losetup", "-d", loop))
+        _run("mount", loop, folder)
+        undo.append(("umount", "-l", folder))
+        os.sync()
+    except (subprocess.CalledProcessError, FileNotFoundError, OSError) as e:
+        for cmd in reversed(undo):
+            subprocess.run([str(c) for c in cmd], capture_output=True)
+        pytest.skip(f"cannot build a failing disk here: {e}")
+    filler = backing / "filler"
+
+    def fail() -> None:
+        room = os.statvfs(backing).f_bavail * os.statvfs(backing).f_frsize
+        with open(filler, "wb") as f:
+            f.write(bytes(max(0, room - 2 * MB)))
+
+    try:
+        yield folder, fail, filler.unlink
+    finally:
+        for cmd in reversed(undo):
+            subprocess.run([str(c) for c in cmd], capture_output=True)
+
+
+@pytest.mark.parametrize("fmt", ["zarr", "wds"])
+def test_a_write_the_disk_lost_fails_the_part_though_the_disk_recovers(
+    failing_disk, monkeypatch, fmt
+):
+    # Waiting for a file's writeback before dropping its pages takes the write's error from the
+    # file: a later fsync or syncfs no longer sees it. The drop must fail the part then, or the
+    # part would be committed with a checksum of bytes the disk never got.
+    import shared.fsio as fsio
+
+    folder, fail, heal = failing_disk
+    monkeypatch.setattr(fsio, "DROP_BEHIND_BYTES", 4 * MB)
+    monkeypatch.setattr(shared.wds, "DROP_BEHIND_BYTES", 4 * MB)
+    # The disk fails the first samples' writes, then takes the rest: enough after it (over
+    # 4 MB) that every failed file has been dropped before the commit syncs the part.
+    lengths, hidden = [512] * 16, 1024
+    rng = np.random.default_rng(0)
+    writer = open_part_writer(
+        folder, 0, fmt=fmt, store="bf16", num_layers=2, hidden_size=hidden, lengths=lengths
+    )
+    os.sync()  # the part's first files (its metadata) are on disk
+    fail()
+    with pytest.raises(OSError):
+        for n in range(len(lengths)):
+            h = torch.from_numpy(rng.standard_normal((512, 2, hidden), np.float32))
+            writer.write(n, sample_index=n, input_ids=np.arange(512), loss_mask=np.ones(512),
+                         hidden=h.to(torch.bfloat16))  # fmt: skip
+            if n == 5:  # the disk has failed the writes so far; from now on it takes them
+                os.sync()
+                heal()
+        writer.commit()
+    writer.abort()
+    assert not writer.final.exists() and not writer.tmp.exists()
