@@ -44,11 +44,11 @@ from shared.manifest import (
     CacheMismatch,
     Manifest,
     drop_parts,
-    identity_mismatches,
     read_manifest,
     update_manifest,
     write_manifest,
 )
+from shared.manifest_checks import identity_mismatches
 from shared.progress import SummedBar
 from shared.ranks import usable_cpus
 from shared.target_files import target_checksums, target_problems

@@ -18,12 +18,11 @@ from shared.manifest import (
     RejectedRow,
     SourceFile,
     TargetInfo,
-    check_compatible,
-    identity_mismatches,
     read_manifest,
     update_manifest,
     write_manifest,
 )
+from shared.manifest_checks import check_compatible, identity_mismatches
 
 ROOT = Path(__file__).resolve().parents[1]
 

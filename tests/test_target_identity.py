@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from extract.target import content_hash, weights_sample
-from shared.manifest import identity_mismatches, read_manifest
+from shared.manifest import read_manifest
+from shared.manifest_checks import identity_mismatches
 from tests.test_extract import data_file, extract  # noqa: F401
 
 

@@ -13,9 +13,9 @@ from shared.manifest import (
     LAST_LAYER_WARNING,
     CacheMismatch,
     Manifest,
-    check_compatible,
     repair_commands,
 )
+from shared.manifest_checks import check_compatible
 from shared.target_files import (
     EMBED_FILE,
     EMBED_KEY,
