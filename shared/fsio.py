@@ -236,6 +236,18 @@ def _sync_file_range():  # noqa: ANN202
     return fn
 
 
+def earlier_write_error(folder: Path) -> OSError | None:
+    """The write error, if any, that the file system holding `folder` still holds for a
+    syncfs(2) from writes before now (a disk that failed the writeback of a run that stopped
+    on it): taken here, so that it fails no commit of this run, and returned to be said.
+    Nothing committed held those bytes (a part is committed only once its own sync passed)."""
+    try:
+        _syncfs(Path(folder))
+    except OSError as e:
+        return e
+    return None
+
+
 def sync_tree(root: Path) -> None:
     """Make every file and folder under `root` durable before it is renamed into place.
 

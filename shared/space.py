@@ -16,6 +16,10 @@ class DiskFull(StopRun):
     """A stage's output folder is on a full disk; the message says where and how much."""
 
 
+class DiskFailed(StopRun):
+    """A stage's output folder is on a disk that failed a write (EIO); the message says where."""
+
+
 def free_bytes(path: Path | str) -> int:
     """Free bytes on the file system that holds (or will hold) `path`."""
     probe = Path(path).absolute()

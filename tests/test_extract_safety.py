@@ -16,7 +16,8 @@ from extract.config import ExtractConfig
 from extract.outdir import protected_reason
 from extract.plan import plan_manifest
 from extract.run import ExtractError, run
-from shared.cache import is_own_entry
+from shared.cache import is_own_entry, verify_part
+from shared.fsio import drop_written
 from shared.manifest import read_manifest
 from shared.stopping import StopRun
 from tests.test_extract import chat
@@ -276,6 +277,39 @@ def test_disk_full_in_a_writer_thread_names_the_folder(tmp_path, tiny_qwen3, fmt
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
         m = extract(out, tiny_qwen3, data, rows_per_part=30, layers="0,1,2,3", format=fmt)
         assert m.complete and _verify(out).exit_code == 0
+
+
+@pytest.mark.parametrize("fmt", ["zarr", "wds"])
+def test_a_disk_that_fails_below_its_file_system_loses_nothing(
+    tmp_path, tiny_qwen3, failing_disk, fmt
+):
+    # The file system has room, the disk below does not (thin-provisioned, network, loop): the
+    # writes succeed and their writeback fails. No part may be committed without its bytes, and
+    # the message must say what happened. (The failed writes also damage ext4's own blocks on
+    # this disk, so that whether the same command then finishes is the file system's affair.)
+    folder, fail, heal = failing_disk
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(chat(i, 3)) + "\n" for i in range(240)))
+    out = folder / "c"
+    options = dict(rows_per_part=40, layers="0,1,2,3", space_check=False, format=fmt)
+    os.sync()
+    fail(room=4 * (1 << 20))
+    # ENOSPC for a write whose writeback failed, or EIO from the part's sync: both say so.
+    with pytest.raises(StopRun, match="ran out below it|failed a write") as e:
+        extract(out, tiny_qwen3, data, **options)
+    assert "rerun the same command" in str(e.value)
+    m = read_manifest(out)
+    assert not m.complete and 0 < len(m.parts) < m.num_units  # 4 MB: a part or two
+    heal()
+    for part in m.parts:  # each committed part whole on the disk, not only in memory
+        path = out / part.name
+        for file in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                drop_written(fd)
+            finally:
+                os.close(fd)
+        assert verify_part(path, part.checksum) == []
 
 
 def test_failures_before_any_work_name_the_file(tmp_path, tiny_qwen3, data_file):

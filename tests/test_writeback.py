@@ -232,51 +232,6 @@ def test_a_parts_early_bytes_leave_the_page_cache_and_read_back(on_disk, monkeyp
         assert np.array_equal(read[n].view(np.uint16), h.view(torch.uint16).numpy())
 
 
-def _run(*cmd: object) -> str:
-    return subprocess.run([str(c) for c in cmd], check=True, capture_output=True).stdout.decode()
-
-
-@pytest.fixture
-def failing_disk(tmp_path):
-    """(a folder on ext4, `fail` and `heal` its disk): ext4 on a loop device whose 1 GB image
-    lies on a 64 MB tmpfs, which `fail` fills up to 2 MB and `heal` frees again. A write there
-    succeeds (ext4 has room) and its writeback fails later, the way a thin-provisioned or
-    network disk fails. Skips where it cannot be built (not root, no loop devices, no
-    mkfs.ext4)."""
-    backing, folder = tmp_path / "backing", tmp_path / "mnt"
-    backing.mkdir()
-    folder.mkdir()
-    undo = []
-    try:
-        _run("mount", "-t", "tmpfs", "-o", "size=64M", "tmpfs", backing)
-        undo.append(("umount", "-l", backing))
-        image = backing / "img"
-        with open(image, "wb") as f:
-            f.truncate(1 << 30)
-        _run("mkfs.ext4", "-q", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard", image)
-        loop = _run("losetup", "-f", "--show", image).strip()
-        undo.append(("losetup", "-d", loop))
-        _run("mount", loop, folder)
-        undo.append(("umount", "-l", folder))
-        os.sync()
-    except (subprocess.CalledProcessError, FileNotFoundError, OSError) as e:
-        for cmd in reversed(undo):
-            subprocess.run([str(c) for c in cmd], capture_output=True)
-        pytest.skip(f"cannot build a failing disk here: {e}")
-    filler = backing / "filler"
-
-    def fail() -> None:
-        room = os.statvfs(backing).f_bavail * os.statvfs(backing).f_frsize
-        with open(filler, "wb") as f:
-            f.write(bytes(max(0, room - 2 * MB)))
-
-    try:
-        yield folder, fail, filler.unlink
-    finally:
-        for cmd in reversed(undo):
-            subprocess.run([str(c) for c in cmd], capture_output=True)
-
-
 @pytest.mark.parametrize("fmt", ["zarr", "wds"])
 def test_a_write_the_disk_lost_fails_the_part_though_the_disk_recovers(
     failing_disk, monkeypatch, fmt
