@@ -103,7 +103,10 @@ def _init_output(cfg: ExtractConfig, planned: Manifest, resume: Manifest | None)
         write_manifest(
             cfg.out, dataclasses.replace(planned, target_files=target_checksums(cfg.out))
         )
-    stale = earlier_write_error(cfg.out)
+    # Resuming, perhaps after a disk failed a write: an error its file system still holds for
+    # a syncfs is from then (a fresh cache does not sync here: that would wait for every other
+    # writer's data on the disk, a just-written target's included).
+    stale = earlier_write_error(cfg.out) if resume is not None else None
     if stale is not None:
         log.warning(
             "the disk holding %s reported a write that failed before this run (%s): no "

@@ -264,3 +264,19 @@ def test_a_write_the_disk_lost_fails_the_part_though_the_disk_recovers(
         writer.commit()
     writer.abort()
     assert not writer.final.exists() and not writer.tmp.exists()
+
+
+def test_a_write_error_from_before_is_taken_once(failing_disk):
+    # A run that stopped on a failing disk leaves its file system holding the error for the
+    # next syncfs: the next run takes it at its start, and its own commits sync cleanly.
+    import shared.fsio as fsio
+
+    folder, fail, heal = failing_disk
+    fail()
+    write_buffers(folder / "lost", [os.urandom(4 * MB)])
+    os.sync()  # its writeback fails; nothing has asked for the error yet
+    heal()
+    assert fsio.earlier_write_error(folder) is not None
+    assert fsio.earlier_write_error(folder) is None
+    write_buffers(folder / "kept", [os.urandom(MB)])
+    fsio.sync_tree(folder)  # no error: the one from before was taken
