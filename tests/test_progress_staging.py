@@ -148,10 +148,12 @@ def test_closing_the_writers_after_a_failure_wakes_a_commit_waiting_for_dropped_
     queued = [pool.submit(ran.append, k) for k in range(3)]
     commit = threading.Thread(target=wait, args=([running, *queued],))  # commit_part's wait
     commit.start()
+    # The second task runs (so the first has failed) before close: a close that came first
+    # would drop it too.
+    assert started.wait(60)
     closing = []
     closer = threading.Thread(target=lambda: closing.append(_raised(pool.close)))
     closer.start()
-    started.wait()
     while not pool._closed:  # close has seen the failure: what has not started is dropped
         closer.join(0.001)
     gate.set()
