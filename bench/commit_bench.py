@@ -44,7 +44,7 @@ def commit_seconds(out: Path, states: list[torch.Tensor], *, per_file: bool) -> 
         )
     syncfs = fsio._syncfs
     if per_file:
-        fsio._syncfs = lambda path: False  # the fallback: an fsync per file and folder
+        fsio._syncfs = lambda path, fd=None: False  # the fallback: an fsync per file and folder
     try:
         start = time.perf_counter()
         writer.commit()

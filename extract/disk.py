@@ -7,29 +7,32 @@ import contextlib
 import errno
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+from shared.fsio import WritebackError
 from shared.manifest import CacheMismatch, read_manifest
-from shared.space import DiskFailed, DiskFull, size_text
+from shared.space import DiskFailed, DiskFull
 
 
 @contextlib.contextmanager
 def disk_full_message(job: Any) -> Iterator[None]:
     """Turn ENOSPC or EDQUOT (raised by a writer or the commit thread) into one message: which
-    folder, its free space, and about how much a part takes (the mean of those committed); EIO
-    into one too. A disk that refuses data its file system had room for (space allocated as
-    written: a thin-provisioned, network or loop device whose own store is full) fails the
-    writeback of bytes written before, so the message says so when the file system shows free
-    space. `job` is the extract.job.Job (only its `out` is read)."""
+    folder, its free space, and about how much a part takes (the mean of those committed). A
+    write that the disk failed after it had succeeded (`WritebackError`: found by a part's
+    sync, or by dropping its pages) is one message too, whatever its errno, as is an I/O error
+    writing a file under the cache. `job` is the extract.job.Job (only its `out` is read)."""
     try:
         yield
     except OSError as e:
-        if e.errno == errno.EIO:
+        if isinstance(e, WritebackError) or (e.errno == errno.EIO and _under(e.filename, job.out)):
             raise DiskFailed(
-                f"the disk holding {job.out} failed a write ({e.strerror}: "
-                f"{e.filename or 'a cache file'}). The part being written was not committed; "
-                "the committed ones are kept (`python -m extract.verify` checks them). Check "
-                "the disk, then rerun the same command."
+                f"the disk holding {job.out} failed to store data written there ({e.strerror}: "
+                f"{e.filename or 'a cache file'}): a disk whose space or device below its "
+                "file system failed (thin-provisioned, network, loop), or a failing disk. The "
+                "part being written was not committed; the committed ones are kept (`python -m "
+                "extract.verify` checks them). Give that disk room or fix it, then rerun the "
+                "same command."
             ) from None
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -43,16 +46,18 @@ def disk_full_message(job: Any) -> Iterator[None]:
             if parts
             else "no part was committed yet"
         )
-        free = shutil.disk_usage(job.out).free
-        below = (
-            f" Its file system shows {size_text(free)} free, so the space ran out below it "
-            f"(a disk that allocates space as it is written: {e.strerror} for bytes written "
-            "before, which were not committed)."
-            if free > 128 << 20  # far more than any one write of a part
-            else ""
-        )
+        free = shutil.disk_usage(job.out).free / 1e6
         raise DiskFull(
-            f"the disk holding {job.out} is full ({free / 1e6:,.1f} MB free; {size}).{below} "
-            "Free space there (or move the cache and use its new --out), then rerun the same "
-            "command: committed parts are kept and the one being written is redone."
+            f"the disk holding {job.out} is full ({free:,.1f} MB free; {size}). Free space "
+            "there (or move the cache and use its new --out), then rerun the same command: "
+            "committed parts are kept and the one being written is redone."
         ) from None
+
+
+def _under(path: object, folder: Path) -> bool:
+    if not path:
+        return False
+    try:
+        return Path(str(path)).resolve().is_relative_to(Path(folder).resolve())
+    except (OSError, ValueError):
+        return False

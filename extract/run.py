@@ -37,7 +37,7 @@ from shared.dist import (
     takes_output_lock,
     under_torchrun,
 )
-from shared.fsio import atomic_write_json, earlier_write_error
+from shared.fsio import atomic_write_json
 from shared.lock import LockHeld, output_lock
 from shared.manifest import (
     MANIFEST,
@@ -102,17 +102,6 @@ def _init_output(cfg: ExtractConfig, planned: Manifest, resume: Manifest | None)
         _write_target(cfg.out, planned.target.path)
         write_manifest(
             cfg.out, dataclasses.replace(planned, target_files=target_checksums(cfg.out))
-        )
-    # Resuming, perhaps after a disk failed a write: an error its file system still holds for
-    # a syncfs is from then (a fresh cache does not sync here: that would wait for every other
-    # writer's data on the disk, a just-written target's included).
-    stale = earlier_write_error(cfg.out) if resume is not None else None
-    if stale is not None:
-        log.warning(
-            "the disk holding %s reported a write that failed before this run (%s): no "
-            "committed part holds it, and the parts not committed then are extracted now",
-            cfg.out,
-            stale.strerror,
         )
     shutil.rmtree(cfg.out / PROGRESS_DIR, ignore_errors=True)
     atomic_write_json(cfg.out / "extract_config.json", planned.config)

@@ -110,23 +110,28 @@ def _is_overlay(fd: int) -> bool:
 _UNSUPPORTED = (errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP)
 
 
-def _syncfs(path: Path) -> bool:
-    """syncfs(2) on the file system holding `path`; False where it is not available. Raises
-    OSError for a write that failed (a full disk, an I/O error): an fsync per file after it
-    might no longer see that error, and the part would be committed without its data."""
+class WritebackError(OSError):
+    """A write that had succeeded failed later, when the kernel wrote it to the disk (a disk
+    whose own store is full below its file system, an I/O error): found by a sync."""
+
+
+def _syncfs(path: Path, fd: int | None = None) -> bool:
+    """syncfs(2) on the file system holding `path` (through `fd`, an open descriptor of it, if
+    given): True when it ran and reported no error; False where it is missing or reported one
+    (the caller then fsyncs each of its files, which finds its own files' errors and not
+    another writer's on the same disk). A descriptor opened when the files' writing began
+    reports every error since, even one another process's syncfs has already seen."""
     fn = getattr(_libc(), "syncfs", None)
     if fn is None:
         return False
-    fd = os.open(path, os.O_RDONLY)
+    own = fd is None
+    if own:
+        fd = os.open(path, os.O_RDONLY)
     try:
-        if fn(fd) == 0:
-            return True
-        err = ctypes.get_errno()
-        if err in _UNSUPPORTED:
-            return False
-        raise OSError(err, os.strerror(err), str(path))
+        return fn(fd) == 0
     finally:
-        os.close(fd)
+        if own:
+            os.close(fd)
 
 
 @functools.cache
@@ -190,7 +195,7 @@ def drop_written(fd: int, offset: int = 0, length: int = 0, name: str | None = N
         err = ctypes.get_errno()
         if err in _UNSUPPORTED:
             return
-        raise OSError(err, os.strerror(err), name)
+        raise WritebackError(err, os.strerror(err), name)
     with contextlib.suppress(OSError):  # advisory: a failure leaves the pages cached
         advise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
@@ -236,36 +241,30 @@ def _sync_file_range():  # noqa: ANN202
     return fn
 
 
-def earlier_write_error(folder: Path) -> OSError | None:
-    """The write error, if any, that the file system holding `folder` still holds for a
-    syncfs(2) from writes before now (a disk that failed the writeback of a run that stopped
-    on it): taken here, so that it fails no commit of this run, and returned to be said.
-    Nothing committed held those bytes (a part is committed only once its own sync passed)."""
-    try:
-        _syncfs(Path(folder))
-    except OSError as e:
-        return e
-    return None
+def sync_tree(root: Path, fd: int | None = None) -> None:
+    """Make every file and folder under `root` durable before it is renamed into place; raises
+    WritebackError for a write of theirs that the disk failed.
 
-
-def sync_tree(root: Path) -> None:
-    """Make every file and folder under `root` durable before it is renamed into place.
-
-    On Linux one syncfs(2) of its file system: a single journal commit, where an fsync per file
-    commits the journal once per file (thousands per zarr part) and serialises on it. It also
-    waits for other writers' dirty data on that file system; extraction calls it on its commit
-    thread, so only the part's commit waits. Elsewhere every file and folder is fsynced.
+    On Linux one syncfs(2) of its file system (through `fd`, `root` opened when its writing
+    began, if given: see `_syncfs`): a single journal commit, where an fsync per file commits
+    the journal once per file (thousands per zarr part) and serialises on it. It also waits for
+    other writers' dirty data on that file system; extraction calls it on its commit thread, so
+    only the part's commit waits. Where syncfs is missing or reports an error (its own files'
+    or another writer's) every file and folder is fsynced, which raises its own files' errors.
     """
     root = Path(root)
-    if _syncfs(root):
+    if _syncfs(root, fd):
         return
-    for path in root.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-        elif path.is_dir():
-            fsync_dir(path)
-    fsync_dir(root)
+    try:
+        for path in root.rglob("*"):
+            if path.is_file():
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+            elif path.is_dir():
+                fsync_dir(path)
+        fsync_dir(root)
+    except OSError as e:
+        raise WritebackError(e.errno, e.strerror, e.filename or str(root)) from None
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

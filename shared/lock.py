@@ -238,8 +238,13 @@ def output_lock(folder: Path, what: str = "", *, enabled: bool = True) -> Iterat
     fd = acquire(folder, what)
     try:
         yield
-    finally:
+    except BaseException:
+        with contextlib.suppress(OSError):  # the error in flight says more (a failing disk)
+            release(folder, fd)
+        raise
+    else:
         release(folder, fd)
+    finally:
         if created:
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only when empty

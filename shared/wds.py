@@ -39,7 +39,7 @@ from shared.codec import (
     numcodecs_blosc,
     payload_dtype,
 )
-from shared.fsio import DROP_BEHIND_BYTES, drop_written, start_writeback
+from shared.fsio import DROP_BEHIND_BYTES, WritebackError, drop_written, start_writeback
 from shared.int4_frames import int4_frames, int4_unframe
 from shared.part import PartReader, PartWriter, Sample
 from shared.planes import merge_planes, planes_compress, planes_decompress
@@ -222,7 +222,10 @@ class WdsPartWriter(PartWriter):
                 raise RuntimeError(f"{self.tmp}: an append failed, the tar is incomplete")
             self._tar.close()
             self._file.flush()
-            os.fsync(self._file.fileno())
+            try:
+                os.fsync(self._file.fileno())
+            except OSError as e:  # the disk failed bytes written before (a full disk below)
+                raise WritebackError(e.errno, e.strerror, str(self.tmp)) from None
             self._file.close()
 
     def _known_files(self) -> dict[str, tuple[int, int]]:

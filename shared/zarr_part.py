@@ -117,6 +117,9 @@ class ZarrPartWriter(PartWriter):
         # (size, crc32c) of each shard file as written: the commit's checksum need not reread it.
         self._written_files: dict[str, tuple[int, int]] = {}
         self._drop_behind = DropBehind() if DROP_BEHIND else None
+        # The part's folder, open from its first write to its sync: a syncfs through it reports
+        # every write error since, even one another process's syncfs has already seen.
+        self._sync_fd: int | None = os.open(self.tmp, os.O_RDONLY)
 
     def _store(self, n, sample_index, ids, mask, payload, scale, first) -> None:  # noqa: ANN001
         start, length = int(self.offsets[n]) + first, len(ids)
@@ -178,10 +181,18 @@ class ZarrPartWriter(PartWriter):
             chunk_rows=CHUNK_ROWS,
             **self.store_attrs(),
         )
-        sync_tree(self.tmp)
+        try:
+            sync_tree(self.tmp, fd=self._sync_fd)
+        finally:
+            self._close_quietly()
 
     def _stored_rows(self) -> int:
         return int(self.offsets[-1])
+
+    def _close_quietly(self) -> None:
+        fd, self._sync_fd = self._sync_fd, None
+        if fd is not None:
+            os.close(fd)
 
     def _known_files(self) -> dict[str, tuple[int, int]]:
         return self._written_files

@@ -283,7 +283,7 @@ def test_both_durability_paths_commit_the_same_part(tmp_path, monkeypatch, syncf
     if syncfs:
         assert fsio._syncfs(tmp_path) == sys.platform.startswith("linux")
     else:
-        monkeypatch.setattr(fsio, "_syncfs", lambda path: False)
+        monkeypatch.setattr(fsio, "_syncfs", lambda path, fd=None: False)
     stats = write_part(tmp_path / "p", 2, records, fmt="zarr", store="bf16")
     assert stats == reference
     assert verify_part(tmp_path / "p" / part_name(2, "zarr"), stats.checksum) == []

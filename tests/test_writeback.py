@@ -266,17 +266,28 @@ def test_a_write_the_disk_lost_fails_the_part_though_the_disk_recovers(
     assert not writer.final.exists() and not writer.tmp.exists()
 
 
-def test_a_write_error_from_before_is_taken_once(failing_disk):
-    # A run that stopped on a failing disk leaves its file system holding the error for the
-    # next syncfs: the next run takes it at its start, and its own commits sync cleanly.
+def test_a_write_error_another_sync_has_seen_still_fails_the_part(failing_disk):
+    # Another process's syncfs (another rank's commit, another run on the disk) sees the
+    # disk's error first: a descriptor opened after that would not see it, one opened when the
+    # part began does, and each file's fsync then names the part's own lost bytes.
     import shared.fsio as fsio
 
     folder, fail, heal = failing_disk
+    lengths, hidden = [512] * 3, 1024
+    rng = np.random.default_rng(0)
+    writer = open_part_writer(
+        folder, 0, fmt="zarr", store="bf16", num_layers=2, hidden_size=hidden, lengths=lengths
+    )
+    os.sync()
     fail()
-    write_buffers(folder / "lost", [os.urandom(4 * MB)])
-    os.sync()  # its writeback fails; nothing has asked for the error yet
+    for n in range(len(lengths)):
+        h = torch.from_numpy(rng.standard_normal((512, 2, hidden), np.float32))
+        writer.write(n, sample_index=n, input_ids=np.arange(512), loss_mask=np.ones(512),
+                     hidden=h.to(torch.bfloat16))  # fmt: skip
+    os.sync()  # the writeback fails
     heal()
-    assert fsio.earlier_write_error(folder) is not None
-    assert fsio.earlier_write_error(folder) is None
-    write_buffers(folder / "kept", [os.urandom(MB)])
-    fsio.sync_tree(folder)  # no error: the one from before was taken
+    assert not fsio._syncfs(folder)  # someone else's syncfs takes the error first
+    with pytest.raises(fsio.WritebackError):
+        writer.commit()
+    writer.abort()
+    assert not writer.final.exists()
