@@ -116,11 +116,11 @@ class WritebackError(OSError):
 
 
 def _syncfs(path: Path, fd: int | None = None) -> bool:
-    """syncfs(2) on the file system holding `path` (through `fd`, an open descriptor of it, if
-    given): True when it ran and reported no error; False where it is missing or reported one
-    (the caller then fsyncs each of its files, which finds its own files' errors and not
-    another writer's on the same disk). A descriptor opened when the files' writing began
-    reports every error since, even one another process's syncfs has already seen."""
+    """syncfs(2) on the file system holding `path`, through `fd` (an open descriptor of it) if
+    given; False where syncfs is missing. Raises WritebackError when it reports a write the
+    disk failed: any on that file system since `fd` was opened (since now without one), even
+    one another process's syncfs has already seen. Each file's own fsync is no substitute
+    after such an error: a closed file evicted from memory takes its error with it."""
     fn = getattr(_libc(), "syncfs", None)
     if fn is None:
         return False
@@ -128,7 +128,12 @@ def _syncfs(path: Path, fd: int | None = None) -> bool:
     if own:
         fd = os.open(path, os.O_RDONLY)
     try:
-        return fn(fd) == 0
+        if fn(fd) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in _UNSUPPORTED:
+            return False
+        raise WritebackError(err, os.strerror(err), str(path))
     finally:
         if own:
             os.close(fd)
@@ -243,28 +248,25 @@ def _sync_file_range():  # noqa: ANN202
 
 def sync_tree(root: Path, fd: int | None = None) -> None:
     """Make every file and folder under `root` durable before it is renamed into place; raises
-    WritebackError for a write of theirs that the disk failed.
+    WritebackError when the disk failed a write (see `_syncfs`).
 
     On Linux one syncfs(2) of its file system (through `fd`, `root` opened when its writing
-    began, if given: see `_syncfs`): a single journal commit, where an fsync per file commits
-    the journal once per file (thousands per zarr part) and serialises on it. It also waits for
-    other writers' dirty data on that file system; extraction calls it on its commit thread, so
-    only the part's commit waits. Where syncfs is missing or reports an error (its own files'
-    or another writer's) every file and folder is fsynced, which raises its own files' errors.
+    began, if given): a single journal commit, where an fsync per file commits the journal
+    once per file (thousands per zarr part) and serialises on it. It also waits for other
+    writers' dirty data on that file system, and fails on their lost writes too (since `fd`
+    was opened): extraction calls it on its commit thread, so only the part's commit waits,
+    and a part that fails is redone. Where syncfs is missing every file and folder is fsynced.
     """
     root = Path(root)
     if _syncfs(root, fd):
         return
-    try:
-        for path in root.rglob("*"):
-            if path.is_file():
-                with open(path, "rb") as f:
-                    os.fsync(f.fileno())
-            elif path.is_dir():
-                fsync_dir(path)
-        fsync_dir(root)
-    except OSError as e:
-        raise WritebackError(e.errno, e.strerror, e.filename or str(root)) from None
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        elif path.is_dir():
+            fsync_dir(path)
+    fsync_dir(root)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -81,6 +81,10 @@ def write_buffers(path: Path | str, buffers: list[bytes]) -> tuple[int, int]:
                 buffers = [memoryview(buffers[0])[done:], *buffers[1:]]
         if EARLY_WRITEBACK:
             start_writeback(fd)
+    except OSError as e:  # named: a full or failing disk's message says which file
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
     finally:
         os.close(fd)
     return size, crc
@@ -118,7 +122,7 @@ class ZarrPartWriter(PartWriter):
         self._written_files: dict[str, tuple[int, int]] = {}
         self._drop_behind = DropBehind() if DROP_BEHIND else None
         # The part's folder, open from its first write to its sync: a syncfs through it reports
-        # every write error since, even one another process's syncfs has already seen.
+        # every write the disk failed since, even one another process's syncfs has seen.
         self._sync_fd: int | None = os.open(self.tmp, os.O_RDONLY)
 
     def _store(self, n, sample_index, ids, mask, payload, scale, first) -> None:  # noqa: ANN001
