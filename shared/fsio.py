@@ -182,9 +182,9 @@ def drop_written(fd: int, offset: int = 0, length: int = 0, name: str | None = N
     once on disk: sync_file_range(2) waits for the writeback `start_writeback` began, writes a
     page that is dirty again (one an append wrote into while its writeback ran, which that
     skipped) and waits for it; no wait for pages long written. A no-op where sync_file_range is
-    missing. Only the page cache's copy goes: a read finds the data on disk. Raises OSError
-    (naming `name`) for a write that failed: the wait takes the error from the file, so a later
-    fsync or syncfs would not see it, and the part must fail here.
+    missing. Only the page cache's copy goes: a read finds the data on disk. Raises
+    WritebackError (naming `name`) for a write that failed: the wait takes the error from the
+    file, so a later fsync or syncfs would not see it, and the part must fail here.
 
     Why: a cache is written once and read another day, or by another machine, so its pages in
     memory serve nobody, while every new page the kernel takes for the next writes costs more
@@ -217,8 +217,8 @@ class DropBehind:
         self._lock = threading.Lock()
 
     def written(self, path: str, nbytes: int) -> None:
-        """`path` (`nbytes`) has just been written, its writeback started. Raises OSError when
-        the writeback of a file dropped now failed (see `drop_written`)."""
+        """`path` (`nbytes`) has just been written, its writeback started. Raises
+        WritebackError when the writeback of a file dropped now failed (see `drop_written`)."""
         old = []
         with self._lock:
             self._files.append((path, nbytes))

@@ -17,7 +17,8 @@ class DiskFull(StopRun):
 
 
 class DiskFailed(StopRun):
-    """A stage's output folder is on a disk that failed a write (EIO); the message says where."""
+    """A stage's output folder is on a disk that failed a write (an I/O error, or a write lost
+    after it succeeded: `shared.fsio.WritebackError`); the message says where."""
 
 
 def free_bytes(path: Path | str) -> int:

@@ -209,8 +209,8 @@ class WdsPartWriter(PartWriter):
                 # large folio across it (kept, as not wholly in the range) goes this time.
                 upto = (end - DROP_BEHIND_BYTES) & ~4095
                 if upto > self._dropped:
-                    start = max(0, self._dropped - (2 << 20)) & ~((2 << 20) - 1)
-                    drop_written(self._file.fileno(), start, upto - start, name=str(self.tmp))
+                    first = max(0, self._dropped - (2 << 20)) & ~((2 << 20) - 1)
+                    drop_written(self._file.fileno(), first, upto - first, name=str(self.tmp))
                     self._dropped = upto
             except BaseException:
                 self._broken = True  # a half-appended sample: the tar cannot be committed
