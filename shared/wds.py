@@ -212,21 +212,34 @@ class WdsPartWriter(PartWriter):
                     first = max(0, self._dropped - (2 << 20)) & ~((2 << 20) - 1)
                     drop_written(self._file.fileno(), first, upto - first, name=str(self.tmp))
                     self._dropped = upto
-            except BaseException:
+            except OSError as e:
                 self._broken = True  # a half-appended sample: the tar cannot be committed
+                raise self._named(e) from None
+            except BaseException:
+                self._broken = True
                 raise
 
     def _finish(self) -> None:
         with self._tar_lock:
             if self._broken:
                 raise RuntimeError(f"{self.tmp}: an append failed, the tar is incomplete")
-            self._tar.close()
-            self._file.flush()
+            try:
+                self._tar.close()
+                self._file.flush()
+            except OSError as e:
+                raise self._named(e) from None
             try:
                 os.fsync(self._file.fileno())
             except OSError as e:  # the disk failed bytes written before (a full disk below)
                 raise WritebackError(e.errno, e.strerror, str(self.tmp)) from None
             self._file.close()
+
+    def _named(self, e: OSError) -> OSError:
+        """`e` naming the tar where the write left it nameless (tarfile's appends), so that an
+        I/O error or a full disk says which file."""
+        if e.filename is not None or e.errno is None:
+            return e
+        return OSError(e.errno, e.strerror, str(self.tmp))
 
     def _known_files(self) -> dict[str, tuple[int, int]]:
         return {"": (self._file.size, self._file.crc)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import gzip
 import json
 import os
@@ -10,13 +11,15 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from extract.config import ExtractConfig
 from extract.outdir import protected_reason
 from extract.plan import plan_manifest
 from extract.run import ExtractError, run
-from shared.cache import is_own_entry, verify_part
+from shared.cache import is_own_entry, open_part_writer, verify_part
 from shared.fsio import drop_written
 from shared.manifest import read_manifest
 from shared.stopping import StopRun
@@ -440,3 +443,24 @@ def test_processes_that_would_idle_are_warned_of():
     assert f"--gpus cpu:{n} runs {n} processes on {n - 1} usable cores" in warned[1]
     assert idle_ranks(DeviceSpec("cuda", (0, 1)), 4, sharded=False) == []
     assert idle_ranks(DeviceSpec("cuda", (0, 1)), 1, sharded=True) == []  # one model on both
+
+
+def test_a_tar_append_that_fails_names_the_tar(tmp_path):
+    # tarfile's own writes raise without a file name; the message and the I/O-error check
+    # (which asks whether the file lies under the cache) need it.
+    lengths = [512] * 8
+    with small_disk(tmp_path / "disk", "128k") as disk:
+        writer = open_part_writer(
+            disk, 0, fmt="wds", store="bf16", num_layers=2, hidden_size=64, lengths=lengths
+        )
+        rng = np.random.default_rng(0)
+        with pytest.raises(OSError) as e:  # 8 x 128 KB of noise: no codec fits it in 128 KB
+            for n, length in enumerate(lengths):
+                hidden = torch.from_numpy(rng.standard_normal((length, 2, 64), np.float32))
+                writer.write(
+                    n, sample_index=n, input_ids=np.arange(length), loss_mask=np.ones(length),
+                    hidden=hidden.to(torch.bfloat16),
+                )  # fmt: skip
+        assert e.value.errno == errno.ENOSPC and e.value.filename == str(writer.tmp)
+        writer.abort()
+        assert not list(disk.iterdir())
