@@ -235,8 +235,7 @@ class WdsPartWriter(PartWriter):
             self._file.close()
 
     def _named(self, e: OSError) -> OSError:
-        """`e` naming the tar where the write left it nameless (tarfile's appends), so that an
-        I/O error or a full disk says which file."""
+        """`e` naming the tar where tarfile's write left it nameless (a message names the file)."""
         if e.filename is not None or e.errno is None:
             return e
         return OSError(e.errno, e.strerror, str(self.tmp))
