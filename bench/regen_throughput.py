@@ -8,8 +8,9 @@ PATH is the Python of an environment with vLLM (`.ci/run` builds one with vLLM's
 script regenerates the first --rows rows of the shipped demo chats with the embedded tiny demo
 target three times through `python -m extract.regen`'s own `run()`, one route at a time so that
 each has the machine to itself: locally (`--gpus cpu`, batches of --batch-size); with `--server`
-against vLLM's OpenAI-compatible server on the same target (float32; its start-up is not timed,
-the premise being a server already running); and with `--engine vllm` (vLLM in the process, run
+against vLLM's OpenAI-compatible server on the same target (float32, compiled as `vllm serve`
+compiles by default, or eager with `--server-eager`; its start-up is not timed, the premise being
+a server already running); and with `--engine vllm` (vLLM in the process, run
 by PATH). Each route's `seconds` cover its whole `run()` (the local one and the engine load the
 target in it), `generation_s` the part after the target is loaded (the server's: all of it).
 Prints one JSON line: new tokens per second of each route, the ratios to the local route, and
@@ -217,7 +218,14 @@ def main() -> None:
         help="server route runs on the one server (its figures: the median run's)",
     )
     parser.add_argument(
-        "--server-args", default="", help="more arguments of the server, as one string"
+        "--server-args",
+        default="",
+        help="more arguments of the server, as one string (--server-args=--flag for one flag)",
+    )
+    parser.add_argument(
+        "--server-eager",
+        action="store_true",
+        help="the vLLM server with --enforce-eager (default: vLLM's own, the model compiled)",
     )
     parser.add_argument("--json", type=Path, help="also write the JSON line here")
     parser.add_argument("--engine-out", type=Path, help=argparse.SUPPRESS)  # the engine route
@@ -266,6 +274,7 @@ def main() -> None:
                 max_num_seqs=args.max_num_seqs,
                 kv_cache_bytes=kv_bytes,
                 extra=tuple(args.server_args.split()),
+                eager=args.server_eager,
             ) as server:
                 served = served_route(server, common, c, served_outs)
             routes["server"] = {
@@ -273,6 +282,7 @@ def main() -> None:
                 "concurrency": c,
                 "engine": "vllm (float32)",
                 "max_num_seqs": args.max_num_seqs or "vLLM's default",
+                "compiled": not args.server_eager,
             }
             engine = engine_route(args, common, engine_out)
             routes["engine"] = {
