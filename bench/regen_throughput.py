@@ -8,8 +8,8 @@ PATH is the Python of an environment with vLLM (`.ci/run` builds one with vLLM's
 script regenerates the first --rows rows of the shipped demo chats with the embedded tiny demo
 target three times through `python -m extract.regen`'s own `run()`, one route at a time so that
 each has the machine to itself: locally (`--gpus cpu`, batches of --batch-size); with `--server`
-against vLLM's OpenAI-compatible server on the same target (float32, compiled as `vllm serve`
-compiles by default, or eager with `--server-eager`; its start-up is not timed, the premise being
+against vLLM's OpenAI-compatible server on the same target (float32, eager, or compiled as `vllm
+serve` compiles by default with `--server-compile`; its start-up is not timed, the premise being
 a server already running); and with `--engine vllm` (vLLM in the process, run
 by PATH). Each route's `seconds` cover its whole `run()` (the local one and the engine load the
 target in it), `generation_s` the part after the target is loaded (the server's: all of it).
@@ -223,9 +223,9 @@ def main() -> None:
         help="more arguments of the server, as one string (--server-args=--flag for one flag)",
     )
     parser.add_argument(
-        "--server-eager",
+        "--server-compile",
         action="store_true",
-        help="the vLLM server with --enforce-eager (default: vLLM's own, the model compiled)",
+        help="the vLLM server's model compiled, vLLM's own default (default: --enforce-eager)",
     )
     parser.add_argument("--json", type=Path, help="also write the JSON line here")
     parser.add_argument("--engine-out", type=Path, help=argparse.SUPPRESS)  # the engine route
@@ -274,7 +274,7 @@ def main() -> None:
                 max_num_seqs=args.max_num_seqs,
                 kv_cache_bytes=kv_bytes,
                 extra=tuple(args.server_args.split()),
-                eager=args.server_eager,
+                eager=not args.server_compile,
             ) as server:
                 served = served_route(server, common, c, served_outs)
             routes["server"] = {
@@ -282,7 +282,7 @@ def main() -> None:
                 "concurrency": c,
                 "engine": "vllm (float32)",
                 "max_num_seqs": args.max_num_seqs or "vLLM's default",
-                "compiled": not args.server_eager,
+                "compiled": args.server_compile,
             }
             engine = engine_route(args, common, engine_out)
             routes["engine"] = {
