@@ -9,8 +9,8 @@ script regenerates the first --rows rows of the shipped demo chats with the embe
 target three times through `python -m extract.regen`'s own `run()`, one route at a time so that
 each has the machine to itself: locally (`--gpus cpu`, batches of --batch-size); with `--server`
 against vLLM's OpenAI-compatible server on the same target (float32, eager, or compiled as `vllm
-serve` compiles by default with `--server-compile`; its start-up is not timed, the premise being
-a server already running); and with `--engine vllm` (vLLM in the process, run
+serve` compiles by default with `--server-compile`; its start-up (`start_s`) is not counted, the
+premise being a server already running); and with `--engine vllm` (vLLM in the process, run
 by PATH). Each route's `seconds` cover its whole `run()` (the local one and the engine load the
 target in it), `generation_s` the part after the target is loaded (the server's: all of it).
 Prints one JSON line: new tokens per second of each route, the ratios to the local route, and
@@ -268,6 +268,7 @@ def main() -> None:
             served_outs = [served_out] + [
                 Path(tmp) / f"served-{i}.jsonl" for i in range(1, args.repeat)
             ]
+            started = time.perf_counter()
             with vllm_server(
                 args.vllm_python,
                 Path(target),
@@ -276,6 +277,7 @@ def main() -> None:
                 extra=tuple(args.server_args.split()),
                 eager=not args.server_compile,
             ) as server:
+                start_s = time.perf_counter() - started
                 served = served_route(server, common, c, served_outs)
             routes["server"] = {
                 **served,
@@ -283,6 +285,7 @@ def main() -> None:
                 "engine": "vllm (float32)",
                 "max_num_seqs": args.max_num_seqs or "vLLM's default",
                 "compiled": args.server_compile,
+                "start_s": round(start_s, 1),
             }
             engine = engine_route(args, common, engine_out)
             routes["engine"] = {
