@@ -5,6 +5,7 @@ a commit never reads its files back."""
 from __future__ import annotations
 
 import functools
+import io
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -151,3 +152,20 @@ def tree_file_sizes(root: Path) -> dict[str, int]:
                 elif e.is_file(follow_symlinks=False):
                     sizes[rel] = e.stat(follow_symlinks=False).st_size
     return sizes
+
+
+class HashedFile:
+    """A file being appended to that keeps the size and crc32c of every byte written through it
+    (a webdataset tar: tarfile writes headers, data and padding alike by `write`): the commit's
+    checksum without reading the file back, from a disk once its pages have been dropped."""
+
+    def __init__(self, f: io.BufferedWriter):
+        self._f, self.size, self.crc = f, 0, 0
+
+    def write(self, data: bytes) -> int:
+        n = self._f.write(data)
+        self.size, self.crc = self.size + len(data), crc32c.crc32c(data, self.crc)
+        return n
+
+    def __getattr__(self, name: str):  # noqa: ANN204  (tell, flush, fileno, close)
+        return getattr(self._f, name)

@@ -226,15 +226,26 @@ class DropBehind:
             while self._files and self._behind - self._files[0][1] >= self.lag:
                 old.append(self._files.popleft())
                 self._behind -= old[-1][1]
-        for path, _ in old:  # outside the lock: a wait for a slow disk blocks this thread only
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                drop_written(fd, name=path)
-            finally:
-                os.close(fd)
+        _drop_files(old)  # outside the lock: a wait for a slow disk blocks this thread only
+
+    def drop_rest(self) -> None:
+        """Drops the files not dropped yet (the last `lag` bytes written): at a part's commit,
+        once its sync has put them on the disk, so that no part leaves pages behind."""
+        with self._lock:
+            old, self._files, self._behind = list(self._files), collections.deque(), 0
+        _drop_files(old)
+
+
+def _drop_files(files: list[tuple[str, int]]) -> None:
+    for path, _ in files:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            drop_written(fd, name=path)
+        finally:
+            os.close(fd)
 
 
 @functools.cache

@@ -27,10 +27,9 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import crc32c
 import numpy as np
 
-from shared.checksum import crc32c_hex
+from shared.checksum import HashedFile, crc32c_hex
 from shared.codec import (
     FORMAT_VERSION,
     Bf16Planes,
@@ -126,23 +125,6 @@ def _npy_load(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
-class _HashedFile:
-    """A file being appended to that keeps the size and crc32c of every byte written through it
-    (tarfile writes headers, data and padding alike by `write`): the commit's checksum without
-    reading the tar back, from a disk once its pages have been dropped."""
-
-    def __init__(self, f: io.BufferedWriter):
-        self._f, self.size, self.crc = f, 0, 0
-
-    def write(self, data: bytes) -> int:
-        n = self._f.write(data)
-        self.size, self.crc = self.size + len(data), crc32c.crc32c(data, self.crc)
-        return n
-
-    def __getattr__(self, name: str):  # noqa: ANN204  (tell, flush, fileno, close)
-        return getattr(self._f, name)
-
-
 class WdsPartWriter(PartWriter):
     """Appends each sample's members to ``part-XXXXXX.tar.tmp`` as soon as it is written."""
 
@@ -150,7 +132,7 @@ class WdsPartWriter(PartWriter):
         super().__init__(final, **kw)
         self._tar_lock = threading.Lock()
         self._broken = False
-        self._file = _HashedFile(open(self.tmp, "xb"))  # noqa: SIM115 (closed by commit/abort)
+        self._file = HashedFile(open(self.tmp, "xb"))  # noqa: SIM115 (closed by commit/abort)
         # The tar's bytes before these offsets: their writeback started; their pages dropped.
         self._submitted = self._dropped = 0
         self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.PAX_FORMAT)
@@ -205,13 +187,10 @@ class WdsPartWriter(PartWriter):
                 start_writeback(self._file.fileno(), start, end - start)
                 self._submitted = end
                 # The pages of bytes appended long enough ago leave the page cache, as a zarr
-                # part's files do: whole pages, from 2 MB before the last range's end, so that a
-                # large folio across it (kept, as not wholly in the range) goes this time.
+                # part's files do.
                 upto = (end - DROP_BEHIND_BYTES) & ~4095
                 if upto > self._dropped:
-                    first = max(0, self._dropped - (2 << 20)) & ~((2 << 20) - 1)
-                    drop_written(self._file.fileno(), first, upto - first, name=str(self.tmp))
-                    self._dropped = upto
+                    self._drop(upto)
             except OSError as e:
                 self._broken = True  # a half-appended sample: the tar cannot be committed
                 raise self._named(e) from None
@@ -232,7 +211,16 @@ class WdsPartWriter(PartWriter):
                 os.fsync(self._file.fileno())
             except OSError as e:  # the disk failed bytes written before (a full disk below)
                 raise WritebackError(e.errno, e.strerror, str(self.tmp)) from None
+            self._drop(None)  # the rest, on the disk now: no page of a committed part stays
             self._file.close()
+
+    def _drop(self, upto: int | None) -> None:
+        """Drop the tar's pages up to `upto` (None: its end): whole pages, from 2 MB before the
+        last drop's end, so that a large folio across it (kept then) goes this time."""
+        first = max(0, self._dropped - (2 << 20)) & ~((2 << 20) - 1)
+        size = 0 if upto is None else upto - first
+        drop_written(self._file.fileno(), first, size, name=str(self.tmp))
+        self._dropped = self._dropped if upto is None else upto
 
     def _named(self, e: OSError) -> OSError:
         """`e` naming the tar where tarfile's write left it nameless (a message names the file)."""

@@ -187,6 +187,8 @@ class ZarrPartWriter(PartWriter):
         )
         try:
             sync_tree(self.tmp, fd=self._sync_fd)
+            if self._drop_behind is not None:
+                self._drop_behind.drop_rest()
         finally:
             self._close_quietly()
 
