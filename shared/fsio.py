@@ -230,7 +230,7 @@ class DropBehind:
 
     def drop_rest(self) -> None:
         """Drops the files not dropped yet (the last `lag` bytes written): at a part's commit,
-        once its sync has put them on the disk, so that no part leaves pages behind."""
+        once its sync has put them on the disk: no shard file of a committed part stays cached."""
         with self._lock:
             old, self._files, self._behind = list(self._files), collections.deque(), 0
         _drop_files(old)

@@ -227,7 +227,7 @@ def test_a_parts_bytes_leave_the_page_cache_as_written_the_rest_at_its_commit(
         size = writer.tmp.stat().st_size
         assert cached_pages(writer.tmp, 0, size // 2) == 0
         assert cached_pages(writer.tmp, size - MB, MB) > 0
-    writer.commit()  # the last 4 MB go once synced: a committed part leaves no page behind
+    writer.commit()  # the last 4 MB go once synced: no page of its states stays
     if fmt == "zarr":
         assert not any(cached_pages(p) for p in (writer.final / "hidden").glob("c.*"))
     else:
