@@ -464,3 +464,21 @@ def test_a_tar_append_that_fails_names_the_tar(tmp_path):
         assert e.value.errno == errno.ENOSPC and e.value.filename == str(writer.tmp)
         writer.abort()
         assert not list(disk.iterdir())
+
+
+def test_a_tar_whose_end_finds_the_disk_full_names_it_and_is_not_committed(tmp_path):
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        writer = open_part_writer(
+            disk, 0, fmt="wds", store="bf16", num_layers=1, hidden_size=64, lengths=[64]
+        )
+        hidden = torch.zeros(64, 1, 64, dtype=torch.bfloat16)
+        writer.write(0, sample_index=0, input_ids=np.arange(64), loss_mask=np.ones(64),
+                     hidden=hidden)  # fmt: skip
+        with open(disk / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:  # the disk full before tarfile writes the tar's end
+                f.write(bytes(4096))
+        with pytest.raises(OSError) as e:
+            writer.commit()
+        assert e.value.errno == errno.ENOSPC and e.value.filename == str(writer.tmp)
+        writer.abort()
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]
