@@ -220,7 +220,8 @@ class WdsPartWriter(PartWriter):
         first = max(0, self._dropped - (2 << 20)) & ~((2 << 20) - 1)
         size = 0 if upto is None else upto - first
         drop_written(self._file.fileno(), first, size, name=str(self.tmp))
-        self._dropped = self._dropped if upto is None else upto
+        if upto is not None:
+            self._dropped = upto
 
     def _named(self, e: OSError) -> OSError:
         """`e` naming the tar where tarfile's write left it nameless (a message names the file)."""
