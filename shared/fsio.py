@@ -115,6 +115,14 @@ class WritebackError(OSError):
     whose own store is full below its file system, an I/O error): found by a sync."""
 
 
+def named(e: OSError, path: Path | str) -> OSError:
+    """`e` naming `path` where the call that raised it left it nameless (a write, tarfile's
+    appends), so that a full or failing disk's message says which file; `e` itself otherwise."""
+    if e.filename is not None or e.errno is None:
+        return e
+    return OSError(e.errno, e.strerror, str(path))
+
+
 def _syncfs(path: Path, fd: int | None = None) -> bool:
     """syncfs(2) on the file system holding `path`, through `fd` (an open descriptor of it) if
     given; False where syncfs is missing. Raises WritebackError when it reports a write the

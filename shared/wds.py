@@ -38,7 +38,13 @@ from shared.codec import (
     numcodecs_blosc,
     payload_dtype,
 )
-from shared.fsio import DROP_BEHIND_BYTES, WritebackError, drop_written, start_writeback
+from shared.fsio import (
+    DROP_BEHIND_BYTES,
+    WritebackError,
+    drop_written,
+    named,
+    start_writeback,
+)
 from shared.int4_frames import int4_frames, int4_unframe
 from shared.part import PartReader, PartWriter, Sample
 from shared.planes import merge_planes, planes_compress, planes_decompress
@@ -193,7 +199,7 @@ class WdsPartWriter(PartWriter):
                     self._drop(upto)
             except OSError as e:
                 self._broken = True  # a half-appended sample: the tar cannot be committed
-                raise self._named(e) from None
+                raise named(e, self.tmp) from None
             except BaseException:
                 self._broken = True
                 raise
@@ -206,7 +212,7 @@ class WdsPartWriter(PartWriter):
                 self._tar.close()
                 self._file.flush()
             except OSError as e:
-                raise self._named(e) from None
+                raise named(e, self.tmp) from None
             try:
                 os.fsync(self._file.fileno())
             except OSError as e:  # the disk failed bytes written before (a full disk below)
@@ -222,12 +228,6 @@ class WdsPartWriter(PartWriter):
         drop_written(self._file.fileno(), first, size, name=str(self.tmp))
         if upto is not None:
             self._dropped = upto
-
-    def _named(self, e: OSError) -> OSError:
-        """`e` naming the tar where tarfile's write left it nameless (a message names the file)."""
-        if e.filename is not None or e.errno is None:
-            return e
-        return OSError(e.errno, e.strerror, str(self.tmp))
 
     def _known_files(self) -> dict[str, tuple[int, int]]:
         return {"": (self._file.size, self._file.crc)}

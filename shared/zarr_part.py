@@ -33,7 +33,7 @@ import numpy as np
 import zarr
 
 from shared.codec import CHUNK_ROWS, FORMAT_VERSION, Bf16Planes, payload_dtype, payload_width
-from shared.fsio import DropBehind, start_writeback, sync_tree
+from shared.fsio import DropBehind, named, start_writeback, sync_tree
 from shared.part import PartReader, PartWriter, Sample, aligned_offsets, layout_problems
 from shared.zarr_codecs import hidden_compressor, hidden_compressors, zarr_compressors
 from shared.zarr_shards import (
@@ -81,10 +81,8 @@ def write_buffers(path: Path | str, buffers: list[bytes]) -> tuple[int, int]:
                 buffers = [memoryview(buffers[0])[done:], *buffers[1:]]
         if EARLY_WRITEBACK:
             start_writeback(fd)
-    except OSError as e:  # named: a full or failing disk's message says which file
-        if e.filename is None:
-            raise OSError(e.errno, e.strerror, str(path)) from None
-        raise
+    except OSError as e:
+        raise named(e, path) from None
     finally:
         os.close(fd)
     return size, crc

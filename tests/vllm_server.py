@@ -80,8 +80,8 @@ def vllm_server(
     eager: bool = True,
 ) -> Iterator[Served]:
     """`max_num_seqs`: requests vLLM batches at once (None: its own default, 128 on a CPU);
-    `extra`: more of `vllm serve`'s arguments; `eager`: `--enforce-eager` (a start-up about 15 s
-    shorter on a CPU; False: vLLM's own default, its model compiled)."""
+    `extra`: more of `vllm serve`'s arguments; `eager`: `--enforce-eager` (a shorter start-up on a
+    CPU; False: vLLM's own default, its model compiled)."""
     port = free_port()
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target)]
     command += ["--served-model-name", name, "--host", "127.0.0.1", "--port", str(port)]
