@@ -4,6 +4,8 @@ Llama-style targets, eager and compiled; the document mask equals the brute-forc
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 
 import numpy as np
@@ -298,3 +300,44 @@ def test_compiled_packed_rows_on_cuda_match_rows_alone(targets, kind, attention)
         err = (a.float() - b.float()).norm(dim=-1) / b.float().norm(dim=-1).clamp_min(1e-6)
         assert err.max() < 0.05
     assert compiled_graphs() == layout.graphs_after_probe
+
+
+def test_only_the_runs_last_part_ends_in_small_rows(tmp_path, tiny_qwen3):
+    """Through `python -m extract`'s run, the forwards the target sees: only the rank's last part
+    ends in rows of the smallest size (`taper_end`), so little is left to write after the last
+    forward."""
+    lines = [
+        {"messages": [
+            {"role": "user", "content": " ".join(["hello there"] * (7 + i % 3))},
+            {"role": "assistant", "content": " ".join(["fine thanks"] * (7 + i % 4))},
+        ]}
+        for i in range(40)
+    ]  # fmt: skip
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    sizes: list[int] = []  # the packed rows' sizes, once the layout's probe is done
+    started = logging.Handler()
+    started.emit = lambda record: sizes.clear() if "the target runs" in record.getMessage() else 0
+
+    def seen(module, args):
+        if isinstance(module, torch.nn.Embedding):
+            sizes.append(args[0].shape[-1])
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(seen)
+    logging.getLogger("extract.worker").addHandler(started)
+    try:
+        manifest = extract(
+            tmp_path / "c", tiny_qwen3, data, packing="on", rows_per_part=20, max_length=384
+        )
+    finally:
+        hook.remove()
+        logging.getLogger("extract.worker").removeHandler(started)
+    assert [p.rows_kept for p in manifest.parts] == [20, 20]
+    lengths = [len(s.input_ids) for s in samples_by_row(tmp_path / "c").values()]
+    assert 80 < min(lengths) and max(lengths) < 128  # four or five to a packed row of 512
+    # four rows to a packed row of 512: the first part in whole rows, untapered; the last part's
+    # last rows (about one packed row's worth) one to a row of the smallest size, 128
+    assert sizes[-1] == 128
+    full = sizes.index(128)
+    assert sizes[:full] == [512] * full and full > sum(lengths[:20]) / 512
+    assert sizes[full:] == [128] * (len(sizes) - full) and len(sizes) - full >= 4
