@@ -34,8 +34,14 @@ def main(**kwargs) -> None:
     from shared.stopping import Stopped, StopRun, resume_command
 
     started: list[float] = []  # when planning ended and extracting began
+    units: set[int] = set()  # the parts this run extracts
+
+    def begin(pending: tuple[int, ...]) -> None:
+        started.append(time.monotonic())
+        units.update(pending)
+
     try:
-        manifest = run(cfg, started=lambda: started.append(time.monotonic()))
+        manifest = run(cfg, started=begin)
     except Stopped as e:
         raise click.ClickException(f"{e}\nresume: {resume_command('extract')}") from None
     except KeyboardInterrupt:  # during planning, or a second Ctrl-C
@@ -53,7 +59,17 @@ def main(**kwargs) -> None:
         raise click.ClickException(str(e)) from None
     end = time.monotonic()
     working = end - started[0] if started else None
-    click.echo(format_summary(manifest, out=cfg.out, seconds=end - start, extract_seconds=working))
+    tokens = sum(p.tokens for p in manifest.parts if p.unit in units)
+    click.echo(
+        format_summary(
+            manifest,
+            out=cfg.out,
+            seconds=end - start,
+            extract_seconds=working,
+            tokens=tokens,
+            parts=len(units) if started else None,
+        )
+    )
     if not manifest.complete:
         raise SystemExit(1)
 

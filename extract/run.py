@@ -215,9 +215,13 @@ def _entry(
         _finalize(cfg.out)
 
 
-def run(cfg: ExtractConfig, *, started: Callable[[], object] | None = None) -> Manifest:
-    """Extract the cache described by `cfg`; returns the final manifest. `started()` is called
-    once planning is done and the extraction itself begins (the summary times the two)."""
+def run(
+    cfg: ExtractConfig, *, started: Callable[[tuple[int, ...]], object] | None = None
+) -> Manifest:
+    """Extract the cache described by `cfg`; returns the final manifest. `started(units)` is
+    called once planning (and a resume's check of the parts there) is done and the extraction of
+    `units`, the parts not yet committed, begins: the summary times the two, and rates this
+    run's parts alone."""
     try:
         spec: DeviceSpec = parse_gpus(cfg.gpus)
         planned, index, estimate = plan_manifest(cfg)
@@ -231,9 +235,7 @@ def run(cfg: ExtractConfig, *, started: Callable[[], object] | None = None) -> M
         )
     try:
         with output_lock(cfg.out, "python -m extract", enabled=takes_output_lock()):
-            if started is not None:
-                started()
-            manifest = _run_locked(cfg, spec, planned, index, estimate, layout)
+            manifest = _run_locked(cfg, spec, planned, index, estimate, layout, started)
             if _kept_nothing(manifest):
                 # Committed parts without a single sample: nothing worth keeping or resuming.
                 if takes_output_lock():
@@ -257,6 +259,7 @@ def _run_locked(
     index: RowIndex,
     estimate: CacheEstimate,
     layout: Layout,
+    started: Callable[[tuple[int, ...]], object] | None = None,
 ) -> Manifest:
     resume = existing_state(cfg, planned)
     if resume is not None:
@@ -310,6 +313,8 @@ def _run_locked(
             "checksums (with --repair it drops damaged ones, and this command then redoes them)",
             cfg.out,
         )
+    if started is not None:
+        started(pending)
     timeout = LOAD_TIMEOUT if layout.sharded else DEFAULT_TIMEOUT
     if under_torchrun():
         launch(_entry, (job, cfg, planned, resume), spec, timeout=timeout)

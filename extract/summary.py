@@ -12,12 +12,19 @@ LISTED_REJECTS = 5
 
 
 def format_summary(
-    manifest: Manifest, *, out: Path, seconds: float, extract_seconds: float | None = None
+    manifest: Manifest,
+    *,
+    out: Path,
+    seconds: float,
+    extract_seconds: float | None = None,
+    tokens: int | None = None,
+    parts: int | None = None,
 ) -> str:
     """Totals, rejected rows, size on disk, time, and what to run next, for the cache at `out`
     as this command named it (the manifest's own record is the first run's). `seconds` is the
     whole command; `extract_seconds` the part after planning (loading the target on each
-    device, the forwards and the writes), when known."""
+    device, the forwards and the writes), when known; `tokens` those of the parts this command
+    extracted (a resume's are fewer than the cache's) and `parts` how many, when known."""
     t = manifest.totals()
     rows = [
         ("cache", out),
@@ -44,7 +51,10 @@ def format_summary(
     rows += [
         ("tokens", f"{t['tokens']:,} ({t['supervised_tokens']:,} supervised)"),
         ("on disk", on_disk(manifest)),
-        ("time", time_line(seconds, extract_seconds, t["tokens"])),
+        (
+            "time",
+            time_line(seconds, extract_seconds, t["tokens"] if tokens is None else tokens, parts),
+        ),
     ]
     rows += [("next" if i == 0 else "", c) for i, c in enumerate(next_commands(manifest, out))]
     width = max(len(k) for k, _ in rows)
@@ -62,18 +72,29 @@ def on_disk(manifest: Manifest) -> str:
     )
 
 
-def time_line(seconds: float, extract_seconds: float | None, tokens: int) -> str:
+def time_line(
+    seconds: float, extract_seconds: float | None, tokens: int, parts: int | None = None
+) -> str:
     """The command's wall time, split where known into planning (the target, its tokenizer,
     the row index and the size estimate) and extracting (loading the target on each device,
     the forwards and the writes).
 
+    `tokens`: those extracted in this time, in `parts` parts (0: all were committed before).
+
     >>> time_line(10.8, 2.3, 42101)
     '10.8 s in all: 8.5 s planning, 2.3 s extracting (18,305 tok/s)'
+    >>> time_line(5.1, 0.2, 0, parts=0)
+    '5.1 s in all: 4.9 s planning and checking; every part was committed before, none extracted'
     """
     if extract_seconds is None:
         return f"{seconds:,.1f} s in all"
-    rate = f" ({tokens / extract_seconds:,.0f} tok/s)" if extract_seconds > 0 and tokens else ""
     plan, work = seconds - extract_seconds, extract_seconds
+    if parts == 0:
+        return (
+            f"{seconds:,.1f} s in all: {plan:,.1f} s planning and checking; every part was "
+            "committed before, none extracted"
+        )
+    rate = f" ({tokens / extract_seconds:,.0f} tok/s)" if extract_seconds > 0 and tokens else ""
     return f"{seconds:,.1f} s in all: {plan:,.1f} s planning, {work:,.1f} s extracting{rate}"
 
 

@@ -7,6 +7,7 @@ import errno
 import gzip
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -193,6 +194,8 @@ def test_repair_drops_exactly_the_damaged_part(tmp_path, tiny_qwen3, data_file):
     assert again[:4] == ["--out", str(cache), "--target", str(tiny_qwen3)]
     plain = _cli(*again)  # a plain rerun of a cache listed complete redoes nothing
     assert plain.exit_code == 0 and "checks them against their checksums" in plain.output
+    assert "every part was committed before, none extracted" in plain.output
+    assert "tok/s" not in plain.output.split("every part was committed")[1]
     r = _verify(cache, "--repair")
     assert r.exit_code == 1 and "part-000000" in r.output and "dropped 1 damaged" in r.output
     assert _extract_command(r.output) == again
@@ -202,6 +205,10 @@ def test_repair_drops_exactly_the_damaged_part(tmp_path, tiny_qwen3, data_file):
     assert r.exit_code == 0, r.output
     m = read_manifest(cache)
     assert m.complete and _checksums(cache) == before
+    # the summary's rate is the redone part's tokens over this run's time, not the cache's
+    seconds, rate = re.search(r"([\d.]+) s extracting \(([\d,]+) tok/s\)", r.output).groups()
+    redone = float(seconds) * int(rate.replace(",", ""))
+    assert abs(redone - m.parts[0].tokens) < abs(redone - m.totals()["tokens"]), r.output
     assert (cache / "part-000001").stat().st_ino == untouched
     assert _verify(cache).exit_code == 0
 
