@@ -122,6 +122,30 @@ def test_a_run_that_ends_before_the_extraction_says_so(growing, lines, tmp_path)
     assert (tmp_path / "short" / "export" / "model.safetensors").is_file()
 
 
+def test_an_extraction_that_ends_before_the_first_step_is_not_said_to_run(lines, tmp_path):
+    """The cache completes while the run waits for its first step's parts: the run starts as
+    one that follows a finished extraction, not as a resumed one, and warns of nothing still to
+    come."""
+    cache = write_cache(tmp_path / "c", num_parts=3, samples_per_part=5, complete=False)
+    full = read_manifest(cache)
+    write_manifest(cache, dataclasses.replace(full, parts=()))
+
+    def finish() -> None:
+        lines.wait_for("waiting before the first step", 0)
+        write_manifest(cache, dataclasses.replace(full, parts=full.parts, complete=True))
+
+    thread = threading.Thread(target=finish)
+    thread.start()
+    try:
+        run(tiny(cache, tmp_path / "r", steps=2))
+    finally:
+        thread.join()
+    text = "\n".join(lines.lines)
+    assert "it finished while this run waited for its first step's parts" in text, text
+    assert "resuming" not in text and "before the extraction does" not in text
+    assert "end within the first pass" not in text
+
+
 def test_no_follow_refuses_a_cache_still_being_written(growing, tmp_path):
     cache, _ = growing
     result = CliRunner().invoke(

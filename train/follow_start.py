@@ -109,6 +109,7 @@ def await_first_step(
     start, plan = time.monotonic(), first_pass(cfg, view, complete=view.complete)
     try:
         while True:
+            state = extraction_state(cfg.data)  # before the manifest: see `say_waiting`
             grown = watch.grow(view)
             if grown is not view:
                 view = grown
@@ -132,7 +133,7 @@ def await_first_step(
                     f"stopped by {stop.signal_name} while waiting for the first step's parts of "
                     f"{cfg.data}: nothing was trained or saved"
                 )
-            said = say_waiting(cfg, view, "before the first step", said, start)
+            said = say_waiting(cfg, view, "before the first step", said, start, state)
             watch.wait(POLL_S)
     finally:
         stop.restore()
@@ -163,7 +164,7 @@ def start_following(
     estimate = estimate if resumed else estimate_rows(cfg, view)
     total = total_steps(cfg, estimate, world_size)
     per_pass = estimate // world_size // cfg.grad_accum
-    if view.complete:  # a resumed run keeps the plan it started with
+    if view.complete and resumed:  # a resumed run keeps the plan it started with
         log.info(
             "resuming a run that followed the extraction of %s, complete now (%s): its first "
             "pass keeps its plan",
@@ -177,7 +178,9 @@ def start_following(
             "more when it needs them; the epochs after it read the whole cache",
             cfg.data,
             view.describe(),
-            extraction_state(cfg.data),
+            "it finished while this run waited for its first step's parts"
+            if view.complete
+            else extraction_state(cfg.data),
             cfg.shuffle_buffer,
         )
     how = (
@@ -193,7 +196,7 @@ def start_following(
         f"{estimate:,}",
         "as estimated when the run started" if resumed else "estimated from the committed parts",
     )
-    if total < per_pass:
+    if total < per_pass and not view.complete:
         log.warning(
             "this run's %d steps end within the first pass (about %d steps): it will finish "
             "before the extraction does and will not train on every sample of the cache",
@@ -204,11 +207,19 @@ def start_following(
 
 
 def say_waiting(
-    cfg: TrainConfig, view: CacheView, where: str, said: tuple[str, float] | None, since: float
+    cfg: TrainConfig,
+    view: CacheView,
+    where: str,
+    said: tuple[str, float] | None,
+    since: float,
+    state: str,
 ) -> tuple[str, float] | None:
     """Log why the run waits, when it is worth a line: at once if the extraction is not running,
-    after QUIET_S if it is, again when that changes or every REPEAT_S. Returns what was said."""
-    state, now = extraction_state(cfg.data), time.monotonic()
+    after QUIET_S if it is, again when that changes or every REPEAT_S. Returns what was said.
+    `state`: `extraction_state`, read before the manifest of `view`: an extraction commits its
+    last part before it lets go of the lock, so one that ended between the two reads is not
+    taken for one that stopped short."""
+    now = time.monotonic()
     if said is not None and said[0] == state and now - said[1] < REPEAT_S:
         return said
     if is_running(state):

@@ -35,7 +35,7 @@ from shared.dist import RankInfo, broadcast_object
 from shared.manifest import CacheMismatch
 from shared.stopping import Stopped, StopRequest, StopRun
 from train.config import TrainConfig
-from train.data.follow import POLL_S, CacheChanged, ManifestWatch
+from train.data.follow import POLL_S, CacheChanged, ManifestWatch, extraction_state
 from train.data.growing import GrowingRows
 from train.data.loader import LoaderState
 from train.data.plan import PlanSpec, epoch_lengths
@@ -79,6 +79,8 @@ class Following:
         if self.epoch is None:
             self.epoch = state.epoch
         while True:
+            # the extraction's state before the manifest (`say_waiting`), on the rank that says it
+            extraction = extraction_state(self.cfg.data) if self.info.is_main else ""
             grown = self.watch.grow(self.view)
             if grown is not self.view:
                 self.view = grown
@@ -94,7 +96,7 @@ class Following:
                     log.info("continuing at step %d: %s", step, self.view.describe())
                 return True
             if self.info.is_main:
-                said = say_waiting(self.cfg, self.view, f"at step {step}", said, start)
+                said = say_waiting(self.cfg, self.view, f"at step {step}", said, start, extraction)
             self.watch.wait(POLL_S)
 
     def loader_plan(
