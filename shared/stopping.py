@@ -2,9 +2,10 @@
 
 A job scheduler sends SIGTERM before it kills a job; Ctrl-C sends SIGINT to every process of
 the terminal's foreground group. Either one only sets a flag (`StopRequest`): the stage acts on
-it where its state is consistent (extract between parts, train at its next log step, where
-the ranks agree through a collective they make anyway) and exits non-zero, saying how to
-resume. In a process that launched ranks, a second signal stops them at once.
+it where its state is consistent (extract between parts; train after the step in progress, or
+with several ranks at its next log step, where they agree through a collective they make
+anyway) and exits non-zero, saying how to resume. In a process that launched ranks, a second
+signal stops them at once.
 
 After `kill -9` of a process nothing runs in it, so its children must notice by themselves:
 spawned ranks get the kernel's parent-death signal (prctl PR_SET_PDEATHSIG), and DataLoader
@@ -75,8 +76,9 @@ class StopRequest:
     def requested(self) -> bool:
         return self.signal_name is not None
 
-    def install(self, what: str) -> StopRequest:
-        """Handle the stop signals in this process (main thread only) until `restore()`."""
+    def install(self, what: str | Callable[[], str]) -> StopRequest:
+        """Handle the stop signals in this process (main thread only) until `restore()`.
+        `what` the first signal starts, in words (a callable: worked out when it comes)."""
         self.what = what
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
@@ -89,9 +91,10 @@ class StopRequest:
 
     def _handle(self, signum: int, _frame: object) -> None:
         name = signal.Signals(signum).name
+        what = self.what() if callable(self.what) else self.what
         if self.signal_name is None:
             self.signal_name = name
-            log.warning("%s: %s", name, self.what)
+            log.warning("%s: %s", name, what)
         elif self.on_repeat is not None:
             log.warning("%s again: stopping now", name)
             self.on_repeat()
@@ -100,7 +103,7 @@ class StopRequest:
         else:
             # A rank of our launcher: the launcher passes signals on (a second one here is
             # that copy) and stops the ranks itself on a second one of its own.
-            log.warning("%s again: already stopping (%s)", name, self.what)
+            log.warning("%s again: already stopping (%s)", name, what)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:

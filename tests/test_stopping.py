@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -142,6 +143,23 @@ def test_sigterm_checkpoints_train_at_the_step_reached(tmp_path, gpus):
     logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().split("\n")
               if line]  # fmt: skip
     assert logged[-1] == steps[0]  # the step it stopped at has its record, which a resume keeps
+
+
+def test_one_process_stops_train_at_the_next_step_not_the_next_log_step(tmp_path):
+    """One process has no rank to agree with: a stop signal takes effect after the step in
+    progress, at the step its warning names, however far off the next log step is."""
+    cache = write_cache(tmp_path / "cache", num_parts=4, samples_per_part=12)
+    out = tmp_path / "run"
+    args = train_args(cache, out, "--steps", "400", "--workers", "2")
+    args[args.index("--log-every") + 1] = "200"
+    proc = start(*args)
+    read_until(proc, "first step:")
+    proc.send_signal(signal.SIGINT)
+    said = read_until(proc, "SIGINT: saving a checkpoint at step")[-1]
+    code, err = finish(proc)
+    at = int(re.search(r"at step (\d+) of 400, then stopping \(a second signal", said).group(1))
+    assert code == 1 and f"stopped by SIGINT at step {at} of 400" in err, said + err
+    assert [s for s, _ in list_checkpoints(out)] == [at] and at < 200
 
 
 @pytest.mark.parametrize("gpus", ["cpu", "cpu:2"])

@@ -39,6 +39,19 @@ def main(**kwargs: object) -> None:
         out = run(cfg)
     except Stopped as e:
         raise click.ClickException(f"{e}\nresume: {resume_command('train')}") from None
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the run began
+        from train.checkpoint import list_checkpoints
+
+        found = list_checkpoints(cfg.out)
+        kept = (
+            f"the newest checkpoint, step {found[-1][0]} ({found[-1][1]}), is kept and the "
+            "steps after it are lost"
+            if found
+            else f"no checkpoint of this run was saved (--checkpoint-every {cfg.checkpoint_every})"
+        )
+        raise click.ClickException(
+            f"stopped at once: {kept}\nresume: {resume_command('train')}"
+        ) from None
     except (CacheMismatch, RunError, StopRun) as e:
         raise click.ClickException(str(e)) from None
     target = read_manifest(cfg.data).target.path

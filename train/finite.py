@@ -35,6 +35,7 @@ class FiniteGuard:
         self.record = torch.zeros(2, dtype=torch.float64, device=device)
         self.loss = torch.zeros((), dtype=torch.float64, device=device)  # this step's so far
         self.checked = 0  # the step of the last check that passed
+        self.seen = 0  # the last step `check_due` was called for
         self.stop = StopRequest()  # replaced by the rank's installed one (train_rank)
 
     def add(self, loss_sum: torch.Tensor, weight: torch.Tensor) -> None:
@@ -49,15 +50,26 @@ class FiniteGuard:
         self.record[0] = torch.where(first, float(step), self.record[0])
         self.loss.zero_()
 
+    def stops_at(self, step: int | None = None) -> int:
+        """The step after `step` (default: the last one seen) at which a stop signal takes
+        effect: the next one where the run is one process (no rank to agree with), else the
+        next log step (the ranks agree there, through the collective `check` makes anyway), or
+        the last."""
+        step = self.seen if step is None else step
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return min(step + 1, self.total)
+        return min((step // self.every + 1) * self.every, self.total)
+
     def check_due(self, step: int, *, save: Callable[[], None]) -> None:
-        """`check` on log steps and the last step; when a stop signal reached any rank, all
-        of them `save()` a checkpoint of this step and raise Stopped."""
+        """`check` on log steps and the last step, and where a stop signal takes effect
+        (`stops_at`); when a stop signal reached any rank, all of them `save()` a checkpoint of
+        this step and raise Stopped."""
+        due = step % self.every == 0 or step == self.total
+        if self.stop.requested and self.stops_at(step - 1) == step:
+            due = True
+        self.seen = step
         # At the last step a stop request is moot: the run ends and exports as usual.
-        if (
-            (step % self.every == 0 or step == self.total)
-            and self.check(step)
-            and (step < self.total)
-        ):
+        if due and self.check(step) and step < self.total:
             save()
             raise Stopped(
                 f"stopped by {self.stop.signal_name or 'a signal on another rank'} at step "

@@ -65,7 +65,18 @@ def train_rank(info: RankInfo, cfg: TrainConfig, prep: Prepared) -> None:
     if info.device.type == "cpu" and info.world_size > 1:
         # CPU ranks share the host: without this each would start one thread per core.
         torch.set_num_threads(max(1, usable_cpus() // processes_on_this_host(info.world_size)))
-    stop = StopRequest().install("saving a checkpoint at the next log step, then stopping")
+    trainer: Trainer | None = None
+
+    def stopping() -> str:
+        at = "at the first step where the run can"
+        if trainer is not None:
+            at = f"at step {trainer.guard.stops_at()} of {trainer.total}"
+        return (
+            f"saving a checkpoint {at}, then stopping (a second signal stops at once, keeping "
+            "only the checkpoints saved before)"
+        )
+
+    stop = StopRequest().install(stopping)
     try:
         with full_disk_stops(cfg.out, rerun="Free space there, then rerun the same command."):
             trainer = Trainer(info, cfg, prep)

@@ -45,6 +45,7 @@ def restore_run_state(trainer: Any) -> None:
     )
     t.step = int(state["step"])
     t.guard.checked = t.step  # checked finite when it was saved: a run resumed at its end
+    t.guard.seen = t.step
     t.writer.rewind(t.step)  # saves and exports it without another step
     if len(state["rng"]) == t.info.world_size:
         set_rng_state(state["rng"][t.info.rank], t.device)
