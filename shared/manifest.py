@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.format import FORMAT_VERSION
-from shared.fsio import atomic_write_json, file_lock
+from shared.fsio import atomic_write_json, file_lock, within
 from shared.json_types import wrong_types
 
 MANIFEST = "manifest.json"
@@ -308,6 +308,35 @@ def repair_commands(cache: Path | str, manifest: Manifest | None = None) -> str:
 
 def manifest_path(cache: Path) -> Path:
     return Path(cache) / MANIFEST
+
+
+def enclosing_cache(folder: Path | str) -> Path | None:
+    """The cache (a folder with a cache's manifest) that `folder` is or lies in, if any: no
+    place for a run's files."""
+    folder = Path(folder).resolve()
+    return next((p for p in (folder, *folder.parents) if _holds_a_cache_manifest(p)), None)
+
+
+def _holds_a_cache_manifest(folder: Path) -> bool:
+    """Whether `folder/manifest.json` is a cache's (not another tool's file of that name)."""
+    try:
+        record = json.loads(manifest_path(folder).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and {"format_version", "layer_ids", "parts"} <= record.keys()
+
+
+def refuse_inside_cache(out: Path, data: Path) -> str | None:
+    """Why `out` cannot hold a run's or a sweep's files: it is in the cache `data` or another
+    one; None where it can."""
+    cache = Path(data) if within(out, data) else enclosing_cache(out)
+    if cache is None:
+        return None
+    named = "--data" if cache == Path(data) else f"it holds {MANIFEST}"
+    return (
+        f"--out {out} is in the cache {cache} ({named}): give a folder of its own (e.g. "
+        "runs/NAME): a cache holds only what extraction wrote"
+    )
 
 
 def read_manifest(cache: Path) -> Manifest:

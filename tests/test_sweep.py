@@ -133,7 +133,7 @@ def test_the_grid_is_checked_before_any_run(cache, tmp_path):
 
     with pytest.raises(GridError, match="same for every run"):
         plan(["steps=5,10"])
-    with pytest.raises(GridError, match="is inside the cache --data"):
+    with pytest.raises(GridError, match="is in the cache .* \\(--data\\)"):
         plan_jobs(data=cache, out=cache / "sweeps", grid=parse_vary(["lr=1e-3"]), seeds=1,
                   train_args=[])  # fmt: skip
     with pytest.raises(GridError, match="has an empty value"):

@@ -208,9 +208,20 @@ def test_data_that_will_never_be_a_cache_is_refused_at_once(tmp_path):
 
 
 def test_a_run_folder_inside_the_cache_is_refused(cache, tmp_path):
+    from shared.manifest import enclosing_cache
     from train.run import RunError
 
     for out in (cache, cache / "runs" / "a"):
-        with pytest.raises(RunError, match="is inside the cache --data"):
+        with pytest.raises(RunError, match=f"is in the cache {cache} \\(--data\\)"):
             run(tiny(cache, out))
     assert not (cache / "runs").exists() and not (cache / "config.json").exists()
+    other = tmp_path / "other"  # another cache, as --out: extract could no longer overwrite it
+    shutil.copytree(cache, other)
+    for out in (other, other / "runs" / "a"):
+        with pytest.raises(RunError, match=f"is in the cache {other} \\(it holds manifest.json"):
+            run(tiny(cache, out))
+    assert sorted(p.name for p in other.iterdir()) == sorted(p.name for p in cache.iterdir())
+    web = tmp_path / "web"  # another tool's manifest.json makes no cache
+    web.mkdir()
+    (web / "manifest.json").write_text('{"name": "app", "parts": []}')
+    assert enclosing_cache(web / "runs" / "a") is None and enclosing_cache(other / "a") == other

@@ -19,11 +19,12 @@ from shared.dist import (
     torchrun_world_size,
     under_torchrun,
 )
-from shared.fsio import unwritable_reason, within
+from shared.fsio import unwritable_reason
 from shared.lock import LockHeld, output_lock
 from shared.manifest import (
     CacheMismatch,
     Manifest,
+    refuse_inside_cache,
     repair_commands,
 )
 from train.cache_fit import fit_cache
@@ -51,11 +52,9 @@ def run(cfg: TrainConfig) -> Path:
     if problem:
         raise RunError(f"--out {cfg.out}: {problem}")
     manifest = await_manifest(cfg)
-    if within(cfg.out, cfg.data):
-        raise RunError(
-            f"--out {cfg.out} is inside the cache --data {cfg.data}: give a run folder "
-            "of its own (e.g. runs/NAME): the cache holds only what extraction wrote"
-        )
+    inside = refuse_inside_cache(cfg.out, cfg.data)
+    if inside:
+        raise RunError(inside)
     saved = resumed_plan(cfg)
     view = None
     # A run follows an extraction on a cache not yet complete, and keeps following (the plan is

@@ -15,8 +15,7 @@ from pathlib import Path
 import click
 
 from shared.cli import build
-from shared.fsio import within
-from shared.manifest import Manifest, manifest_path, read_manifest
+from shared.manifest import Manifest, manifest_path, read_manifest, refuse_inside_cache
 from train.cache_fit import fit_cache
 from train.config import TrainConfig
 
@@ -128,8 +127,9 @@ def plan_jobs(
             f"train options {', '.join(clash)}: set by the sweep (--data, --out, --seeds, --gpus) "
             "or varied by --vary; give them there"
         )
-    if within(out, data):
-        raise GridError(f"--out {out} is inside the cache --data {data}: give a folder of its own")
+    inside = refuse_inside_cache(out, data)
+    if inside:
+        raise GridError(inside)
     jobs = []
     manifest = read_manifest(data) if manifest_path(data).is_file() else None  # none yet: follows
     names: dict[str, Variant] = {}
