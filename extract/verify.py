@@ -108,12 +108,19 @@ def rerun_samples(
     picks = random.Random(seed).sample(picks, min(samples, len(picks)))
     if not picks:
         return []
+    batch_tokens = int(manifest.config.get("batch_tokens", 16384))
+    log.info(
+        "re-running the target on %d stored samples on %s, each alone and in a batch of %s "
+        "tokens (slow on a CPU; --samples 0 skips it)",
+        len(picks),
+        device,
+        f"{batch_tokens:,}",
+    )
     model = load_target(manifest.target.path, device=device, last_layer=max(manifest.layer_ids))
     # The model's own masks: an independent check of the premade ones extraction passes.
     capture = LayerCapture(model, manifest.layer_ids, own_masks=True)
-    batch_tokens = int(manifest.config.get("batch_tokens", 16384))
     runs = []
-    for rec, n in picks:
+    for i, (rec, n) in enumerate(picks):
         reader = open_part(cache / rec.name)
         # wds parts stream only: walk to the n-th sample.
         sample = (
@@ -125,6 +132,7 @@ def rerun_samples(
         fresh = capture.run([ids], device=device).float().cpu()
         batched = capture.run(full_batch(ids, batch_tokens), device=device)[: len(ids)]
         runs.append((rec, n, sample, fresh, batched.float().cpu()))
+        log.info("re-ran %d/%d samples", i + 1, len(picks))
     capture.close()
     packed = packed_runs(model, manifest, [r[2].input_ids for r in runs], device)
     problems = []
