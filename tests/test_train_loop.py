@@ -115,28 +115,29 @@ def test_the_same_command_finishes_a_finished_or_damaged_run(cache, tmp_path):
     checkpoint and its export gets it); a newest checkpoint damaged after it was written and
     a metrics line torn by a kill: resumed from the checkpoint before it, each step logged once."""
     out = tmp_path / "run"
-    export = run(tiny(cache, out, steps=4, checkpoint_every=2))
+    export = run(tiny(cache, out, steps=4, checkpoint_every=2, eval_parts=1))
     first = load_file(str(export / "model.safetensors"))
     shutil.rmtree(export)
-    assert run(tiny(cache, out, steps=4, checkpoint_every=2)) == export
+    assert run(tiny(cache, out, steps=4, checkpoint_every=2, eval_parts=1)) == export
     again = load_file(str(export / "model.safetensors"))
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+    assert [r["step"] for r in records(out, "eval")] == [4]  # evaluated again, logged once
     with pytest.raises(RunError, match="step-4 is at step 4, past this run's --steps 3"):
-        run(tiny(cache, out, steps=3, checkpoint_every=2))
+        run(tiny(cache, out, steps=3, checkpoint_every=2, eval_parts=1))
     assert json.loads((out / "config.json").read_text())["train"]["steps"] == 4  # untouched
     newest = list_checkpoints(out)[-1][1]
     with open(newest / "state.pt", "r+b") as f:
         f.truncate(1000)
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"kind": "train", "step": 5, "lo')  # what a kill mid-write leaves
-    run(tiny(cache, out, steps=6, checkpoint_every=2))
+    run(tiny(cache, out, steps=6, checkpoint_every=2, eval_parts=1))
     assert final_state(out)["step"] == 6
     assert [r["step"] for r in records(out)] == [1, 2, 3, 4, 5, 6]  # resumed from step 2
     for _, path in list_checkpoints(out):  # every one damaged: refused, never a fresh start
         with open(path / "state.pt", "r+b") as f:
             f.truncate(1000)
     with pytest.raises(StopRun, match="every checkpoint in .* is damaged"):
-        run(tiny(cache, out, steps=8, checkpoint_every=2))
+        run(tiny(cache, out, steps=8, checkpoint_every=2, eval_parts=1))
 
 
 def test_run_folder_refuses_a_different_run(cache, tmp_path, monkeypatch):

@@ -217,14 +217,21 @@ class MetricsWriter:
         else:
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
 
-    def rewind(self, step: int) -> None:
+    def rewind(self, step: int, *, last: bool = False) -> None:
         """Drop records after `step` (logged by a run that died before its next checkpoint),
-        so a resumed run's log has each step once."""
+        so a resumed run's log has each step once. `last`: `step` is the run's last, whose
+        evaluation follows its checkpoint and runs again on a resume, so its record goes too."""
         if not self.enabled or not self.path.is_file():
             return
         lines = self.path.read_text(errors="replace").splitlines()
         read = [(line, _record(line)) for line in lines]  # a torn last line: None
-        kept = [(line, r) for line, r in read if r is not None and r["step"] <= step]
+
+        def keep(r: dict[str, Any] | None) -> bool:
+            if r is None or r["step"] > step:
+                return False
+            return not (last and r["step"] == step and r.get("kind") == "eval")
+
+        kept = [(line, r) for line, r in read if keep(r)]
         if len(kept) < len(lines):
             atomic_write_text(self.path, "".join(line + "\n" for line, _ in kept))
         self.history = [r for _, r in kept]

@@ -46,7 +46,7 @@ def restore_run_state(trainer: Any) -> None:
     t.step = int(state["step"])
     t.guard.checked = t.step  # checked finite when it was saved: a run resumed at its end
     t.guard.seen = t.step
-    t.writer.rewind(t.step)  # saves and exports it without another step
+    t.writer.rewind(t.step, last=t.step == t.total)  # saves and exports it without another step
     if len(state["rng"]) == t.info.world_size:
         set_rng_state(state["rng"][t.info.rank], t.device)
     log.info("resumed from %s at step %d of %d", path, t.step, t.total)
