@@ -375,6 +375,13 @@ def test_nothing_kept_is_a_failure(target, tmp_path):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1 and "no row kept" in result.output, result.output
     assert "no_assistant_turn" in result.output  # the summary above it says why
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    out = tmp_path / "nothing.jsonl"
+    args = ["--target", str(target), "--data", str(empty), "--out", str(out), "--gpus", "cpu"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and f"--data: {empty} holds no rows" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir() if "nothing" in p.name) == []  # no output
 
 
 def test_hybrid_target_batched_equals_plain_generate(tiny_qwen35, data_file, tmp_path):

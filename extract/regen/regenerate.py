@@ -174,6 +174,8 @@ def _plan(cfg: RegenConfig, spec: DeviceSpec, server: tuple[str, int | None] | N
         raise RegenError(f"--target {cfg.target}: cannot load its tokenizer ({e})") from None
     index = index_rows(list(cfg.data))
     total = sum(index.counts) if cfg.max_rows is None else min(sum(index.counts), cfg.max_rows)
+    if total == 0:  # as extraction refuses it, before anything is loaded or written
+        raise RegenError(f"--data: {', '.join(map(str, cfg.data))} holds no rows")
     server_length = server[1] if server else None
     max_length = cfg.max_length or server_length or text_config(config)["max_position_embeddings"]
     prints = template_fingerprint(tokenizer)
