@@ -361,6 +361,10 @@ class PartReader:
     def iter_samples(self, layers: Sequence[int] | None = None) -> Iterator[Sample]:
         raise NotImplementedError
 
+    def iter_indexed(self, layers: Sequence[int] | None = None) -> Iterator[tuple[int, Sample]]:
+        """(n, sample n) for every sample, in the order they are read most cheaply."""
+        return enumerate(self.iter_samples(layers))
+
     def read(self, n: int, layers: Sequence[int] | None = None) -> Sample:
         """Sample n by random access (zarr parts only)."""
         raise NotImplementedError(f"{self.path.name}: random access needs a zarr part")

@@ -8,13 +8,17 @@ names of that shape. Then per sample, with KEY = ``s{sample_index:012d}``:
     KEY.scale.npy      float32 [L, K] (fp8 store only)
     KEY.ids.npy        int32 [L]
     KEY.mask.npy       uint8 [L]
-    KEY.json           sample_index, codec, length, shape, dtype, store, frames, crc32c of the
-                       payload (codec: "planes" or "blosc" for bf16, see `shared.codec`; none
-                       before "planes" existed: Blosc; "int4" for int4 records)
+    KEY.json           sample_index, position, codec, length, shape, dtype, store, frames,
+                       crc32c of the payload (codec: "planes" or "blosc" for bf16, see
+                       `shared.codec`; none before "planes" existed: Blosc; "int4" for int4
+                       records; position: the sample's number n in the part, as a zarr part
+                       stores it; none in older parts)
 
-Members of one sample are adjacent; samples are in order of completion, which readers do not
-rely on. Compression happens in the writing thread (numcodecs releases the GIL), only the tar
-append is serialised.
+Members of one sample are adjacent; samples are in order of completion, which differs from run
+to run and which readers do not rely on: a reader numbers a part's samples by position
+(`canonical_order`), so a part trains the same whatever its tar's order, and as its zarr twin.
+Compression happens in the writing thread (numcodecs releases the GIL), only the tar append is
+serialised.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ from shared.codec import (
     Bf16Planes,
     c_contiguous,
     hidden_codec,
-    numcodecs_blosc,
     payload_dtype,
 )
 from shared.fsio import (
@@ -45,13 +48,11 @@ from shared.fsio import (
     named,
     start_writeback,
 )
-from shared.int4_frames import int4_frames, int4_unframe
 from shared.part import PartReader, PartWriter, Sample
-from shared.planes import merge_planes, planes_compress, planes_decompress
+from shared.planes import merge_planes
+from shared.wds_frames import compress_payload, decompress_payload
 
 PART_MEMBER = "__part__"
-# Blosc takes at most ~2 GiB per call; a long sample is stored as several frames.
-FRAME_BYTES = 1 << 29
 _BASE_EXTS = ("hidden.blosc", "ids.npy", "mask.npy", "json")
 
 
@@ -63,62 +64,6 @@ def sample_key(sample_index: int) -> str:
 def required_exts(store: str) -> frozenset[str]:
     """Member extensions every sample of a part with this store has."""
     return frozenset(_BASE_EXTS + (("scale.npy",) if store == "fp8" else ()))
-
-
-def compress_payload(payload: np.ndarray, codec: str = "blosc", split: int = 0) -> list[bytes]:
-    """Frames of a C-contiguous array's bytes: Blosc (cache settings, typesize = itemsize) or,
-    for bf16 bits, `planes` (`shared.planes.planes_compress`), or for int4 records [..., W]
-    `shared.int4_frames.int4_frames` (`split`: the records' int4 bytes)."""
-    if codec == "int4":
-        rows = c_contiguous(payload).reshape(-1, payload.shape[-1])
-        step = max(1, FRAME_BYTES // rows.shape[1])
-        return [b"".join(int4_frames(rows[i : i + step], split)) for i in range(0, len(rows), step)]
-    if codec == "planes":
-        flat = c_contiguous(payload).reshape(-1)
-        step = FRAME_BYTES // 2
-        return [planes_compress(flat[i : i + step]) for i in range(0, flat.size, step)]
-    blosc = numcodecs_blosc(payload.itemsize)
-    flat = c_contiguous(payload).reshape(-1).view(np.uint8)
-    return [blosc.encode(flat[i : i + FRAME_BYTES]) for i in range(0, flat.size, FRAME_BYTES)]
-
-
-def decompress_payload(
-    blob: bytes,
-    frames: Sequence[int],
-    dtype: np.dtype,
-    shape: Sequence[int],
-    codec: str = "blosc",
-) -> np.ndarray:
-    """Inverse of compress_payload; ``frames`` are the compressed frame sizes."""
-    out = np.empty(tuple(shape), dtype)
-    if codec == "int4":
-        return _decompress_int4(blob, frames, out)
-    planes = codec == "planes"
-    flat = out.reshape(-1) if planes else out.reshape(-1).view(np.uint8)
-    step = FRAME_BYTES // 2 if planes else FRAME_BYTES
-    blosc = numcodecs_blosc(out.itemsize)
-    view, pos, done = memoryview(blob), 0, 0
-    for size in frames:
-        n = min(step, flat.size - done)
-        if planes:
-            planes_decompress(view[pos : pos + size], out=flat[done : done + n])
-        else:
-            blosc.decode(view[pos : pos + size], out=flat[done : done + n])
-        pos, done = pos + size, done + n
-    if pos != len(view) or done != flat.size:
-        raise ValueError(f"payload of {len(view)} bytes does not decode to {tuple(shape)}")
-    return out
-
-
-def _decompress_int4(blob: bytes, frames: Sequence[int], out: np.ndarray) -> np.ndarray:
-    rows = out.reshape(-1, out.shape[-1])
-    view, pos, done = memoryview(blob), 0, 0
-    for size in frames:
-        n = len(int4_unframe(view[pos : pos + size], rows.shape[1], out=rows[done:]))
-        pos, done = pos + size, done + n
-    if pos != len(view) or done != len(rows):
-        raise ValueError(f"payload of {len(view)} bytes does not decode to {out.shape}")
-    return out
 
 
 def _npy_bytes(a: np.ndarray) -> bytes:
@@ -168,6 +113,7 @@ class WdsPartWriter(PartWriter):
         frames = compress_payload(payload, codec, split)  # outside the lock: the expensive part
         meta = dict(
             sample_index=sample_index,
+            position=n,
             codec=codec,
             length=len(ids),
             shape=list(payload.shape),
@@ -273,6 +219,24 @@ def iter_records(path: Path, required: frozenset[str]) -> Iterator[tuple[str, di
         raise ValueError(f"incomplete samples: {sorted(pending)[:5]}")
 
 
+def canonical_order(records: Sequence[dict]) -> list[int]:
+    """The stored positions (in the tar) of a part's samples n = 0, 1, ... (their JSON records,
+    in stored order): by `position`; in parts written before it was recorded, longest first,
+    ties by sample_index, the order extraction gave their writer.
+
+    >>> canonical_order([{"position": 2}, {"position": 0}, {"position": 1}])
+    [1, 2, 0]
+    >>> canonical_order([{"length": 3, "sample_index": 9}, {"length": 5, "sample_index": 4},
+    ...                  {"length": 3, "sample_index": 2}])
+    [1, 2, 0]
+    """
+    if all("position" in r for r in records):
+        return sorted(range(len(records)), key=lambda s: records[s]["position"])
+    return sorted(
+        range(len(records)), key=lambda s: (-records[s]["length"], records[s]["sample_index"])
+    )
+
+
 def _scan_json(tar: tarfile.TarFile, required: frozenset[str]) -> list[dict]:
     """The JSON record of every complete sample, in the order iter_records yields them."""
     seen: dict[str, set[str]] = {}
@@ -292,7 +256,8 @@ def _scan_json(tar: tarfile.TarFile, required: frozenset[str]) -> list[dict]:
 
 
 class WdsPartReader(PartReader):
-    """Streaming reader of a ``.tar`` part (no random access)."""
+    """Streaming reader of a ``.tar`` part (no random access). Its samples are numbered in
+    `canonical_order` (lengths, sample_indices and `iter_indexed`'s numbers), not the tar's."""
 
     def __init__(self, path: Path) -> None:
         try:
@@ -305,15 +270,18 @@ class WdsPartReader(PartReader):
             raise ValueError(
                 f"{path}: {len(records)} of {meta['num_samples']} samples (truncated?)"
             )
+        order = canonical_order(records)
         super().__init__(
             path,
             store=meta["store"],
             num_layers=int(meta["num_layers"]),
             hidden_size=int(meta["hidden_size"]),
-            lengths=np.asarray([r["length"] for r in records], dtype=np.int64),
-            sample_indices=np.asarray([r["sample_index"] for r in records], dtype=np.int64),
+            lengths=np.asarray([records[s]["length"] for s in order], dtype=np.int64),
+            sample_indices=np.asarray([records[s]["sample_index"] for s in order], dtype=np.int64),
             int4=meta.get("int4"),
         )
+        self._number = np.empty(len(order), dtype=np.int64)  # by stored position
+        self._number[order] = np.arange(len(order))
 
     def decode(self, rec: dict[str, bytes], layers: np.ndarray | None = None) -> Sample:
         """A Sample from one key's members; raises ValueError if the payload's crc32c differs."""
@@ -347,9 +315,15 @@ class WdsPartReader(PartReader):
         )
 
     def iter_samples(self, layers: Sequence[int] | None = None) -> Iterator[Sample]:
+        """The samples in the tar's order (a stream)."""
         pos = self.layer_positions(layers)
         for _, rec in iter_records(self.path, required_exts(self.store)):
             yield self.decode(rec, pos)
+
+    def iter_indexed(self, layers: Sequence[int] | None = None) -> Iterator[tuple[int, Sample]]:
+        """(n, sample n) in the tar's order; n numbers them as `lengths` does."""
+        for stored, sample in enumerate(self.iter_samples(layers)):
+            yield int(self._number[stored]), sample
 
 
 def verify_wds(path: Path) -> list[str]:

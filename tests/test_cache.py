@@ -161,13 +161,13 @@ def test_concurrent_writes_in_random_order(tmp_path, fmt):
     random.Random(0).shuffle(order)
     stats = write_part(tmp_path, 0, records, fmt=fmt, store="bf16", order=order, threads=4)
     reader = open_part(tmp_path / part_name(0, fmt))
-    by_index = {r.sample_index: r for r in records}
-    got = list(reader)
-    assert sorted(s.sample_index for s in got) == sorted(by_index)
-    assert [s.sample_index for s in got] == reader.sample_indices.tolist()
-    assert [len(s.input_ids) for s in got] == reader.lengths.tolist()
-    for sample in got:
-        assert_matches(sample, by_index[sample.sample_index], "bf16")
+    got = list(reader.iter_indexed())
+    assert sorted(n for n, _ in got) == list(range(len(records)))
+    # numbered as written (n), whatever order the threads finished in
+    assert reader.sample_indices.tolist() == [r.sample_index for r in records]
+    assert reader.lengths.tolist() == [len(r.input_ids) for r in records]
+    for n, sample in got:
+        assert_matches(sample, records[n], "bf16")
     assert verify_part(reader.path, stats.checksum) == []
     if fmt == "zarr":  # the layout, hence every file, does not depend on the write order
         sequential = write_part(tmp_path / "seq", 0, records, fmt=fmt, store="bf16")

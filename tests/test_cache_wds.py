@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import webdataset
 
-from shared import wds
+from shared import wds, wds_frames
 from shared.cache import open_part, verify_part
 from shared.checksum import part_checksum
 from tests.test_cache import K, assert_matches, make_records, write_part
@@ -67,13 +67,14 @@ def test_reader_does_not_depend_on_member_order(part, tmp_path):
     shuffled = tmp_path / "shuffled.tar"
     rewrite_tar(path, shuffled, lambda ms: random.Random(3).sample(ms, len(ms)))
     reader = open_part(shuffled)
-    by_index = {r.sample_index: r for r in records}
-    got = list(reader.iter_samples(layers=[2, 0]))
-    assert sorted(s.sample_index for s in got) == sorted(by_index)
-    assert [s.sample_index for s in got] == reader.sample_indices.tolist()
-    assert [len(s.input_ids) for s in got] == reader.lengths.tolist()
-    for s in got:
-        assert_matches(s, by_index[s.sample_index], store, [2, 0])
+    got = list(reader.iter_indexed(layers=[2, 0]))
+    assert [s.sample_index for _, s in got] != [r.sample_index for r in records]  # shuffled
+    assert sorted(n for n, _ in got) == list(range(len(records)))
+    # numbered as written (the writer's n, a zarr part's order), whatever the tar's order
+    assert reader.sample_indices.tolist() == [r.sample_index for r in records]
+    assert reader.lengths.tolist() == [len(r.input_ids) for r in records]
+    for n, s in got:
+        assert_matches(s, records[n], store, [2, 0])
     assert verify_part(shuffled) == []
 
 
@@ -122,7 +123,7 @@ def test_verify_and_reader_catch_a_flipped_payload_byte(part, tmp_path):
 
 
 def test_long_payloads_are_split_into_frames(tmp_path, monkeypatch):
-    monkeypatch.setattr(wds, "FRAME_BYTES", 1000)  # Blosc's ~2 GiB limit, scaled down
+    monkeypatch.setattr(wds_frames, "FRAME_BYTES", 1000)  # Blosc's ~2 GiB limit, scaled down
     records = make_records(lengths=[9, 40])
     write_part(tmp_path, 0, records, fmt="wds", store="bf16")
     path = tmp_path / "part-000000.tar"

@@ -1,7 +1,10 @@
 """The streaming loader on a tiny synthetic cache: packed rows, contents, layer order, resume,
 workers, damaged parts."""
 
+import io
 import shutil
+import tarfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,6 +197,21 @@ def test_a_damaged_part_stops_with_one_message_naming_it(tmp_path):
         list(checked(iter(_dataset(parts, spec, layers=(0,)))))
 
 
+def test_a_damaged_tar_stops_with_one_message_naming_it_and_its_cache(tmp_path):
+    cache = write_cache(tmp_path / "c", num_parts=2, samples_per_part=4, fmt="wds")
+    tar = cache / "part-000001.tar"
+    with tarfile.open(tar) as t:  # a payload's bytes flipped: its crc32c no longer matches
+        hidden = next(m for m in t.getmembers() if m.name.endswith(".hidden.blosc"))
+    data = bytearray(tar.read_bytes())
+    data[hidden.offset_data + hidden.size // 2] ^= 0xFF
+    tar.write_bytes(bytes(data))
+    parts = _catalog(cache)
+    with pytest.raises(CacheReadError) as e:
+        list(checked(iter(_dataset(parts, _spec(parts), layers=(0,)))))
+    assert f"cannot read {tar} (" in str(e.value)
+    assert f"python -m extract.verify {cache} --repair" in str(e.value)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("store", ["bf16", "fp8", "int4"])
 def test_formats_and_stores_give_the_same_batches(tmp_path, fmt, store):
@@ -222,6 +240,39 @@ def test_formats_and_stores_give_the_same_batches(tmp_path, fmt, store):
             want, have = a.hidden_BSKH.float(), b.hidden_BSKH.float()
             amax = want.abs().amax(-1, keepdim=True)
             assert ((have - want).abs() <= want.abs() * 0.07 + amax * 1e-5).all()
+
+
+def _reverse_samples(tar: Path) -> None:
+    """Rewrite a part's tar with its samples (each one's members together) in reverse order:
+    an order its writer threads may have finished them in."""
+    with tarfile.open(tar) as t:
+        members = [(m, t.extractfile(m).read()) for m in t.getmembers()]
+    samples: dict[str, list] = {}
+    for m, data in members[1:]:
+        samples.setdefault(m.name.split(".")[0], []).append((m, data))
+    with tarfile.open(tar, "w", format=tarfile.PAX_FORMAT) as t:
+        for m, data in [members[0], *[x for key in reversed(samples) for x in samples[key]]]:
+            t.addfile(m, io.BytesIO(data))
+
+
+def test_a_tars_sample_order_changes_no_batch(tmp_path):
+    """A webdataset part holds its samples in the order they were finished, which differs from
+    run to run: the batches are those of the same samples in a zarr cache whatever that order."""
+    base = write_cache(tmp_path / "zarr", num_parts=2, samples_per_part=5, seed=1)
+    tars = write_cache(tmp_path / "wds", num_parts=2, samples_per_part=5, seed=1, fmt="wds")
+    for tar in sorted(tars.glob("part-*.tar")):
+        before = open_part(tar).sample_indices.tolist()
+        _reverse_samples(tar)
+        stored = [s.sample_index for s in open_part(tar).iter_samples()]
+        assert stored == before[::-1] and open_part(tar).sample_indices.tolist() == before
+    got = []
+    for cache in (base, tars):
+        parts = _catalog(cache)
+        ds = _dataset(parts, _spec(parts), layers=(1, 2))
+        got.append([device_batch(i, torch.device("cpu")) for i in _real(list(ds))])
+    assert len(got[0]) == len(got[1]) > 1
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a.ids_BS, b.ids_BS) and torch.equal(a.hidden_BSKH, b.hidden_BSKH)
 
 
 def test_the_cli_reports_a_damaged_part_in_one_message_and_exits(tmp_path):

@@ -4,7 +4,8 @@ Per worker and epoch: plan the epoch's rows from metadata, take this worker's sl
 rank's rows and what it yields (`rank_schedule`), read each row's samples and collate them into
 one row of exactly `row_tokens` tokens with document ids and per-sample positions. zarr parts are
 read at random, sample by sample, in row order (one row in memory); webdataset tars are streamed
-in stored order, keeping only samples a pending row still needs. fp8 payloads stay e4m3 bits
+front to back, keeping only samples a pending row still needs (a tar's samples are numbered in
+zarr's order, not the tar's: `shared.wds.canonical_order`). fp8 payloads stay e4m3 bits
 and int4 payloads records (`shared.int4`) until `device_batch` decodes them on the device.
 Resuming skips planned rows without reading them. A part that fails to decode ends the run with
 one message naming it (`CacheReadError`).
@@ -17,7 +18,7 @@ import logging
 import multiprocessing as mp
 import os
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -277,7 +278,7 @@ class PlanDataset(IterableDataset):
         """The samples of `rows`, in row order."""
         refs = [r for row in rows for r in row]
         if any(self.paths[r.part].endswith(".tar") for r in refs):
-            yield from _streamed(self.paths, refs, self.layers)
+            yield from _streamed(self.paths, refs, self.layers, self._reading)
             return
         readers: OrderedDict[int, Any] = OrderedDict()
         for r in refs:
@@ -288,6 +289,9 @@ class PlanDataset(IterableDataset):
                     readers.popitem(last=False)
             readers.move_to_end(r.part)
             yield readers[r.part].read(r.index, self.layers)
+
+    def _reading(self, part: int) -> None:
+        self._current = part  # the part a failure names
 
     def _describe(self, error: Exception) -> str:
         part = getattr(self, "_current", None)
@@ -304,18 +308,23 @@ class PlanDataset(IterableDataset):
 
 
 def _streamed(
-    paths: Sequence[str], refs: Sequence[SampleRef], layers: Sequence[int]
+    paths: Sequence[str],
+    refs: Sequence[SampleRef],
+    layers: Sequence[int],
+    reading: Callable[[int], None] = lambda part: None,
 ) -> Iterator[Sample]:
     """Samples of `refs` in their order, from tars read front to back (parts in first-use
-    order); samples read before they are due wait in memory."""
+    order); samples read before they are due wait in memory. `reading(part)` as each tar's
+    reading starts."""
     needed: dict[int, set[int]] = {}
     for r in refs:
         needed.setdefault(r.part, set()).add(r.index)
 
     def stored_order() -> Iterator[tuple[tuple[int, int], Sample]]:
         for p in dict.fromkeys(r.part for r in refs):
+            reading(p)
             reader = open_part(Path(paths[p]))
-            for n, sample in enumerate(reader.iter_samples(layers)):
+            for n, sample in reader.iter_indexed(layers):
                 if n in needed[p]:
                     yield (p, n), sample
 
