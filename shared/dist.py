@@ -35,7 +35,7 @@ from shared.ranks import (  # noqa: F401 (re-exported: the launch's environment)
     under_torchrun,
     usable_cpus,
 )
-from shared.stopping import Stopped, StopRequest, StopRun, die_with_parent, stop_error
+from shared.stopping import Stopped, StopRequest, StopRun, die_with_parent, rank_died, stop_error
 
 STOP_EXIT = 3  # exit status of a spawned rank that raised StopRun (its message is queued)
 STOP_GRACE_S = 10.0
@@ -337,13 +337,13 @@ def launch(
     stop.install("passing it on to the ranks (again to stop them at once)")
     try:
         _join(ctx, errors, monitor, monitor_every, lambda: _forward(stop, ctx))
-    except mp.ProcessExitedException:
+    except mp.ProcessExitedException as e:
         if killed:  # the second signal's doing, not a failure
             raise Stopped(
                 f"stopped at once by a second {stop.signal_name}: the ranks were killed and "
                 "their work in progress is dropped (what they had committed is kept)"
             ) from None
-        raise
+        raise Stopped(rank_died(e.error_index, e.error_pid, e.exit_code, e.signal_name)) from None
     finally:
         stop.restore()
 

@@ -49,6 +49,26 @@ def resume_command(stage: str) -> str:
     return shlex.join(["python", "-m", stage, *sys.argv[1:]])
 
 
+def rank_died(rank: int, pid: int, code: int, signal_name: str | None) -> str:
+    """What to tell of a spawned rank that ended without a word (killed, crashed).
+
+    >>> rank_died(1, 4242, -9, "SIGKILL")[:60]
+    'rank 1 (pid 4242) was killed by SIGKILL (most often the kern'
+    >>> rank_died(0, 7, 3, None)[:60]
+    'rank 0 (pid 7) exited with code 3 without a message; the oth'
+    """
+    if signal_name:
+        how = f"was killed by {signal_name}"
+        if signal_name == "SIGKILL":
+            how += " (most often the kernel's out-of-memory killer: `dmesg` says)"
+    else:
+        how = f"exited with code {code} without a message"
+    return (
+        f"rank {rank} (pid {pid}) {how}; the other ranks were stopped. What was saved before "
+        "(committed parts, checkpoints) is kept, the work in progress is not"
+    )
+
+
 def stop_error(kind: str, message: str) -> StopRun:
     """The StopRun subclass named `kind` (a rank's error, passed back by name) with `message`."""
     todo, found = [StopRun], {}

@@ -117,6 +117,29 @@ def test_sigterm_stops_extract_between_parts(tmp_path, tiny_qwen3, data_file):
     assert read_manifest(out).complete
 
 
+def test_a_killed_rank_ends_extract_with_a_message_and_a_resume(tmp_path, tiny_qwen3, data_file):
+    """A rank killed (the kernel's out-of-memory killer, say): the launcher stops the others and
+    says which rank ended and how, with the command that resumes; no traceback."""
+    out = tmp_path / "c"
+    args = ["extract", "--out", str(out), "--target", str(tiny_qwen3), "--data", str(data_file)]
+    args += ["--gpus", "cpu:2", "--rows-per-part", "4", "--batch-tokens", "256", "--layers", "1"]
+    proc = start(*args)
+    read_until(proc, "committed part-")
+    ranks = [
+        pid for pid in descendants(proc.pid)
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]  # fmt: skip
+    assert len(ranks) == 2
+    os.kill(ranks[1], signal.SIGKILL)
+    code, err = finish(proc)
+    assert code == 1 and "was killed by SIGKILL (most often the kernel's out-of-memory" in err
+    assert "resume: python -m extract" in err and "Traceback" not in err, err
+    assert not read_manifest(out).complete
+    code, err = finish(start(*args))
+    assert code == 0, err
+    assert read_manifest(out).complete
+
+
 def train_args(cache: Path, out: Path, *extra: str) -> list[str]:
     args = ["train", "--data", str(cache), "--out", str(out), "--gpus", "cpu"]
     args += ["--drafter-layers", "1", "--block-size", "4", "--num-anchors", "8"]
