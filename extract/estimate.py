@@ -3,8 +3,10 @@
 The token count comes from tokenizing a sample of the rows spread over the data (16 rows at
 each of 16 places, at seek points of the row index in a large file, so it is not read
 through); the bytes from the tokens, the layers, the hidden size and the store, at the
-fractions of raw bf16 the caches measured so far took (`STORED_FRACTION`). The time comes
-later, from the rate the first batches run at (`shared.progress.SummedBar`).
+fractions of raw bf16 the caches measured so far took (`STORED_FRACTION`), with what a small
+hidden size makes count (fp8's scale and int4's record per vector, a tar's member headers per
+sample). The time comes later, from the rate the first batches run at
+(`shared.progress.SummedBar`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ if TYPE_CHECKING:
 # stores its id and mask.
 STORED_FRACTION = {"bf16": 0.72, "fp8": 0.45, "int4": 0.27}
 ID_AND_MASK_BYTES = 5
+FP8_SCALE_BYTES = 4  # a float32 per vector, stored as is
+# An int4 vector is its record's codes, scales and exact values (`Int4Scheme.int4_bytes`), which
+# hardly compress, plus its zeros: 1.05 x those bytes, 0.27 of raw at hidden 4096.
+INT4_RECORD_FACTOR = 1.05
+# A webdataset sample's 5 or 6 tar members: a 512-byte header each and padding to 512 bytes.
+TAR_BYTES_PER_SAMPLE = 6 * 1024
 SAMPLE_ROWS = 256
 SAMPLE_SPOTS = 16
 
@@ -44,6 +52,7 @@ class CacheEstimate:
     layers: int
     hidden: int
     store: str
+    bytes_per_row: float = 0.0  # a sample's own bytes whatever its length (a tar's headers)
 
     @property
     def tokens(self) -> int:
@@ -51,17 +60,22 @@ class CacheEstimate:
 
     @property
     def nbytes(self) -> int:
-        return round(self.tokens * self.bytes_per_token)
+        return round(self.tokens * self.bytes_per_token + self.rows * self.bytes_per_row)
+
+    @property
+    def of_raw(self) -> float:
+        """The estimate as a fraction of the same states in raw bf16."""
+        return self.nbytes / max(self.tokens * self.layers * self.hidden * 2, 1)
 
     def describe(self) -> str:
         """
         >>> CacheEstimate(480, 256, 87.6, 465.8, 5, 64, "bf16").describe()
-        'about 42,048 tokens (480 rows x 87.6 tokens a row, from 256 rows tokenized) x 5 layers x hidden 64, bf16 at about 0.72 of raw: about 19.6 MB'
+        'about 42,048 tokens (480 rows x 87.6 tokens a row, from 256 rows tokenized) x 5 layers x hidden 64, bf16 at about 0.73 of raw: about 19.6 MB'
         """  # noqa: E501
         return (
             f"about {self.tokens:,} tokens ({self.rows:,} rows x {self.tokens_per_row:,.1f} "
             f"tokens a row, from {self.sampled:,} rows tokenized) x {self.layers} layers x hidden "
-            f"{self.hidden}, {self.store} at about {STORED_FRACTION[self.store]:.2f} of raw: "
+            f"{self.hidden}, {self.store} at about {self.of_raw:.2f} of raw: "
             f"about {size_text(self.nbytes)}"
         )
 
@@ -69,10 +83,18 @@ class CacheEstimate:
 def bytes_per_token(layers: int, hidden: int, store: str) -> float:
     """Expected bytes on disk per token.
 
-    >>> round(bytes_per_token(5, 4096, "bf16"))
-    29496
+    >>> [round(bytes_per_token(5, 4096, s)) for s in ("bf16", "fp8", "int4")]
+    [29496, 18457, 11135]
+    >>> [round(bytes_per_token(5, 64, s) / (5 * 64 * 2), 2) for s in ("bf16", "fp8", "int4")]
+    [0.73, 0.49, 0.34]
     """
-    return layers * hidden * 2 * STORED_FRACTION[store] + ID_AND_MASK_BYTES
+    if store == "int4":
+        from shared.int4 import Int4Scheme
+
+        vector = Int4Scheme(hidden=hidden).int4_bytes * INT4_RECORD_FACTOR
+    else:
+        vector = hidden * 2 * STORED_FRACTION[store] + (FP8_SCALE_BYTES if store == "fp8" else 0)
+    return layers * vector + ID_AND_MASK_BYTES
 
 
 def sample_rows(index: RowIndex, total: int) -> list[range]:
@@ -105,6 +127,7 @@ def estimate_cache(
     layers: int,
     hidden: int,
     store: str,
+    fmt: str = "zarr",
 ) -> CacheEstimate:
     """The cache's expected size, from the lengths of a spread sample of the rows."""
     lengths = []
@@ -119,6 +142,7 @@ def estimate_cache(
         layers=layers,
         hidden=hidden,
         store=store,
+        bytes_per_row=TAR_BYTES_PER_SAMPLE if fmt == "wds" else 0.0,
     )
 
 

@@ -149,6 +149,7 @@ def plan_manifest(cfg: ExtractConfig) -> tuple[Manifest, RowIndex, CacheEstimate
         layers=len(layer_ids),
         hidden=int(text_config(config)["hidden_size"]),
         store=cfg.store,
+        fmt=cfg.format,
     )
     prints = template_fingerprint(tokenizer)
     resolved = dataclasses.replace(

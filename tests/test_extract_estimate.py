@@ -36,7 +36,10 @@ def data(tmp_path_factory) -> Path:
     return path
 
 
-def test_the_estimate_is_near_what_the_cache_takes(tmp_path, tiny_qwen3, data):
+@pytest.mark.parametrize("fmt,store", [("zarr", "bf16"), ("wds", "fp8"), ("zarr", "int4")])
+def test_the_estimate_is_near_what_the_cache_takes(tmp_path, tiny_qwen3, data, fmt, store):
+    """At the tiny target's hidden size 64 too, where fp8's scales, int4's records and a tar's
+    headers weigh most."""
     from transformers import AutoTokenizer
 
     files = [data]
@@ -48,11 +51,13 @@ def test_the_estimate_is_near_what_the_cache_takes(tmp_path, tiny_qwen3, data):
         max_length=3072,
         layers=2,
         hidden=64,
-        store="bf16",
+        store=store,
+        fmt=fmt,
     )
     assert est.sampled == 256
     out = tmp_path / "c"
     args = ["--out", str(out), "--target", str(tiny_qwen3), "--data", str(data), "--gpus", "cpu"]
+    args += ["--format", fmt, "--store", store]
     r = cli(*args, "--layers", "0,2", "--rows-per-part", "200", "--writer-threads", "1")
     assert r.exit_code == 0, r.output
     t = read_manifest(out).totals()
