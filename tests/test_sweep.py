@@ -125,6 +125,23 @@ def test_an_interrupted_run_resumes(cache, swept, tmp_path):
     assert ours == theirs
 
 
+def test_a_failed_run_is_named_with_its_error(cache, tmp_path):
+    """A variant whose runs fail (a learning rate that makes the loss not finite): the sweep
+    ends naming each failed run and the error its log ends with, and says a rerun retries it
+    once the cause is fixed; the other variant's runs finish and are kept."""
+    out = tmp_path / "s"
+    args = ["--data", str(cache), "--out", str(out), "--vary", "lr=3e-3,1e30", "--seeds", "1"]
+    at = TRAIN.index("--lr")
+    result = CliRunner().invoke(main, [*args, "--gpus", "cpu", *TRAIN[:at], *TRAIN[at + 2 :]])
+    assert result.exit_code == 1
+    assert "runs failed; not finished: lr=1e30 seed 0" in result.output, result.output
+    assert "  lr=1e30 seed 0: training stopped: the loss or the gradient norm is not finite" in (
+        result.output
+    )
+    assert "once their cause is fixed, the same command runs what is not finished" in result.output
+    assert (out / "runs" / "lr=3e-3" / "seed-0" / "export").is_dir()
+
+
 def test_the_grid_is_checked_before_any_run(cache, tmp_path):
     def plan(vary, train=()):
         return plan_jobs(

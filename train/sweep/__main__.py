@@ -58,7 +58,7 @@ def main(
     from shared.fsio import atomic_write_json
     from shared.lock import LockHeld, output_lock
     from shared.logs import setup_logging
-    from train.sweep.jobs import run_jobs
+    from train.sweep.jobs import log_path, run_error, run_jobs
     from train.sweep.report import REPORT_MD, write_report
 
     setup_logging(0)
@@ -90,10 +90,18 @@ def main(
             if unfinished:
                 lines = [f"{j.variant.name} seed {j.seed}" for j, _ in unfinished]
                 why = f"stopped by {outcome.stopped_by}" if outcome.stopped_by else "runs failed"
-                raise click.ClickException(
-                    f"{why}; not finished: {', '.join(lines)} (logs in {out / 'logs'})\n"
-                    f"resume: {command}"
+                errors = []
+                for j, _ in outcome.failed:
+                    said = run_error(log_path(out, j)) or "see its log"
+                    errors.append(f"  {j.variant.name} seed {j.seed}: {said}")
+                again = (
+                    "once their cause is fixed, the same command runs what is not finished (the "
+                    f"finished runs are kept): {command}"
+                    if outcome.failed
+                    else f"resume: {command}"
                 )
+                head = f"{why}; not finished: {', '.join(lines)} (logs in {out / 'logs'})"
+                raise click.ClickException("\n".join([head, *errors, again]))
             write_report(out, jobs, command)
     except LockHeld as e:
         raise click.ClickException(str(e)) from None

@@ -44,6 +44,26 @@ def log_path(out: Path, job: Job) -> Path:
     return Path(out) / LOGS_DIR / f"{job.variant.name}.seed-{job.seed}.log"
 
 
+def run_error(path: Path, *, most: int = 3) -> str | None:
+    r"""The error a run's log ends with (train's `Error: ...`, its first `most` lines), if any.
+
+    >>> import tempfile
+    >>> p = Path(tempfile.mkdtemp()) / "r.log"
+    >>> _ = p.write_text("step 1\nError: training stopped: the loss is not finite\nfrom step 3\n")
+    >>> run_error(p)
+    'training stopped: the loss is not finite from step 3'
+    """
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    starts = [i for i, line in enumerate(lines) if line.startswith("Error: ")]
+    if not starts:
+        return None
+    said = lines[starts[-1] : starts[-1] + most]
+    return " ".join([said[0].removeprefix("Error: "), *said[1:]]).strip()
+
+
 @dataclass
 class Outcome:
     """What a call of `run_jobs` did."""
