@@ -91,13 +91,13 @@ def main(
                 lines = [f"{j.variant.name} seed {j.seed}" for j, _ in unfinished]
                 why = f"stopped by {outcome.stopped_by}" if outcome.stopped_by else "runs failed"
                 errors = []
-                for j, _ in outcome.failed:
+                for j, _ in [] if outcome.stopped_by else outcome.failed:
                     said = run_error(log_path(out, j)) or "see its log"
                     errors.append(f"  {j.variant.name} seed {j.seed}: {said}")
                 again = (
                     "once their cause is fixed, the same command runs what is not finished (the "
                     f"finished runs are kept): {command}"
-                    if outcome.failed
+                    if errors
                     else f"resume: {command}"
                 )
                 head = f"{why}; not finished: {', '.join(lines)} (logs in {out / 'logs'})"
