@@ -78,6 +78,16 @@ def growing(tmp_path):
     return cache, full
 
 
+def run_beside(writer, cfg: TrainConfig) -> None:
+    """Train `cfg` while `writer` (what an extraction would do to the cache) runs in a thread."""
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        run(cfg)
+    finally:
+        thread.join()
+
+
 def exported(run_dir):
     return load_file(str(run_dir / "export" / "model.safetensors"))
 
@@ -93,12 +103,7 @@ def test_a_run_trains_on_parts_committed_after_it_started(growing, lines, tmp_pa
             seen = lines.wait_for("waiting at step", seen) + 1
             write_manifest(cache, dataclasses.replace(full, parts=full.parts[:n]))
 
-    thread = threading.Thread(target=commit_the_rest)
-    thread.start()
-    try:
-        run(tiny(cache, tmp_path / "followed", steps=14))
-    finally:
-        thread.join()
+    run_beside(commit_the_rest, tiny(cache, tmp_path / "followed", steps=14))
     text = "\n".join(lines.lines)
     assert "following the extraction of" in text and "2 of 6 parts committed" in text
     assert "no extraction is running on it" in text  # nothing holds the cache's lock
@@ -134,12 +139,7 @@ def test_an_extraction_that_ends_before_the_first_step_is_not_said_to_run(lines,
         lines.wait_for("waiting before the first step", 0)
         write_manifest(cache, dataclasses.replace(full, parts=full.parts, complete=True))
 
-    thread = threading.Thread(target=finish)
-    thread.start()
-    try:
-        run(tiny(cache, tmp_path / "r", steps=2))
-    finally:
-        thread.join()
+    run_beside(finish, tiny(cache, tmp_path / "r", steps=2))
     text = "\n".join(lines.lines)
     assert "it finished while this run waited for its first step's parts" in text, text
     assert "resuming" not in text and "before the extraction does" not in text
