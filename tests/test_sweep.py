@@ -128,7 +128,7 @@ def test_an_interrupted_run_resumes(cache, swept, tmp_path):
 def test_a_failed_run_is_named_with_its_error(cache, tmp_path):
     """A variant whose runs fail (a learning rate that makes the loss not finite): the sweep
     ends naming each failed run and the error its log ends with, and says a rerun retries it
-    once the cause is fixed; the other variant's runs finish and are kept."""
+    once the cause is fixed; the other variant's runs finish, are kept and reported."""
     out = tmp_path / "s"
     args = ["--data", str(cache), "--out", str(out), "--vary", "lr=3e-3,1e30", "--seeds", "1"]
     at = TRAIN.index("--lr")
@@ -140,6 +140,15 @@ def test_a_failed_run_is_named_with_its_error(cache, tmp_path):
     )
     assert "once their cause is fixed, the same command runs what is not finished" in result.output
     assert (out / "runs" / "lr=3e-3" / "seed-0" / "export").is_dir()
+    report = json.loads((out / "report.json").read_text())
+    assert [v["variant"] for v in report["variants"]] == ["lr=3e-3"]
+    ok = read_run(out / "runs" / "lr=3e-3" / "seed-0")
+    assert report["variants"][0]["tau"]["values"] == [ok.last["tau"]]
+    assert [(r["variant"], r["seed"]) for r in report["not_finished"]] == [("lr=1e30", 0)]
+    assert "not finite" in report["not_finished"][0]["error"]
+    text = (out / "report.md").read_text()
+    assert "| lr=3e-3 | 1 | 6 |" in text and "- lr=1e30 seed 0: training stopped" in text
+    assert "| lr=3e-3 | 1 | 6 |" in result.output  # the report's head is printed too
 
 
 def test_the_grid_is_checked_before_any_run(cache, tmp_path):

@@ -58,7 +58,7 @@ def main(
     from shared.fsio import atomic_write_json
     from shared.lock import LockHeld, output_lock
     from shared.logs import setup_logging
-    from train.sweep.jobs import log_path, run_error, run_jobs
+    from train.sweep.jobs import finished, log_path, run_error, run_jobs
     from train.sweep.report import REPORT_MD, write_report
 
     setup_logging(0)
@@ -86,26 +86,34 @@ def main(
             record["data"] = str(data.resolve())
             atomic_write_json(out / SWEEP_FILE, record)
             outcome = run_jobs(jobs, out=out, devices=devices)
-            unfinished = [*outcome.failed, *((j, None) for j in outcome.not_started)]
-            if unfinished:
-                lines = [f"{j.variant.name} seed {j.seed}" for j, _ in unfinished]
-                why = f"stopped by {outcome.stopped_by}" if outcome.stopped_by else "runs failed"
-                errors = []
-                for j, _ in [] if outcome.stopped_by else outcome.failed:
-                    said = run_error(log_path(out, j)) or "see its log"
-                    errors.append(f"  {j.variant.name} seed {j.seed}: {said}")
-                again = (
-                    "once their cause is fixed, the same command runs what is not finished (the "
-                    f"finished runs are kept): {command}"
-                    if errors
-                    else f"resume: {command}"
+            if outcome.stopped_by:
+                unfinished = [*(j for j, _ in outcome.failed), *outcome.not_started]
+                lines = ", ".join(f"{j.variant.name} seed {j.seed}" for j in unfinished)
+                raise click.ClickException(
+                    f"stopped by {outcome.stopped_by}; not finished: {lines} (logs in "
+                    f"{out / 'logs'})\nresume: {command}"
                 )
-                head = f"{why}; not finished: {', '.join(lines)} (logs in {out / 'logs'})"
-                raise click.ClickException("\n".join([head, *errors, again]))
-            write_report(out, jobs, command)
+            failed = [(j, run_error(log_path(out, j)) or "see its log") for j, _ in outcome.failed]
+            done = [j for j in jobs if finished(j)]
+            if done:
+                write_report(out, done, command, not_finished=failed)
     except LockHeld as e:
         raise click.ClickException(str(e)) from None
-    click.echo((out / REPORT_MD).read_text().split("\n## Every run")[0])
+    if done:
+        click.echo((out / REPORT_MD).read_text().split("\n## Every run")[0])
+    if failed:
+        lines = ", ".join(f"{j.variant.name} seed {j.seed}" for j, _ in failed)
+        raise click.ClickException(
+            "\n".join(
+                [
+                    f"runs failed; not finished: {lines} (logs in {out / 'logs'})",
+                    *(f"  {j.variant.name} seed {j.seed}: {why}" for j, why in failed),
+                    ("the report covers the finished runs; " if done else "")
+                    + "once their cause is fixed, the same command runs what is not finished "
+                    f"(the finished runs are kept): {command}",
+                ]
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -111,8 +111,14 @@ def _pm(figure: dict[str, Any] | None, digits: int = 3) -> str:
     return fmt(figure["mean"], digits) + ("" if se is None else f" ± {fmt(se, digits)}")
 
 
-def markdown(records: list[dict[str, Any]], runs: list[RunSummary], command: str) -> str:
-    """The report: the command, the variants' table, the resolved differences, every run."""
+def markdown(
+    records: list[dict[str, Any]],
+    runs: list[RunSummary],
+    command: str,
+    not_finished: Sequence[dict[str, Any]] = (),
+) -> str:
+    """The report: the command, the variants' table, the resolved differences, the runs that
+    did not finish (if any), every run."""
     offsets = max((len(r["acc"]) for r in records), default=0)
     selected = any("selected_tau" in r for r in records)
     header = ["variant", "seeds", "step", "tau", *(["selected tau"] * selected), "loss"]
@@ -146,18 +152,29 @@ def markdown(records: list[dict[str, Any]], runs: list[RunSummary], command: str
         for d in diffs:
             verdict = "resolved" if d["resolved"] else "not resolved"
             lines.append(f"- {d['a']}: {d['difference']:+.3f} ± {fmt(d['se'], 3)} ({verdict})")
+    if not_finished:
+        lines += ["", "Not finished (the figures above leave them out):", ""]
+        lines += [f"- {r['variant']} seed {r['seed']}: {r['error']}" for r in not_finished]
     every = markdown_report(runs).replace("# Drafter runs", "## Every run", 1)
     return "\n".join(lines) + "\n\n" + every
 
 
-def write_report(out: Path, jobs: Sequence[Job], command: str) -> dict[str, Any]:
+def write_report(
+    out: Path,
+    jobs: Sequence[Job],
+    command: str,
+    not_finished: Sequence[tuple[Job, str]] = (),
+) -> dict[str, Any]:
     """report.md, report.json, tau.png and curves.png in the sweep folder (plots need
-    matplotlib); returns report.json's content."""
+    matplotlib) over the finished `jobs`; `not_finished` (job, why) are listed apart, so a
+    variant that failed leaves the others' figures readable. Returns report.json's content."""
     out = Path(out)
     records, runs = summarise(jobs)
+    left = [{"variant": j.variant.name, "seed": j.seed, "error": why} for j, why in not_finished]
     report = {"command": command, "variants": records, "differences": differences(records)}
+    report["not_finished"] = left
     atomic_write_json(out / REPORT_JSON, report)
-    atomic_write_text(out / REPORT_MD, markdown(records, runs, command))
+    atomic_write_text(out / REPORT_MD, markdown(records, runs, command, left))
     if plot_runs(runs, out / CURVES_PLOT):
         atomic_write_bytes(out / TAU_PLOT, _tau_png(records))
     return json.loads(json.dumps(report))
