@@ -193,3 +193,23 @@ def test_regenerate_progress_counts_failed_rows_apart(tmp_path, caplog, monkeypa
     drawn = term.getvalue().replace("\r", "\n").splitlines()[-1]
     assert "12/15" in drawn and "10 done, 2 failed this run, 3 waiting" in drawn
     assert len(caplog.records) == 2  # a terminal gets the bar, not log lines
+
+
+def test_train_summary_counts_the_steps_a_stopped_run_reached(tmp_path):
+    """A run stopped between log steps (a signal, --stop-after-steps) saves a checkpoint where
+    it stops: the summary's steps are that checkpoint's, not the last log step's."""
+    from click.testing import CliRunner
+
+    from tests.cachegen import write_cache
+    from tests.test_sweep import TRAIN
+    from train.__main__ import main
+
+    cache = write_cache(tmp_path / "cache", num_parts=3, samples_per_part=6)
+    at = TRAIN.index("--checkpoint-every")
+    options = [*TRAIN[:at], "--checkpoint-every", "3", "--stop-after-steps", "3"]
+    args = ["--data", str(cache), "--out", str(tmp_path / "run"), "--gpus", "cpu", *options]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    steps = next(line for line in result.output.splitlines() if line.startswith("steps"))
+    assert steps.split(None, 1)[1] == "3 (the newest checkpoint; last logged at 2)"
+    assert "none (stopped before the end)" in result.output

@@ -33,6 +33,18 @@ def _fig(value: float | None, spec: str) -> str:
     return "n/a" if value is None or math.isnan(value) else format(value, spec)
 
 
+def _steps(out: Path, train: dict[str, Any] | None) -> str:
+    """The step the run reached: its last log step, or its newest checkpoint where that is later
+    (a run stopped between log steps saves one where it stops)."""
+    from train.checkpoint import list_checkpoints
+
+    logged = train["step"] if train else 0
+    saved = list_checkpoints(out)
+    if saved and saved[-1][0] > logged:
+        return f"{saved[-1][0]:,} (the newest checkpoint; last logged at {logged:,})"
+    return f"{logged:,}" if train else "none"
+
+
 def format_summary(out: Path, *, export: Path, seconds: float, target: str | None = None) -> str:
     """Steps, time, the last train and eval loss and tau, where the outputs are, and what to
     run next with the export (`target`: the target model the cache was extracted from)."""
@@ -41,7 +53,7 @@ def format_summary(out: Path, *, export: Path, seconds: float, target: str | Non
     train, evals = _last(records, "train"), _last(records, "eval")
     rows = [
         ("run", str(out)),
-        ("steps", f"{train['step']:,}" if train else "none"),
+        ("steps", _steps(out, train)),
         ("time", f"{seconds:,.1f} s this run"),
         (
             "train (last log)",
