@@ -245,7 +245,7 @@ class TrainConfig:
         moot_with="eval_parts",
     )
     eval_parts: int | None = option(
-        None, help="hold out this many whole parts instead (overrides the fraction)"
+        None, help="hold out this many whole parts instead (not with --eval-fraction)"
     )
     eval_every: int = option(1000, help="evaluate every this many steps (0: only at the end)")
     eval_batches: int = option(0, help="micro-batches per rank per evaluation (0: all)")
@@ -255,7 +255,9 @@ class TrainConfig:
     keep_checkpoints: int = option(3, help="keep this many newest checkpoints")
     resume: str = option("auto", help="auto (newest complete checkpoint), none, or a step-N path")
     stop_after_steps: int | None = option(
-        None, help="stop after this many steps as if killed (no export); for resume tests"
+        None,
+        help="stop after this many steps as if killed there (the checkpoints due by then, no "
+        "export; exits 0): for resume tests",
     )
     verbose: bool = option(False, help="debug logging on every rank")
 
