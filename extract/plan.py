@@ -24,7 +24,7 @@ from extract.target import (
 from shared.cli import to_json
 from shared.codec import codec_description, payload_width
 from shared.fsio import unwritable_reason
-from shared.manifest import FORMAT_VERSION, LAST_LAYER_WARNING, Manifest, SourceFile
+from shared.manifest import FORMAT_VERSION, LAST_LAYER_NOTE, Manifest, SourceFile
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def _layer_ids(cfg: ExtractConfig, num_target_layers: int) -> tuple[int, ...]:
             ",".join(map(str, sorted(ids))),
         )
     if num_target_layers - 1 in ids:
-        log.warning(LAST_LAYER_WARNING, num_target_layers - 1)
+        log.info(LAST_LAYER_NOTE, num_target_layers - 1)
     return tuple(sorted(ids))
 
 

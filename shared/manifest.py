@@ -31,6 +31,13 @@ LAST_LAYER_WARNING = (
     "(they capture the input of layer i + 1, which does not exist for it); only z-lab's `dflash` "
     "package and `python -m train.proof.speculate` feed it"
 )
+# Said by extract, which cannot know how the cache will use the last layer.
+LAST_LAYER_NOTE = (
+    "target layer %d is the target's last: the kl/tv/mix losses and DSpark read the target's "
+    "distribution from it; as a drafter's input (a tap) SGLang and vLLM cannot serve it (they "
+    "capture the input of layer i + 1, which does not exist for it); only z-lab's `dflash` "
+    "package and `python -m train.proof.speculate` feed it"
+)
 MAX_LISTED_REJECTS = 200  # per part; counts stay exact, the list of rows is capped
 MAX_DETAIL = 200  # characters of a rejected row's detail kept in the manifest
 
