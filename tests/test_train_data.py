@@ -3,6 +3,8 @@ workers, damaged parts."""
 
 import io
 import shutil
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -195,6 +197,37 @@ def test_a_damaged_part_stops_with_one_message_naming_it(tmp_path):
     shutil.rmtree(cache / "part-000000")
     with pytest.raises(CacheReadError, match="part-000000"):
         list(checked(iter(_dataset(parts, spec, layers=(0,)))))
+
+
+# A worker raising what the loader does not expect (here a read position past the plan): the
+# error reaches the caller, whose traceback keeps the loader's iterator and its workers alive.
+WORKER_ERROR = """
+import sys
+from pathlib import Path
+from tests.cachegen import write_cache
+from tests.test_train_data import _catalog, _dataset, _spec
+from train.data.loader import checked, make_loader
+
+parts = _catalog(write_cache(Path(sys.argv[1]), num_parts=2, samples_per_part=4))
+ds = _dataset(parts, _spec(parts), layers=(0,), workers=1, consumed=10**6)
+try:
+    list(checked(iter(make_loader(ds, workers=1, prefetch=1, pin_memory=False))))
+except ValueError as e:
+    print("raised:", str(e).splitlines()[0], flush=True)
+    kept = e
+"""
+
+
+def test_a_worker_error_stops_the_workers_so_the_process_can_end(tmp_path):
+    """Workers ignore SIGTERM (their rank stops them), so a process ending with an error a
+    worker raised waited for them forever unless the loader stops them as the error passes."""
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER_ERROR, str(tmp_path / "c")],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "raised: Caught ValueError in DataLoader worker process 0" in proc.stdout
 
 
 def test_a_damaged_tar_stops_with_one_message_naming_it_and_its_cache(tmp_path):

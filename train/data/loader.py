@@ -167,12 +167,16 @@ def device_batch(item: dict[str, Any], device: torch.device) -> Batch:
 
 
 def checked(items: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """The loader's items, raising `CacheReadError` where a worker met an unreadable part."""
-    for item in items:
-        if "error" in item:
-            _stop_workers(items)
-            raise CacheReadError(item["error"])
-        yield item
+    """The loader's items, raising `CacheReadError` where a worker met an unreadable part.
+    Whatever ends it with an error (that one, or any a worker raised) stops the workers first."""
+    try:
+        for item in items:
+            if "error" in item:
+                raise CacheReadError(item["error"])
+            yield item
+    except (Exception, KeyboardInterrupt):
+        _stop_workers(items)
+        raise
 
 
 def _stop_workers(items: Iterator[dict[str, Any]]) -> None:
