@@ -71,8 +71,6 @@ def existing_state(cfg: ExtractConfig, planned: Manifest) -> Manifest | None:
             old, problems = None, e.problems
         else:
             problems = identity_mismatches(old, planned)
-            if old.total_rows != planned.total_rows:
-                problems.append(f"rows: cache has {old.total_rows}, requested {planned.total_rows}")
         if not problems:
             return old
     else:

@@ -229,6 +229,7 @@ class Manifest:
             "max_length": self.max_length,
             "rows_per_part": self.rows_per_part,
             "sources": [s.sha256 for s in self.sources],
+            "total_rows": self.total_rows,  # --max-rows: the same files, fewer rows
         }
 
     def extract_command(self, cache: Path | str) -> str:
@@ -287,6 +288,16 @@ class Manifest:
                 "parts": parts,
             }
         )
+
+
+def identity_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The keys in which two recorded identities differ; a key one of them lacks (a record
+    written before the identity held it) is not counted.
+
+    >>> identity_changes({"store": "bf16", "layer_ids": [1]}, {"store": "fp8", "total_rows": 9})
+    ['store']
+    """
+    return sorted(k for k in set(old) & set(new) if old[k] != new[k])
 
 
 def rejected_row(obj: dict[str, Any]) -> RejectedRow:

@@ -10,7 +10,7 @@ from typing import Any
 
 from shared.cli import to_json
 from shared.fsio import atomic_write_json
-from shared.manifest import Manifest
+from shared.manifest import Manifest, identity_changes
 from train.checkpoint import list_checkpoints, read_meta, resolve_resume
 from train.config import TrainConfig
 from train.options import HARMLESS_CHANGES
@@ -102,8 +102,8 @@ def _record_changes(old: dict[str, Any], record: dict[str, Any]) -> list[str]:
     changes = []
     if old.get("drafter") != record["drafter"]:
         changes.append("the drafter derived from the cache differs")
-    if old.get("cache") != record["cache"]:
-        changes.append("the cache differs (manifest identity)")
+    if keys := identity_changes(old.get("cache") or {}, record["cache"]):
+        changes.append(f"the cache differs (manifest identity: {', '.join(keys)})")
     return changes
 
 

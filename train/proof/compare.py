@@ -29,6 +29,7 @@ import click
 
 from shared.fsio import atomic_write_bytes, atomic_write_text
 from shared.logs import setup_logging
+from shared.manifest import identity_changes
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ def mismatch_warnings(runs: list[RunSummary]) -> list[str]:
     first, warnings = runs[0], []
     for run in runs[1:]:
         ident_a, ident_b = first.config.get("cache", {}), run.config.get("cache", {})
-        keys = sorted(k for k in set(ident_a) | set(ident_b) if ident_a.get(k) != ident_b.get(k))
+        keys = identity_changes(ident_a, ident_b)
         if keys:
             warnings.append(
                 f"{run.name} was trained on another cache than {first.name} "
