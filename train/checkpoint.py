@@ -3,7 +3,10 @@
 A folder holds `state.pt` (model, optimizer, scheduler, loader position, every rank's RNG
 states, step, config) and `drafter.json` (the DrafterConfig), then `meta.json`, written last.
 It is built as `.step-N.tmp` and renamed, so a `step-N` folder is complete by construction; the
-`meta.json` check also rejects a folder copied by hand only in part.
+`meta.json` check also rejects a folder copied by hand only in part. `meta.json` records the
+size and crc32c of `state.pt` (computed as it is written, the file synced before the rename), so
+a state file cut short or overwritten later is found before torch reads it (torch's zip reader
+checks no CRC): a resume then takes the checkpoint before it.
 
 The anchor generator has no state to save: every micro-batch reseeds it from its place in the
 plan (seed, epoch, stream, round), so a resumed run draws the same anchors by construction.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pickle
 import re
 import shutil
@@ -21,6 +25,7 @@ from typing import Any
 
 import torch
 
+from shared.checksum import CHECKSUM_PREFIX, HashedFile, crc32c_file
 from shared.fsio import atomic_write_json, fsync_dir, replace_dir
 from shared.space import DiskFull, free_bytes, is_disk_full, size_text
 from shared.stopping import StopRun
@@ -58,17 +63,102 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+class DamagedCheckpoint(ValueError):
+    """A checkpoint's files are not what was saved; the message names the file."""
+
+
 def resolve_resume(run_dir: Path, resume: str) -> Path | None:
-    """The checkpoint to resume from: `auto` (newest complete, or none), `none`, or a path."""
+    """The checkpoint to resume from: `auto` (the newest sound one, or none: a damaged one is
+    named in a warning and passed over), `none`, or a path (ValueError if it is damaged)."""
     if resume == "none":
         return None
     if resume == "auto":
         found = list_checkpoints(run_dir)
-        return found[-1][1] if found else None
+        for step, path in reversed(found):
+            if (problem := checkpoint_problem(path)) is None:
+                _warn_incomplete(run_dir, step)
+                return path
+            _warn_once(f"{problem}: trying the checkpoint before it")
+        _warn_incomplete(run_dir, -1)
+        if found:
+            raise _all_damaged(run_dir)
+        return None
     path = Path(resume)
     if not is_complete(path):
         raise ValueError(f"resume: {path} is not a complete checkpoint folder")
+    if problem := checkpoint_problem(path):
+        raise ValueError(
+            f"--resume {path}: {problem}; resume from another checkpoint (--resume auto takes "
+            "the newest sound one)"
+        )
     return path
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why a complete checkpoint folder is not what was saved (meta.json unreadable, state.pt of
+    another size or crc32c than it records), or None. A folder saved before checkpoints recorded
+    them is checked by torch.load alone. Files are read once per process while unchanged."""
+    path = Path(path)
+    try:
+        stamps = tuple((st.st_size, st.st_mtime_ns) for st in map(os.stat, _files(path)))
+    except OSError as e:
+        return f"{path}: {e.strerror or e}"
+    key = (str(path.resolve()), stamps)
+    if key not in _VERIFIED:
+        _VERIFIED[key] = _problem(path)
+    return _VERIFIED[key]
+
+
+_VERIFIED: dict[tuple, str | None] = {}
+_WARNED: set[str] = set()
+
+
+def _files(path: Path) -> list[Path]:
+    return [path / META_FILE, path / STATE_FILE]
+
+
+def _problem(path: Path) -> str | None:
+    try:
+        meta = read_meta(path)
+    except (OSError, ValueError) as e:
+        return f"{path / META_FILE} cannot be read ({e})"
+    saved = meta.get("state") if isinstance(meta, dict) else None
+    if not isinstance(saved, dict):
+        return None if isinstance(meta, dict) else f"{path / META_FILE} is not a checkpoint's"
+    file = path / STATE_FILE
+    size = file.stat().st_size
+    if size != saved.get("bytes"):
+        return f"{file} is damaged: {size:,} bytes where {saved.get('bytes'):,} were saved"
+    if (crc := crc32c_file(file)) != saved.get("crc32c"):
+        return (
+            f"{file} is damaged: its bytes changed after it was saved (crc32c {crc}, saved "
+            f"{saved.get('crc32c')})"
+        )
+    return None
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning("%s", message)
+
+
+def _warn_incomplete(run_dir: Path, newest: int) -> None:
+    """Name the step folders newer than the checkpoint a resume takes (step `newest`) that lack
+    a file (a folder emptied or copied in part by hand): the resume passes over them."""
+    folder = checkpoints_dir(run_dir)
+    for path in sorted(folder.glob("step-*")) if folder.is_dir() else []:
+        m = _STEP_DIR.match(path.name)
+        if m and int(m.group(1)) > newest and path.is_dir() and not is_complete(path):
+            missing = [f for f in (STATE_FILE, DRAFTER_FILE, META_FILE) if not (path / f).is_file()]
+            _warn_once(f"{path} lacks {', '.join(missing)}: a resume passes over it")
+
+
+def _all_damaged(run_dir: Path) -> StopRun:
+    return StopRun(
+        f"every checkpoint in {checkpoints_dir(run_dir)} is damaged: resume from none of "
+        "them by deleting the folder's checkpoints (the run starts again), or restore them"
+    )
 
 
 def load_resume(
@@ -79,21 +169,19 @@ def load_resume(
     the same on every rank) is named in a warning and the one before it is used; any other
     failure (memory, a torch that reads it otherwise) is raised, as is every one damaged."""
     if resume != "auto":
-        path = resolve_resume(run_dir, resume)
-        return None if path is None else (path, load_state(path, device))
+        try:
+            path = resolve_resume(run_dir, resume)
+            return None if path is None else (path, load_state(path, device))
+        except ValueError as e:
+            raise StopRun(str(e)) from None
     found = list_checkpoints(run_dir)
     for _, path in reversed(found):
         try:
             return path, load_state(path, device)
-        except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
-            if not is_damaged_archive(e):
-                raise
-            log.warning("%s is damaged (%s): trying the checkpoint before it", path, e)
+        except DamagedCheckpoint as e:
+            _warn_once(f"{e}: trying the checkpoint before it")
     if found:
-        raise StopRun(
-            f"every checkpoint in {checkpoints_dir(run_dir)} is damaged: resume from none of "
-            "them by deleting the folder's checkpoints (the run starts again), or restore them"
-        )
+        raise _all_damaged(run_dir)
     return None
 
 
@@ -125,9 +213,14 @@ def save_checkpoint(
         raise _no_room(run_dir, step, need)
     try:
         tmp.mkdir()
-        torch.save(state, tmp / STATE_FILE)
+        with open(tmp / STATE_FILE, "xb") as f:
+            hashed = HashedFile(f)
+            torch.save(state, hashed)
+            f.flush()
+            os.fsync(f.fileno())
         atomic_write_json(tmp / DRAFTER_FILE, drafter_cfg.to_dict())
         meta = {"step": step, "files": [STATE_FILE, DRAFTER_FILE], "loader": state.get("loader")}
+        meta["state"] = {"bytes": hashed.size, "crc32c": f"{CHECKSUM_PREFIX}{hashed.crc:08x}"}
         meta["plan"] = state.get("plan")  # a run's view of a cache still being written
         atomic_write_json(tmp / META_FILE, meta)
         fsync_dir(tmp)
@@ -177,10 +270,25 @@ def _no_room(run_dir: Path, step: int, need: int) -> DiskFull:
 
 
 def prune(run_dir: Path, *, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints, and stale temporary folders."""
-    for _, path in list_checkpoints(run_dir)[:-keep]:
+    """Delete all but the newest `keep` complete checkpoints, and what interrupted saves and
+    deletions left: temporary folders, step folders older than the newest complete one that
+    lack a file, a replaced step's `.old` copy (put back where its step is missing)."""
+    folder = checkpoints_dir(run_dir)
+    for old in folder.glob("step-*.old"):
+        step = old.with_name(old.name.removesuffix(".old"))
+        if step.exists() or not is_complete(old):
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, step)
+    found = list_checkpoints(run_dir)
+    for _, path in found[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
-    for tmp in checkpoints_dir(run_dir).glob(".step-*.tmp"):
+    newest = found[-1][0] if found else -1
+    for path in folder.glob("step-*"):
+        m = _STEP_DIR.match(path.name)
+        if m and int(m.group(1)) < newest and path.is_dir() and not is_complete(path):
+            shutil.rmtree(path, ignore_errors=True)
+    for tmp in folder.glob(".step-*.tmp"):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -190,13 +298,26 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 
 def load_state(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
-    """The state dict of a checkpoint folder (tensors on `device`)."""
-    return torch.load(Path(path) / STATE_FILE, map_location=device, weights_only=True)
+    """The state dict of a checkpoint folder (tensors on `device`); DamagedCheckpoint, naming
+    the file, where its bytes are not those saved or torch finds its archive damaged."""
+    if problem := checkpoint_problem(path):
+        raise DamagedCheckpoint(problem)
+    file = Path(path) / STATE_FILE
+    try:
+        return torch.load(file, map_location=device, weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        if not is_damaged_archive(e):
+            raise
+        raise DamagedCheckpoint(f"{file} is damaged ({str(e) or type(e).__name__})") from None
 
 
 def drafter_config(ckpt_dir: Path) -> DrafterConfig:
     """The drafter config a checkpoint folder records (no weights read)."""
-    return DrafterConfig.from_dict(json.loads((Path(ckpt_dir) / DRAFTER_FILE).read_text()))
+    file = Path(ckpt_dir) / DRAFTER_FILE
+    try:
+        return DrafterConfig.from_dict(json.loads(file.read_text()))
+    except (ValueError, KeyError, TypeError) as e:
+        raise DamagedCheckpoint(f"{file} cannot be read ({e})") from None
 
 
 def load_drafter(ckpt_dir: Path) -> tuple[DFlashDrafter, DrafterConfig]:
