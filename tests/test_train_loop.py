@@ -118,7 +118,10 @@ def test_the_same_command_finishes_a_finished_or_damaged_run(cache, tmp_path):
     export = run(tiny(cache, out, steps=4, checkpoint_every=2, eval_parts=1))
     first = load_file(str(export / "model.safetensors"))
     shutil.rmtree(export)
+    last = list_checkpoints(out)[-1][1] / "state.pt"
+    saved = last.stat().st_ino
     assert run(tiny(cache, out, steps=4, checkpoint_every=2, eval_parts=1)) == export
+    assert last.stat().st_ino == saved  # resumed at its last step: nothing new to save there
     again = load_file(str(export / "model.safetensors"))
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
     assert [r["step"] for r in records(out, "eval")] == [4]  # evaluated again, logged once
