@@ -1,6 +1,7 @@
 """Export: exact key set, config fields, atomic folder, and parity with z-lab's `dflash` package."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -57,6 +58,13 @@ def test_export_round_trip_and_replace(tmp_path):
     assert loaded_cfg == cfg
     for (name, p), q in zip(drafter.named_parameters(), loaded.parameters(), strict=True):
         torch.testing.assert_close(q, p.detach().bfloat16().float(), msg=name)
+    # what exports killed before their renames left: temporary folders, an earlier export
+    # renamed to .old; the next export clears them (never a folder of other files)
+    shutil.copytree(tmp_path / "export", tmp_path / ".export.tmp-abc123")
+    shutil.copytree(tmp_path / "export", tmp_path / "export.old")
+    (tmp_path / "keep.old").mkdir()
+    export_drafter(drafter, cfg, tmp_path / "export")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "keep.old"]
 
 
 def test_export_never_replaces_a_folder_or_file_that_is_not_an_export(tmp_path):

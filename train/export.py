@@ -204,6 +204,7 @@ def export_drafter(
         for key in export_keys(cfg)
     }
     out.parent.mkdir(parents=True, exist_ok=True)
+    _drop_leftovers(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -217,6 +218,18 @@ def export_drafter(
         raise
     log.info("exported drafter (%d tensors) to %s", len(tensors), out)
     return out
+
+
+def _drop_leftovers(out: Path) -> None:
+    """What an export killed before its rename left beside `out`: its temporary folders, and
+    the earlier export renamed to `.old` while the new one took its name (export files only)."""
+    leftovers = list(out.parent.glob(f".{out.name}.tmp-*"))
+    old = out.with_name(out.name + ".old")
+    if old.is_dir() and {p.name for p in old.iterdir()} <= {CONFIG_FILE, WEIGHTS_FILE}:
+        leftovers.append(old)
+    for path in leftovers:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def refuse_foreign_out(out: Path) -> None:
