@@ -35,7 +35,15 @@ from shared.ranks import (  # noqa: F401 (re-exported: the launch's environment)
     under_torchrun,
     usable_cpus,
 )
-from shared.stopping import Stopped, StopRequest, StopRun, die_with_parent, rank_died, stop_error
+from shared.stopping import (
+    Stopped,
+    StopRequest,
+    StopRun,
+    die_with_parent,
+    rank_died,
+    stop_error,
+    stop_with_parent,
+)
 
 STOP_EXIT = 3  # exit status of a spawned rank that raised StopRun (its message is queued)
 STOP_GRACE_S = 10.0
@@ -301,6 +309,7 @@ def launch(
     process is re-raised here.
     """
     if under_torchrun():
+        stop_with_parent()  # torchrun's agent killed by -9: stop as on a signal
         rank, world, local = torchrun_ranks()
         if spec.kind == "cuda":
             spec = DeviceSpec("cuda", tuple(range(torch.cuda.device_count())))

@@ -139,9 +139,11 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         os.kill(os.getpid(), sig)
 
 
-def watch_process(pid: int, *, poll_s: float = 1.0) -> None:
-    """End this process (os._exit) as soon as process `pid` ends: a daemon thread waits on a
-    pidfd where Linux has them, else polls every `poll_s`."""
+def watch_process(
+    pid: int, *, poll_s: float = 1.0, then: Callable[[], None] = lambda: os._exit(1)
+) -> None:
+    """Call `then` (default: end this process, os._exit) as soon as process `pid` ends: a
+    daemon thread waits on a pidfd where Linux has them, else polls every `poll_s`."""
 
     def wait_for_it() -> None:
         try:
@@ -153,9 +155,22 @@ def watch_process(pid: int, *, poll_s: float = 1.0) -> None:
         else:
             while pid_alive(pid):
                 threading.Event().wait(poll_s)
-        os._exit(1)
+        then()
 
     threading.Thread(target=wait_for_it, name=f"watch-{pid}", daemon=True).start()
+
+
+def stop_with_parent() -> None:
+    """One SIGTERM to this process when its parent ends (a torchrun rank whose agent was killed
+    by -9: it stops as on a signal). Not the kernel's parent-death signal, which comes again
+    for every thread of a multi-threaded parent as it dies (torchrun's agent: the second
+    copy would stop the rank at once, before its checkpoint). Once per process."""
+    if not _WATCHING_PARENT:
+        _WATCHING_PARENT.append(os.getppid())
+        watch_process(_WATCHING_PARENT[0], then=lambda: os.kill(os.getpid(), signal.SIGTERM))
+
+
+_WATCHING_PARENT: list[int] = []
 
 
 def loader_worker_init(rank_pid: int, _worker_id: int) -> None:

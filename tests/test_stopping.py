@@ -202,6 +202,32 @@ def test_no_child_outlives_a_killed_trainer(tmp_path, gpus):
     assert not left, f"still running after 30 s: {left}"
 
 
+def test_torchrun_ranks_stop_with_a_checkpoint_when_its_agent_is_killed(tmp_path):
+    """torchrun's agent killed by -9 leaves its ranks no parent: they stop as on SIGTERM (a
+    checkpoint where they agree, then exit) instead of training on unwatched to the end."""
+    cache = write_cache(tmp_path / "cache", num_parts=4, samples_per_part=12)
+    out = tmp_path / "run"
+    args = train_args(cache, out, "--steps", "400", "--workers", "1")
+    proc = start("torch.distributed.run", "--nproc_per_node", "2", "-m", *args)
+    read_until(proc, "step 2:")
+    ranks = [pid for pid in descendants(proc.pid) if b"train" in _cmdline(pid)]
+    proc.kill()
+    proc.wait(timeout=TIMEOUT_S)
+    left = wait_gone(ranks, timeout=TIMEOUT_S)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert ranks and not left, f"ranks still running after {TIMEOUT_S} s: {left}"
+    steps = [s for s, _ in list_checkpoints(out)]
+    assert len(steps) == 1 and 2 <= steps[0] < 400, steps
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def test_second_ctrl_c_stops_a_process_run_by_hand_at_once():
     code = (
         "import logging, sys; logging.basicConfig(); from shared.stopping import StopRequest; "
