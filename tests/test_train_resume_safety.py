@@ -118,3 +118,20 @@ def test_a_longer_run_resumed_says_its_learning_rate_jumps(tmp_path, capfd):
     assert said.startswith("the learning-rate schedule changed with the run's length")
     assert f"at step 4 the lr was {lrs[4]:.3g} and is" in said and "of 12 steps" in said
     assert lrs[5] > lrs[4]  # the new, longer schedule's lr at step 5
+
+
+def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path):
+    """The steps logged after the last checkpoint by a run that stopped are logged again by the
+    resumed run: TensorBoard shows each step once, as metrics.jsonl holds it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cache = write_cache(tmp_path / "c", num_parts=3, samples_per_part=6)
+    out = tmp_path / "run"
+    run(tiny(cache, out, steps=6, checkpoint_every=2, stop_after_steps=3))
+    run(tiny(cache, out, steps=6, checkpoint_every=2))
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    shown = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    logged = [(r["step"], r["loss"]) for r in records(out)]
+    assert [s for s, _ in shown] == list(range(1, 7))
+    assert shown == [(s, pytest.approx(v, rel=1e-6)) for s, v in logged]

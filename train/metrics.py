@@ -220,7 +220,12 @@ class MetricsWriter:
     def rewind(self, step: int, *, last: bool = False) -> None:
         """Drop records after `step` (logged by a run that died before its next checkpoint),
         so a resumed run's log has each step once. `last`: `step` is the run's last, whose
-        evaluation follows its checkpoint and runs again on a resume, so its record goes too."""
+        evaluation follows its checkpoint and runs again on a resume, so its record goes too.
+        TensorBoard's events after it are purged from what it shows, as the records are."""
+        if self.tb is not None:
+            tensorboard = type(self.tb)
+            self.tb.close()
+            self.tb = tensorboard(self.tb.log_dir, purge_step=step if last else step + 1)
         if not self.enabled or not self.path.is_file():
             return
         lines = self.path.read_text(errors="replace").splitlines()
