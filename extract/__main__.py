@@ -19,10 +19,10 @@ def main(**kwargs) -> None:
     """Run the target over a chat dataset and cache the hidden states of chosen layers."""
     from shared.lock import LockHeld, refuse_if_held
     from shared.logs import setup_logging
-    from shared.ranks import takes_output_lock
+    from shared.ranks import launch_rank, takes_output_lock
 
     cfg = build(ExtractConfig, kwargs)
-    setup_logging(verbose=cfg.verbose)
+    setup_logging(launch_rank(), verbose=cfg.verbose)
     start = time.monotonic()
     try:
         if takes_output_lock():
@@ -57,6 +57,8 @@ def main(**kwargs) -> None:
         ) from None
     except (ExtractError, StopRun) as e:
         raise click.ClickException(str(e)) from None
+    if not takes_output_lock():
+        return  # torchrun's other ranks: rank 0 prints the summary
     end = time.monotonic()
     working = end - started[0] if started else None
     tokens = sum(p.tokens for p in manifest.parts if p.unit in units)

@@ -39,6 +39,11 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
+def launch_rank() -> int:
+    """This process's rank as launched: torchrun's RANK, else 0 (our launcher, or one process)."""
+    return torchrun_ranks()[0] if under_torchrun() else 0
+
+
 def takes_output_lock() -> bool:
     """True in the process that holds a run's output lock for all its ranks: our launcher, or
     rank 0 under torchrun (torchrun stops every rank when one fails)."""

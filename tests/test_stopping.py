@@ -221,6 +221,18 @@ def test_torchrun_ranks_stop_with_a_checkpoint_when_its_agent_is_killed(tmp_path
     assert len(steps) == 1 and 2 <= steps[0] < 400, steps
 
 
+def test_torchrun_prints_one_summary_and_rank_1_logs_as_rank_1(tmp_path):
+    cache = write_cache(tmp_path / "cache", num_parts=4, samples_per_part=12)
+    args = train_args(cache, tmp_path / "run", "--steps", "4", "--workers", "1")
+    args.remove("--verbose")
+    proc = start("torch.distributed.run", "--nproc_per_node", "2", "-m", *args)
+    out, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 0, err
+    assert [line.split()[0] for line in out.splitlines() if line.startswith("run ")] == ["run"]
+    assert out.count("\nexport ") == 1, out
+    assert err.count("training a 1-layer drafter") == 1, err  # rank 0's INFO lines only
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return (Path("/proc") / str(pid) / "cmdline").read_bytes()

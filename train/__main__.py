@@ -20,10 +20,10 @@ def main(**kwargs: object) -> None:
     """Train a DFlash drafter from a hidden-state cache written by `python -m extract`."""
     from shared.lock import LockHeld, refuse_if_held
     from shared.logs import setup_logging
-    from shared.ranks import takes_output_lock
+    from shared.ranks import launch_rank, takes_output_lock
 
     cfg = build(TrainConfig, kwargs)
-    setup_logging(0, verbose=cfg.verbose)
+    setup_logging(launch_rank(), verbose=cfg.verbose)
     start = time.monotonic()
     try:
         if takes_output_lock():
@@ -54,6 +54,8 @@ def main(**kwargs: object) -> None:
         ) from None
     except (CacheMismatch, RunError, StopRun) as e:
         raise click.ClickException(str(e)) from None
+    if not takes_output_lock():
+        return  # torchrun's other ranks: rank 0 prints the summary
     target = read_manifest(cfg.data).target.path
     seconds = time.monotonic() - start
     click.echo(format_summary(cfg.out, export=out, seconds=seconds, target=target))
