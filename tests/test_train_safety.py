@@ -225,3 +225,18 @@ def test_a_run_folder_inside_the_cache_is_refused(cache, tmp_path):
     web.mkdir()
     (web / "manifest.json").write_text('{"name": "app", "parts": []}')
     assert enclosing_cache(web / "runs" / "a") is None and enclosing_cache(other / "a") == other
+
+
+def test_a_full_disk_under_the_metrics_names_the_file(tmp_path):
+    """A write's own error names no file; the message of a full disk should say which one."""
+    import errno
+
+    from train.metrics import METRICS_FILE, MetricsWriter
+
+    (tmp_path / METRICS_FILE).symlink_to("/dev/full")  # every write: ENOSPC
+    writer = MetricsWriter(tmp_path, enabled=True)
+    with pytest.raises(OSError) as e:
+        writer.write({"kind": "train", "step": 1, "loss": 1.0})
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / METRICS_FILE)
+    if writer.tb is not None:
+        writer.tb.close()

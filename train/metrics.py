@@ -245,8 +245,11 @@ class MetricsWriter:
         if not self.enabled:
             return
         self.history.append(record)
-        with open(self.path, "a") as f:
-            f.write(json_line(record) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json_line(record) + "\n")
+        except OSError as e:  # a write's error names no file: a full disk's message should
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
         if self.tb is not None:
             prefix = "eval/" if record.get("kind") == "eval" else "train/"
             for key, value in record.items():
