@@ -1,6 +1,7 @@
 """Export: exact key set, config fields, atomic folder, and parity with z-lab's `dflash` package."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -60,11 +61,15 @@ def test_export_round_trip_and_replace(tmp_path):
         torch.testing.assert_close(q, p.detach().bfloat16().float(), msg=name)
     # what exports killed before their renames left: temporary folders, an earlier export
     # renamed to .old; the next export clears them (never a folder of other files)
+    # (a temporary folder of a process still running is its own: kept)
     shutil.copytree(tmp_path / "export", tmp_path / ".export.tmp-abc123")
+    shutil.copytree(tmp_path / "export", tmp_path / ".export.tmp-999999999-abc")
+    shutil.copytree(tmp_path / "export", tmp_path / f".export.tmp-{os.getpid()}-abc")
     shutil.copytree(tmp_path / "export", tmp_path / "export.old")
     (tmp_path / "keep.old").mkdir()
     export_drafter(drafter, cfg, tmp_path / "export")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "keep.old"]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([f".export.tmp-{os.getpid()}-abc", "export", "keep.old"])
 
 
 def test_export_never_replaces_a_folder_or_file_that_is_not_an_export(tmp_path):

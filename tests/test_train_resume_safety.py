@@ -4,6 +4,7 @@ the same settings, a checkpoint whose bytes changed, a record that cannot be rea
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -102,12 +103,13 @@ def test_prune_puts_back_a_replaced_steps_copy_and_drops_leftovers(tmp_path):
     assert checkpoint_problem(folder / "step-4") is None
 
 
-def test_a_longer_run_resumed_says_its_learning_rate_jumps(tmp_path, capfd):
-    """--steps raised on a resume: allowed (a run extended), but the cosine schedule of the new
-    length gives another lr at the resumed step, which the warning says; the same length says
-    nothing."""
+def test_a_longer_run_resumed_takes_the_new_schedule_and_says_so(tmp_path, capfd):
+    """--steps raised on a resume: allowed (a run extended); from the next step on the lr is
+    the new length's schedule, as a run of that length from the start has it, and a warning
+    says where it jumps; a resume of the same length says nothing."""
     cache = write_cache(tmp_path / "c", num_parts=3, samples_per_part=6)
-    out = tmp_path / "run"
+    out, whole = tmp_path / "run", tmp_path / "whole"
+    run(tiny(cache, whole, steps=12, checkpoint_every=2))
     run(tiny(cache, out, steps=6, checkpoint_every=2, stop_after_steps=4))
     capfd.readouterr()
     run(tiny(cache, out, steps=6, checkpoint_every=2, stop_after_steps=5))
@@ -115,9 +117,13 @@ def test_a_longer_run_resumed_says_its_learning_rate_jumps(tmp_path, capfd):
     run(tiny(cache, out, steps=12, checkpoint_every=2))
     (said,) = [w for w in warnings_of(capfd) if "schedule" in w]
     lrs = {r["step"]: r["lr"] for r in records(out)}
+    wanted = {r["step"]: r["lr"] for r in records(whole)}
     assert said.startswith("the learning-rate schedule changed with the run's length")
-    assert f"at step 4 the lr was {lrs[4]:.3g} and is" in said and "of 12 steps" in said
-    assert lrs[5] > lrs[4]  # the new, longer schedule's lr at step 5
+    # a record's lr is the one its step leaves for the next: step 5 takes the whole run's [4]
+    assert f"step 5 takes lr {wanted[4]:.3g} where the saved schedule gave {lrs[4]:.3g}" in said
+    assert "of 12 steps" in said
+    assert [lrs[s] for s in range(5, 13)] == pytest.approx([wanted[s] for s in range(5, 13)])
+    assert lrs[4] != pytest.approx(wanted[4])  # the 6-step schedule's, before the resume
 
 
 def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path):
@@ -135,3 +141,31 @@ def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path):
     logged = [(r["step"], r["loss"]) for r in records(out)]
     assert [s for s, _ in shown] == list(range(1, 7))
     assert shown == [(s, pytest.approx(v, rel=1e-6)) for s, v in logged]
+    shutil.rmtree(out / "export")  # a run killed after its last checkpoint: resumed at its end
+    run(tiny(cache, out, steps=6, checkpoint_every=2))
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 7))
+
+
+def test_a_damaged_checkpoint_of_the_older_format_is_saved_again(tmp_path):
+    """A checkpoint saved before checkpoints recorded their checksum, its state.pt cut short:
+    the resume takes the one before it, and reaching its step saves it again (only the
+    checkpoint a run resumed from is not saved twice)."""
+    import json
+
+    from train.checkpoint import load_state
+
+    cache = write_cache(tmp_path / "c", num_parts=3, samples_per_part=6)
+    out = tmp_path / "run"
+    run(tiny(cache, out, steps=6, checkpoint_every=2, stop_after_steps=4))
+    step4 = out / "checkpoints" / "step-4"
+    meta = json.loads((step4 / "meta.json").read_text())
+    del meta["state"]  # as the older format wrote it
+    (step4 / "meta.json").write_text(json.dumps(meta))
+    with open(step4 / "state.pt", "r+b") as f:
+        f.truncate(1000)
+    run(tiny(cache, out, steps=6, checkpoint_every=2))
+    assert load_state(step4)["step"] == 4 and "state" in json.loads(
+        (step4 / "meta.json").read_text()
+    )

@@ -122,9 +122,13 @@ def _problem(path: Path) -> str | None:
         meta = read_meta(path)
     except (OSError, ValueError) as e:
         return f"{path / META_FILE} cannot be read ({e})"
-    saved = meta.get("state") if isinstance(meta, dict) else None
-    if not isinstance(saved, dict):
-        return None if isinstance(meta, dict) else f"{path / META_FILE} is not a checkpoint's"
+    if not isinstance(meta, dict):
+        return f"{path / META_FILE} is not a checkpoint's"
+    saved = meta.get("state")
+    if saved is None:
+        return None  # saved before checkpoints recorded it
+    if not (isinstance(saved, dict) and isinstance(saved.get("bytes"), int)):
+        return f"{path / META_FILE} holds no readable record of {STATE_FILE} ({saved!r:.80})"
     file = path / STATE_FILE
     size = file.stat().st_size
     if size != saved.get("bytes"):

@@ -25,6 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from shared.fsio import public_modes, replace_dir
+from shared.lock import pid_alive
 from shared.space import is_disk_full, size_text
 from train.drafters.config import DrafterConfig
 from train.drafters.dflash import DFlashDrafter
@@ -205,7 +206,7 @@ def export_drafter(
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     _drop_leftovers(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
@@ -221,15 +222,20 @@ def export_drafter(
 
 
 def _drop_leftovers(out: Path) -> None:
-    """What an export killed before its rename left beside `out`: its temporary folders, and
-    the earlier export renamed to `.old` while the new one took its name (export files only)."""
-    leftovers = list(out.parent.glob(f".{out.name}.tmp-*"))
+    """What an export killed before its rename left beside `out`: its temporary folders (those
+    of a process still running are its own, and kept), and the earlier export renamed to
+    `.old` while the new one took its name (export files only): put back where `out` is
+    missing, else deleted."""
+    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
+        pid = tmp.name.removeprefix(f".{out.name}.tmp-").split("-")[0]
+        if tmp.is_dir() and not tmp.is_symlink() and not (pid.isdigit() and pid_alive(int(pid))):
+            shutil.rmtree(tmp, ignore_errors=True)
     old = out.with_name(out.name + ".old")
     if old.is_dir() and {p.name for p in old.iterdir()} <= {CONFIG_FILE, WEIGHTS_FILE}:
-        leftovers.append(old)
-    for path in leftovers:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
+        if out.exists() or out.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, out)
 
 
 def refuse_foreign_out(out: Path) -> None:

@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -124,6 +125,7 @@ class Trainer:
             self.total = cfg.steps if by_steps else sum(self.limits) // cfg.grad_accum
         self.scheduler = warmup_cosine(self.optimizer, total=self.total, warmup=cfg.warmup)
         self.step, self.loader_state = 0, LoaderState()
+        self.restored: Path | None = None  # the checkpoint folder the run resumed from
         self.autocast = (
             (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
             if cuda

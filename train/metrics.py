@@ -221,11 +221,13 @@ class MetricsWriter:
         """Drop records after `step` (logged by a run that died before its next checkpoint),
         so a resumed run's log has each step once. `last`: `step` is the run's last, whose
         evaluation follows its checkpoint and runs again on a resume, so its record goes too.
-        TensorBoard's events after it are purged from what it shows, as the records are."""
+        TensorBoard's events from `purge` on are purged from what it shows (the last step's
+        too, with its eval), and the kept records from there are written to it again."""
+        purge = step if last else step + 1
         if self.tb is not None:
             tensorboard = type(self.tb)
             self.tb.close()
-            self.tb = tensorboard(self.tb.log_dir, purge_step=step if last else step + 1)
+            self.tb = tensorboard(self.tb.log_dir, purge_step=purge)
         if not self.enabled or not self.path.is_file():
             return
         lines = self.path.read_text(errors="replace").splitlines()
@@ -240,6 +242,9 @@ class MetricsWriter:
         if len(kept) < len(lines):
             atomic_write_text(self.path, "".join(line + "\n" for line, _ in kept))
         self.history = [r for _, r in kept]
+        for r in self.history:
+            if r["step"] >= purge:
+                self._to_tensorboard(r)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -250,6 +255,9 @@ class MetricsWriter:
                 f.write(json_line(record) + "\n")
         except OSError as e:  # a write's error names no file: a full disk's message should
             raise OSError(e.errno, e.strerror, str(self.path)) from None
+        self._to_tensorboard(record)
+
+    def _to_tensorboard(self, record: dict[str, Any]) -> None:
         if self.tb is not None:
             prefix = "eval/" if record.get("kind") == "eval" else "train/"
             for key, value in record.items():

@@ -9,6 +9,7 @@ run can see which recipe wrote it) and the data plan. `Trainer.save` and `Traine
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from shared.cli import to_json
@@ -17,7 +18,6 @@ from shared.stopping import StopRun
 from train.checkpoint import (
     checkpoint_problem,
     checkpoints_dir,
-    is_complete,
     load_resume,
     rng_state,
     save_checkpoint,
@@ -48,11 +48,11 @@ def restore_run_state(trainer: Any) -> None:
     t.model.load_state_dict(state["model"])
     t.optimizer.load_state_dict(state["optimizer"])
     t.scheduler.load_state_dict(state["scheduler"])
-    _say_schedule_change(t.scheduler, state["scheduler"], int(state["step"]), t.total)
+    _follow_schedule(t.scheduler, state["scheduler"], int(state["step"]), t.total)
     t.loader_state = LoaderState.from_dict(
         state["loader"], world_size=t.info.world_size, workers=t.workers
     )
-    t.step = int(state["step"])
+    t.step, t.restored = int(state["step"]), Path(path)
     t.guard.checked = t.step  # checked finite when it was saved: a run resumed at its end
     t.guard.seen = t.step
     t.writer.rewind(t.step, last=t.step == t.total)  # saves and exports it without another step
@@ -61,27 +61,35 @@ def restore_run_state(trainer: Any) -> None:
     log.info("resumed from %s at step %d of %d", path, t.step, t.total)
 
 
-def _say_schedule_change(scheduler: Any, saved: dict[str, Any], step: int, total: int) -> None:
-    """Warn where the learning-rate schedule at the resumed step is not the saved one: the run's
-    length changed (--steps, --epochs), and the lr jumps to the new schedule's there."""
+def _follow_schedule(scheduler: Any, saved: dict[str, Any], step: int, total: int) -> None:
+    """Where the run's length changed (--steps, --epochs), the schedule of the new length gives
+    another lr at the resumed step than the saved one: the next step takes the new one (the
+    optimizer's saved lr is the old schedule's), and a warning says where the lr jumps."""
     was = saved.get("_last_lr") or []
     at = scheduler.last_epoch
     now = [b * f(at) for b, f in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
-    moved = [abs(a - b) > 1e-6 * abs(a) for a, b in zip(was, now, strict=False)]
-    if len(was) == len(now) and any(moved):
-        log.warning(
-            "the learning-rate schedule changed with the run's length (--steps, --epochs): at "
-            "step %d the lr was %.3g and is %.3g now, and follows the schedule of %d steps "
-            "from there (a jump the curves show; the same length as before avoids it)",
-            step, was[0], now[0], total,
-        )  # fmt: skip
+    if len(was) != len(now) or all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(was, now)):  # noqa: B905
+        return
+    for group, lr in zip(scheduler.optimizer.param_groups, now, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = list(now)
+    log.warning(
+        "the learning-rate schedule changed with the run's length (--steps, --epochs): step %d "
+        "takes lr %.3g where the saved schedule gave %.3g, and the steps after it follow the "
+        "schedule of %d steps (a jump the curves show; the same length as before avoids it)",
+        step + 1, now[0], was[0], total,
+    )  # fmt: skip
 
 
-def saved_already(out: Any, step: int) -> bool:
-    """Whether a sound checkpoint of `step` is in the run folder: a run resumed at its last step
-    (killed during its final evaluation or export) has nothing new to save there."""
-    path = checkpoints_dir(out) / f"step-{step}"
-    return is_complete(path) and checkpoint_problem(path) is None
+def saved_already(trainer: Any) -> bool:
+    """Whether the checkpoint of the trainer's step is the one it resumed from, still in its run
+    folder: a run resumed at its last step (killed during its final evaluation or export) has
+    nothing new to save there."""
+    t = trainer
+    path = checkpoints_dir(t.cfg.out) / f"step-{t.step}"
+    if t.restored is None or not path.exists() or not t.restored.exists():
+        return False
+    return path.samefile(t.restored) and checkpoint_problem(path) is None
 
 
 def save_run_state(trainer: Any) -> None:
@@ -89,7 +97,7 @@ def save_run_state(trainer: Any) -> None:
     t = trainer
     t.guard.check(t.step)  # never save (nor export after) a non-finite model
     rngs = all_gather_objects(rng_state(t.device))
-    if t.info.is_main and saved_already(t.cfg.out, t.step):
+    if t.info.is_main and saved_already(t):
         log.info("checkpoint step-%d is saved already (the run resumed from it)", t.step)
     elif t.info.is_main:
         state = {

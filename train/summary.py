@@ -36,12 +36,14 @@ def _fig(value: float | None, spec: str) -> str:
 def _steps(out: Path, train: dict[str, Any] | None) -> str:
     """The step the run reached: its last log step, or its newest checkpoint where that is later
     (a run stopped between log steps saves one where it stops)."""
-    from train.checkpoint import list_checkpoints
+    from train.checkpoint import checkpoint_problem, list_checkpoints
 
     logged = train["step"] if train else 0
-    saved = list_checkpoints(out)
-    if saved and saved[-1][0] > logged:
-        return f"{saved[-1][0]:,} (the newest checkpoint; last logged at {logged:,})"
+    for step, path in reversed(list_checkpoints(out)):
+        if step <= logged:
+            break
+        if checkpoint_problem(path) is None:
+            return f"{step:,} (the newest checkpoint; last logged at {logged:,})"
     return f"{logged:,}" if train else "none"
 
 

@@ -93,7 +93,11 @@ def main(
                     f"stopped by {outcome.stopped_by}; not finished: {lines} (logs in "
                     f"{out / 'logs'})\nresume: {command}"
                 )
-            failed = [(j, run_error(log_path(out, j)) or "see its log") for j, _ in outcome.failed]
+            failed = [  # (one that exited with an error after its export is finished)
+                (j, run_error(log_path(out, j)) or "see its log")
+                for j, _ in outcome.failed
+                if not finished(j)
+            ]
             done = [j for j in jobs if finished(j)]
             if done:
                 write_report(out, done, command, not_finished=failed)
