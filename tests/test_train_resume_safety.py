@@ -3,8 +3,10 @@ the same settings, a checkpoint whose bytes changed, a record that cannot be rea
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,8 +154,6 @@ def test_a_damaged_checkpoint_of_the_older_format_is_saved_again(tmp_path):
     """A checkpoint saved before checkpoints recorded their checksum, its state.pt cut short:
     the resume takes the one before it, and reaching its step saves it again (only the
     checkpoint a run resumed from is not saved twice)."""
-    import json
-
     from train.checkpoint import load_state
 
     cache = write_cache(tmp_path / "c", num_parts=3, samples_per_part=6)
@@ -169,3 +169,40 @@ def test_a_damaged_checkpoint_of_the_older_format_is_saved_again(tmp_path):
     assert load_state(step4)["step"] == 4 and "state" in json.loads(
         (step4 / "meta.json").read_text()
     )
+
+
+def test_ranks_trust_the_launchers_check_while_the_files_are_unchanged(tmp_path):
+    """The launcher checks the checkpoint it resumes; the ranks it starts read its finding from
+    their environment instead of reading the state file again, while its size and mtime are
+    those it checked (a state file changed since is checked again)."""
+    import subprocess
+    import sys
+
+    from train.checkpoint import SOUND_ENV
+
+    cache = write_cache(tmp_path / "c", num_parts=3, samples_per_part=6)
+    out = tmp_path / "run"
+    run(tiny(cache, out, steps=4, checkpoint_every=2, stop_after_steps=2))
+    step = out / "checkpoints" / "step-2"
+    env = dict(os.environ)
+    env.pop(SOUND_ENV, None)
+    code = (
+        "import os, sys, json; from train.checkpoint import checkpoint_problem, SOUND_ENV;"
+        "print(json.dumps([checkpoint_problem(sys.argv[1]), os.environ.get(SOUND_ENV)]))"
+    )
+
+    def rank(environ):
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(step)], env=environ, capture_output=True, text=True,
+            cwd=Path(__file__).resolve().parent.parent, check=True,
+        )  # fmt: skip
+        return json.loads(done.stdout)
+
+    problem, found = rank(env)  # a launcher: checks, and passes on what it found sound
+    assert problem is None and str(step.resolve()) in found
+    state = step / "state.pt"
+    stamp = state.stat()
+    flip(state, stamp.st_size // 2)
+    os.utime(state, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))  # same size and mtime
+    assert rank({**env, SOUND_ENV: found})[0] is None  # trusted: not read again
+    assert "is damaged" in rank(env)[0]  # checked afresh: found

@@ -97,19 +97,24 @@ def resolve_resume(run_dir: Path, resume: str) -> Path | None:
 def checkpoint_problem(path: Path) -> str | None:
     """Why a complete checkpoint folder is not what was saved (meta.json unreadable, state.pt of
     another size or crc32c than it records), or None. A folder saved before checkpoints recorded
-    them is checked by torch.load alone. Files are read once per process while unchanged."""
+    them is checked by torch.load alone. Files are read once per process while unchanged, and
+    the ranks a launcher starts after it found one sound trust that (its environment says so)."""
     path = Path(path)
     try:
-        stamps = tuple((st.st_size, st.st_mtime_ns) for st in map(os.stat, _files(path)))
+        stamps = [[st.st_size, st.st_mtime_ns] for st in map(os.stat, _files(path))]
     except OSError as e:
         return f"{path}: {e.strerror or e}"
-    key = (str(path.resolve()), stamps)
+    key = json.dumps([str(path.resolve()), stamps])
     if key not in _VERIFIED:
         _VERIFIED[key] = _problem(path)
+        if _VERIFIED[key] is None:  # passed on to processes started from here
+            sound = json.loads(os.environ.get(SOUND_ENV, "[]"))
+            os.environ[SOUND_ENV] = json.dumps([*sound, key][-8:])
     return _VERIFIED[key]
 
 
-_VERIFIED: dict[tuple, str | None] = {}
+SOUND_ENV = "DFLASH_SOUND_CHECKPOINTS"  # checkpoints found sound, with their files' stamps
+_VERIFIED: dict[str, str | None] = dict.fromkeys(json.loads(os.environ.get(SOUND_ENV, "[]")))
 _WARNED: set[str] = set()
 
 
