@@ -45,6 +45,8 @@ from shared.stopping import (
     stop_with_parent,
 )
 
+log = logging.getLogger(__name__)
+
 STOP_EXIT = 3  # exit status of a spawned rank that raised StopRun (its message is queued)
 STOP_GRACE_S = 10.0
 
@@ -204,8 +206,9 @@ def _spawned(
     args: tuple,
     errors: Any,
     timeout: datetime.timedelta,
+    launcher: int,
 ) -> None:
-    die_with_parent()  # a launcher killed by -9 takes its ranks with it
+    die_with_parent(parent=launcher)  # a launcher killed by -9 takes its ranks with it
     if spec.kind == "cuda":  # transformers' distributed loading uses cuda:LOCAL_RANK
         os.environ["LOCAL_RANK"] = str(spec.devices[local_rank])
     info = _init(local_rank, spec.nprocs, local_rank, spec, timeout)
@@ -333,11 +336,12 @@ def launch(
     errors = mp.get_context("spawn").SimpleQueue()
     ctx = mp.start_processes(
         _spawned,
-        args=(fn, spec, args, errors, timeout),
+        args=(fn, spec, args, errors, timeout, os.getpid()),
         nprocs=spec.nprocs,
         join=False,
         start_method="spawn",
     )
+    log.debug("started %d ranks: pids %s", spec.nprocs, [p.pid for p in ctx.processes])
     # The ranks stop by themselves on a signal; this process passes one sent only to it on to
     # them, and a second one stops them at once.
     stop = StopRequest()

@@ -126,10 +126,12 @@ class StopRequest:
             log.warning("%s again: already stopping (%s)", name, what)
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
     """Ask the kernel to send `sig` to this process when its parent ends (Linux; a no-op
-    elsewhere). Also covers a parent that ended before the call."""
-    parent = os.getppid()
+    elsewhere). Also covers a parent that ended before the call: give its pid as `parent`
+    where the call comes late (a spawned rank's, after its imports), since by then this
+    process may have another parent already."""
+    parent = os.getppid() if parent is None else parent
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)

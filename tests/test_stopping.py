@@ -140,6 +140,39 @@ def test_a_killed_rank_ends_extract_with_a_message_and_a_resume(tmp_path, tiny_q
     assert read_manifest(out).complete
 
 
+def in_session(sid: int) -> list[int]:
+    """The processes of session `sid` (a process started with start_new_session leads one, and
+    its children stay in it when it dies)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if entry.name.isdigit() and int(fields[3]) == sid and int(entry.name) != sid:
+            found.append(int(entry.name))
+    return found
+
+
+def test_ranks_spawned_as_their_launcher_is_killed_end_with_it(tmp_path, tiny_qwen3, data_file):
+    """The launcher killed by -9 while its ranks still import torch: they end with it (their
+    parent-death signal set for the launcher's pid, not for whichever process adopted them by
+    then), instead of extracting the whole cache unwatched, beside a rerun's ranks."""
+    out = tmp_path / "c"
+    args = ["extract", "--out", str(out), "--target", str(tiny_qwen3), "--data", str(data_file)]
+    args += ["--gpus", "cpu:2", "--rows-per-part", "4", "--batch-tokens", "256", "--layers", "1"]
+    proc = start(*args, "--verbose")
+    read_until(proc, "started 2 ranks")  # said as they begin to import torch
+    proc.kill()
+    proc.wait(timeout=TIMEOUT_S)
+    left = wait_gone(in_session(proc.pid), timeout=TIMEOUT_S)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running after {TIMEOUT_S} s: {left}"
+    written = (out / "manifest.json").is_file() and read_manifest(out).parts
+    assert not written  # nothing extracted after the launcher died
+
+
 def train_args(cache: Path, out: Path, *extra: str) -> list[str]:
     args = ["train", "--data", str(cache), "--out", str(out), "--gpus", "cpu"]
     args += ["--drafter-layers", "1", "--block-size", "4", "--num-anchors", "8"]
