@@ -87,6 +87,13 @@ def existing_state(cfg: ExtractConfig, planned: Manifest) -> Manifest | None:
     if cfg.overwrite:
         return None
     lines = "\n".join(f"  - {p}" for p in problems)
+    damaged = ("is not valid JSON", "is malformed")
+    if any(d in p for p in problems for d in damaged):  # not another cache's: its record cut
+        raise ExtractError(
+            f"--out {out}: its {MANIFEST} cannot be read, so what its parts hold is unknown:\n"
+            f"{lines}\nRestore {out / MANIFEST} (from a backup or a copy of the cache) and "
+            "rerun the same command, or give --overwrite to extract the cache again."
+        )
     raise ExtractError(
         f"--out {out} holds a different cache:\n{lines}\n"
         "Use the same settings to resume it, another --out, or --overwrite to replace it."

@@ -177,6 +177,23 @@ def test_missing_part_is_redone_on_resume(tmp_path, tiny_qwen3, data_file):
     assert _verify(cache).exit_code == 0
 
 
+def test_a_cut_manifest_is_said_to_be_damaged_not_another_caches(tmp_path, tiny_qwen3, data_file):
+    """The same command on a cache whose manifest.json was cut: not "a different cache" with
+    the advice to use the same settings (it was), but what to restore; nothing is deleted."""
+    cache = tmp_path / "c"
+    extract(cache, tiny_qwen3, data_file)
+    path = cache / "manifest.json"
+    path.write_text(path.read_text()[:200])
+    before = sorted(p.name for p in cache.iterdir())
+    with pytest.raises(ExtractError) as e:
+        extract(cache, tiny_qwen3, data_file)
+    said = str(e.value)
+    assert "its manifest.json cannot be read, so what its parts hold is unknown" in said
+    assert "manifest.json is not valid JSON" in said and f"Restore {path}" in said
+    assert "holds a different cache" not in said
+    assert sorted(p.name for p in cache.iterdir()) == before
+
+
 def test_repair_drops_exactly_the_damaged_part(tmp_path, tiny_qwen3, data_file):
     cache = tmp_path / "c"
     extract(cache, tiny_qwen3, data_file)
