@@ -18,6 +18,7 @@ from torch import nn
 from extract.parallel import engine_places
 from shared.fsio import public_modes, replace_dir
 from shared.manifest import TargetInfo
+from shared.space import size_text
 from shared.target_files import EMBED_FILE, EMBED_KEY, LM_HEAD_KEY, TARGET_DIR
 
 log = logging.getLogger(__name__)
@@ -198,17 +199,16 @@ def write_target_files(target: Path, tokenizer: Any, cache: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing left to block the same command
         need = sum(t.numel() * t.element_size() for t in tensors.values())
         raise TargetError(
-            f"cannot write {final} ({e}); it needs about {need / 1e6:,.0f} MB (free: "
-            f"{_free_mb(cache):,.0f} MB): free space or fix the folder, then rerun the same "
-            "command"
+            f"cannot write {final} ({e}); it needs about {size_text(need)} (free: "
+            f"{_free(cache)}): free space or fix the folder, then rerun the same command"
         ) from None
 
 
-def _free_mb(folder: Path) -> float:
+def _free(folder: Path) -> str:
     try:
-        return shutil.disk_usage(folder).free / 1e6
+        return size_text(shutil.disk_usage(folder).free)
     except OSError:
-        return float("nan")
+        return "unknown"
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

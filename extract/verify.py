@@ -41,6 +41,7 @@ from shared.manifest import (
     repair_commands,
     update_manifest,
 )
+from shared.part import part_name
 from shared.ranks import usable_cpus
 
 if TYPE_CHECKING:  # torch and the cache's readers are imported where they are used: `--help`
@@ -308,10 +309,16 @@ def unfinished(cache: Path, manifest: Manifest) -> list[str]:
     if manifest.complete and not unlisted:
         return []
     said = ", though it says complete" if manifest.complete else ""
+    names = [part_name(u, manifest.format) for u in unlisted[:MAX_NAMED]]
+    names += [f"{len(unlisted) - MAX_NAMED} more"] if len(unlisted) > MAX_NAMED else []
     return [
         f"the cache is incomplete ({manifest.num_units - len(unlisted)}/{manifest.num_units} "
-        f"parts listed{said}): run `{manifest.extract_command(cache)}` to finish it"
+        f"parts listed{said}; not listed: {', '.join(names)}): run "
+        f"`{manifest.extract_command(cache)}` to finish it"
     ]
+
+
+MAX_NAMED = 5  # parts named in a message; the rest counted
 
 
 def _rerun(

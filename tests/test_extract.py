@@ -348,7 +348,8 @@ def test_verify_refuses_a_manifest_cut_or_edited_by_hand(tmp_path, qwen3, data_f
     assert whole["complete"] and len(whole["parts"]) == 2
     path.write_text(json.dumps({**whole, "parts": whole["parts"][:1]}))
     r = CliRunner().invoke(verify, [str(cache), "--samples", "0"])
-    assert r.exit_code == 1 and "1/2 parts listed, though it says complete" in r.output, r.output
+    said = "1/2 parts listed, though it says complete; not listed: part-000001)"
+    assert r.exit_code == 1 and said in r.output, r.output
     extract(cache, qwen3, data_file, max_rows=12)  # what verify says to run: unit 1 again
     assert len(read_manifest(cache).parts) == 2
     assert CliRunner().invoke(verify, [str(cache), "--samples", "0"]).exit_code == 0
