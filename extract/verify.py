@@ -41,7 +41,6 @@ from shared.manifest import (
     repair_commands,
     update_manifest,
 )
-from shared.part import part_name
 from shared.ranks import usable_cpus
 
 if TYPE_CHECKING:  # torch and the cache's readers are imported where they are used: `--help`
@@ -308,6 +307,8 @@ def unfinished(cache: Path, manifest: Manifest) -> list[str]:
     unlisted = sorted(set(range(manifest.num_units)) - manifest.done_units())
     if manifest.complete and not unlisted:
         return []
+    from shared.part import part_name  # (imports torch: not for --help)
+
     said = ", though it says complete" if manifest.complete else ""
     names = [part_name(u, manifest.format) for u in unlisted[:MAX_NAMED]]
     names += [f"{len(unlisted) - MAX_NAMED} more"] if len(unlisted) > MAX_NAMED else []
