@@ -19,7 +19,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shared.collectives import (  # noqa: F401 (re-exported: where stage code imports them)
+    all_gather_objects,
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    main_first,
+)
 from shared.ranks import (  # noqa: F401 (re-exported: the launch's environment)
     processes_on_this_host,
     takes_output_lock,
@@ -371,43 +378,3 @@ def _signal_ranks(ctx: Any, sig: int) -> None:
     for proc in ctx.processes:
         if proc.is_alive():
             os.kill(proc.pid, sig)
-
-
-# Collectives that are no-ops in a single process, so stage code never branches on world size.
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def all_gather_objects(obj: Any) -> list[Any]:
-    if not dist.is_initialized():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-@contextlib.contextmanager
-def main_first(info: RankInfo) -> Iterator[None]:
-    """Rank 0 runs the block before the others (e.g. to create a folder or a cache)."""
-    if not info.is_main:
-        barrier()
-    yield
-    if info.is_main:
-        barrier()

@@ -167,8 +167,8 @@ def device_batch(item: dict[str, Any], device: torch.device) -> Batch:
 
 
 def checked(items: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """The loader's items, raising `CacheReadError` where a worker met an unreadable part.
-    Whatever ends it with an error (that one, or any a worker raised) stops the workers first."""
+    """The loader's items, raising `CacheReadError` where a worker met an unreadable part; any
+    error ending it (that one, or one a worker raised) stops the workers first."""
     try:
         for item in items:
             if "error" in item:
@@ -180,9 +180,8 @@ def checked(items: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 
 
 def _stop_workers(items: Iterator[dict[str, Any]]) -> None:
-    """Stop a DataLoader iterator's worker processes now. The error's traceback keeps the
-    iterator alive, and its workers, which leave signals to their rank and end with it, would
-    otherwise keep the exiting process waiting for them."""
+    """Stop a DataLoader iterator's workers now: the error's traceback keeps the iterator
+    alive, and its workers (they ignore signals) would keep the exiting process waiting."""
     shutdown = getattr(items, "_shutdown_workers", None)  # torch's DataLoader iterator
     if shutdown is not None:
         shutdown()
@@ -224,8 +223,7 @@ class PlanDataset(IterableDataset):
     def slices(
         self, epoch: int
     ) -> tuple[Sequence[list[SampleRef]] | dict[int, list[SampleRef]], list[range]]:
-        """The epoch's rows (by row number), and the row numbers of each of this rank's
-        workers."""
+        """The epoch's rows (by row number), and the row numbers of each of its workers."""
         kw = dict(rank=self.rank, world_size=self.world_size, workers=self.workers)
         if epoch == 0 and self.growing is not None:
             return self.growing.rows, interleaved_rows(self.growing.planned, **kw)
