@@ -63,6 +63,18 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def incomplete_steps(run_dir: Path) -> list[tuple[int, Path]]:
+    """Step folders of a run that lack a file (a save cut short, a folder emptied or copied in
+    part by hand) as (step, folder), oldest first."""
+    folder = checkpoints_dir(run_dir)
+    found = []
+    for path in folder.glob("step-*") if folder.is_dir() else []:
+        m = _STEP_DIR.match(path.name)
+        if m and path.is_dir() and not is_complete(path):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
 class DamagedCheckpoint(ValueError):
     """A checkpoint's files are not what was saved; the message names the file."""
 
@@ -155,10 +167,8 @@ def _warn_once(message: str) -> None:
 def _warn_incomplete(run_dir: Path, newest: int) -> None:
     """Name the step folders newer than the checkpoint a resume takes (step `newest`) that lack
     a file (a folder emptied or copied in part by hand): the resume passes over them."""
-    folder = checkpoints_dir(run_dir)
-    for path in sorted(folder.glob("step-*")) if folder.is_dir() else []:
-        m = _STEP_DIR.match(path.name)
-        if m and int(m.group(1)) > newest and path.is_dir() and not is_complete(path):
+    for step, path in incomplete_steps(run_dir):
+        if step > newest:
             missing = [f for f in (STATE_FILE, DRAFTER_FILE, META_FILE) if not (path / f).is_file()]
             _warn_once(f"{path} lacks {', '.join(missing)}: a resume passes over it")
 
@@ -293,9 +303,8 @@ def prune(run_dir: Path, *, keep: int) -> None:
     for _, path in found[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
     newest = found[-1][0] if found else -1
-    for path in folder.glob("step-*"):
-        m = _STEP_DIR.match(path.name)
-        if m and int(m.group(1)) < newest and path.is_dir() and not is_complete(path):
+    for step, path in incomplete_steps(run_dir):
+        if step < newest:
             shutil.rmtree(path, ignore_errors=True)
     for tmp in folder.glob(".step-*.tmp"):
         shutil.rmtree(tmp, ignore_errors=True)
