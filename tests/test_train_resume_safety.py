@@ -178,17 +178,17 @@ def test_ranks_trust_the_launchers_check_while_the_files_are_unchanged(tmp_path)
     import subprocess
     import sys
 
-    from train.checkpoint import SOUND_ENV
+    from train.checkpoint import FINDINGS_ENV
 
     cache = write_cache(tmp_path / "c", num_parts=3, samples_per_part=6)
     out = tmp_path / "run"
     run(tiny(cache, out, steps=4, checkpoint_every=2, stop_after_steps=2))
     step = out / "checkpoints" / "step-2"
     env = dict(os.environ)
-    env.pop(SOUND_ENV, None)
+    env.pop(FINDINGS_ENV, None)
     code = (
-        "import os, sys, json; from train.checkpoint import checkpoint_problem, SOUND_ENV;"
-        "print(json.dumps([checkpoint_problem(sys.argv[1]), os.environ.get(SOUND_ENV)]))"
+        "import os, sys, json; from train.checkpoint import checkpoint_problem, FINDINGS_ENV;"
+        "print(json.dumps([checkpoint_problem(sys.argv[1]), os.environ.get(FINDINGS_ENV)]))"
     )
 
     def rank(environ):
@@ -204,5 +204,24 @@ def test_ranks_trust_the_launchers_check_while_the_files_are_unchanged(tmp_path)
     stamp = state.stat()
     flip(state, stamp.st_size // 2)
     os.utime(state, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))  # same size and mtime
-    assert rank({**env, SOUND_ENV: found})[0] is None  # trusted: not read again
+    assert rank({**env, FINDINGS_ENV: found})[0] is None  # trusted: not read again
     assert "is damaged" in rank(env)[0]  # checked afresh: found
+
+
+def test_a_launchers_ranks_do_not_repeat_its_checkpoint_warning(tmp_path, capfd, caplog):
+    """Two ranks started by the launcher, which found the newest checkpoint damaged: the
+    warning is said once, by the launcher, and the run resumes from the one before."""
+    cache = write_cache(tmp_path / "c", num_parts=3, samples_per_part=6)
+    out = tmp_path / "run"
+    kw = dict(gpus="cpu:2", grad_accum=1, steps=4, checkpoint_every=1, keep_checkpoints=3)
+    run(tiny(cache, out, stop_after_steps=3, **kw))
+    state = out / "checkpoints" / "step-3" / "state.pt"
+    flip(state, state.stat().st_size // 2)
+    capfd.readouterr()
+    caplog.clear()
+    run(tiny(cache, out, **kw))
+    launcher = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    said = [line for line in launcher + warnings_of(capfd) if "damaged" in line]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"{state} is damaged")
+    assert [r["step"] for r in records(out)] == [1, 2, 3, 4]  # step 3 again, once

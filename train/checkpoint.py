@@ -110,24 +110,31 @@ def checkpoint_problem(path: Path) -> str | None:
     """Why a complete checkpoint folder is not what was saved (meta.json unreadable, state.pt of
     another size or crc32c than it records), or None. A folder saved before checkpoints recorded
     them is checked by torch.load alone. Files are read once per process while unchanged, and
-    the ranks a launcher starts after it found one sound trust that (its environment says so)."""
+    the ranks a launcher starts trust its findings (their environment holds them)."""
     path = Path(path)
     try:
         stamps = [[st.st_size, st.st_mtime_ns] for st in map(os.stat, _files(path))]
     except OSError as e:
         return f"{path}: {e.strerror or e}"
     key = json.dumps([str(path.resolve()), stamps])
-    if key not in _VERIFIED:
-        _VERIFIED[key] = _problem(path)
-        if _VERIFIED[key] is None:  # passed on to processes started from here
-            sound = json.loads(os.environ.get(SOUND_ENV, "[]"))
-            os.environ[SOUND_ENV] = json.dumps([*sound, key][-8:])
-    return _VERIFIED[key]
+    if key not in _CHECKED:
+        _CHECKED[key] = _problem(path)
+        _pass_on()
+    return _CHECKED[key]
 
 
-SOUND_ENV = "DFLASH_SOUND_CHECKPOINTS"  # checkpoints found sound, with their files' stamps
-_VERIFIED: dict[str, str | None] = dict.fromkeys(json.loads(os.environ.get(SOUND_ENV, "[]")))
-_WARNED: set[str] = set()
+# What this process found of checkpoints (keyed by path and its files' stamps) and warned of,
+# passed on to the processes it starts, so that a launcher's ranks neither read a state file it
+# read nor repeat its warnings.
+FINDINGS_ENV = "DFLASH_CHECKPOINT_FINDINGS"
+_FOUND = json.loads(os.environ.get(FINDINGS_ENV, "{}"))
+_CHECKED: dict[str, str | None] = dict(_FOUND.get("checked", []))
+_WARNED: set[str] = set(_FOUND.get("warned", []))
+
+
+def _pass_on() -> None:
+    checked = list(_CHECKED.items())[-8:]
+    os.environ[FINDINGS_ENV] = json.dumps({"checked": checked, "warned": sorted(_WARNED)[-16:]})
 
 
 def _files(path: Path) -> list[Path]:
@@ -161,6 +168,7 @@ def _problem(path: Path) -> str | None:
 def _warn_once(message: str) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
+        _pass_on()
         log.warning("%s", message)
 
 
