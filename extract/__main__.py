@@ -11,6 +11,7 @@ import click
 
 from extract.config import ExtractConfig
 from shared.cli import build, click_options
+from shared.ranks import launch_rank, takes_output_lock  # notes the parent process, early
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -19,7 +20,6 @@ def main(**kwargs) -> None:
     """Run the target over a chat dataset and cache the hidden states of chosen layers."""
     from shared.lock import LockHeld, refuse_if_held
     from shared.logs import setup_logging
-    from shared.ranks import launch_rank, takes_output_lock
 
     cfg = build(ExtractConfig, kwargs)
     setup_logging(launch_rank(), verbose=cfg.verbose)

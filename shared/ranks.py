@@ -9,6 +9,16 @@ from __future__ import annotations
 
 import os
 
+# This process's parent when the module was first imported, before torch's: a torchrun agent
+# killed during its ranks' start-up is still the parent they watch (`launching_parent`).
+_PARENT = os.getppid()
+
+
+def launching_parent() -> int:
+    """The pid of the process that started this one, as it was early in start-up (a parent
+    that died since has left this process another one)."""
+    return _PARENT
+
 
 def usable_cpus() -> int:
     """The cores this process may run on (a cpuset, taskset or Slurm allocation), not the host's."""

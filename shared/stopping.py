@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable
 
 from shared.lock import pid_alive
+from shared.ranks import launching_parent
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +167,11 @@ def stop_with_parent() -> None:
     """One SIGTERM to this process when its parent ends (a torchrun rank whose agent was killed
     by -9: it stops as on a signal). Not the kernel's parent-death signal, which comes again
     for every thread of a multi-threaded parent as it dies (torchrun's agent: the second
-    copy would stop the rank at once, before its checkpoint). Once per process."""
+    copy would stop the rank at once, before its checkpoint). The parent is the one the
+    process had early in start-up (`shared.ranks.launching_parent`): one that died since is
+    not watched in the process that adopted this one. Once per process."""
     if not _WATCHING_PARENT:
-        _WATCHING_PARENT.append(os.getppid())
+        _WATCHING_PARENT.append(launching_parent())
         watch_process(_WATCHING_PARENT[0], then=lambda: os.kill(os.getpid(), signal.SIGTERM))
 
 

@@ -295,3 +295,41 @@ def test_second_ctrl_c_stops_a_process_run_by_hand_at_once():
     proc.send_signal(signal.SIGINT)
     code, err = finish(proc)
     assert code != 0 and "KeyboardInterrupt" in err
+
+
+def test_a_rank_whose_parent_died_during_its_start_up_still_stops():
+    """A torchrun agent killed while its rank imports torch: the rank, adopted by another
+    process by the time it watches its parent, stops as on SIGTERM all the same."""
+    rank = (
+        "import os, signal, sys\n"
+        "from shared.ranks import launching_parent\n"
+        "print('started', flush=True)\n"
+        "while os.getppid() == launching_parent():\n"  # the heavy imports, until the agent dies
+        "    signal.sigtimedwait([signal.SIGUSR1], 0.01)\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (print('stopped', flush=True), sys.exit(0)))\n"
+        "from shared.stopping import stop_with_parent\n"
+        "stop_with_parent()\n"
+        "signal.pause()\n"
+    )
+    agent = (
+        "import subprocess, sys\n"
+        f"subprocess.Popen([sys.executable, '-c', {rank!r}])\n"
+        "sys.stdin.readline()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", agent],
+        cwd=ROOT,
+        env=ENV,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        proc.kill()
+        proc.wait(timeout=TIMEOUT_S)
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready and proc.stdout.readline().strip() == "stopped"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)

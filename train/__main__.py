@@ -11,6 +11,7 @@ import time
 import click
 
 from shared.cli import build, click_options
+from shared.ranks import launch_rank, takes_output_lock  # notes the parent process, early
 from train.config import TrainConfig
 
 
@@ -20,7 +21,6 @@ def main(**kwargs: object) -> None:
     """Train a DFlash drafter from a hidden-state cache written by `python -m extract`."""
     from shared.lock import LockHeld, refuse_if_held
     from shared.logs import setup_logging
-    from shared.ranks import launch_rank, takes_output_lock
 
     cfg = build(TrainConfig, kwargs)
     setup_logging(launch_rank(), verbose=cfg.verbose)
