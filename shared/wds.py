@@ -9,10 +9,11 @@ names of that shape. Then per sample, with KEY = ``s{sample_index:012d}``:
     KEY.ids.npy        int32 [L]
     KEY.mask.npy       uint8 [L]
     KEY.json           sample_index, position, codec, length, shape, dtype, store, frames,
-                       crc32c of the payload (codec: "planes" or "blosc" for bf16, see
-                       `shared.codec`; none before "planes" existed: Blosc; "int4" for int4
-                       records; position: the sample's number n in the part, as a zarr part
-                       stores it; none in older parts)
+                       crc32c of the payload, arrays_crc32c of the .npy members' bytes (ids,
+                       mask, scale; none in older parts) (codec: "planes" or "blosc" for bf16,
+                       see `shared.codec`; none before "planes" existed: Blosc; "int4" for
+                       int4 records; position: the sample's number n in the part, as a zarr
+                       part stores it; none in older parts)
 
 Members of one sample are adjacent; samples are in order of completion, which differs from run
 to run and which readers do not rely on: a reader numbers a part's samples by position
@@ -76,6 +77,14 @@ def _npy_load(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
+def _arrays_crc(members: dict[str, bytes]) -> str:
+    """crc32c of a sample's .npy members (ids, mask, and scale where stored), in that order."""
+    return crc32c_hex(b"".join(members.get(ext, b"") for ext in _ARRAY_EXTS))
+
+
+_ARRAY_EXTS = ("ids.npy", "mask.npy", "scale.npy")
+
+
 class WdsPartWriter(PartWriter):
     """Appends each sample's members to ``part-XXXXXX.tar.tmp`` as soon as it is written."""
 
@@ -122,10 +131,13 @@ class WdsPartWriter(PartWriter):
             frames=[len(f) for f in frames],
             crc32c=crc32c_hex(payload),
         )
-        members = [(f"{key}.hidden.blosc", b"".join(frames) if len(frames) > 1 else frames[0])]
+        arrays = {"ids.npy": _npy_bytes(ids), "mask.npy": _npy_bytes(mask)}
         if scale is not None:
-            members.append((f"{key}.scale.npy", _npy_bytes(scale)))
-        members += [(f"{key}.ids.npy", _npy_bytes(ids)), (f"{key}.mask.npy", _npy_bytes(mask))]
+            arrays["scale.npy"] = _npy_bytes(scale)
+        meta["arrays_crc32c"] = _arrays_crc(arrays)
+        members = [(f"{key}.hidden.blosc", b"".join(frames) if len(frames) > 1 else frames[0])]
+        order = ("scale.npy", "ids.npy", "mask.npy")  # as parts have always held them
+        members += [(f"{key}.{ext}", arrays[ext]) for ext in order if ext in arrays]
         members.append((f"{key}.json", json.dumps(meta).encode()))
         with self._tar_lock:
             try:
@@ -296,6 +308,12 @@ class WdsPartReader(PartReader):
         )
         if crc32c_hex(hidden) != meta["crc32c"]:
             raise ValueError(f"{self.path.name} sample {meta['sample_index']}: crc32c mismatch")
+        saved = meta.get("arrays_crc32c")  # none in parts written before it was recorded
+        if saved is not None and _arrays_crc(rec) != saved:
+            raise ValueError(
+                f"{self.path.name} sample {meta['sample_index']}: crc32c mismatch of its "
+                "token ids, loss mask or scales"
+            )
         ids, mask = _npy_load(rec["ids.npy"]), _npy_load(rec["mask.npy"])
         scale = _npy_load(rec["scale.npy"]) if "scale.npy" in rec else None
         if ids.shape != shape[:1] or mask.shape != shape[:1]:

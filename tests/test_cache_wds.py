@@ -122,6 +122,25 @@ def test_verify_and_reader_catch_a_flipped_payload_byte(part, tmp_path):
         list(open_part(path))
 
 
+@pytest.mark.parametrize("ext", ["ids.npy", "mask.npy", "scale.npy"])
+def test_verify_and_reader_catch_damaged_ids_mask_or_scales(part, tmp_path, ext):
+    """The .npy members have their own crc32c: a changed token id, mask byte or fp8 scale is
+    named by sample, not trained on."""
+    path, _, stats, store = part
+    if ext == "scale.npy" and store != "fp8":
+        pytest.skip("only fp8 parts store scales")
+    with tarfile.open(path) as tar:
+        info = next(m for m in tar.getmembers() if m.name.endswith(ext) and m.size > 130)
+    data = bytearray(path.read_bytes())
+    data[info.offset_data + info.size - 1] ^= 0x01  # the last element's low bits
+    path.write_bytes(bytes(data))
+    key = info.name.split(".")[0]
+    problems = verify_part(path)  # no part checksum given: the sample's own check finds it
+    assert any(p.startswith(key) and "token ids, loss mask or scales" in p for p in problems)
+    with pytest.raises(ValueError, match="crc32c mismatch of its token ids"):
+        list(open_part(path).iter_samples())
+
+
 def test_long_payloads_are_split_into_frames(tmp_path, monkeypatch):
     monkeypatch.setattr(wds_frames, "FRAME_BYTES", 1000)  # Blosc's ~2 GiB limit, scaled down
     records = make_records(lengths=[9, 40])
