@@ -19,7 +19,6 @@ starts, `extract.layouts`, so this allowance never hides a wrong mask.)
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import random
 import sys
@@ -122,11 +121,11 @@ def rerun_samples(
     runs = []
     for i, (rec, n) in enumerate(picks):
         reader = open_part(cache / rec.name)
-        # wds parts stream only: walk to the n-th sample.
+        # wds parts stream only: walk to sample n (numbered as its zarr twin, not in tar order).
         sample = (
             reader.read(n)
             if manifest.format == "zarr"
-            else next(itertools.islice(reader.iter_samples(), n, None))
+            else next(s for m, s in reader.iter_indexed() if m == n)
         )
         ids = sample.input_ids
         fresh = capture.run([ids], device=device).float().cpu()

@@ -439,3 +439,29 @@ def test_the_log_says_what_the_time_after_the_last_forward_went_to(
     assert ("disk queue" in line) == (fmt == "zarr")
     assert len(seconds) == (3 if fmt == "zarr" else 2)
     assert seconds == sorted(seconds)  # each step ends after the one before it
+
+
+def test_verify_names_a_webdataset_sample_by_its_number_in_the_part(
+    tmp_path, qwen3, data_file, capfd
+):
+    """A tar's samples are in the order its writers finished them; verify's re-run reports
+    sample n as the part numbers it (its zarr twin's n), with that sample's source row."""
+    import re
+
+    import torch
+
+    from extract.verify import rerun_samples
+    from tests.test_cache_wds import rewrite_tar
+
+    cache = tmp_path / "c"
+    extract(cache, qwen3, data_file, max_rows=12, format="wds")
+    manifest = read_manifest(cache)
+    for rec in manifest.parts:  # the samples' members in reverse order
+        path = cache / rec.name
+        rewrite_tar(path, path, lambda ms: sorted(ms, key=lambda m: m[0].name, reverse=True))
+    capfd.readouterr()
+    assert rerun_samples(cache, manifest, samples=8, seed=0, device=torch.device("cpu")) == []
+    said = re.findall(r"(part-\d+\.tar) sample (\d+) \(source row (\d+)\)", capfd.readouterr().err)
+    assert len(said) == 8
+    for part, n, row in said:
+        assert open_part(cache / part).sample_indices[int(n)] == int(row)
