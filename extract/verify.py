@@ -125,7 +125,7 @@ def rerun_samples(
         sample = (
             reader.read(n)
             if manifest.format == "zarr"
-            else next(s for m, s in reader.iter_indexed() if m == n)
+            else next(s for _, s in reader.iter_indexed(only={n}))
         )
         ids = sample.input_ids
         fresh = capture.run([ids], device=device).float().cpu()

@@ -16,7 +16,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -361,9 +361,13 @@ class PartReader:
     def iter_samples(self, layers: Sequence[int] | None = None) -> Iterator[Sample]:
         raise NotImplementedError
 
-    def iter_indexed(self, layers: Sequence[int] | None = None) -> Iterator[tuple[int, Sample]]:
-        """(n, sample n) for every sample, in the order they are read most cheaply."""
-        return enumerate(self.iter_samples(layers))
+    def iter_indexed(
+        self, layers: Sequence[int] | None = None, only: Collection[int] | None = None
+    ) -> Iterator[tuple[int, Sample]]:
+        """(n, sample n) for every sample, or those numbered in `only`, in the order they are
+        read most cheaply."""
+        for n in range(self.num_samples) if only is None else sorted(only):
+            yield n, self.read(n, layers)
 
     def read(self, n: int, layers: Sequence[int] | None = None) -> Sample:
         """Sample n by random access (zarr parts only)."""

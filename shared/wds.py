@@ -29,7 +29,7 @@ import json
 import os
 import tarfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -338,10 +338,25 @@ class WdsPartReader(PartReader):
         for _, rec in iter_records(self.path, required_exts(self.store)):
             yield self.decode(rec, pos)
 
-    def iter_indexed(self, layers: Sequence[int] | None = None) -> Iterator[tuple[int, Sample]]:
-        """(n, sample n) in the tar's order; n numbers them as `lengths` does."""
-        for stored, sample in enumerate(self.iter_samples(layers)):
-            yield int(self._number[stored]), sample
+    def iter_indexed(
+        self, layers: Sequence[int] | None = None, only: Collection[int] | None = None
+    ) -> Iterator[tuple[int, Sample]]:
+        """(n, sample n) in the tar's order; n numbers them as `lengths` does. With `only`, the
+        samples numbered there: the others are passed over undecoded, and the walk ends at the
+        last of them."""
+        pos, left = self.layer_positions(layers), None if only is None else set(only)
+        if left is not None and not left:
+            return
+        records = iter_records(self.path, required_exts(self.store))
+        for stored, (_, rec) in enumerate(records):
+            n = int(self._number[stored])
+            if left is None:
+                yield n, self.decode(rec, pos)
+            elif n in left:
+                left.discard(n)
+                yield n, self.decode(rec, pos)
+                if not left:
+                    return
 
 
 def verify_wds(path: Path) -> list[str]:

@@ -326,9 +326,8 @@ def _streamed(
         for p in dict.fromkeys(r.part for r in refs):
             reading(p)
             reader = open_part(Path(paths[p]))
-            for n, sample in reader.iter_indexed(layers):
-                if n in needed[p]:
-                    yield (p, n), sample
+            for n, sample in reader.iter_indexed(layers, only=needed[p]):
+                yield (p, n), sample
 
     source, loaded = stored_order(), {}
     for r in refs:
