@@ -37,7 +37,7 @@ from shared.dist import (
     takes_output_lock,
     under_torchrun,
 )
-from shared.fsio import atomic_write_json
+from shared.fsio import atomic_write_json, remove_stale_tmp
 from shared.lock import LockHeld, output_lock
 from shared.manifest import (
     MANIFEST,
@@ -109,6 +109,8 @@ def _init_output(cfg: ExtractConfig, planned: Manifest, resume: Manifest | None)
             cfg.out, dataclasses.replace(planned, target_files=target_checksums(cfg.out))
         )
     shutil.rmtree(cfg.out / PROGRESS_DIR, ignore_errors=True)
+    for left in remove_stale_tmp(cfg.out):
+        log.info("removed %s, left by a killed write", left)
     atomic_write_json(cfg.out / "extract_config.json", planned.config)
 
 

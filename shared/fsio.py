@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -291,12 +292,16 @@ def sync_tree(root: Path, fd: int | None = None) -> None:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `data` to `path` so that readers see the old file or the new one, never a part."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}.{threading.get_ident()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = _tmp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a signal: no temporary file is left behind
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 
@@ -306,9 +311,36 @@ def replace_file_bytes(path: Path, data: bytes) -> None:
     counters): an fsync there can stall its caller for seconds while the file system commits
     other writers' data."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}.{threading.get_ident()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    tmp = _tmp_name(path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp.{os.getpid()}.{threading.get_ident()}")
+
+
+_TMP = re.compile(r"^\..+\.tmp\.\d+\.\d+$")
+STALE_TMP_S = 60.0  # an atomic write takes milliseconds: a temporary file this old was left
+
+
+def remove_stale_tmp(folder: Path, older_than_s: float = STALE_TMP_S) -> list[Path]:
+    """Delete the temporary files of atomic writes in `folder` that a killed process left
+    (older than `older_than_s`: a running write's is younger); returns them."""
+    gone = []
+    now = time.time()
+    for entry in os.scandir(folder) if Path(folder).is_dir() else []:
+        try:
+            if _TMP.match(entry.name) and now - entry.stat().st_mtime > older_than_s:
+                os.unlink(entry.path)
+                gone.append(Path(entry.path))
+        except OSError:  # gone already, or not ours to delete: best effort
+            continue
+    return gone
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

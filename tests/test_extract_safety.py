@@ -177,6 +177,37 @@ def test_missing_part_is_redone_on_resume(tmp_path, tiny_qwen3, data_file):
     assert _verify(cache).exit_code == 0
 
 
+def test_temporary_files_of_killed_writes_are_removed_by_the_next_run(
+    tmp_path, tiny_qwen3, data_file
+):
+    """A kill -9 inside an atomic write leaves `.NAME.tmp.PID.TID`: the next run removes those
+    over a minute old (a running write's is younger) and the cache stays as it was."""
+    import time
+
+    cache = tmp_path / "c"
+    extract(cache, tiny_qwen3, data_file)
+    before = _checksums(cache)
+    old, young = cache / ".manifest.json.tmp.4242.17", cache / ".extract_config.json.tmp.4243.1"
+    for f in (old, young):
+        f.write_text('{"cut')
+    hour_ago = time.time() - 3600
+    os.utime(old, (hour_ago, hour_ago))
+    assert extract(cache, tiny_qwen3, data_file).complete
+    assert not old.exists() and young.exists()
+    assert _checksums(cache) == before
+
+
+def test_a_failed_atomic_write_leaves_no_temporary_file(tmp_path):
+    from shared.fsio import atomic_write_bytes, replace_file_bytes
+
+    (tmp_path / "busy").mkdir()  # a folder in the way: the rename fails
+    (tmp_path / "busy" / "f").write_text("")
+    for write in (atomic_write_bytes, replace_file_bytes):
+        with pytest.raises(OSError):
+            write(tmp_path / "busy", b"data")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["busy"]
+
+
 def test_a_cut_manifest_is_said_to_be_damaged_not_another_caches(tmp_path, tiny_qwen3, data_file):
     """The same command on a cache whose manifest.json was cut: not "a different cache" with
     the advice to use the same settings (it was), but what to restore; nothing is deleted."""

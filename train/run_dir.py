@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.cli import to_json
-from shared.fsio import atomic_write_json
+from shared.fsio import atomic_write_json, remove_stale_tmp
 from shared.manifest import Manifest, identity_changes
 from train.checkpoint import list_checkpoints, read_meta, resolve_resume
 from train.config import TrainConfig
@@ -78,6 +78,8 @@ def prepare_run_dir(
         )
     _check_resume_point(cfg, world_size, record)
     out.mkdir(parents=True, exist_ok=True)
+    for left in remove_stale_tmp(out):
+        log.info("removed %s, left by a killed write", left)
     atomic_write_json(path, record)
 
 
