@@ -4,7 +4,7 @@
 
 Writes the same part (random bf16 states, K=5, H=4096, six samples of 700..2000 rows) with
 the shared part writer, then times `commit()` (the durable flush, the part checksum, the
-rename) with `shared.fsio.sync_tree`'s syncfs path and with its per-file fallback, alternating.
+rename) with `shared.writeback.sync_tree`'s syncfs path and with its per-file fallback, alternating.
 Random data: real file counts and sizes, not a real compression ratio.
 """
 
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import shared.fsio as fsio  # noqa: E402
+import shared.writeback as writeback  # noqa: E402
 from shared.cache import open_part_writer  # noqa: E402
 
 K, H = 5, 4096
@@ -42,15 +42,16 @@ def commit_seconds(out: Path, states: list[torch.Tensor], *, per_file: bool) -> 
             loss_mask=np.ones(ROWS[n], np.uint8),
             hidden=h,
         )
-    syncfs = fsio._syncfs
+    syncfs = writeback._syncfs
     if per_file:
-        fsio._syncfs = lambda path, fd=None: False  # the fallback: an fsync per file and folder
+        # the fallback: an fsync per file and folder
+        writeback._syncfs = lambda path, fd=None: False
     try:
         start = time.perf_counter()
         writer.commit()
         return time.perf_counter() - start
     finally:
-        fsio._syncfs = syncfs
+        writeback._syncfs = syncfs
 
 
 def main() -> None:

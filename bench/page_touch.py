@@ -8,7 +8,7 @@ page), free it; then write --gib GiB to a file under --dir through the page cach
 CPU seconds), delete it. Pass 0 takes what the kernel has, pass 1 follows at once (pages just
 freed), pass 2 follows --idle seconds of sleep. A virtual machine whose host takes back memory
 its guest leaves idle (free page reporting) shows passes 0 and 2 several times slower than pass
-1: the cost `shared.fsio.DropBehind` keeps a cache's writes from paying for every page.
+1: the cost `shared.writeback.DropBehind` keeps a cache's writes from paying for every page.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 Extraction's zarr parts are one file per 64 rows (all captured layers), written by
 `shared.diskqueue.DiskQueue`'s threads with `shared.zarr_part.write_buffers` (os.writev, then the
 file's writeback started) and made durable by one syncfs at the part's commit
-(`shared.fsio.sync_tree`). This writes --gb of incompressible files of --file-mb (an 8B
+(`shared.writeback.sync_tree`). This writes --gb of incompressible files of --file-mb (an 8B
 target's bf16 shard is about 1.7 MB, its int4 one about 0.6 MB) the same way with each thread
 count, in each layout of --layouts: `flat`, the files in one folder (``hidden/c.<i>.0.0``, the
 cache's keys), and `folders`, each file in two new folders of its own (``hidden/c/<i>/0/0``, the
@@ -31,7 +31,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.fsio import filesystem_type, sync_tree  # noqa: E402
+from shared.fsio import filesystem_type  # noqa: E402
+from shared.writeback import sync_tree  # noqa: E402
 from shared.zarr_part import write_buffers  # noqa: E402
 from shared.zarr_shards import shard_key  # noqa: E402
 

@@ -7,7 +7,7 @@ long the sync that a part's commit makes then took.
 
 Ways: `none` (left to the commit's sync), `fadvise` (posix_fadvise POSIX_FADV_DONTNEED),
 `sync_file_range` (SYNC_FILE_RANGE_WRITE, which does nothing through overlayfs) and `product`
-(`shared.fsio.start_writeback`: sync_file_range, or fadvise on overlayfs). Linux only.
+(`shared.writeback.start_writeback`: sync_file_range, or fadvise on overlayfs). Linux only.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared import fsio  # noqa: E402
-from shared.fsio import filesystem_type, start_writeback, sync_tree  # noqa: E402
+from shared import writeback  # noqa: E402
+from shared.fsio import filesystem_type  # noqa: E402
+from shared.writeback import start_writeback, sync_tree  # noqa: E402
 
 
 def dirty_mb() -> float:
@@ -36,7 +37,8 @@ def dirty_mb() -> float:
 
 
 def _sync_file_range(fd: int) -> None:
-    fsio._sync_file_range()(fd, 0, 0, fsio._SYNC_FILE_RANGE_WRITE)  # the product's, cached
+    # the product's, cached
+    writeback._sync_file_range()(fd, 0, 0, writeback._SYNC_FILE_RANGE_WRITE)
 
 
 def _fadvise(fd: int) -> None:

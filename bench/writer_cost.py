@@ -14,7 +14,7 @@ were slow in `bench/e2e_gpu.py` runs this beside it: CPU per GB far above the co
 write path or the cores, busy far above CPU says the threads wait.
 
 --page-cache: `drop` (the product's: each shard file's pages leave the page cache once the disk
-has them, `shared.fsio.DropBehind`), `keep` (left cached), or `both`, one after the other for
+has them, `shared.writeback.DropBehind`), `keep` (left cached), or `both`, one after the other for
 each thread count; --pause S waits S seconds before each run, long enough for a virtual machine
 that returns idle memory to its host to have done so (its new pages then cost what a long
 extraction's do). The process's CPU seconds are split into user and system (the kernel: page

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from shared.fsio import WritebackError
 from shared.manifest import CacheMismatch, read_manifest
 from shared.space import DiskFailed, DiskFull
+from shared.writeback import WritebackError
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ class DiskFull(StopRun):
 
 class DiskFailed(StopRun):
     """A stage's output folder is on a disk that failed a write (an I/O error, or a write lost
-    after it succeeded: `shared.fsio.WritebackError`); the message says where."""
+    after it succeeded: `shared.writeback.WritebackError`); the message says where."""
 
 
 def free_bytes(path: Path | str) -> int:

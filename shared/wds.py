@@ -42,16 +42,11 @@ from shared.codec import (
     hidden_codec,
     payload_dtype,
 )
-from shared.fsio import (
-    DROP_BEHIND_BYTES,
-    WritebackError,
-    drop_written,
-    named,
-    start_writeback,
-)
+from shared.fsio import named
 from shared.part import PartReader, PartWriter, Sample
 from shared.planes import merge_planes
 from shared.wds_frames import compress_payload, decompress_payload
+from shared.writeback import DROP_BEHIND_BYTES, WritebackError, drop_written, start_writeback
 
 PART_MEMBER = "__part__"
 _BASE_EXTS = ("hidden.blosc", "ids.npy", "mask.npy", "json")

@@ -12,7 +12,7 @@ arrays at commit and does all reading. Blosc (one internal thread, ``shared/code
 crc32c release the GIL, so N writer threads compress on N cores. Writing through zarr's Array API
 instead funnels every chunk through zarr's single event-loop thread (the codecs run on its worker
 pool via ``asyncio.to_thread``, but scheduling, crc32c and shard assembly do not). The part is
-made durable at its commit with one syncfs (``shared.fsio.sync_tree``). The reader and
+made durable at its commit with one syncfs (``shared.writeback.sync_tree``). The reader and
 ``verify_zarr`` read these shards directly (``shared/zarr_shards.py``); zarr still reads each
 part's first and last shard in verification. Reading our shards,
 per-layer oindex reads, crc32c detection and nchunks_initialized behave the same on zarr 3.1.6
@@ -33,8 +33,9 @@ import numpy as np
 import zarr
 
 from shared.codec import CHUNK_ROWS, FORMAT_VERSION, Bf16Planes, payload_dtype, payload_width
-from shared.fsio import DropBehind, named, start_writeback, sync_tree
+from shared.fsio import named
 from shared.part import PartReader, PartWriter, Sample, aligned_offsets, layout_problems
+from shared.writeback import DropBehind, start_writeback, sync_tree
 from shared.zarr_codecs import hidden_compressor, hidden_compressors, zarr_compressors
 from shared.zarr_shards import (
     KEY_SEPARATOR,
@@ -51,11 +52,11 @@ log = logging.getLogger(__name__)
 # Rows per chunk of the small per-token arrays written at commit (input_ids, loss_mask, scale):
 # large enough for few files, small enough that a random read decodes little.
 SMALL_CHUNK_ROWS = 1 << 14
-# Start each shard file's writeback as soon as it is written (`shared.fsio.start_writeback`);
+# Start each shard file's writeback as soon as it is written (`shared.writeback.start_writeback`);
 # off only to measure what it changes (`bench/extract_bench.py --writeback commit`).
 EARLY_WRITEBACK = True
 # Drop each shard file's pages from the page cache once the disk has them
-# (`shared.fsio.DropBehind`); off only to measure what it changes (`bench/writer_cost.py
+# (`shared.writeback.DropBehind`); off only to measure what it changes (`bench/writer_cost.py
 # --page-cache keep`).
 DROP_BEHIND = True
 

@@ -276,14 +276,14 @@ def test_part_names_and_aligned_offsets():
 @pytest.mark.parametrize("syncfs", [True, False], ids=["syncfs", "fsync-per-file"])
 def test_both_durability_paths_commit_the_same_part(tmp_path, monkeypatch, syncfs):
     # Platforms without syncfs(2) fsync every file and folder instead: same part, same checksum.
-    import shared.fsio as fsio
+    import shared.writeback as writeback
 
     records = make_records(lengths=[4, 80, 70])
     reference = write_part(tmp_path / "ref", 2, records, fmt="zarr", store="bf16")
     if syncfs:
-        assert fsio._syncfs(tmp_path) == sys.platform.startswith("linux")
+        assert writeback._syncfs(tmp_path) == sys.platform.startswith("linux")
     else:
-        monkeypatch.setattr(fsio, "_syncfs", lambda path, fd=None: False)
+        monkeypatch.setattr(writeback, "_syncfs", lambda path, fd=None: False)
     stats = write_part(tmp_path / "p", 2, records, fmt="zarr", store="bf16")
     assert stats == reference
     assert verify_part(tmp_path / "p" / part_name(2, "zarr"), stats.checksum) == []
@@ -295,13 +295,13 @@ def test_early_writeback_leaves_the_part_unchanged(tmp_path, monkeypatch, fmt):
     # neither sync_file_range nor posix_fadvise) the committed part is byte-for-byte the same.
     import os
 
-    import shared.fsio as fsio
+    import shared.writeback as writeback
     import shared.zarr_part as zarr_part
 
     records = make_records(lengths=[4, 80, 70])
     early = write_part(tmp_path / "early", 3, records, fmt=fmt, store="bf16")
     monkeypatch.setattr(zarr_part, "EARLY_WRITEBACK", False)
-    monkeypatch.setattr(fsio, "_sync_file_range", lambda: None)
+    monkeypatch.setattr(writeback, "_sync_file_range", lambda: None)
     monkeypatch.delattr(os, "posix_fadvise", raising=False)
     late = write_part(tmp_path / "late", 3, records, fmt=fmt, store="bf16")
     assert early == late

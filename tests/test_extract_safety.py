@@ -21,9 +21,9 @@ from extract.outdir import protected_reason
 from extract.plan import plan_manifest
 from extract.run import ExtractError, run
 from shared.cache import is_own_entry, open_part_writer, verify_part
-from shared.fsio import drop_written
 from shared.manifest import read_manifest
 from shared.stopping import StopRun
+from shared.writeback import drop_written
 from tests.test_extract import chat
 
 

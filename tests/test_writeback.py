@@ -20,7 +20,8 @@ import torch
 
 import shared.wds
 from shared.cache import open_part, open_part_writer
-from shared.fsio import DropBehind, filesystem_type, start_writeback
+from shared.fsio import filesystem_type
+from shared.writeback import DropBehind, start_writeback
 from shared.zarr_part import write_buffers
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux page cache")
@@ -71,13 +72,13 @@ def on_disk(tmp_path):
     """A folder on a file system with a page cache of its own (sync_file_range reaches it)."""
     if _in_memory(tmp_path):
         pytest.skip(f"{tmp_path} is in memory: its pages are its only copy")
-    import shared.fsio as fsio
+    import shared.writeback as writeback
 
     probe = tmp_path / "probe"
     probe.write_bytes(bytes(4096))
     fd = os.open(probe, os.O_RDONLY)
     try:
-        if fsio._sync_file_range() is None or fsio._is_overlay(fd):
+        if writeback._sync_file_range() is None or writeback._is_overlay(fd):
             pytest.skip("no sync_file_range(2) on this file system")
     finally:
         os.close(fd)
@@ -150,11 +151,11 @@ def test_an_appended_file_is_not_left_dirty_after_each_append(folders):
 
 def test_without_either_way_the_pages_stay_dirty(tmp_path, monkeypatch):
     # What the tests above would see if nothing started the writeback: they can fail.
-    import shared.fsio as fsio
+    import shared.writeback as writeback
 
     if _in_memory(tmp_path):
         pytest.skip("in memory")
-    monkeypatch.setattr(fsio, "_sync_file_range", lambda: None)
+    monkeypatch.setattr(writeback, "_sync_file_range", lambda: None)
     monkeypatch.delattr(os, "posix_fadvise", raising=False)
     write_buffers(tmp_path / "c.0.0.0", [os.urandom(4 * MB)])
     assert dirty_pages(tmp_path / "c.0.0.0") > 0
@@ -163,12 +164,12 @@ def test_without_either_way_the_pages_stay_dirty(tmp_path, monkeypatch):
 def test_through_an_overlay_sync_file_range_alone_leaves_the_pages_dirty(tmp_path, monkeypatch):
     # Why an overlay takes posix_fadvise: sync_file_range(2) reaches the overlay's own page
     # cache, not the file's below.
-    import shared.fsio as fsio
+    import shared.writeback as writeback
 
     if _in_memory(tmp_path):
         pytest.skip("in memory")
     with overlay(tmp_path) as (write_to, seen_at):
-        monkeypatch.setattr(fsio, "_is_overlay", lambda dev: False)
+        monkeypatch.setattr(writeback, "_is_overlay", lambda dev: False)
         write_buffers(write_to / "c.0.0.0", [os.urandom(4 * MB)])
         assert dirty_pages(seen_at / "c.0.0.0") > 0
 
@@ -205,9 +206,9 @@ def test_a_file_removed_before_its_turn_is_skipped(on_disk):
 def test_a_parts_bytes_leave_the_page_cache_as_written_the_rest_at_its_commit(
     on_disk, monkeypatch, fmt
 ):
-    import shared.fsio as fsio
+    import shared.writeback as writeback
 
-    monkeypatch.setattr(fsio, "DROP_BEHIND_BYTES", 4 * MB)
+    monkeypatch.setattr(writeback, "DROP_BEHIND_BYTES", 4 * MB)
     monkeypatch.setattr(shared.wds, "DROP_BEHIND_BYTES", 4 * MB)
     lengths, hidden = [512] * 12, 1024  # 2 MB of bf16 states a sample, barely compressible
     rng = np.random.default_rng(0)
@@ -245,10 +246,10 @@ def test_a_write_the_disk_lost_fails_the_part_though_the_disk_recovers(
     # Waiting for a file's writeback before dropping its pages takes the write's error from the
     # file: a later fsync or syncfs no longer sees it. The drop must fail the part then, or the
     # part would be committed with a checksum of bytes the disk never got.
-    import shared.fsio as fsio
+    import shared.writeback as writeback
 
     folder, fail, heal = failing_disk
-    monkeypatch.setattr(fsio, "DROP_BEHIND_BYTES", 4 * MB)
+    monkeypatch.setattr(writeback, "DROP_BEHIND_BYTES", 4 * MB)
     monkeypatch.setattr(shared.wds, "DROP_BEHIND_BYTES", 4 * MB)
     # The disk fails the first samples' writes, then takes the rest: enough after it (over
     # 4 MB) that every failed file has been dropped before the commit syncs the part.
@@ -277,7 +278,7 @@ def test_a_write_error_another_sync_has_seen_still_fails_the_part(failing_disk, 
     # Another process's syncfs (another rank's commit, another run on the disk) sees the
     # disk's error first: a descriptor opened after that would not see it, one opened when the
     # part began does.
-    import shared.fsio as fsio
+    import shared.writeback as writeback
 
     folder, fail, heal = failing_disk
     lengths, hidden = [512] * 3, 1024
@@ -299,9 +300,9 @@ def test_a_write_error_another_sync_has_seen_still_fails_the_part(failing_disk, 
             Path("/proc/sys/vm/drop_caches").write_text("3")
         except OSError as e:
             pytest.skip(f"cannot drop the caches: {e}")
-    with pytest.raises(fsio.WritebackError):  # someone else's syncfs takes the error first
-        fsio._syncfs(folder)
-    with pytest.raises(fsio.WritebackError):
+    with pytest.raises(writeback.WritebackError):  # someone else's syncfs takes the error first
+        writeback._syncfs(folder)
+    with pytest.raises(writeback.WritebackError):
         writer.commit()
     with contextlib.suppress(OSError):  # the failed writes damaged this ext4's own blocks
         writer.abort()
