@@ -107,7 +107,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:  # a full disk, a signal: no temporary file is left behind
-        tmp.unlink(missing_ok=True)
+        _unlink_quietly(tmp)
         raise
     fsync_dir(path.parent)
 
@@ -123,8 +123,14 @@ def replace_file_bytes(path: Path, data: bytes) -> None:
         tmp.write_bytes(data)
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _unlink_quietly(tmp)
         raise
+
+
+def _unlink_quietly(path: Path) -> None:
+    """Delete `path` if it can be: the error being raised is the one to report, not this."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
 
 
 def _tmp_name(path: Path) -> Path:
