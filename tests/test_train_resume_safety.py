@@ -225,3 +225,24 @@ def test_a_launchers_ranks_do_not_repeat_its_checkpoint_warning(tmp_path, capfd,
     assert len(said) == 1, said
     assert said[0].startswith(f"{state} is damaged")
     assert [r["step"] for r in records(out)] == [1, 2, 3, 4]  # step 3 again, once
+
+
+def test_a_run_that_saved_nothing_does_not_block_the_corrected_command(tmp_path, capfd):
+    """A run that failed before its first checkpoint left config.json and metrics: the same
+    --out with other options starts afresh there, as if the folder were new, with a warning;
+    a run that saved a checkpoint is still protected."""
+    cache = write_cache(tmp_path / "c", num_parts=3, samples_per_part=6)
+    out = tmp_path / "run"
+    from train.finite import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match="no target token"):
+        run(tiny(cache, out, steps=4, batch_tokens=16))
+    assert (out / "config.json").is_file() and not list_checkpoints(out)
+    capfd.readouterr()
+    run(tiny(cache, out, steps=4, checkpoint_every=2))
+    said = " ".join(warnings_of(capfd))
+    assert "holds a run that saved nothing" in said and "batch_tokens: run has 16, now 512" in said
+    assert [r["step"] for r in records(out)] == [1, 2, 3, 4]
+    assert (out / "export").is_dir()
+    with pytest.raises(RunError, match="holds a different run"):
+        run(tiny(cache, out, steps=4, checkpoint_every=2, lr=1e-3))

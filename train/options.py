@@ -23,6 +23,7 @@ HARMLESS_CHANGES = frozenset(
         "data",  # the cache itself is compared by its manifest identity instead
         "out",  # the folder whose config.json this is, however the command spells it
         "gpus",  # the world size is checked against the checkpoint's loader state
+        "workers",  # so are the loader streams
         "follow",  # the plan (followed or not) is the checkpoint's
         "steps",
         "epochs",

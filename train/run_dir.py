@@ -11,7 +11,7 @@ from typing import Any
 from shared.cli import to_json
 from shared.fsio import atomic_write_json, remove_stale_tmp
 from shared.manifest import Manifest, identity_changes
-from train.checkpoint import list_checkpoints, read_meta, resolve_resume
+from train.checkpoint import incomplete_steps, list_checkpoints, read_meta, resolve_resume
 from train.config import TrainConfig
 from train.options import HARMLESS_CHANGES
 from train.prepared import Prepared
@@ -66,6 +66,14 @@ def prepare_run_dir(
         old = _run_record(path)
         harmful, harmless = config_changes(old.get("train", {}), record["train"])
         harmful += _record_changes(old, record)
+        if harmful and _saved_nothing(out):
+            log.warning(
+                "%s holds a run that saved nothing (no checkpoint, no export): this run takes "
+                "its place (%s)",
+                out,
+                "; ".join(harmful),
+            )
+            harmful, harmless = [], []
         if harmful:
             lines = "\n".join(f"  - {h}" for h in harmful)
             raise RunError(f"{out} holds a different run; use another --out or delete it:\n{lines}")
@@ -81,6 +89,12 @@ def prepare_run_dir(
     for left in remove_stale_tmp(out):
         log.info("removed %s, left by a killed write", left)
     atomic_write_json(path, record)
+
+
+def _saved_nothing(out: Path) -> bool:
+    """Whether a run folder holds nothing a run saved: no checkpoint, complete or not, and no
+    export (a run that failed or was killed before its first checkpoint)."""
+    return not list_checkpoints(out) and not incomplete_steps(out) and not (out / "export").exists()
 
 
 def _run_record(path: Path) -> dict[str, Any]:
