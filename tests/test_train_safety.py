@@ -95,6 +95,24 @@ def test_options_that_cannot_work_name_their_flag(cache, tmp_path):
         assert "block_size" not in r.output and "max_length" not in r.output
 
 
+def test_a_drafter_shape_the_options_cannot_make_names_them_not_the_cache(cache, tmp_path):
+    out = tmp_path / "r"
+    base = ["--data", str(cache), "--out", str(out), "--gpus", "cpu", "--drafter-layers", "1"]
+    for args, needle in [
+        (
+            ["--drafter-heads", "3", "--drafter-kv-heads", "2"],
+            "num_key_value_heads (2) must divide num_attention_heads (3) (set by "
+            "--drafter-heads, --drafter-kv-heads)",
+        ),
+        (["--drafter-head-dim", "7"], "head_dim must be even for RoPE, got 7 (set by "),
+        (["--mask-token-id", "999999"], "(set by --mask-token-id)"),
+    ]:
+        r = CliRunner().invoke(main, base + args)
+        assert r.exit_code == 1, (args, r.output)
+        assert "the drafter options make no drafter: " in r.output and needle in r.output, r.output
+        assert "cannot be used" not in r.output and not out.exists()
+
+
 def test_extract_refuses_more_layers_than_the_target_has(tmp_path, tiny_qwen3):
     from extract.__main__ import main as extract_main
 

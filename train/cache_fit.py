@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 from safetensors import safe_open
@@ -141,9 +142,37 @@ def _drafter_config(
             **family_fields(cfg),
         )
     except (ValueError, KeyError) as e:
-        problems.append(f"drafter config: {e}")
+        problems.append(option_problem(str(e)))
         return None, hidden
     return drafter, hidden
+
+
+# The drafter config's fields that an option sets, to name in a problem with them.
+_OPTIONS = {
+    "num_attention_heads": "--drafter-heads",
+    "num_key_value_heads": "--drafter-kv-heads",
+    "head_dim": "--drafter-head-dim",
+    "intermediate_size": "--drafter-intermediate",
+    "num_layers": "--drafter-layers",
+    "layer_types": "--layer-types",
+    "sliding_window": "--sliding-window",
+    "block_size": "--block-size",
+    "mask_token_id": "--mask-token-id",
+    "conv_group_size": "--conv-group-size",
+    "conv_kernel_size": "--conv-kernel-size",
+    "selector_rank": "--selector-rank",
+    "selector_top_k": "--selector-top-k",
+    "final_logit_softcapping": "--final-logit-softcapping",
+    "markov_rank": "--markov-rank",
+}
+OPTION_PROBLEM = "the drafter options make no drafter: "
+
+
+def option_problem(error: str) -> str:
+    """A drafter config's complaint, with the options that set the fields it names (the other
+    fields come from the target's config)."""
+    named = [flag for field, flag in _OPTIONS.items() if re.search(rf"\b{field}\b", error)]
+    return OPTION_PROBLEM + error + (f" (set by {', '.join(named)})" if named else "")
 
 
 def family_fields(cfg: TrainConfig) -> dict[str, int | float | bool]:
