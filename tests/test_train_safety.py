@@ -207,6 +207,15 @@ def test_out_that_is_a_file_or_read_only_names_out(cache, tmp_path):
         assert "read-only file system" in r.output and "Traceback" not in r.output
 
 
+def test_an_out_folder_of_other_files_is_refused(cache, tmp_path):
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    r = CliRunner().invoke(main, ["--data", str(cache), "--out", str(out), "--gpus", "cpu"])
+    assert r.exit_code == 1 and "holds files but no training run (notes.txt)" in r.output
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
 def test_data_that_will_never_be_a_cache_is_refused_at_once(tmp_path):
     """--follow waits for an extraction to start writing --data; a file, or a folder of
     files no extraction writes, never will be one: refused at once, not after the wait."""
@@ -223,6 +232,10 @@ def test_data_that_will_never_be_a_cache_is_refused_at_once(tmp_path):
     starting.mkdir()
     (starting / ".lock").write_text("")
     assert never_a_cache(starting) is None and never_a_cache(tmp_path / "later") is None
+    cache = write_cache(tmp_path / "c", num_parts=2, samples_per_part=4)
+    for given in (cache / "part-000000", cache / "manifest.json"):
+        with pytest.raises(CacheMismatch, match=f"a part of the cache {cache}, not a cache"):
+            run(tiny(given, tmp_path / "r"))
 
 
 def test_a_run_folder_inside_the_cache_is_refused(cache, tmp_path):

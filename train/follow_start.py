@@ -68,6 +68,8 @@ def never_a_cache(data: Path) -> str | None:
     """Why `data` (no manifest.json in it) will not become a cache an extraction writes, or
     None when it may: a file, or a folder of files no extraction writes."""
     data = Path(data)
+    if is_own_entry(data.name) and manifest_path(data.parent).is_file():
+        return f"a part of the cache {data.parent}, not a cache: give that folder"
     if data.is_file():
         return "a file, not a cache folder: give the folder `python -m extract --out` writes"
     names = [p.name for p in data.iterdir()] if data.is_dir() else []

@@ -36,7 +36,7 @@ from train.drafters.anchors import default_gamma
 from train.follow_start import await_first_step, await_manifest, holdout, start_following
 from train.loop import EXPORT_DIR, train_rank
 from train.prepared import FollowPlan, Prepared
-from train.run_dir import RunError, prepare_run_dir, resumed_plan
+from train.run_dir import RunError, foreign_files, prepare_run_dir, resumed_plan
 from train.warm_start import init_from_problems
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def run(cfg: TrainConfig) -> Path:
         spec = parse_gpus(cfg.gpus)
     except ValueError as e:
         raise RunError(str(e)) from None
-    problem = unwritable_reason(cfg.out)
+    problem = unwritable_reason(cfg.out) or foreign_files(cfg.out)
     if problem:
         raise RunError(f"--out {cfg.out}: {problem}")
     manifest = await_manifest(cfg)

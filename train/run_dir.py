@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 from shared.cli import to_json
 from shared.fsio import atomic_write_json, remove_stale_tmp
+from shared.lock import LOCK_FILE
 from shared.manifest import Manifest, identity_changes
 from train.checkpoint import incomplete_steps, list_checkpoints, read_meta, resolve_resume
 from train.config import TrainConfig
@@ -89,6 +91,22 @@ def prepare_run_dir(
     for left in remove_stale_tmp(out):
         log.info("removed %s, left by a killed write", left)
     atomic_write_json(path, record)
+
+
+def foreign_files(out: Path) -> str | None:
+    """Why `out` cannot take a run: a folder that holds files but no run's config.json (its
+    lock files aside), or None."""
+    out = Path(out)
+    if not out.is_dir() or (out / CONFIG_FILE).exists():
+        return None
+    names = sorted(n for n in os.listdir(out) if not n.startswith(LOCK_FILE))
+    if not names:
+        return None
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    return (
+        f"holds files but no training run ({shown}): give a new or empty folder, or a run "
+        "folder to resume"
+    )
 
 
 def _saved_nothing(out: Path) -> bool:
