@@ -88,7 +88,8 @@ def test_options_that_cannot_work_name_their_flag(cache, tmp_path):
         (["--block-size", "600", "--batch-tokens", "512"], "must be at most --batch-tokens (512)"),
         (["--max-length", "1"], "--max-length: must be at least --block-size (16)"),
         (["--layer-types", "nope"], "--layer-types: unknown"),
-        (["--mask-token-id", "-1"], "--mask-token-id"),
+        (["--mask-token-id", "-1"], "--mask-token-id: must be >= 0"),
+        (["--layer-types", "full", "--sliding-window", "64"], "--sliding-window: has no effect"),
     ]:
         r = CliRunner().invoke(main, base + args)
         assert r.exit_code == 2 and needle in r.output, (args, r.output)

@@ -142,37 +142,43 @@ def _drafter_config(
             **family_fields(cfg),
         )
     except (ValueError, KeyError) as e:
-        problems.append(option_problem(str(e)))
+        problems.append(option_problem(str(e), cfg))
         return None, hidden
     return drafter, hidden
 
 
-# The drafter config's fields that an option sets, to name in a problem with them.
+# The drafter config's fields that an option sets: (its flag, the TrainConfig field).
 _OPTIONS = {
-    "num_attention_heads": "--drafter-heads",
-    "num_key_value_heads": "--drafter-kv-heads",
-    "head_dim": "--drafter-head-dim",
-    "intermediate_size": "--drafter-intermediate",
-    "num_layers": "--drafter-layers",
-    "layer_types": "--layer-types",
-    "sliding_window": "--sliding-window",
-    "block_size": "--block-size",
-    "mask_token_id": "--mask-token-id",
-    "conv_group_size": "--conv-group-size",
-    "conv_kernel_size": "--conv-kernel-size",
-    "selector_rank": "--selector-rank",
-    "selector_top_k": "--selector-top-k",
-    "final_logit_softcapping": "--final-logit-softcapping",
-    "markov_rank": "--markov-rank",
+    "num_attention_heads": ("--drafter-heads", "drafter_heads"),
+    "num_key_value_heads": ("--drafter-kv-heads", "drafter_kv_heads"),
+    "head_dim": ("--drafter-head-dim", "drafter_head_dim"),
+    "intermediate_size": ("--drafter-intermediate", "drafter_intermediate"),
+    "num_layers": ("--drafter-layers", "drafter_layers"),
+    "layer_types": ("--layer-types", "layer_types"),
+    "sliding_window": ("--sliding-window", "sliding_window"),
+    "block_size": ("--block-size", "block_size"),
+    "mask_token_id": ("--mask-token-id", "mask_token_id"),
+    "conv_group_size": ("--conv-group-size", "conv_group_size"),
+    "conv_kernel_size": ("--conv-kernel-size", "conv_kernel_size"),
+    "selector_rank": ("--selector-rank", "selector_rank"),
+    "selector_top_k": ("--selector-top-k", "selector_top_k"),
+    "final_logit_softcapping": ("--final-logit-softcapping", "final_logit_softcapping"),
+    "markov_rank": ("--markov-rank", "markov_rank"),
 }
 OPTION_PROBLEM = "the drafter options make no drafter: "
 
 
-def option_problem(error: str) -> str:
-    """A drafter config's complaint, with the options that set the fields it names (the other
-    fields come from the target's config)."""
-    named = [flag for field, flag in _OPTIONS.items() if re.search(rf"\b{field}\b", error)]
-    return OPTION_PROBLEM + error + (f" (set by {', '.join(named)})" if named else "")
+def option_problem(error: str, cfg: TrainConfig) -> str:
+    """A drafter config's complaint: the options' to fix where it names a field an option set
+    (named with it), else the target config's (the fields an option leaves to it)."""
+    named = [
+        flag
+        for field, (flag, attr) in _OPTIONS.items()
+        if re.search(rf"\b{field}\b", error) and getattr(cfg, attr, None) is not None
+    ]
+    if not named:
+        return f"drafter config: {error}"
+    return f"{OPTION_PROBLEM}{error} (set by {', '.join(named)})"
 
 
 def family_fields(cfg: TrainConfig) -> dict[str, int | float | bool]:

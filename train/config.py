@@ -329,7 +329,8 @@ class TrainConfig:
         _check(self.eval_parts is None or self.eval_parts >= 0, "eval_parts", "must be >= 0")
         _check(self.gamma is None or self.gamma > 0, "gamma", "must be > 0")
         _check(self.num_anchors is None or self.num_anchors >= 1, "num_anchors", "must be >= 1")
-        _check(self.mask_token_id is None or self.mask_token_id >= 0, "mask_token_id", ">= 0")
+        no_mask_id = self.mask_token_id is None
+        _check(no_mask_id or self.mask_token_id >= 0, "mask_token_id", "must be >= 0")
         _check(self.steps is not None or self.epochs >= 1, "epochs", "must be >= 1 without steps")
         for name, allowed in (
             ("attention", ATTENTIONS),
@@ -345,6 +346,11 @@ class TrainConfig:
         types = parse_layer_types(self.layer_types, self.drafter_layers)
         if "sliding_attention" in types and self.sliding_window is None:
             raise ValueError("sliding_window: required when a drafter layer slides")
+        _check(
+            self.layer_types is None or "sliding_attention" in types or self.sliding_window is None,
+            "sliding_window",
+            "has no effect: no layer of --layer-types slides (drop it, or make a layer sliding)",
+        )
 
     def _check_dspark(self) -> None:
         _check(self.markov_rank >= 0, "markov_rank", "must be >= 0")

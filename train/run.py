@@ -48,13 +48,15 @@ def run(cfg: TrainConfig) -> Path:
         spec = parse_gpus(cfg.gpus)
     except ValueError as e:
         raise RunError(str(e)) from None
-    problem = unwritable_reason(cfg.out) or foreign_files(cfg.out)
+    problem = unwritable_reason(cfg.out)
     if problem:
         raise RunError(f"--out {cfg.out}: {problem}")
     manifest = await_manifest(cfg)
     inside = refuse_inside_cache(cfg.out, cfg.data)
     if inside:
         raise RunError(inside)
+    if problem := foreign_files(cfg.out):
+        raise RunError(f"--out {cfg.out}: {problem}")
     saved = resumed_plan(cfg)
     view = None
     # A run follows an extraction on a cache not yet complete, and keeps following (the plan is
