@@ -8,6 +8,7 @@ import signal
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -210,6 +211,20 @@ def test_the_grid_is_checked_before_any_run(cache, tmp_path):
     with pytest.raises(GridError, match=r"variant target_layers=1,9: the cache .*\[9\]"):
         plan(["target-layers=0,1;1,9"])  # a layer the cache does not hold: before the first
     assert not tmp_path.joinpath("runs").exists()  # planning writes nothing
+
+
+@pytest.mark.parametrize("where", ["file", "under_a_file", "proc"])
+def test_an_out_that_cannot_be_a_folder_is_named(cache, tmp_path, where):
+    (tmp_path / "afile").write_text("x")
+    out = {
+        "file": tmp_path / "afile",
+        "under_a_file": tmp_path / "afile" / "sub",
+        "proc": Path("/proc/nope-sweep"),
+    }[where]
+    result = CliRunner().invoke(main, ["--data", str(cache), "--out", str(out), *GRID, *TRAIN])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"Error: --out {out}: " in result.output and "Traceback" not in result.output
+    assert (tmp_path / "afile").read_text() == "x"
 
 
 def test_differences_against_the_best():

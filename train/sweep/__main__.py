@@ -55,7 +55,7 @@ def main(
     """Train every variant of a grid with several seeds on one cache, then report tau with
     standard errors (report.md, report.json, tau.png, curves.png in the sweep folder)."""
     from shared.dist import parse_gpus
-    from shared.fsio import atomic_write_json
+    from shared.fsio import atomic_write_json, unwritable_reason
     from shared.lock import LockHeld, output_lock
     from shared.logs import setup_logging
     from train.sweep.jobs import finished, log_path, run_error, run_jobs
@@ -70,7 +70,15 @@ def main(
     except (GridError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     devices = ["cpu"] * spec.nprocs if spec.kind == "cpu" else [str(d) for d in spec.devices]
-    out.mkdir(parents=True, exist_ok=True)
+    problem = unwritable_reason(out)
+    if problem:
+        raise click.ClickException(f"--out {out}: {problem}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # e.g. --out /proc/x as root: mkdir fails although "writable"
+        raise click.ClickException(
+            f"--out {out}: cannot make {e.filename or out} ({e.strerror or e})"
+        ) from None
     try:
         with output_lock(out, "python -m train.sweep"):
             old = out / SWEEP_FILE
