@@ -363,6 +363,21 @@ def test_an_output_in_use_is_refused(target, data_file, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("under", ["a_file", "proc"])
+def test_an_out_that_cannot_be_written_is_named(target, data_file, tmp_path, under):
+    from click.testing import CliRunner
+
+    from extract.regen.__main__ import main
+
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "afile" / "x.jsonl" if under == "a_file" else Path("/proc/nope-regen.jsonl")
+    args = ["--target", str(target), "--data", str(data_file), "--out", str(out), "--gpus", "cpu"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"Error: --out {out}: " in result.output and "Traceback" not in result.output
+    assert (tmp_path / "afile").read_text() == "x"
+
+
 def test_nothing_kept_is_a_failure(target, tmp_path):
     from click.testing import CliRunner
 

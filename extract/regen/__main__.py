@@ -6,6 +6,7 @@ answer without torch or transformers being imported.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -32,14 +33,23 @@ def main(more_data: tuple[Path, ...], **kwargs: Any) -> None:
     from extract.regen.regenerate import run
     from extract.regen.report import format_summary
     from extract.regen.state import parts_dir
+    from shared.fsio import unwritable_reason
     from shared.lock import LockHeld, output_lock
     from shared.ranks import takes_output_lock
 
+    problem = unwritable_reason(parts_dir(cfg.out))
+    if problem:
+        raise click.ClickException(f"--out {cfg.out}: {problem}")
     try:  # one run at a time on an output: its lock lives in OUT.parts (rank 0's, torchrun's)
         lock = output_lock(
             parts_dir(cfg.out), "python -m extract.regen", enabled=takes_output_lock()
         )
-        with lock:
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(lock)
+            except OSError as e:  # e.g. --out /proc/x as root: mkdir fails although "writable"
+                where = e.filename or parts_dir(cfg.out)
+                raise RegenError(f"--out {cfg.out}: cannot make {where} ({e.strerror})") from None
             state = run(cfg)
     except (RegenError, LockHeld) as e:
         raise click.ClickException(str(e)) from None
