@@ -392,6 +392,29 @@ def test_cli_missing_files(tmp_path, tiny_qwen3, random_export):
     assert "Traceback" not in result.output
 
 
+def test_cli_a_damaged_or_foreign_drafter_is_named(tmp_path, tiny_qwen3, random_export):
+    prompts = write_json(tmp_path / "prompts.json", ["hi"])
+    cut, bare, keyless = (shutil.copytree(random_export, tmp_path / n) for n in ("c", "b", "k"))
+    weights = (random_export / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(weights[:500])
+    (bare / "model.safetensors").unlink()
+    config = json.loads((keyless / "config.json").read_text())
+    del config["num_attention_heads"]
+    (keyless / "config.json").write_text(json.dumps(config))
+    again = "export it again (python -m train.export CHECKPOINT"
+    for drafter, needle in [
+        (cut, f"--drafter {cut}: {cut / 'model.safetensors'} is damaged ("),
+        (bare, f"--drafter {bare}: {bare / 'model.safetensors'} is missing; {again}"),
+        (keyless, f"--drafter {keyless} is not a drafter export: its config.json has no "
+                  f"num_attention_heads; {again}"),
+        (tiny_qwen3, f"--drafter {tiny_qwen3} is not a drafter export: its config.json has no "
+                     "num_target_layers, mask_token_id, target_layer_ids (a target model's"),
+    ]:  # fmt: skip
+        result = run_cli("--target", tiny_qwen3, "--drafter", drafter, "--prompts", prompts)
+        assert result.exit_code == 1 and needle in result.output, result.output
+    assert again in run_cli("--target", tiny_qwen3, "--drafter", cut, "--prompts", prompts).output
+
+
 def test_cli_drafter_that_does_not_fit(tmp_path, tiny_qwen3):
     prompts = write_json(tmp_path / "prompts.json", ["hi"])
     target_cfg = json.loads((tiny_qwen3 / "config.json").read_text())

@@ -61,6 +61,31 @@ def hf_config(cfg: DrafterConfig) -> dict[str, Any]:
     return dspark_hf_config(out, cfg) if cfg.drafter_type == "dspark" else out
 
 
+# What `config_from_hf` cannot default: top-level fields, and the DFlash ones it also reads
+# inside `dflash_config` (a target model's config has none of these two).
+_TOP_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "num_target_layers",
+)
+DFLASH_FIELDS = ("mask_token_id", "target_layer_ids")
+
+
+def missing_fields(data: dict[str, Any]) -> list[str]:
+    """The fields `config_from_hf` needs that `data` lacks or holds as null.
+
+    >>> missing_fields({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
+    ...                 "num_attention_heads": 2, "vocab_size": 512, "dflash_config": {}})
+    ['num_target_layers', 'mask_token_id', 'target_layer_ids']
+    """
+    dflash = data.get("dflash_config") or {}
+    missing = [name for name in _TOP_FIELDS if data.get(name) is None]
+    return missing + [name for name in DFLASH_FIELDS if dflash.get(name, data.get(name)) is None]
+
+
 def config_from_hf(data: dict[str, Any]) -> DrafterConfig:
     """Inverse of `hf_config` (also reads public DFlash configs with the same fields)."""
     dflash = data.get("dflash_config", {})

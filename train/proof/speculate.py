@@ -27,7 +27,7 @@ from shared.logs import setup_logging
 from shared.models import resolve_target_name
 from train.drafters.config import DrafterConfig
 from train.drafters.dflash import DFlashDrafter
-from train.export import CONFIG_FILE, config_from_hf, load_export
+from train.export import CONFIG_FILE, export_config, load_export, weights_problem
 from train.proof.dspark_decode import format_sampled, sampled_summary
 from train.proof.lossless import compare_with_greedy, format_report, greedy_baselines
 
@@ -207,14 +207,19 @@ def load(
         if not Path(path).is_file():
             raise SpeculateError(f"{what}: {path} does not exist")
     try:
+        drafter_cfgs = [export_config(d) for d in cfg.drafter]
+    except ValueError as e:
+        raise SpeculateError(f"--drafter {e}") from None
+    try:
         target_config = AutoConfig.from_pretrained(cfg.target)
         tokenizer = AutoTokenizer.from_pretrained(cfg.target)
-        drafter_cfgs = [
-            config_from_hf(json.loads((d / CONFIG_FILE).read_text())) for d in cfg.drafter
-        ]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SpeculateError(f"cannot read the target or the drafter config: {e}") from None
+        raise SpeculateError(
+            f"--target {cfg.target}: cannot read its config or tokenizer ({e})"
+        ) from None
     for path, drafter_cfg in zip(cfg.drafter, drafter_cfgs, strict=True):
+        if problem := weights_problem(path, drafter_cfg):
+            raise SpeculateError(f"--drafter {problem}")
         problems = fit_problems(drafter_cfg, target_config)
         which = f" ({path})" if len(cfg.drafter) > 1 else ""
         if problems:
