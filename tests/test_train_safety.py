@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 
 import pytest
@@ -127,6 +128,49 @@ def test_an_output_that_cannot_be_made_is_one_message(cache):
     args = ["--data", str(cache), "--out", "/proc/nope/run", "--gpus", "cpu", "--workers", "0"]
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 1 and "/proc/nope" in r.output and "Traceback" not in r.output
+
+
+def test_a_warm_start_that_cannot_be_read_is_named_before_the_run_folder(
+    cache, tmp_path, tiny_qwen3
+):
+    base = tmp_path / "base"
+    run(tiny(cache, base, steps=2, checkpoint_every=2))
+    step, export = base / "checkpoints" / "step-2", base / "export"
+    sources = {name: tmp_path / name for name in ("cut", "bare", "state", "meta", "old")}
+    for name in ("cut", "bare"):
+        shutil.copytree(export, sources[name])
+    for name in ("state", "meta", "old"):
+        shutil.copytree(step, sources[name])
+    weights = sources["cut"] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:500])
+    (sources["bare"] / "model.safetensors").unlink()
+    for name in ("state", "old"):
+        state = sources[name] / "state.pt"
+        state.write_bytes(state.read_bytes()[:5000])
+    (sources["meta"] / "meta.json").write_text("{bad")
+    meta = json.loads((step / "meta.json").read_text())
+    del meta["state"]  # a checkpoint saved before they recorded their state's size and crc32c
+    (sources["old"] / "meta.json").write_text(json.dumps(meta))
+    args = [
+        "--data", str(cache), "--gpus", "cpu", "--workers", "0", "--drafter-layers", "1",
+        "--block-size", "4", "--num-anchors", "8", "--batch-tokens", "512", "--steps", "2",
+    ]  # fmt: skip
+    for source, named in [
+        (sources["cut"], f"{weights} is damaged ("),
+        (sources["bare"], f"{sources['bare'] / 'model.safetensors'} is missing; export it again"),
+        (sources["state"], f"{sources['state'] / 'state.pt'} is damaged"),
+        (sources["meta"], f"{sources['meta'] / 'meta.json'} cannot be read"),
+        (tiny_qwen3, "is not a drafter export: its config.json has no num_target_layers"),
+        (sources["old"], f"{sources['old'] / 'state.pt'}"),  # found by the rank reading it
+    ]:
+        out = tmp_path / "warm"
+        r = CliRunner().invoke(main, [*args, "--out", str(out), "--init-from", str(source)])
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+        assert f"Error: --init-from {source}" in r.output and named in r.output, r.output
+        assert "--out" not in r.output and "Traceback" not in r.output
+        if source != sources["old"]:
+            assert not out.exists()  # nothing written: the corrected command is not refused
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def _tree_bytes(folder) -> int:

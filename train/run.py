@@ -37,7 +37,7 @@ from train.follow_start import await_first_step, await_manifest, holdout, start_
 from train.loop import EXPORT_DIR, train_rank
 from train.prepared import FollowPlan, Prepared
 from train.run_dir import RunError, foreign_files, prepare_run_dir, resumed_plan
-from train.warm_start import init_from_problems
+from train.warm_start import init_from_problem, init_from_problems
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,9 @@ def run(cfg: TrainConfig) -> Path:
         view = read_view(cfg.data, manifest)
     cfg, prep = prepare(cfg, manifest, device_kind=spec.kind, view=view)
     if cfg.init_from is not None:  # before the run folder is written: its fix is the command's
+        problem = init_from_problem(cfg.init_from)
+        if problem:
+            raise RunError(problem)
         problems = init_from_problems(cfg.init_from, prep.drafter)
         if problems:
             raise RunError("--init-from does not fit the drafter:\n  - " + "\n  - ".join(problems))

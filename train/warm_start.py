@@ -7,10 +7,17 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import drafter_config, is_complete, load_drafter
+from shared.stopping import StopRun
+from train.checkpoint import (
+    STATE_FILE,
+    checkpoint_problem,
+    drafter_config,
+    is_complete,
+    load_drafter,
+)
 from train.drafters.config import DrafterConfig
 from train.drafters.dflash import DFlashDrafter
-from train.export import CONFIG_FILE, export_config, load_export
+from train.export import CONFIG_FILE, WEIGHTS_FILE, export_config, load_export, weights_problem
 
 log = logging.getLogger(__name__)
 
@@ -33,18 +40,37 @@ _WARM_START_FIELDS = (
 READERS = {"checkpoint": (drafter_config, load_drafter), "export": (export_config, load_export)}
 
 
-def init_from_problems(path: str | Path, cfg: DrafterConfig) -> list[str]:
-    """What keeps `path` from starting a drafter of `cfg`, read from its config alone (before
-    any rank starts, and before the run folder is written): [] when it fits."""
+def init_from_problem(path: str | Path) -> str | None:
+    """Why `path` holds no drafter to start from (neither a checkpoint nor an export, or a file
+    of it missing or damaged), naming the file; None when it holds one. Read before any rank
+    starts and before the run folder is written: a checkpoint's state.pt against the size and
+    crc32c its meta.json records (the ranks trust this finding), an export's weights from their
+    header."""
     folder = Path(path)
     kind = _kind(folder)
     if kind not in READERS:
-        return [_not_a_drafter(folder, kind)]
+        return _not_a_drafter(folder, kind)
     try:
-        source = READERS[kind][0](folder)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return [f"--init-from {folder}: its config cannot be read ({e})"]
-    return config_problems(source, cfg, path)
+        if kind == "checkpoint":
+            drafter_config(folder)
+            problem = checkpoint_problem(folder)
+        else:
+            problem = weights_problem(folder, export_config(folder))
+    except ValueError as e:
+        problem = str(e)
+    return None if problem is None else _named(folder, kind, problem)
+
+
+def _named(folder: Path, kind: str, problem: str) -> str:
+    """`problem` after --init-from and the folder (an export's problems start with it)."""
+    return f"--init-from {problem}" if kind == "export" else f"--init-from {folder}: {problem}"
+
+
+def init_from_problems(path: str | Path, cfg: DrafterConfig) -> list[str]:
+    """What keeps the drafter at `path` (`init_from_problem` None) from starting one of `cfg`,
+    read from its config alone: [] when it fits."""
+    folder = Path(path)
+    return config_problems(READERS[_kind(folder)][0](folder), cfg, path)
 
 
 def _kind(folder: Path) -> str | None:
@@ -80,7 +106,13 @@ def warm_start_state(path: str | Path) -> tuple[dict[str, torch.Tensor], Drafter
     kind = _kind(folder)
     if kind not in READERS:
         raise ValueError(_not_a_drafter(folder, kind))
-    drafter, cfg = READERS[kind][1](folder)
+    try:
+        drafter, cfg = READERS[kind][1](folder)
+    except ValueError as e:  # a file changed since `init_from_problem`, or torch finds it damaged
+        raise StopRun(_named(folder, kind, str(e))) from None
+    except OSError as e:  # torch's zip reader fails on some archives cut short with EINVAL
+        where = e.filename or folder / (STATE_FILE if kind == "checkpoint" else WEIGHTS_FILE)
+        raise StopRun(f"--init-from {folder}: {where} cannot be read ({e.strerror or e})") from None
     return {k: v.float() for k, v in drafter.state_dict().items()}, cfg
 
 
