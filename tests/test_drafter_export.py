@@ -3,15 +3,18 @@
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors import safe_open
 from torch import nn
 
 from tests.drafters import drafter_masks, tiny_drafter, tiny_drafter_config
+from train.checkpoint import save_checkpoint
 from train.drafters.dflash import init_drafter_weights
-from train.export import EXPORT_KEYS, export_drafter, load_export
+from train.export import EXPORT_KEYS, export_drafter, load_export, main
 
 
 def _drafter(layer_types=("full_attention", "full_attention"), sliding_window=None):
@@ -88,6 +91,19 @@ def test_export_never_replaces_a_folder_or_file_that_is_not_an_export(tmp_path):
     export_drafter(drafter, cfg, tmp_path / "empty")  # an empty folder is taken
     assert load_export(tmp_path / "empty")[1] == cfg
     assert not list(tmp_path.glob(".*tmp*"))  # nothing left beside them
+
+
+@pytest.mark.parametrize("where", ["proc", "under_a_file"])
+def test_export_command_names_an_out_dir_that_cannot_be_written(tmp_path, where):
+    drafter, cfg = _drafter()
+    ckpt = save_checkpoint(tmp_path / "run", 1, {"model": drafter.state_dict()}, cfg, keep=1)
+    (tmp_path / "afile").write_text("x")
+    out = Path("/proc/nope-export") if where == "proc" else tmp_path / "afile" / "export"
+    result = CliRunner().invoke(main, [str(ckpt), str(out)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"Error: export folder {out}: " in result.output, result.output
+    assert ".tmp-" not in result.output and "Errno" not in result.output
+    assert (tmp_path / "afile").read_text() == "x"
 
 
 def test_export_rejects_unknown_and_missing_keys(tmp_path):

@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from shared.fsio import public_modes, replace_dir
+from shared.fsio import public_modes, replace_dir, unwritable_reason
 from shared.lock import pid_alive
 from shared.space import is_disk_full, size_text
 from train.drafters.config import DrafterConfig
@@ -370,15 +370,23 @@ def main(checkpoint: Path, out_dir: Path, cache: Path | None) -> None:
     from train.checkpoint import load_drafter, load_state
 
     setup_logging()
+    if problem := unwritable_reason(out_dir):
+        raise click.ClickException(f"export folder {out_dir}: {problem}")
     try:
         drafter, cfg = load_drafter(checkpoint)
         heads = None
         if cfg.drafter_type == "dspark":
             cache = cache or Path(load_state(checkpoint)["config"]["data"])
             heads = load_heads(cache)
-        out = export_drafter(drafter, cfg, out_dir, heads=heads)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
+    try:
+        out = export_drafter(drafter, cfg, out_dir, heads=heads)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    except OSError as e:  # e.g. OUT_DIR /proc/x as root: its temporary sibling cannot be made
+        why = e.strerror or e
+        raise click.ClickException(f"export folder {out_dir}: cannot write it ({why})") from None
     click.echo(f"exported to {out}")
 
 
