@@ -45,7 +45,7 @@ from shared.ranks import usable_cpus
 if TYPE_CHECKING:  # torch and the cache's readers are imported where they are used: `--help`
     import torch  # and a missing cache answer at once
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__spec__.name if __spec__ else __name__)  # not "__main__" under -m
 # The full batch: copies of the sample up to the cache's batch size, at most this many rows.
 FLOOR_ROWS = 256
 

@@ -375,6 +375,7 @@ def test_verify_rerun_catches_states_of_other_weights(tmp_path, qwen3, data_file
     ok = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "relative error" in ok.stderr and "allowed" in ok.stderr  # the per-sample log line
+    assert " extract.verify: " in ok.stderr and " __main__: " not in ok.stderr  # its own name
     model = AutoModelForCausalLM.from_pretrained(target)
     with torch.no_grad():  # a different model: the last layer's MLP scaled
         model.model.layers[-1].mlp.down_proj.weight.mul_(3.0)

@@ -38,7 +38,7 @@ from train.export_hf import (  # noqa: F401 (train.export's API too)
     missing_fields,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__spec__.name if __spec__ else __name__)  # not "__main__" under -m
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

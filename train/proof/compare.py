@@ -31,7 +31,7 @@ from shared.fsio import atomic_write_bytes, atomic_write_text
 from shared.logs import setup_logging
 from shared.manifest import identity_changes
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__spec__.name if __spec__ else __name__)  # not "__main__" under -m
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"

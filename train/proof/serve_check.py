@@ -39,7 +39,7 @@ from shared.cli import build, click_options, option
 from shared.logs import setup_logging
 from shared.models import resolve_target_name
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__spec__.name if __spec__ else __name__)  # not "__main__" under -m
 
 ENGINES = ("vllm",)
 NOT_INSTALLED = 2  # exit code when the engine cannot be imported

@@ -31,7 +31,7 @@ from train.export import CONFIG_FILE, export_config, load_export, weights_proble
 from train.proof.dspark_decode import format_sampled, sampled_summary
 from train.proof.lossless import compare_with_greedy, format_report, greedy_baselines
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__spec__.name if __spec__ else __name__)  # not "__main__" under -m
 
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
