@@ -210,6 +210,11 @@ def test_the_grid_is_checked_before_any_run(cache, tmp_path):
     assert jobs[1].argv[-2:] == ("--target-layers", "1,3") and len(jobs) == 4
     with pytest.raises(GridError, match=r"variant target_layers=1,9: the cache .*\[9\]"):
         plan(["target-layers=0,1;1,9"])  # a layer the cache does not hold: before the first
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "a.txt").write_text("x")
+    with pytest.raises(GridError, match=r"--data .*notes: no manifest.json, and files no"):
+        plan_jobs(data=notes, out=tmp_path, grid=parse_vary(["lr=1e-3"]), seeds=1, train_args=[])
     assert not tmp_path.joinpath("runs").exists()  # planning writes nothing
 
 

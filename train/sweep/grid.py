@@ -18,6 +18,7 @@ from shared.cli import build
 from shared.manifest import Manifest, manifest_path, read_manifest, refuse_inside_cache
 from train.cache_fit import fit_cache
 from train.config import TrainConfig
+from train.follow_start import never_a_cache
 
 RUNS_DIR = "runs"
 # Set by the sweep for every run, or deciding the held-out rows and the budget: never varied.
@@ -132,6 +133,8 @@ def plan_jobs(
         raise GridError(inside)
     jobs = []
     manifest = read_manifest(data) if manifest_path(data).is_file() else None  # none yet: follows
+    if manifest is None and (never := never_a_cache(Path(data))):
+        raise GridError(f"--data {data}: {never}")
     names: dict[str, Variant] = {}
     for variant in variants(grid):
         if (same := names.setdefault(variant.name, variant)) is not variant:
