@@ -22,6 +22,7 @@ class RankClocks:
     staging_waited_s: float  # the device waiting for a free staging buffer
     writer_threads: int
     out: str
+    tokens: int  # the tokens the rank's forwards ran: none, and no wait was for its writes
     disk_waited_s: float | None = None  # writer threads waiting for the disk queue; None: none
     store: str = "bf16"  # what the rank stores: the remedy names only smaller stores
 
@@ -29,12 +30,12 @@ class RankClocks:
 def limit_warning(c: RankClocks) -> str | None:
     """The warning for a rank held back by its writers or its disk, or None.
 
-    >>> clocks = RankClocks(wall_s=10, staging_waited_s=0.2, writer_threads=8, out="x")
+    >>> clocks = RankClocks(wall_s=10, staging_waited_s=0.2, writer_threads=8, out="x", tokens=9)
     >>> limit_warning(clocks) is None
     True
     """
     waited = c.staging_waited_s
-    if c.wall_s <= 0 or waited <= SIGNIFICANT * c.wall_s:
+    if c.tokens == 0 or c.wall_s <= 0 or waited <= SIGNIFICANT * c.wall_s:
         return None
     share = f"{100 * waited / c.wall_s:.0f}%"
     if c.disk_waited_s is not None and c.disk_waited_s > 0.5 * waited:

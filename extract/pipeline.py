@@ -283,6 +283,7 @@ class PartPipeline:
             staging_waited_s=waited + self.commit_waited_s,  # both: waiting on the writes
             writer_threads=self.threads,
             out=str(self.job.out),
+            tokens=self.counters.counts["tokens"],
             disk_waited_s=None if disk is None else disk.waited_s,
             store=self.job.store,
         )

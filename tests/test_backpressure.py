@@ -10,7 +10,10 @@ from extract.backpressure import EndClocks, RankClocks, describe_end, limit_warn
 
 def clocks(**kw) -> RankClocks:
     return RankClocks(
-        **{**dict(wall_s=100.0, staging_waited_s=0.0, writer_threads=8, out="shards"), **kw}
+        **{
+            **dict(wall_s=100.0, staging_waited_s=0.0, writer_threads=8, out="shards", tokens=1000),
+            **kw,
+        }
     )
 
 
@@ -18,6 +21,13 @@ def test_a_rank_at_its_own_speed_gets_no_warning():
     assert limit_warning(clocks()) is None
     assert limit_warning(clocks(staging_waited_s=9.0, disk_waited_s=9.0)) is None  # under 10%
     assert limit_warning(clocks(wall_s=0.0)) is None
+
+
+def test_a_rank_that_extracted_nothing_gets_no_warning():
+    """Parts whose rows were all rejected: the device ran no forward, so its waits (for their
+    commits) say nothing about compression or the disk."""
+    assert limit_warning(clocks(staging_waited_s=53.0, tokens=0)) is None
+    assert limit_warning(clocks(staging_waited_s=53.0)) is not None
 
 
 def test_the_device_waiting_for_writers_that_wait_for_the_disk_names_the_disk():
