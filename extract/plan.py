@@ -9,10 +9,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from extract.config import ExtractConfig
 from extract.data import RowIndex, index_rows, source_fingerprint, template_fingerprint
 from extract.estimate import CacheEstimate, estimate_cache
+from extract.outdir import entries
+from extract.rejects import all_rejected, nothing_kept
 from extract.sources import check_table, source_kind, streams
 from extract.target import (
     build_target_layer_ids,
@@ -25,6 +28,9 @@ from shared.cli import to_json
 from shared.codec import codec_description, payload_width
 from shared.fsio import unwritable_reason
 from shared.manifest import FORMAT_VERSION, LAST_LAYER_NOTE, Manifest, SourceFile
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +157,8 @@ def plan_manifest(cfg: ExtractConfig) -> tuple[Manifest, RowIndex, CacheEstimate
         store=cfg.store,
         fmt=cfg.format,
     )
+    if estimate.tokens_per_row == 0:  # every row sampled was rejected
+        _refuse_all_rejected(cfg, files, index, tokenizer, total=total, sampled=estimate.sampled)
     prints = template_fingerprint(tokenizer)
     resolved = dataclasses.replace(
         cfg,
@@ -176,3 +184,27 @@ def plan_manifest(cfg: ExtractConfig) -> tuple[Manifest, RowIndex, CacheEstimate
         index,
         estimate,
     )
+
+
+def _refuse_all_rejected(
+    cfg: ExtractConfig,
+    files: tuple[Path, ...],
+    index: RowIndex,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    total: int,
+    sampled: int,
+) -> None:
+    """Raise when no row of the data can be kept: before the target loads, and before anything
+    in --out is replaced (an --overwrite of a good cache included). Past a sample, the rows are
+    read until one is kept, which extraction would read anyway."""
+    if total > sampled:
+        log.info(
+            "the %d rows sampled were all rejected: reading the other rows of --data for one "
+            "that is kept",
+            sampled,
+        )
+    found = all_rejected(files, tokenizer, index=index, total=total, max_length=cfg.max_length)
+    if found is not None:
+        kept = ", and what it holds is left as it was" if entries(cfg.out) else ""
+        raise ExtractError(nothing_kept(found.read, found.reasons, found.first, cfg.out, then=kept))

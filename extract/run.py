@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 from extract.config import ExtractConfig
@@ -22,7 +22,7 @@ from extract.outdir import (
 )
 from extract.parallel import Layout, describe_engine, layout_record
 from extract.plan import ExtractError, plan_manifest
-from extract.sources import ACCEPTED_INPUT
+from extract.rejects import nothing_kept
 from extract.target import TargetError, write_target_files
 from extract.worker import rank_main
 from shared.cache import missing_or_resized
@@ -161,45 +161,6 @@ def idle_ranks(spec: DeviceSpec, parts: int, *, sharded: bool) -> list[str]:
     return out
 
 
-def nothing_kept(manifest: Manifest, out: Path) -> str:
-    t = manifest.totals()
-    reasons = ", ".join(f"{n} {r}" for r, n in t["rejected"].items()) or "none"
-    first = [r for p in manifest.parts for r in p.rejected_rows][:5]
-    lines = "".join(f"\n  {r.describe()}" for r in first)
-    return (
-        f"no row of --data was kept ({t['rows_read']} read; rejected: {reasons}), so no cache "
-        f"was written to {out}. The first rejected rows:{lines}\n"
-        + "\n".join(nothing_kept_hints(t["rejected"]))
-    )
-
-
-def nothing_kept_hints(reasons: Iterable[str]) -> list[str]:
-    """What to do about rows rejected for `reasons`: the data's form, the target's chat
-    template, or --max-length, as the reasons say.
-
-    >>> hints = nothing_kept_hints(["unknown_schema", "too_few_supervised_tokens"])
-    >>> [h.split(" ")[:3] for h in hints]
-    [['--data', 'takes', 'JSONL'], ['no', 'row', 'has']]
-    """
-    hints = []
-    if {"malformed_json", "unknown_schema", "no_assistant_turn", "empty", "bad_tokens"} & set(
-        reasons
-    ):
-        hints.append(ACCEPTED_INPUT)
-    if "template_error" in reasons:
-        hints.append(
-            "the target's chat template failed on a row (the detail above says how); a base "
-            "model has none (tokenizer.chat_template): give it --data as pre-tokenized "
-            "`input_ids` + `loss_mask`"
-        )
-    if "too_few_supervised_tokens" in reasons:
-        hints.append(
-            "no row has two supervised (assistant) tokens in its first --max-length tokens: "
-            "a larger --max-length keeps more of each row"
-        )
-    return hints
-
-
 def _finalize(out: Path) -> Manifest:
     def close(m: Manifest) -> Manifest:
         done = m.done_units() >= set(range(m.num_units))
@@ -247,7 +208,11 @@ def run(
                 # Committed parts without a single sample: nothing worth keeping or resuming.
                 if takes_output_lock():
                     clear_cache(cfg.out)
-                raise ExtractError(nothing_kept(manifest, cfg.out))
+                t = manifest.totals()
+                first = [r for p in manifest.parts for r in p.rejected_rows]
+                raise ExtractError(
+                    nothing_kept(t["rows_read"], t["rejected"], first, cfg.out, then="")
+                )
     except (LockHeld, TargetError, SpaceError) as e:
         raise ExtractError(str(e)) from None
     except OSError as e:  # e.g. --out /proc/x as root: mkdir fails although "writable"
