@@ -90,11 +90,31 @@ def check_model_type(target: str, config: dict[str, Any]) -> None:
         )
 
 
+SHARD_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> file map
+
+
 def weight_files(target: Path) -> list[Path]:
-    """The target's safetensors files, each checked to open (headers only: fast)."""
+    """The target's safetensors files, each checked to open (headers only: fast), and every
+    file its shard index lists there."""
     files = sorted(Path(target).glob("*.safetensors"))
     if not files:
         raise TargetError(f"--target {target}: no *.safetensors weight files found")
+    index = Path(target) / SHARD_INDEX
+    if index.is_file():
+        try:
+            listed = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise TargetError(
+                f"--target {target}: {index} cannot be read ({e!r}); restore it from the "
+                "model's original files"
+            ) from None
+        missing = sorted(str(n) for n in listed if not (Path(target) / str(n)).is_file())
+        if missing:
+            raise TargetError(
+                f"--target {target}: {len(missing)} of the {len(listed)} weight files its "
+                f"{SHARD_INDEX} lists are not there: {', '.join(missing[:5])}"
+                f"{' ...' if len(missing) > 5 else ''}; download or copy them again"
+            )
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:

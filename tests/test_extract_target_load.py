@@ -1,0 +1,50 @@
+"""A target that cannot be loaded is named as the problem, and leaves nothing in --out that
+blocks the same command once the target is fixed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from extract.config import ExtractConfig
+from extract.run import ExtractError, run
+from tests.test_extract import chat
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    path.write_text("".join(json.dumps(chat(i)) + "\n" for i in range(4)))
+    return path
+
+
+def config(out: Path, target: Path, data: Path, **over) -> ExtractConfig:
+    cfg = dict(out=out, target=str(target), data=(data,), gpus="cpu", rows_per_part=4)
+    return ExtractConfig(**{**cfg, "layers": "0,1", "writer_threads": 1, **over})
+
+
+def with_tokenizer(model: torch.nn.Module, folder: Path, tiny: Path, **save) -> Path:
+    model.save_pretrained(folder, **save)
+    for name in TOKENIZER_FILES:
+        shutil.copy(tiny / name, folder / name)
+    return folder
+
+
+def test_a_missing_weight_file_is_named_before_anything_is_written(tmp_path, tiny_qwen3, data_file):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3)
+    target = with_tokenizer(model, tmp_path / "sharded", tiny_qwen3, max_shard_size="200KB")
+    shards = sorted(target.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    shards[1].unlink()
+    with pytest.raises(ExtractError, match=f"--target {target}: 1 of the {len(shards)}") as e:
+        run(config(tmp_path / "c", target, data_file))
+    assert shards[1].name in str(e.value)
+    assert not (tmp_path / "c").exists()
