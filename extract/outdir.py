@@ -24,6 +24,7 @@ _LEFTOVER = re.compile(
     r"^(\.manifest\.lock|\.progress|\.lock|\.lock\.[^/]+|target(\.tmp|\.old)?"
     r"|part-\d{6}(\.tar)?\.tmp|extract_config\.json|\.(manifest|extract_config)\.json\.tmp\.[\d.]+)$"
 )
+_PART = re.compile(r"^part-\d{6}(\.tar)?(\.old)?$")
 MAX_LISTED = 10
 
 
@@ -40,6 +41,12 @@ def only_leftovers(out: Path) -> bool:
     """True when `out` holds nothing but what an interrupted start leaves (no manifest, no
     committed part): the same command may clear it."""
     return all(_LEFTOVER.match(n) for n in entries(out))
+
+
+def part_entries(out: Path) -> list[str]:
+    """The parts in `out`, committed or not (a commit cut short, a replaced one): not the
+    `.tmp` folders of parts in progress."""
+    return [n for n in entries(out) if _PART.match(n)]
 
 
 def listing(names: list[str]) -> str:

@@ -18,6 +18,7 @@ from extract.outdir import (
     foreign_entries,
     listing,
     only_leftovers,
+    part_entries,
     protected_reason,
 )
 from extract.parallel import Layout, describe_engine, layout_record
@@ -60,7 +61,8 @@ PROGRESS_DIR = ".progress"
 def existing_state(cfg: ExtractConfig, planned: Manifest) -> Manifest | None:
     """The cache to resume, None for a fresh start; raises if --out holds something else.
     `--overwrite` replaces only a folder holding nothing but this tool's entries, and never the
-    working directory or a folder holding the data or the target."""
+    working directory or a folder holding the data or the target. A cache of other settings
+    with no committed part (a start that failed before its first) is replaced without it."""
     out = cfg.out
     if not out.exists() or only_leftovers(out):
         return None
@@ -87,6 +89,16 @@ def existing_state(cfg: ExtractConfig, planned: Manifest) -> Manifest | None:
     if cfg.overwrite:
         return None
     lines = "\n".join(f"  - {p}" for p in problems)
+    if old is not None and not old.parts and not part_entries(out):
+        # A start that failed before its first commit (a target that did not load): nothing
+        # there to lose or to resume.
+        log.info(
+            "%s holds no committed part of the cache of other settings it records:\n%s\n"
+            "starting it again with this run's",
+            out,
+            lines,
+        )
+        return None
     damaged = ("is not valid JSON", "is malformed")
     if any(d in p for p in problems for d in damaged):  # not another cache's: its record cut
         raise ExtractError(

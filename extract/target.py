@@ -278,12 +278,24 @@ def load_target(
     else:
         # device_map loads weights straight onto the GPU (it needs `accelerate`); CPU needs none.
         placement = {"device_map": str(device)} if device.type == "cuda" else {}
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **placement)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **placement)
+    except OSError as e:  # a weight file gone or unreadable since planning checked them
+        raise TargetError(
+            f"--target {target}: its weights cannot be loaded ({e}); download or copy the "
+            "model's files again"
+        ) from None
     layer_types = text_config(model.config.to_dict()).get("layer_types")
     notice = linear_attention_notice(layer_types, device.type, fla_installed=_fla_usable())
     if notice is not None:
         log.log(*notice)
-    model = truncate(model.eval().requires_grad_(False), last_layer)
+    try:
+        model = truncate(model.eval().requires_grad_(False), last_layer)
+    except TargetError as e:
+        raise TargetError(
+            f"--target {target}: {e}: extraction takes a decoder whose layers are a `layers` "
+            "list (Qwen3, Qwen3.5/3.6, Llama-style)"
+        ) from None
     return model if sharded else model.to(device)
 
 

@@ -20,13 +20,13 @@ from extract.lockstep import LockStep, agree_max, cpu_group
 from extract.packing import chunk_size
 from extract.parallel import describe_engine, engine_kwargs
 from extract.pipeline import PartPipeline
-from extract.target import load_target
+from extract.target import TargetError, load_target
 from extract.units import reader_reading_ahead, run_units
 from shared.dist import RankInfo, one_rank_group
 from shared.int4 import prepare_encoder
 from shared.logs import setup_logging
 from shared.progress import RankCounters, SummedBar
-from shared.stopping import Stopped, StopRequest
+from shared.stopping import Stopped, StopRequest, StopRun
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +44,15 @@ def rank_main(info: RankInfo, job: Job) -> None:
     mine, writes = _my_units(info, job)
     tokenizer = AutoTokenizer.from_pretrained(job.target)
     read = reader_reading_ahead(job, tokenizer, mine)
-    model = load_target(
-        job.target,
-        device=info.device,
-        last_layer=max(job.layer_ids),
-        sharding=engine_kwargs(job.layout) if sharded else None,
-    )
+    try:
+        model = load_target(
+            job.target,
+            device=info.device,
+            last_layer=max(job.layer_ids),
+            sharding=engine_kwargs(job.layout) if sharded else None,
+        )
+    except TargetError as e:  # a message for the user, from any rank
+        raise StopRun(str(e)) from None
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if job.store == "int4" and info.device.type == "cuda" and job.compile != "none":
         # Before the target's start-up probe, which counts the graphs made after it as

@@ -12,6 +12,8 @@ import torch
 
 from extract.config import ExtractConfig
 from extract.run import ExtractError, run
+from shared.manifest import read_manifest
+from shared.stopping import StopRun
 from tests.test_extract import chat
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -48,3 +50,32 @@ def test_a_missing_weight_file_is_named_before_anything_is_written(tmp_path, tin
         run(config(tmp_path / "c", target, data_file))
     assert shards[1].name in str(e.value)
     assert not (tmp_path / "c").exists()
+
+
+def test_a_target_that_fails_to_load_does_not_block_the_fixed_command(
+    tmp_path, tiny_qwen3, data_file
+):
+    """A target whose decoder has no `layers` list (BERT) passes planning and fails to load:
+    the cache folder it began holds no part, and the next command takes it over; a cache with
+    parts and other settings is still refused."""
+    from safetensors.torch import load_file, save_file
+    from transformers import BertConfig, BertLMHeadModel
+
+    vocab = json.loads((tiny_qwen3 / "config.json").read_text())["vocab_size"]
+    bert = BertLMHeadModel(
+        BertConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   intermediate_size=128, is_decoder=True)
+    )  # fmt: skip
+    target = with_tokenizer(bert, tmp_path / "bert", tiny_qwen3)
+    weights = load_file(target / "model.safetensors")  # with the embedding extraction reads
+    weights["model.embed_tokens.weight"] = weights["bert.embeddings.word_embeddings.weight"].clone()
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "c"
+    with pytest.raises(StopRun, match=f"--target {target}: cannot find the decoder layers"):
+        run(config(out, target, data_file))
+    assert read_manifest(out).parts == ()
+    manifest = run(config(out, tiny_qwen3, data_file))
+    assert manifest.complete and manifest.target.path == str(tiny_qwen3)
+    with pytest.raises(ExtractError, match="holds a different cache"):
+        run(config(out, tiny_qwen3, data_file, layers="0,2"))
+    assert read_manifest(out) == manifest
