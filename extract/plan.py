@@ -19,6 +19,7 @@ from extract.rejects import all_rejected, nothing_kept
 from extract.sources import check_table, source_kind, streams
 from extract.target import (
     build_target_layer_ids,
+    check_layer_weights,
     check_model_type,
     read_config,
     target_info,
@@ -113,6 +114,7 @@ def plan_manifest(cfg: ExtractConfig) -> tuple[Manifest, RowIndex, CacheEstimate
     files = cfg.data or default_data()
     _check_data(files)
     layer_ids = _layer_ids(cfg, int(text_config(config)["num_hidden_layers"]))
+    check_layer_weights(Path(target), max(layer_ids))
     context = text_config(config).get("max_position_embeddings")
     if isinstance(context, int) and cfg.max_length > context:
         log.warning(

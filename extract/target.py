@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,7 @@ def check_model_type(target: str, config: dict[str, Any]) -> None:
 
 
 SHARD_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> file map
+MISSING_LISTED = 5  # missing weights an error names
 
 
 def weight_files(target: Path) -> list[Path]:
@@ -189,6 +191,32 @@ def _find_key(files: list[Path], suffix: str) -> tuple[Path, str] | None:
     return None
 
 
+def check_layer_weights(target: Path, last_layer: int) -> None:
+    """Refuse, from the weight files' headers, a target lacking every tensor of a decoder layer
+    this run computes (0..`last_layer`), named as its embedding is (`model.layers.N.`); files
+    that name their layers otherwise are left to the load's own check (`load_target`)."""
+    files = weight_files(target)
+    embed = _find_key(files, "embed_tokens.weight")
+    if embed is None:
+        return
+    prefix = embed[1].removesuffix("embed_tokens.weight")
+    layer = re.compile(re.escape(prefix) + r"layers\.(\d+)\.")
+    found = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            found.update(int(m.group(1)) for k in st.keys() if (m := layer.match(k)))
+    missing = [i for i in range(last_layer + 1) if i not in found]
+    if found and missing:
+        more = " ..." if len(missing) > MISSING_LISTED else ""
+        ids = ", ".join(map(str, missing[:MISSING_LISTED])) + more
+        raise TargetError(
+            f"--target {target}: its weight files hold no tensor of {len(missing)} of the "
+            f"{last_layer + 1} decoder layers this run computes (layers {ids}; "
+            f"`{prefix}layers.N.*`), which would run on random values: is a weight file missing, "
+            "or is config.json (num_hidden_layers) another model's?"
+        )
+
+
 def write_target_files(target: Path, tokenizer: Any, cache: Path) -> None:
     """Write `<cache>/target/`: tokenizer, config.json, embedding and lm_head (read from the
     safetensors files directly, never loading the model). Atomic: tmp folder, then rename."""
@@ -279,7 +307,9 @@ def load_target(
         # device_map loads weights straight onto the GPU (it needs `accelerate`); CPU needs none.
         placement = {"device_map": str(device)} if device.type == "cuda" else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **placement)
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            target, dtype=dtype, output_loading_info=True, **placement
+        )
     except OSError as e:  # a weight file gone or unreadable since planning checked them
         raise TargetError(
             f"--target {target}: its weights cannot be loaded ({e}); download or copy the "
@@ -296,7 +326,29 @@ def load_target(
             f"--target {target}: {e}: extraction takes a decoder whose layers are a `layers` "
             "list (Qwen3, Qwen3.5/3.6, Llama-style)"
         ) from None
+    # transformers fills weights its files lack with random values and only warns; those of the
+    # layers kept are an error (extra tensors in the files stay its warning)
+    kept = set(model.state_dict())
+    missing = sorted(k for k in loading["missing_keys"] if k in kept)
+    if missing:
+        raise TargetError(missing_weights(target, missing))
     return model if sharded else model.to(device)
+
+
+def missing_weights(target: str, names: list[str]) -> str:
+    """The error for weights of the layers a run uses that the target's files do not hold.
+
+    >>> missing_weights("t", ["model.layers.8.mlp.up_proj.weight"])[:62]
+    '--target t: 1 weight of the layers this run uses is not in its'
+    """
+    shown = ", ".join(names[:MISSING_LISTED]) + (" ..." if len(names) > MISSING_LISTED else "")
+    count = f"{len(names)} weight{'s' if len(names) > 1 else ''}"
+    verb = "are" if len(names) > 1 else "is"
+    return (
+        f"--target {target}: {count} of the layers this run uses {verb} not in its weight "
+        f"files ({shown}), and would run on random values: is a weight file missing, or is "
+        "config.json (num_hidden_layers) another model's?"
+    )
 
 
 def linear_attention_notice(

@@ -26,7 +26,7 @@ def data_file(tmp_path_factory) -> Path:
     return path
 
 
-def config(out: Path, target: Path, data: Path, **over) -> ExtractConfig:
+def request(out: Path, target: Path, data: Path, **over) -> ExtractConfig:
     cfg = dict(out=out, target=str(target), data=(data,), gpus="cpu", rows_per_part=4)
     return ExtractConfig(**{**cfg, "layers": "0,1", "writer_threads": 1, **over})
 
@@ -47,7 +47,7 @@ def test_a_missing_weight_file_is_named_before_anything_is_written(tmp_path, tin
     assert len(shards) > 2
     shards[1].unlink()
     with pytest.raises(ExtractError, match=f"--target {target}: 1 of the {len(shards)}") as e:
-        run(config(tmp_path / "c", target, data_file))
+        run(request(tmp_path / "c", target, data_file))
     assert shards[1].name in str(e.value)
     assert not (tmp_path / "c").exists()
 
@@ -72,10 +72,50 @@ def test_a_target_that_fails_to_load_does_not_block_the_fixed_command(
     save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
     out = tmp_path / "c"
     with pytest.raises(StopRun, match=f"--target {target}: cannot find the decoder layers"):
-        run(config(out, target, data_file))
+        run(request(out, target, data_file))
     assert read_manifest(out).parts == ()
-    manifest = run(config(out, tiny_qwen3, data_file))
+    manifest = run(request(out, tiny_qwen3, data_file))
     assert manifest.complete and manifest.target.path == str(tiny_qwen3)
     with pytest.raises(ExtractError, match="holds a different cache"):
-        run(config(out, tiny_qwen3, data_file, layers="0,2"))
+        run(request(out, tiny_qwen3, data_file, layers="0,2"))
     assert read_manifest(out) == manifest
+
+
+def test_a_config_promising_layers_the_weights_lack_is_refused_before_any_work(
+    tmp_path, tiny_qwen3, data_file
+):
+    target = tmp_path / "more"
+    shutil.copytree(tiny_qwen3, target)
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = 12
+    config["layer_types"] = config["layer_types"][:1] * 12
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExtractError, match=f"--target {target}: .* no tensor of 2 of the 10 "):
+        run(request(tmp_path / "c", target, data_file, layers="1,9"))
+    assert not (tmp_path / "c").exists()
+
+
+def test_weights_missing_from_the_layers_used_are_an_error(tmp_path, tiny_qwen3, data_file):
+    """One tensor of a layer gone (the layer's others there): transformers would fill it with
+    random values; a layer the run does not compute may lack its own."""
+    from safetensors.torch import load_file, save_file
+
+    target = tmp_path / "part"
+    shutil.copytree(tiny_qwen3, target)
+    weights = load_file(target / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "c"
+    with pytest.raises(StopRun, match=f"--target {target}: 1 weight of the layers this run") as e:
+        run(request(out, target, data_file, layers="0,2"))
+    assert "(model.layers.1.mlp.up_proj.weight)" in str(e.value)
+    assert run(request(out, target, data_file, layers="0")).complete
+
+
+def test_tied_embeddings_are_not_missing_weights(tmp_path, tiny_qwen3, data_file):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_qwen3)
+    config.tie_word_embeddings = True
+    target = with_tokenizer(AutoModelForCausalLM.from_config(config), tmp_path / "tied", tiny_qwen3)
+    assert run(request(tmp_path / "c", target, data_file, layers="0,7")).complete
