@@ -289,16 +289,20 @@ def _run_locked(
         list(planned.layer_ids),
         spec,
     )
-    for warning in idle_ranks(spec, len(pending), sharded=layout.sharded):
+    for warning in idle_ranks(spec, len(pending), sharded=layout.sharded) if pending else []:
         log.warning(warning)
-    if not pending:
+    if started is not None:
+        started(pending)
+    if not pending:  # nothing for a rank to do: the target is not loaded
         log.info(
             "every part is committed: `python -m extract.verify %s` checks them against their "
             "checksums (with --repair it drops damaged ones, and this command then redoes them)",
             cfg.out,
         )
-    if started is not None:
-        started(pending)
+        if not takes_output_lock():
+            return read_manifest(cfg.out)
+        _init_output(cfg, planned, resume)
+        return _finalize(cfg.out)
     timeout = LOAD_TIMEOUT if layout.sharded else DEFAULT_TIMEOUT
     if under_torchrun():
         launch(_entry, (job, cfg, planned, resume), spec, timeout=timeout)

@@ -167,6 +167,20 @@ def test_damaged_target_files_are_found_refused_and_repaired(tmp_path, tiny_qwen
     assert m.complete and _verify(cache).exit_code == 0
 
 
+def test_a_complete_cache_is_not_extracted_again(tmp_path, tiny_qwen3, data_file, capfd, caplog):
+    """The same command on a complete cache checks it and stops: no rank starts (at 8B, minutes
+    of loading the target for nothing), and the cache is as it was."""
+    cache = tmp_path / "c"
+    extract(cache, tiny_qwen3, data_file)
+    before = _checksums(cache)
+    capfd.readouterr()
+    caplog.clear()
+    m = extract(cache, tiny_qwen3, data_file)
+    said = caplog.text + capfd.readouterr().err
+    assert m.complete and _checksums(cache) == before
+    assert "every part is committed" in said and "extract.worker" not in said, said
+
+
 def test_missing_part_is_redone_on_resume(tmp_path, tiny_qwen3, data_file):
     cache = tmp_path / "c"
     extract(cache, tiny_qwen3, data_file)
