@@ -76,7 +76,7 @@ def existing_state(cfg: ExtractConfig, planned: Manifest) -> Manifest | None:
         if not problems:
             return old
     else:
-        problems = ["it holds no manifest.json"]
+        old, problems = None, ["it holds no manifest.json"]
     foreign = foreign_entries(out)
     inputs = [Path(s.path) for s in planned.sources] + [Path(planned.target.path)]
     protected = protected_reason(out, inputs)

@@ -102,7 +102,8 @@ def weight_files(target: Path) -> list[Path]:
     if not files:
         raise TargetError(f"--target {target}: no *.safetensors weight files found")
     index = Path(target) / SHARD_INDEX
-    if index.is_file():
+    # transformers reads a single model.safetensors before any index: one beside it is unused
+    if index.is_file() and not (Path(target) / "model.safetensors").is_file():
         try:
             listed = set(json.loads(index.read_text())["weight_map"].values())
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:

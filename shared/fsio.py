@@ -141,6 +141,11 @@ _TMP = re.compile(r"^\..+\.tmp\.\d+\.\d+$")
 STALE_TMP_S = 60.0  # an atomic write takes milliseconds: a temporary file this old was left
 
 
+def is_atomic_tmp(name: str) -> bool:
+    """Whether `name` is the temporary file of an atomic write (`.NAME.tmp.PID.TID`)."""
+    return bool(_TMP.match(name))
+
+
 def remove_stale_tmp(folder: Path, older_than_s: float = STALE_TMP_S) -> list[Path]:
     """Delete the temporary files of atomic writes in `folder` that a killed process left
     (older than `older_than_s`: a running write's is younger); returns them."""

@@ -181,6 +181,18 @@ def test_a_complete_cache_is_not_extracted_again(tmp_path, tiny_qwen3, data_file
     assert "every part is committed" in said and "extract.worker" not in said, said
 
 
+def test_a_folder_of_parts_without_a_manifest_is_refused_not_replaced(
+    tmp_path, tiny_qwen3, data_file
+):
+    cache = tmp_path / "c"
+    extract(cache, tiny_qwen3, data_file)
+    (cache / "manifest.json").unlink()
+    before = sorted(p.name for p in cache.iterdir())
+    with pytest.raises(ExtractError, match="it holds no manifest.json"):
+        extract(cache, tiny_qwen3, data_file)
+    assert sorted(p.name for p in cache.iterdir()) == before
+
+
 def test_missing_part_is_redone_on_resume(tmp_path, tiny_qwen3, data_file):
     cache = tmp_path / "c"
     extract(cache, tiny_qwen3, data_file)

@@ -52,6 +52,16 @@ def test_a_missing_weight_file_is_named_before_anything_is_written(tmp_path, tin
     assert not (tmp_path / "c").exists()
 
 
+def test_an_index_beside_a_single_weight_file_is_not_read(tmp_path, tiny_qwen3, data_file):
+    """transformers loads a lone model.safetensors before any shard index: a stale index left
+    beside it (listing shards no longer there) is no reason to refuse the target."""
+    target = tmp_path / "single"
+    shutil.copytree(tiny_qwen3, target)
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert run(request(tmp_path / "c", target, data_file)).complete
+
+
 def test_a_target_that_fails_to_load_does_not_block_the_fixed_command(
     tmp_path, tiny_qwen3, data_file
 ):

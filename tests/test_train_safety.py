@@ -259,6 +259,12 @@ def test_an_out_folder_of_other_files_is_refused(cache, tmp_path):
     r = CliRunner().invoke(main, ["--data", str(cache), "--out", str(out), "--gpus", "cpu"])
     assert r.exit_code == 1 and "holds files but no training run (notes.txt)" in r.output
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    killed = tmp_path / "killed"  # a run killed inside its first config.json write
+    killed.mkdir()
+    (killed / ".config.json.tmp.4242.1").write_text("{")
+    args = ["--data", str(cache), "--out", str(killed), "--gpus", "cpu", "--drafter-layers", "1"]
+    r = CliRunner().invoke(main, [*args, "--batch-tokens", "512", "--steps", "1"])
+    assert r.exit_code == 0 and (killed / "export").is_dir(), r.output
 
 
 def test_data_that_will_never_be_a_cache_is_refused_at_once(tmp_path):

@@ -3,6 +3,7 @@ config resolved against the cache's target, and every way the cache cannot serve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -170,11 +171,12 @@ OPTION_PROBLEM = "the drafter options make no drafter: "
 
 def option_problem(error: str, cfg: TrainConfig) -> str:
     """A drafter config's complaint: the options' to fix where it names a field an option set
-    (named with it), else the target config's (the fields an option leaves to it)."""
+    to other than its default (named with it), else the target config's or the defaults'."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     named = [
         flag
         for field, (flag, attr) in _OPTIONS.items()
-        if re.search(rf"\b{field}\b", error) and getattr(cfg, attr, None) is not None
+        if re.search(rf"\b{field}\b", error) and getattr(cfg, attr) != defaults[attr]
     ]
     if not named:
         return f"drafter config: {error}"

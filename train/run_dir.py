@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.cli import to_json
-from shared.fsio import atomic_write_json, remove_stale_tmp
+from shared.fsio import atomic_write_json, is_atomic_tmp, remove_stale_tmp
 from shared.lock import LOCK_FILE
 from shared.manifest import Manifest, identity_changes
 from train.checkpoint import incomplete_steps, list_checkpoints, read_meta, resolve_resume
@@ -99,7 +99,7 @@ def foreign_files(out: Path) -> str | None:
     out = Path(out)
     if not out.is_dir() or (out / CONFIG_FILE).exists():
         return None
-    names = sorted(n for n in os.listdir(out) if not n.startswith(LOCK_FILE))
+    names = sorted(n for n in os.listdir(out) if not (n.startswith(LOCK_FILE) or is_atomic_tmp(n)))
     if not names:
         return None
     shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")

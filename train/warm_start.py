@@ -58,6 +58,8 @@ def init_from_problem(path: str | Path) -> str | None:
             problem = weights_problem(folder, export_config(folder))
     except ValueError as e:
         problem = str(e)
+    except OSError as e:  # unreadable: permissions, a failing disk
+        problem = f"{e.filename or folder} cannot be read ({e.strerror or e})"
     return None if problem is None else _named(folder, kind, problem)
 
 
