@@ -74,6 +74,15 @@ def pooled_tau_se(lengths_per_prompt: Sequence[Sequence[int]]) -> float:
     return spread**0.5 / (sum(n for _, n in sums) / m)
 
 
+def se_words(se: float) -> str:
+    """`+- se` where one was measured; under two prompts with steps, saying why there is none.
+
+    >>> se_words(0.1234), se_words(pooled_tau_se([[2, 3]]))
+    ('+- 0.123', '(one prompt: no standard error)')
+    """
+    return f"+- {se:.3f}" if se == se else "(one prompt: no standard error)"
+
+
 def context_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]):
     """[1, n, K*H]: target layer i is `hidden_states[i + 1]` (index 0 is the embedding)."""
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)

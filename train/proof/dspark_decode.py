@@ -33,6 +33,7 @@ from train.proof.decode import (
     begin_decoding,
     context_features,
     pooled_tau_se,
+    se_words,
     speculate,
     sync_clock,
 )
@@ -227,7 +228,7 @@ def format_sampled(summary: dict[str, Any]) -> str:
     """One line of a `sampled_summary`."""
     cut = summary["confidence_threshold"]
     return (
-        f"tau {summary['tau']:.3f} +- {summary['tau_se']:.3f} over {summary['steps']} steps "
+        f"tau {summary['tau']:.3f} {se_words(summary['tau_se'])} over {summary['steps']} steps "
         f"(block {summary['block_size']}, "
         f"sampled at temperature {summary['temperature']}, seed {summary['seed']}"
         + ("" if cut is None else f", confidence cut {cut}")

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from train.drafters.dflash import DFlashDrafter
-from train.proof.decode import Result, greedy, pooled_tau_se
+from train.proof.decode import Result, greedy, pooled_tau_se, se_words
 from train.proof.dspark_decode import decode
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ def format_report(summary: dict[str, Any]) -> str:
             f"{r['tau']:>6.2f} {r['tokens_per_s']:>9.1f} {r['baseline_tokens_per_s']:>9.1f}{same}"
         )
     lines.append(
-        f"tau {summary['tau']:.3f} +- {summary.get('tau_se', math.nan):.3f} over "
+        f"tau {summary['tau']:.3f} {se_words(summary.get('tau_se', math.nan))} over "
         f"{summary['steps']} steps "
         f"(block {summary['block_size']}), "
         f"{summary['tokens_per_s']:.1f} tok/s vs greedy {summary['baseline_tokens_per_s']:.1f} "
