@@ -104,6 +104,20 @@ def differences(records: list[dict[str, Any]], key: str = "tau") -> list[dict[st
     return out
 
 
+def difference_line(d: dict[str, Any]) -> str:
+    """One of `differences` as the report lists it.
+
+    >>> difference_line({"a": "b", "difference": -0.1, "se": None, "resolved": False})
+    '- b: -0.100 (one seed: not resolved)'
+    >>> difference_line({"a": "b", "difference": -0.5, "se": 0.1, "resolved": True})
+    '- b: -0.500 ± 0.100 (resolved)'
+    """
+    verdict = "resolved" if d["resolved"] else "not resolved"
+    if d["se"] is None:  # a variant of one seed: nothing to measure the spread by
+        return f"- {d['a']}: {d['difference']:+.3f} (one seed: {verdict})"
+    return f"- {d['a']}: {d['difference']:+.3f} ± {fmt(d['se'], 3)} ({verdict})"
+
+
 def _pm(figure: dict[str, Any] | None, digits: int = 3) -> str:
     if figure is None:
         return "-"
@@ -149,9 +163,7 @@ def markdown(
             f"{RESOLVE_SE:g} x its standard error:",
             "",
         ]
-        for d in diffs:
-            verdict = "resolved" if d["resolved"] else "not resolved"
-            lines.append(f"- {d['a']}: {d['difference']:+.3f} ± {fmt(d['se'], 3)} ({verdict})")
+        lines += [difference_line(d) for d in diffs]
     if not_finished:
         lines += ["", "Not finished (the figures above leave them out):", ""]
         lines += [f"- {r['variant']} seed {r['seed']}: {r['error']}" for r in not_finished]
