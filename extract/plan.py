@@ -139,6 +139,12 @@ def plan_manifest(cfg: ExtractConfig) -> tuple[Manifest, RowIndex, CacheEstimate
         tokenizer = AutoTokenizer.from_pretrained(target)
     except (OSError, ValueError) as e:
         raise ExtractError(f"--target {target}: cannot load its tokenizer ({e})") from None
+    if len(tokenizer) < 2:  # no tokenizer file there: transformers makes an empty one
+        raise ExtractError(
+            f"--target {target}: its tokenizer is empty ({len(tokenizer)} token): the folder "
+            "holds no tokenizer files (tokenizer.json, tokenizer.model or vocab.json); copy "
+            "the model's tokenizer files beside its config.json"
+        )
     index = index_rows(list(files))
     rows = index.counts
     sources = tuple(

@@ -129,3 +129,15 @@ def test_tied_embeddings_are_not_missing_weights(tmp_path, tiny_qwen3, data_file
     config.tie_word_embeddings = True
     target = with_tokenizer(AutoModelForCausalLM.from_config(config), tmp_path / "tied", tiny_qwen3)
     assert run(request(tmp_path / "c", target, data_file, layers="0,7")).complete
+
+
+def test_a_target_without_tokenizer_files_is_named(tmp_path, tiny_qwen3, data_file):
+    """transformers makes an empty tokenizer for a folder without tokenizer files, which would
+    reject every row as rendering no tokens: the target is named instead, before any work."""
+    target = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_qwen3, target)
+    for f in target.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(ExtractError, match=f"--target {target}: its tokenizer is empty"):
+        run(request(tmp_path / "c", target, data_file))
+    assert not (tmp_path / "c").exists()
