@@ -147,6 +147,11 @@ class ExtractConfig:
                 raise ValueError(f"{flag}: {value} is too small (at least {low})")
         if not self.switch_interval_ms > 0:
             raise ValueError(f"--switch-interval-ms: {self.switch_interval_ms} must be above 0")
+        if self.attention != "auto" and self.packing == "off":
+            raise ValueError(
+                f"--attention {self.attention} has no effect with --packing off (it is packed "
+                "rows' kernel): drop one of them"
+            )
         if self.compile == "layers" and self.packing == "off":
             raise ValueError(
                 "--compile layers needs packed rows (one static shape): drop --packing off, or "

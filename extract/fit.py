@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from extract.layouts import forward_mode
 from extract.parallel import Layout, LayoutError, engine_fields, engine_kwargs, parse_layout
 from shared.dist import DeviceSpec, torchrun_world_size, under_torchrun
 
@@ -218,6 +219,12 @@ def layout_for(cfg: ExtractConfig, spec: DeviceSpec, planned: Manifest) -> Layou
         device=spec.kind,
         memory=device_memory(spec.kind, spec.devices),
     )
+    if cfg.attention != "auto" and not forward_mode(cfg.compile, cfg.packing, spec.kind)[1]:
+        raise LayoutError(
+            f"--attention {cfg.attention} has no effect: the target runs padded batches on "
+            f"{spec.kind} with --compile {cfg.compile} and --packing {cfg.packing} (packed rows "
+            "are the default where the layers are compiled); drop it, or give --packing on"
+        )
     if spec.kind == "cpu" and layout.sharded:
         import torch
 
