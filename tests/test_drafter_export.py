@@ -106,6 +106,15 @@ def test_export_command_names_an_out_dir_that_cannot_be_written(tmp_path, where)
     assert (tmp_path / "afile").read_text() == "x"
 
 
+def test_export_command_refuses_a_cache_a_dflash_drafter_does_not_read(tmp_path):
+    drafter, cfg = _drafter()
+    ckpt = save_checkpoint(tmp_path / "run", 1, {"model": drafter.state_dict()}, cfg, keep=1)
+    out = tmp_path / "export"
+    result = CliRunner().invoke(main, [str(ckpt), str(out), "--cache", str(tmp_path)])
+    assert result.exit_code == 1 and "--cache has no effect" in result.output, result.output
+    assert not out.exists()
+
+
 def test_export_rejects_unknown_and_missing_keys(tmp_path):
     drafter, cfg = _drafter()
     drafter.embed_tokens = nn.Embedding(300, 64)

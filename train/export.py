@@ -375,6 +375,11 @@ def main(checkpoint: Path, out_dir: Path, cache: Path | None) -> None:
     try:
         drafter, cfg = load_drafter(checkpoint)
         heads = None
+        if cache is not None and cfg.drafter_type != "dspark":
+            raise ValueError(
+                f"--cache has no effect: {checkpoint} holds a {cfg.drafter_type} drafter, and "
+                "only a DSpark drafter's export reads the cache (for its heads); drop it"
+            )
         if cfg.drafter_type == "dspark":
             cache = cache or Path(load_state(checkpoint)["config"]["data"])
             heads = load_heads(cache)
