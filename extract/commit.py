@@ -14,7 +14,6 @@ from shared.cache import part_name
 from shared.codec import codec_description
 from shared.diskqueue import drain
 from shared.manifest import (
-    MAX_DETAIL,
     MAX_LISTED_REJECTS,
     PartRecord,
     RejectedRow,
@@ -76,16 +75,7 @@ def commit_part(part: OpenPart, job: Job, futures: list[Future], counters: RankC
         layout=job.layout_record,
         rows_truncated=sum(k.truncated for k in kept),
         rejected=reasons,
-        rejected_rows=tuple(
-            RejectedRow(
-                row=r.row,
-                source=r.source,
-                line=r.line,
-                reason=r.reason,
-                detail=r.detail[:MAX_DETAIL],
-            )
-            for r in rejected[:MAX_LISTED_REJECTS]
-        ),
+        rejected_rows=tuple(RejectedRow.of(r) for r in rejected[:MAX_LISTED_REJECTS]),
     )
     codec = codec_description(job.store)
     start = time.perf_counter()

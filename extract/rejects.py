@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from extract.data import Rejected, RowIndex, iter_rows
 from extract.sources import ACCEPTED_INPUT
-from shared.manifest import MAX_DETAIL, RejectedRow
+from shared.manifest import RejectedRow
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -46,15 +46,7 @@ def all_rejected(
         read += 1
         reasons[item.reason] = reasons.get(item.reason, 0) + 1
         if len(first) < LISTED:
-            first.append(
-                RejectedRow(
-                    row=item.row,
-                    source=item.source,
-                    line=item.line,
-                    reason=item.reason,
-                    detail=item.detail[:MAX_DETAIL],
-                )
-            )
+            first.append(RejectedRow.of(item))
     return AllRejected(read, dict(sorted(reasons.items())), tuple(first))
 
 

@@ -79,6 +79,13 @@ class RejectedRow:
     reason: str
     detail: str = ""  # what exactly is wrong with it (cut at MAX_DETAIL characters)
 
+    @classmethod
+    def of(cls, r: Any) -> RejectedRow:
+        """The record of a rejected row `r` (any object with these fields), its detail cut."""
+        return cls(
+            row=r.row, source=r.source, line=r.line, reason=r.reason, detail=r.detail[:MAX_DETAIL]
+        )
+
     def describe(self) -> str:
         """`source:line: reason (detail)`, the row's line in a summary or an error."""
         detail = f" ({self.detail})" if self.detail else ""
