@@ -252,6 +252,18 @@ def test_out_that_is_a_file_or_read_only_names_out(cache, tmp_path):
         assert "read-only file system" in r.output and "Traceback" not in r.output
 
 
+def test_a_cache_without_its_target_files_names_them_and_the_repair_once(tmp_path):
+    from shared.manifest import CacheMismatch
+
+    cache = write_cache(tmp_path / "c", num_parts=2, samples_per_part=4)
+    shutil.rmtree(target_dir(cache))
+    with pytest.raises(CacheMismatch) as e:
+        run(tiny(cache, tmp_path / "r"))
+    said = str(e.value)
+    assert said.count("python -m extract.verify") == 1 and "to repair them: run `" in said
+    assert said.count("\n  - ") >= 3, said  # each missing file its own line
+
+
 def test_an_out_folder_of_other_files_is_refused(cache, tmp_path):
     out = tmp_path / "notes"
     out.mkdir()

@@ -54,7 +54,7 @@ def fit_cache(
     `target_files`: also checksum the cache's target/ files (the embedding: GBs at 8B)."""
     repair = repair_commands(cfg.data, manifest)
     damaged = target_problems(cfg.data, manifest.target_files) if target_files else []
-    problems = [f"{p}: {repair}" for p in damaged]
+    problems = [*damaged, f"to repair them: {repair}"] if damaged else []
     wanted = ascending_layers(cfg.target_layer_ids or default_taps(cfg, manifest))
     if manifest.target.num_layers - 1 in wanted:
         log.warning(LAST_LAYER_WARNING, manifest.target.num_layers - 1)

@@ -155,7 +155,8 @@ def prepare(
     wanted, read, drafter, problems = fit_cache(cfg, manifest, complete=view is None)
     if view is None:
         parts, part_problems = load_catalog(cfg.data, manifest)
-        problems += [f"{p}: {repair}" for p in part_problems]
+        problems += [*part_problems, f"to repair them: {repair}"] if part_problems else []
+        problems = list(dict.fromkeys(problems))  # the repair said once
     else:
         parts = list(view.parts)
     lengths = [p.lengths for p in parts]
