@@ -390,6 +390,8 @@ def test_nothing_kept_is_a_failure(target, tmp_path):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1 and "no row kept" in result.output, result.output
     assert "no_assistant_turn" in result.output  # the summary above it says why
+    assert "nothing was written" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir() if "none" in p.name) == []  # no output
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     out = tmp_path / "nothing.jsonl"

@@ -7,6 +7,7 @@ answer without torch or transformers being imported.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -58,8 +59,12 @@ def main(more_data: tuple[Path, ...], **kwargs: Any) -> None:
         raise SystemExit(1)
     total = state.config["total_rows"]
     if not state.totals(range(-(-total // state.config["rows_per_chunk"])))["rows_kept"]:
-        raise click.ClickException(  # as extraction refuses a cache of no rows
-            f"no row kept: {cfg.out} is empty (the rows rejected, and why, are above)"
+        if takes_output_lock():  # as extraction leaves no cache of no rows
+            cfg.out.unlink(missing_ok=True)
+            shutil.rmtree(parts_dir(cfg.out), ignore_errors=True)
+        raise click.ClickException(
+            f"no row kept, so nothing was written to {cfg.out} (the rows rejected, and why, "
+            "are above)"
         )
 
 
