@@ -277,6 +277,9 @@ def test_an_out_folder_of_other_files_is_refused(cache, tmp_path):
     args = ["--data", str(cache), "--out", str(killed), "--gpus", "cpu", "--drafter-layers", "1"]
     r = CliRunner().invoke(main, [*args, "--batch-tokens", "512", "--steps", "1"])
     assert r.exit_code == 0 and (killed / "export").is_dir(), r.output
+    (killed / "config.json").unlink()  # a run folder that lost its record still resumes
+    r = CliRunner().invoke(main, [*args, "--batch-tokens", "512", "--steps", "1"])
+    assert r.exit_code == 0, r.output
 
 
 def test_data_that_will_never_be_a_cache_is_refused_at_once(tmp_path):

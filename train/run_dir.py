@@ -93,14 +93,18 @@ def prepare_run_dir(
     atomic_write_json(path, record)
 
 
+# What a run writes beside its config.json (checkpoints, metrics, TensorBoard, plots, export).
+_RUN_ENTRIES = frozenset({"checkpoints", "metrics.jsonl", "tensorboard", "plots", "export"})
+
+
 def foreign_files(out: Path) -> str | None:
-    """Why `out` cannot take a run: a folder that holds files but no run's config.json (its
-    lock files aside), or None."""
+    """Why `out` cannot take a run: a folder that holds files no run writes and no run's
+    config.json (its lock files aside), or None."""
     out = Path(out)
     if not out.is_dir() or (out / CONFIG_FILE).exists():
         return None
     names = sorted(n for n in os.listdir(out) if not (n.startswith(LOCK_FILE) or is_atomic_tmp(n)))
-    if not names:
+    if not set(names) - _RUN_ENTRIES:  # empty, or a run's files whose config.json was lost
         return None
     shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
     return (
