@@ -158,7 +158,8 @@ def test_damaged_target_files_are_found_refused_and_repaired(tmp_path, tiny_qwen
     r = _verify(cache)
     assert r.exit_code == 1 and "target/embed.safetensors" in r.output, r.output
     cfg = TrainConfig(data=cache, out=tmp_path / "run", gpus="cpu", drafter_layers=1)
-    with pytest.raises(ValueError, match="target/embed.safetensors.*--repair"):
+    repair = "(?s)target/embed.safetensors.*to repair them: .*--repair"
+    with pytest.raises(ValueError, match=repair):
         prepare(cfg, read_manifest(cache), device_kind="cpu")
     r = _verify(cache, "--repair")
     assert r.exit_code == 1 and "target/ to be written again" in r.output

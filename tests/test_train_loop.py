@@ -176,7 +176,11 @@ def test_incompatible_cache_lists_every_problem(tmp_path):
     )
     assert result.exit_code == 1 and "Traceback" not in result.output
     problems = [line for line in result.output.splitlines() if line.startswith("  - ")]
-    assert len(problems) == 5, result.output
+    assert len(problems) == 6, result.output  # five, and the repair of the damaged one
+    assert (
+        sum(p.startswith("  - to repair them: run `python -m extract.verify ") for p in problems)
+        == 1
+    )
     text = result.output
     assert "target/config.json: " in text  # edited after its checksum was recorded
     assert "incomplete" in text and "[2, 7]" in text and "mask_token_id" in text
