@@ -287,12 +287,22 @@ class TrainConfig:
             f"must be at least block_size ({self.block_size}): no draft block fits in a shorter "
             "sample",
         )
-        self._check_dspark()
+        for name in _AT_LEAST_0:
+            value = getattr(self, name)
+            _check(value is None or value >= 0, name, "must be >= 0")
+        _check(
+            self.drafter_type != "dspark"
+            or self.markov_rank > 0
+            or not self.with_confidence_head
+            or not self.confidence_head_with_markov,
+            "markov_rank",
+            "0 leaves the confidence head without its Markov input: give --no-confidence-head "
+            "(the plain anchor-first drafter) or --no-confidence-head-with-markov",
+        )
         objectives.Objective.of(self)  # the loss and slot weights, with their family
         _check(self.ce_chunk_blocks >= 1, "ce_chunk_blocks", "must be >= 1")
         for name in drafter_names.DFLASH2_FIELDS:
             _check(getattr(self, name) >= 1, name, "must be >= 1")
-        _check(self.selector_weight >= 0, "selector_weight", "must be >= 0")
         for name in drafter_names.LOGIT_FIELDS:
             value = getattr(self, name)
             _check(value is None or value > 0, name, "must be > 0")
@@ -310,10 +320,7 @@ class TrainConfig:
         )
         _check(self.lr > 0, "lr", "must be > 0")
         _check(self.muon_lr > 0, "muon_lr", "must be > 0")
-        _check(self.noise_std >= 0, "noise_std", "must be >= 0")
         _check(0 <= self.warmup < 1, "warmup", "must be in [0, 1)")
-        _check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        _check(self.grad_clip >= 0, "grad_clip", "must be >= 0")
         _check(0 <= self.eval_fraction < 1, "eval_fraction", "must be in [0, 1)")
         for name in (
             "steps",
@@ -326,11 +333,8 @@ class TrainConfig:
         ):
             value = getattr(self, name)
             _check(value is None or value >= 1, name, "must be >= 1")
-        _check(self.eval_parts is None or self.eval_parts >= 0, "eval_parts", "must be >= 0")
         _check(self.gamma is None or self.gamma > 0, "gamma", "must be > 0")
         _check(self.num_anchors is None or self.num_anchors >= 1, "num_anchors", "must be >= 1")
-        no_mask_id = self.mask_token_id is None
-        _check(no_mask_id or self.mask_token_id >= 0, "mask_token_id", "must be >= 0")
         _check(self.steps is not None or self.epochs >= 1, "epochs", "must be >= 1 without steps")
         for name, allowed in (
             ("attention", ATTENTIONS),
@@ -350,21 +354,6 @@ class TrainConfig:
             self.layer_types is None or "sliding_attention" in types or self.sliding_window is None,
             "sliding_window",
             "has no effect: no layer of --layer-types slides (drop it, or make a layer sliding)",
-        )
-
-    def _check_dspark(self) -> None:
-        _check(self.markov_rank >= 0, "markov_rank", "must be >= 0")
-        for name in ("dspark_ce_weight", "dspark_l1_weight", "dspark_conf_weight"):
-            _check(getattr(self, name) >= 0, name, "must be >= 0")
-        if self.drafter_type != "dspark":
-            return
-        _check(
-            self.markov_rank > 0
-            or not self.with_confidence_head
-            or not self.confidence_head_with_markov,
-            "markov_rank",
-            "0 leaves the confidence head without its Markov input: give --no-confidence-head "
-            "(the plain anchor-first drafter) or --no-confidence-head-with-markov",
         )
 
     @property
@@ -396,6 +385,12 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+
+# Fields that must be >= 0 where given.
+_AT_LEAST_0 = ("selector_weight", "noise_std", "weight_decay", "grad_clip", "eval_parts")
+_AT_LEAST_0 += ("mask_token_id", "markov_rank", "dspark_ce_weight", "dspark_l1_weight")
+_AT_LEAST_0 += ("dspark_conf_weight",)
 
 
 def _check(ok: bool, name: str, message: str) -> None:
