@@ -13,8 +13,16 @@ from shared.cli import to_json
 from shared.fsio import atomic_write_json, is_atomic_tmp, remove_stale_tmp
 from shared.lock import LOCK_FILE
 from shared.manifest import Manifest, identity_changes
-from train.checkpoint import incomplete_steps, list_checkpoints, read_meta, resolve_resume
+from train.checkpoint import (
+    CHECKPOINTS,
+    incomplete_steps,
+    list_checkpoints,
+    read_meta,
+    resolve_resume,
+)
 from train.config import TrainConfig
+from train.loop import EXPORT_DIR
+from train.metrics import METRICS_FILE, PLOTS_DIR
 from train.options import HARMLESS_CHANGES
 from train.prepared import Prepared
 
@@ -94,7 +102,7 @@ def prepare_run_dir(
 
 
 # What a run writes beside its config.json (checkpoints, metrics, TensorBoard, plots, export).
-_RUN_ENTRIES = frozenset({"checkpoints", "metrics.jsonl", "tensorboard", "plots", "export"})
+_RUN_ENTRIES = frozenset({CHECKPOINTS, METRICS_FILE, "tensorboard", PLOTS_DIR, EXPORT_DIR})
 
 
 def foreign_files(out: Path) -> str | None:
@@ -116,7 +124,9 @@ def foreign_files(out: Path) -> str | None:
 def _saved_nothing(out: Path) -> bool:
     """Whether a run folder holds nothing a run saved: no checkpoint, complete or not, and no
     export (a run that failed or was killed before its first checkpoint)."""
-    return not list_checkpoints(out) and not incomplete_steps(out) and not (out / "export").exists()
+    return (
+        not list_checkpoints(out) and not incomplete_steps(out) and not (out / EXPORT_DIR).exists()
+    )
 
 
 def _run_record(path: Path) -> dict[str, Any]:
