@@ -282,8 +282,8 @@ def test_repair_drops_exactly_the_damaged_part(tmp_path, tiny_qwen3, data_file):
     assert m.complete and _checksums(cache) == before
     # the summary's rate is the redone part's tokens over this run's time, not the cache's
     seconds, rate = re.search(r"([\d.]+) s extracting \(([\d,]+) tok/s\)", r.output).groups()
-    redone = float(seconds) * int(rate.replace(",", ""))
-    assert abs(redone - m.parts[0].tokens) < abs(redone - m.totals()["tokens"]), r.output
+    redone_s = m.parts[0].tokens / int(rate.replace(",", ""))  # printed to 0.1 s
+    assert abs(redone_s - float(seconds)) <= 0.05 + 1e-3, r.output
     assert (cache / "part-000001").stat().st_ino == untouched
     assert _verify(cache).exit_code == 0
 
