@@ -59,31 +59,36 @@ def plain_forward(
     return out
 
 
-def plain_forwards(target: Path, rows: Path, device: torch.device) -> dict[str, Any]:
-    """The matmul ceiling in a process of its own, then the eager and the compiled plain forward
-    of the rows in another, on one load of the target."""
+def plain_forwards(
+    target: Path, rows: Path, device: torch.device, compiled: bool = True
+) -> dict[str, Any]:
+    """The matmul ceiling in a process of its own, then the eager and (`compiled`) the compiled
+    plain forward of the rows in another, on one load of the target."""
     from forward_modes import matmul_tflops
 
     ceiling = in_child(matmul_tflops, device)
     # One load of the target for both (54 GB for the 27B shape); the process ends with them.
-    both = in_child(plain_forward, target, rows, device, ("eager", "compiled"))
-    plain, compiled = both["eager"], both["compiled"]
+    modes = ("eager", "compiled") if compiled else ("eager",)
+    both = in_child(plain_forward, target, rows, device, modes)
     # each figure as it comes, for a run cut short (the table comes at the end)
-    rates = f"eager plain forward {plain['tok_s']:,.0f} tok/s; compiled {compiled['tok_s']:,.0f}"
-    print(f"matmul {ceiling:.0f} TFLOP/s; {rates} tok/s", flush=True)
-    return {"plain_forward": plain, "compiled_forward": compiled, "ceiling_tflops": ceiling}
+    rates = "; ".join(f"{m} plain forward {both[m]['tok_s']:,.0f} tok/s" for m in modes)
+    print(f"matmul {ceiling:.0f} TFLOP/s; {rates}", flush=True)
+    out = {"plain_forward": both["eager"], "ceiling_tflops": ceiling}
+    return out | ({"compiled_forward": both["compiled"]} if compiled else {})
 
 
 def forward_mfu(forwards: dict[str, Any], x: dict[str, Any]) -> dict[str, Any]:
     """MFU by count of the plain forwards and of extraction (the plain forward's FLOPs over
-    extraction's seconds), and extraction against the compiled forward."""
-    plain, compiled = forwards["plain_forward"], forwards["compiled_forward"]
+    extraction's seconds), and extraction against the compiled forward (where measured)."""
+    plain, compiled = forwards["plain_forward"], forwards.get("compiled_forward")
     peak = forwards["ceiling_tflops"] * 1e12
+    mfu = {
+        "eager": plain["flops"] / plain["seconds"] / peak,
+        "extract": plain["flops"] / x["seconds"] / peak,
+    }
+    if compiled is None:
+        return {"mfu": mfu}
     return {
-        "mfu": {
-            "eager": plain["flops"] / plain["seconds"] / peak,
-            "compiled": compiled["flops"] / compiled["seconds"] / peak,
-            "extract": plain["flops"] / x["seconds"] / peak,
-        },
+        "mfu": mfu | {"compiled": compiled["flops"] / compiled["seconds"] / peak},
         "extract_vs_compiled": x["tok_s"] / compiled["tok_s"],
     }

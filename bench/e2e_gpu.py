@@ -193,6 +193,13 @@ def main() -> None:
         "n/a): for a run that measures extraction and training only, e.g. the trainer's data "
         "wait on another store",
     )
+    p.add_argument(
+        "--no-compiled-forward",
+        dest="compiled_forward",
+        action="store_false",
+        help="measure the eager plain forward only (extraction's ratio and MFU need no more; "
+        "saves the compiled forward's minute on the 8B shape)",
+    )
     args = p.parse_args()
     if args.also_extract and args.until == "train":
         # Two caches of 1M 8B tokens and the target do not fit the H200 host's 64 GB disk.
@@ -236,8 +243,11 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
     cfg = in_child(write_target, args.shape, target, args.target_layers, device.type)
     times["target"] = time.perf_counter() - t
     lengths = long_tailed_lengths(args.tokens, seed=0)
-    write_rows(work / "rows.jsonl", lengths, cfg["vocab_size"] - 293, seed=0)
-    forwards = plain_forwards(target, work / "rows.jsonl", device) if args.plain_forwards else {}
+    rows = work / "rows.jsonl"
+    write_rows(rows, lengths, cfg["vocab_size"] - 293, seed=0)
+    forwards = {}
+    if args.plain_forwards:
+        forwards = plain_forwards(target, rows, device, compiled=args.compiled_forward)
     times["plain_forwards"] = time.perf_counter() - t - times["target"]
     plain_tok_s = forwards["plain_forward"]["tok_s"] if forwards else math.nan
     shards, run = work / "shards", work / "run"

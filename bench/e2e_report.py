@@ -352,23 +352,27 @@ def training_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def forward_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
-    """The plain forwards, eager and compiled, and extraction's MFU against the ceiling."""
-    if "compiled_forward" not in r:
+    """The plain forwards, eager and compiled (where measured), and extraction's MFU against the
+    ceiling."""
+    if "plain_forward" not in r:
         return []
-    e, c, m = r["plain_forward"], r["compiled_forward"], r["mfu"]
+    e, c, m = r["plain_forward"], r.get("compiled_forward"), r["mfu"]
     x = r.get("extract_compile") or {}
-    return [
+    rows = [
         ("matmul ceiling (bf16 8192^3)", f"{r['ceiling_tflops']:.0f} TFLOP/s"),
         ("eager plain forward", f"{e['tok_s']:,.0f} tok/s, MFU {m['eager']:.1%}"),
-        (
+    ]
+    if c is not None:
+        rows.append((
             "compiled plain forward",
             f"{c['tok_s']:,.0f} tok/s = {c['tok_s'] / e['tok_s']:.3f} x eager, MFU "
             f"{m['compiled']:.1%}; compiled {c['graphs']} graphs in {c['compile_s']:.1f} s",
-        ),
-        (
-            "extraction MFU, compilation",
-            f"{m['extract']:.1%}; {x.get('graphs', 'no')} graphs in {x.get('seconds', 0):.1f} s "
-            f"before the first part, {x.get('recompiled', 0)} recompiled since",
-        ),
-        ("extract vs compiled plain forward", f"{r['extract_vs_compiled']:.3f}"),
-    ]
+        ))  # fmt: skip
+    rows.append((
+        "extraction MFU, compilation",
+        f"{m['extract']:.1%}; {x.get('graphs', 'no')} graphs in {x.get('seconds', 0):.1f} s "
+        f"before the first part, {x.get('recompiled', 0)} recompiled since",
+    ))  # fmt: skip
+    if c is not None:
+        rows.append(("extract vs compiled plain forward", f"{r['extract_vs_compiled']:.3f}"))
+    return rows
