@@ -115,8 +115,9 @@ def refuse_moot(cls: type, values: dict[str, Any]) -> None:
     """A click usage error for an option typed on the command line beside the option that makes
     it have no effect (`option(moot_with=...)`, e.g. `--num-layers` beside `--layers`), or
     without the value of another option it acts under (`cls.ONLY_WITH`, e.g. `--markov-rank`
-    only with `--drafter-type dspark`): which one the user meant is theirs to say. Outside a
-    click command, or where the moot one is only its default, nothing."""
+    only with `--drafter-type dspark`; the outermost condition is named first): which one the
+    user meant is theirs to say. Outside a click command, or where the moot one is only its
+    default, nothing."""
     ctx = click.get_current_context(silent=True)
     if ctx is None:
         return
@@ -130,13 +131,24 @@ def refuse_moot(cls: type, values: dict[str, Any]) -> None:
                 f"{_flag(f)} {values[f.name]} has no effect with {_flag(fields[other])} "
                 f"{values[other]}: give one of them"
             )
-        other, wanted = getattr(cls, "ONLY_WITH", {}).get(f.name, (None, ()))
-        if other and str(values.get(other)) not in wanted:
-            raise click.UsageError(
-                f"{_flag(f)} has no effect unless {_flag(fields[other])} is "
-                f"{' or '.join(wanted)} (this command's: {values.get(other)}): drop it, or give "
-                f"{_flag(fields[other])} {wanted[0]}"
-            )
+        for other, wanted in reversed(_conditions(cls, f.name)):
+            if str(values.get(other)) not in wanted:
+                raise click.UsageError(
+                    f"{_flag(f)} has no effect unless {_flag(fields[other])} is "
+                    f"{' or '.join(wanted)} (this command's: {values.get(other)}): drop it, or "
+                    f"give {_flag(fields[other])} {wanted[0]}"
+                )
+
+
+def _conditions(cls: type, name: str) -> list[tuple[str, tuple[str, ...]]]:
+    """The (field, values) conditions under which field `name` acts: its `cls.ONLY_WITH` entry,
+    then that field's own, and so on (`--confidence-head` acts under `--dspark-loss full`, which
+    acts under `--drafter-type dspark`)."""
+    only_with, chain = getattr(cls, "ONLY_WITH", {}), []
+    while name in only_with and len(chain) < len(only_with):
+        name, wanted = only_with[name]
+        chain.append((name, wanted))
+    return chain
 
 
 def _flag(f: dataclasses.Field) -> str:

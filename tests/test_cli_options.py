@@ -55,6 +55,13 @@ def test_moot_option_beside_its_overrider_is_refused(command, cls, argv, named):
         (["--muon-lr", "0.1"], "--muon-lr has no effect unless --optimizer is muon"),
         (["--kl-weight", "0.3", "--loss", "kl"], "--kl-weight has no effect unless --loss is mix"),
         (["--dpace-alpha", "0.9"], "--dpace-alpha has no effect unless --slot-weights is dpace"),
+        (["--drafter-type", "dspark", "--dspark-loss", "ce", "--confidence-head"],
+         "--confidence-head has no effect unless --dspark-loss is full (this command's: ce): "
+         "drop it, or give --dspark-loss full"),
+        (["--drafter-type", "dspark", "--dspark-loss", "ce", "--dspark-l1-weight", "0.5"],
+         "--dspark-l1-weight has no effect unless --dspark-loss is full"),
+        (["--dspark-loss", "ce", "--confidence-head"],  # the outer condition named first
+         "--confidence-head has no effect unless --drafter-type is dspark"),
     ],
 )  # fmt: skip
 def test_an_option_of_another_family_or_mode_is_refused(argv, named):
@@ -73,6 +80,10 @@ def test_each_alone_or_at_its_default_is_taken():
     assert _build(train_main, TrainConfig, [*TRAIN, "--eval-parts", "1"]).eval_parts == 1
     dspark = [*TRAIN, "--drafter-type", "dspark", "--markov-rank", "3", "--no-confidence-head"]
     assert _build(train_main, TrainConfig, dspark).markov_rank == 3
+    ce = [*TRAIN, "--drafter-type", "dspark", "--dspark-loss", "ce"]
+    assert not _build(train_main, TrainConfig, ce).with_confidence_head  # its default stays
+    full = [*TRAIN, "--drafter-type", "dspark", "--dspark-loss", "full", "--confidence-head"]
+    assert _build(train_main, TrainConfig, full).with_confidence_head
     muon = [*TRAIN, "--optimizer", "muon", "--muon-lr", "0.1"]
     assert _build(train_main, TrainConfig, muon).muon_lr == 0.1
 

@@ -88,7 +88,7 @@ class TrainConfig:
     )
     markov_rank: int = option(256, help="dspark: rank of the Markov head (0: no Markov head)")
     confidence_head: bool = option(
-        True, help="dspark: train the confidence head (never with --dspark-loss ce)"
+        True, help="dspark, --dspark-loss full: train the confidence head"
     )
     confidence_head_with_markov: bool = option(
         True,
@@ -99,7 +99,8 @@ class TrainConfig:
         "full",
         choices=drafter_names.DSPARK_LOSSES,
         help="dspark: full (CE, L1 to the target's distribution and the confidence BCE; the cache "
-        "must hold the target's last layer) or ce (CE alone, no confidence head; any cache)",
+        "must hold the target's last layer) or ce (CE alone, no confidence head, so none of the "
+        "confidence and weight options; any cache)",
     )
     dspark_ce_weight: float = option(0.1, help="dspark: weight of the CE term (full loss)")
     dspark_l1_weight: float = option(0.9, help="dspark: weight of the L1 term (full loss)")

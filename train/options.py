@@ -74,16 +74,21 @@ DFLASH2_ONLY = (
     "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_weight",
     "selector_warmup", "selector_ramp", "selector_stop_grad",
 )  # fmt: skip
-DSPARK_ONLY = (
-    "markov_rank", "confidence_head", "confidence_head_with_markov", "dspark_loss",
-    "dspark_ce_weight", "dspark_l1_weight", "dspark_conf_weight",
+DSPARK_ONLY = ("markov_rank", "dspark_loss")
+# DSpark's options that act only with its full loss: `--dspark-loss ce` trains the CE alone, with
+# weight 1 and no confidence head (`TrainConfig.with_confidence_head`, `DSparkLoss.coefficients`).
+DSPARK_FULL_ONLY = (
+    "confidence_head", "confidence_head_with_markov", "dspark_ce_weight", "dspark_l1_weight",
+    "dspark_conf_weight",
 )  # fmt: skip
-# Options that act only where another option has one of some values: typed on a command line
-# without it, refused (`shared.cli.refuse_moot`, through `TrainConfig.ONLY_WITH`), as a sweep of
-# them would train the same run under several names.
+# Options that act only where another option has one of some values (and that one's own
+# condition, if it has one): typed on a command line without it, refused
+# (`shared.cli.refuse_moot`, through `TrainConfig.ONLY_WITH`), as a sweep of them would train the
+# same run under several names.
 ONLY_WITH = {
     **dict.fromkeys(DFLASH2_ONLY, ("drafter_type", ("dflash2",))),
     **dict.fromkeys(DSPARK_ONLY, ("drafter_type", ("dspark",))),
+    **dict.fromkeys(DSPARK_FULL_ONLY, ("dspark_loss", ("full",))),  # itself dspark's only
     "muon_lr": ("optimizer", ("muon",)),
     "kl_weight": ("loss", ("mix",)),
     "dpace_alpha": ("slot_weights", ("dpace",)),
