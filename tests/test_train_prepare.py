@@ -80,3 +80,22 @@ def test_moe_target_gets_the_published_shape_recorded_in_the_run_config(tmp_path
     record = json.loads((tmp_path / "run" / "config.json").read_text())
     assert record["drafter"]["num_attention_heads"] == 32
     assert record["drafter"]["intermediate_size"] == 64
+
+
+def test_a_max_length_past_the_samples_is_refused(tmp_path):
+    """--max-length above the cache's own (its samples were cut to it) or above --batch-tokens
+    (a row's size) would change nothing: refused, naming the limit; at the limit it is taken."""
+    cache = write_cache(tmp_path / "cache", num_parts=2, samples_per_part=2, max_length=512)
+    manifest = read_manifest(cache)
+    cfg = TrainConfig(data=cache, out=tmp_path / "run", gpus="cpu", drafter_layers=1)
+    with pytest.raises(CacheMismatch) as e:
+        prepare(cfg.replace(max_length=1024), manifest, device_kind="cpu")
+    assert (
+        "--max-length 1024 has no effect: samples are at most 512 tokens here (the cache was "
+        "extracted with --max-length 512" in str(e.value)
+    )
+    assert "give --max-length 512 or less" in str(e.value)
+    with pytest.raises(CacheMismatch, match=r"at most 256 tokens here \(a micro-batch row holds "):
+        prepare(cfg.replace(max_length=400, batch_tokens=256), manifest, device_kind="cpu")
+    assert prepare(cfg.replace(max_length=512), manifest, device_kind="cpu")[0].max_length == 512
+    assert prepare(cfg, manifest, device_kind="cpu")[0].max_length == 512  # the cache's

@@ -59,6 +59,7 @@ def fit_cache(
     if manifest.target.num_layers - 1 in wanted:
         log.warning(LAST_LAYER_WARNING, manifest.target.num_layers - 1)
     read = wanted + last_layer(cfg, manifest, problems)
+    problems += max_length_problems(cfg, manifest)
     drafter, hidden = _drafter_config(cfg, manifest, wanted, problems)
     embed_rows = _embedding_rows(cfg.data, manifest, problems)
     try:
@@ -84,6 +85,25 @@ def default_taps(cfg: TrainConfig, manifest: Manifest) -> tuple[int, ...]:
         return cached
     log.info("dspark: taps %s (the cached layers but the last, %d)", list(taps), last)
     return taps
+
+
+def max_length_problems(cfg: TrainConfig, manifest: Manifest) -> list[str]:
+    """--max-length past what a sample can hold here has no effect: the cache's samples were cut
+    to its extraction's --max-length, and a micro-batch row holds --batch-tokens."""
+    if cfg.max_length is None or cfg.max_length <= min(manifest.max_length, cfg.batch_tokens):
+        return []
+    if cfg.batch_tokens < manifest.max_length:
+        limit, why = cfg.batch_tokens, f"a micro-batch row holds --batch-tokens {cfg.batch_tokens}"
+    else:
+        limit = manifest.max_length
+        why = (
+            f"the cache was extracted with --max-length {limit}; extract again with a larger "
+            "one for longer samples"
+        )
+    return [
+        f"--max-length {cfg.max_length} has no effect: samples are at most {limit} tokens here "
+        f"({why}); drop it, or give --max-length {limit} or less"
+    ]
 
 
 def last_layer(cfg: TrainConfig, manifest: Manifest, problems: list[str]) -> tuple[int, ...]:
