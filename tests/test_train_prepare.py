@@ -99,3 +99,16 @@ def test_a_max_length_past_the_samples_is_refused(tmp_path):
         prepare(cfg.replace(max_length=400, batch_tokens=256), manifest, device_kind="cpu")
     assert prepare(cfg.replace(max_length=512), manifest, device_kind="cpu")[0].max_length == 512
     assert prepare(cfg, manifest, device_kind="cpu")[0].max_length == 512  # the cache's
+
+
+def test_export_cli_says_it_exported_once(tmp_path):
+    """The export's path on stdout (for scripts), and no log line repeating it on stderr."""
+    cfg = tiny_drafter_config()
+    ckpt = save_checkpoint(
+        tmp_path / "run", 3, {"model": tiny_drafter(cfg).state_dict()}, cfg, keep=1
+    )
+    out = tmp_path / "export"
+    result = CliRunner().invoke(export_main, [str(ckpt), str(out)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"exported to {out}\n"
+    assert result.output.count(str(out)) == 1, result.output

@@ -227,8 +227,7 @@ def export_drafter(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("exported drafter (%d tensors) to %s", len(tensors), out)
-    return out
+    return out  # said by the caller: the CLI on stdout, training in its log
 
 
 def _drop_leftovers(out: Path) -> None:

@@ -384,5 +384,6 @@ class Trainer:
         self.evaluate()
         if self.info.is_main:
             export_drafter(self.model, self.prep.drafter, out, heads=heads)
+            log.info("exported the drafter to %s", out)
         self.writer.close()
         barrier()
