@@ -13,14 +13,18 @@ PACKING_MODES = ("auto", "on", "off")
 
 
 def parse_layer_list(text: str) -> tuple[int, ...]:
-    """`"1,9,17"` -> (1, 9, 17); raises ValueError naming the bad item."""
-    out = []
+    """`"1,9,17"` -> (1, 9, 17); raises ValueError naming the bad item. What is wrong whatever
+    the target (not an id, a negative or a repeated one) is refused here, as a usage error; an
+    id past the target's layers only once its config is read (`extract.plan`)."""
+    out: list[int] = []
     for item in text.replace(" ", "").split(","):
         if not item.lstrip("-").isdigit():
             raise ValueError(f"--layers {text!r}: {item!r} is not an integer layer id")
+        if int(item) < 0:
+            raise ValueError(f"--layers {text!r}: {item} is not a layer id (0-based: 0 or more)")
+        if int(item) in out:
+            raise ValueError(f"--layers {text!r}: layer {int(item)} is given twice")
         out.append(int(item))
-    if len(set(out)) != len(out):
-        raise ValueError(f"--layers {text!r} repeats a layer id")
     return tuple(out)
 
 

@@ -75,8 +75,8 @@ def _layer_ids(cfg: ExtractConfig, num_target_layers: int) -> tuple[int, ...]:
     bad = [i for i in ids if not 0 <= i < num_target_layers]
     if bad:
         raise ExtractError(
-            f"--layers: ids {bad} out of range: the target has {num_target_layers} decoder "
-            f"layers (ids 0..{num_target_layers - 1})"
+            f"--layers {cfg.layers!r}: ids {bad} out of range: the target has "
+            f"{num_target_layers} decoder layers (ids 0..{num_target_layers - 1})"
         )
     if list(ids) != sorted(ids):
         log.info(

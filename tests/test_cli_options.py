@@ -121,3 +121,27 @@ def test_a_too_small_value_names_the_least_one():
     with pytest.raises(click.UsageError) as e:
         _build(extract_main, ExtractConfig, [*EXTRACT, "--staging-buffers", "1"])
     assert "--staging-buffers: 1 is too small (at least 2)" in e.value.format_message()
+
+
+@pytest.mark.parametrize(
+    "layers, named",
+    [
+        ("3,3", "--layers '3,3': layer 3 is given twice"),
+        ("1,-1", "--layers '1,-1': -1 is not a layer id (0-based: 0 or more)"),
+        ("1,,2", "--layers '1,,2': '' is not an integer layer id"),
+        ("x", "--layers 'x': 'x' is not an integer layer id"),
+    ],
+)
+def test_a_malformed_layer_list_is_a_usage_error(tmp_path, layers, named):
+    """What is wrong with --layers whatever the target is refused before it is read."""
+    result = CliRunner().invoke(extract_main, ["--out", str(tmp_path / "c"), "--layers", layers])
+    assert result.exit_code == 2 and named in result.output, result.output
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_layer_past_the_target_is_named_with_the_value_given(tmp_path, tiny_qwen3):
+    args = ["--out", str(tmp_path / "c"), "--target", str(tiny_qwen3), "--layers", "1,8"]
+    result = CliRunner().invoke(extract_main, args)
+    assert result.exit_code == 1, result.output
+    assert "--layers '1,8': ids [8] out of range: the target has 8 decoder layers" in result.output
+    assert not (tmp_path / "c").exists()
