@@ -18,7 +18,8 @@ from train.config import TrainConfig
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click_options(TrainConfig)
 def main(**kwargs: object) -> None:
-    """Train a DFlash drafter from a hidden-state cache written by `python -m extract`."""
+    """Train a DFlash, DFlash2 or DSpark drafter from a hidden-state cache written by
+    `python -m extract`."""
     from shared.lock import LockHeld, refuse_if_held
     from shared.logs import setup_logging
 

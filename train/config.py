@@ -57,7 +57,9 @@ class TrainConfig:
         "all but the last sliding (window 2048), as its published drafter (dflash2: all sliding)",
     )
     sliding_window: int | None = option(
-        None, help="window of sliding-attention layers (dflash2 default 2048)"
+        None,
+        help="window of sliding-attention layers: required with a sliding --layer-types (the "
+        "default layer types come with theirs: 2048 for dflash2 and for Qwen3.6-27B targets)",
     )
     is_causal: str | None = option(
         None,
@@ -99,8 +101,7 @@ class TrainConfig:
         "full",
         choices=drafter_names.DSPARK_LOSSES,
         help="dspark: full (CE, L1 to the target's distribution and the confidence BCE; the cache "
-        "must hold the target's last layer) or ce (CE alone, no confidence head, so none of the "
-        "confidence and weight options; any cache)",
+        "must hold the target's last layer) or ce (CE alone, no confidence head; any cache)",
     )
     dspark_ce_weight: float = option(0.1, help="dspark: weight of the CE term (full loss)")
     dspark_l1_weight: float = option(0.9, help="dspark: weight of the L1 term (full loss)")
@@ -139,12 +140,13 @@ class TrainConfig:
     gamma: float | None = option(
         None,
         help="loss decay over block offsets (--slot-weights exp); default 7 for block 16, 4 for "
-        "block 8 (dspark: 4)",
+        "block 8, 7 x block / 16 rounded for others (dspark: 4)",
     )
     target_layers: str | None = option(
         None,
         help="comma-separated cached target layer ids to use (trained and exported in ascending "
-        "order, the order serving engines feed them in); default all",
+        "order, the order serving engines feed them in); default all (dspark: all but the "
+        "target's last layer, which it reads as the target's distribution)",
     )
     mask_token_id: int | None = option(
         None,
