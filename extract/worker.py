@@ -109,9 +109,9 @@ def rank_main(info: RankInfo, job: Job) -> None:
         )
         sys.setswitchinterval(job.switch_interval_s)
         log.info(
-            "rank %d: %d units on %s, %d writer threads, GIL switch interval %g ms",
+            "rank %d: %s on %s, %d writer threads, GIL switch interval %g ms",
             info.rank,
-            len(mine),
+            f"{len(mine)} part{'s' if len(mine) != 1 else ''}",
             info.device,
             threads,
             sys.getswitchinterval() * 1e3,

@@ -101,9 +101,9 @@ def _run_locked(
             prep, parts=view.parts, train_lengths=train, eval_lengths=evals, follow=plan
         )
     log.info(
-        "training a %d-layer drafter on %d parts (%d samples held out) with %s, target layers %s",
+        "training a %d-layer drafter on %s (%d samples held out) with %s, target layers %s",
         prep.drafter.num_layers,
-        len(prep.parts),
+        f"{len(prep.parts)} part{'s' if len(prep.parts) != 1 else ''}",
         prep.num_eval,
         spec.label,
         list(prep.drafter.target_layer_ids),
