@@ -74,6 +74,27 @@ def test_train_summary_table(tmp_path):
     assert str(tmp_path / "export") in text and str(tmp_path / "metrics.jsonl") in text
 
 
+def test_train_summary_names_the_prompts_shipped_with_the_data(tmp_path):
+    from extract.plan import default_data
+    from train.summary import format_summary, shipped_prompts
+
+    demo = default_data()
+    assert shipped_prompts([str(p) for p in demo]) == demo[0].with_name("demo_prompts.json")
+    data = tmp_path / "chats.jsonl"
+    data.write_text("")
+    assert shipped_prompts([str(data)]) is None  # none beside it: the user names one
+    (tmp_path / "chats_prompts.json").write_text("[]")
+    assert shipped_prompts([str(data)]) == tmp_path / "chats_prompts.json"
+    assert shipped_prompts([str(data), str(data)]) is None  # several files: whose prompts?
+    (tmp_path / "export").mkdir()
+    prompts = tmp_path / "chats_prompts.json"
+    text = format_summary(tmp_path, export=tmp_path / "export", seconds=1.0, prompts=prompts)
+    assert text.count(f"--prompts {prompts}") == 2 and "PROMPTS.json" not in text
+    assert "--prompts PROMPTS.json" in format_summary(
+        tmp_path, export=tmp_path / "export", seconds=1.0
+    )
+
+
 def test_train_summary_says_why_there_is_no_eval(tmp_path):
     from train.summary import format_summary
 

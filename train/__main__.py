@@ -34,7 +34,7 @@ def main(**kwargs: object) -> None:
     from shared.manifest import CacheMismatch, read_manifest
     from shared.stopping import Stopped, StopRun, resume_command
     from train.run import RunError, run
-    from train.summary import format_summary
+    from train.summary import format_summary, shipped_prompts
 
     try:
         out = run(cfg)
@@ -57,9 +57,14 @@ def main(**kwargs: object) -> None:
         raise click.ClickException(str(e)) from None
     if not takes_output_lock():
         return  # torchrun's other ranks: rank 0 prints the summary
-    target = read_manifest(cfg.data).target.path
+    manifest = read_manifest(cfg.data)
     seconds = time.monotonic() - start
-    click.echo(format_summary(cfg.out, export=out, seconds=seconds, target=target))
+    prompts = shipped_prompts([s.path for s in manifest.sources])
+    click.echo(
+        format_summary(
+            cfg.out, export=out, seconds=seconds, target=manifest.target.path, prompts=prompts
+        )
+    )
 
 
 if __name__ == "__main__":

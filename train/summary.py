@@ -47,9 +47,17 @@ def _steps(out: Path, train: dict[str, Any] | None) -> str:
     return f"{logged:,}" if train else "none"
 
 
-def format_summary(out: Path, *, export: Path, seconds: float, target: str | None = None) -> str:
+def format_summary(
+    out: Path,
+    *,
+    export: Path,
+    seconds: float,
+    target: str | None = None,
+    prompts: Path | None = None,
+) -> str:
     """Steps, time, the last train and eval loss and tau, where the outputs are, and what to
-    run next with the export (`target`: the target model the cache was extracted from)."""
+    run next with the export (`target`: the target model the cache was extracted from;
+    `prompts`: a JSON list of prompts for it, see `shipped_prompts`)."""
     out = Path(out)
     records = _read(out / METRICS_FILE)
     train, evals = _last(records, "train"), _last(records, "eval")
@@ -78,15 +86,26 @@ def format_summary(out: Path, *, export: Path, seconds: float, target: str | Non
     plots = sorted((out / PLOTS_DIR).glob("*.png"))
     rows.append(("plots", ", ".join(str(p) for p in plots) if plots else "none"))
     if Path(export).is_dir():
-        rows += [("next" if i == 0 else "", c) for i, c in enumerate(next_commands(export, target))]
+        commands = next_commands(export, target, prompts)
+        rows += [("next" if i == 0 else "", c) for i, c in enumerate(commands)]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
 
-def next_commands(export: Path, target: str | None) -> list[str]:
-    """The proof tools on the export: real speculative decoding, then the same through vLLM."""
+def shipped_prompts(sources: list[str]) -> Path | None:
+    """The prompts shipped beside a cache's one data file (`chats.jsonl` -> `chats_prompts.json`,
+    as the embedded demo's), or None."""
+    if len(sources) != 1:
+        return None
+    found = Path(sources[0]).with_name(Path(sources[0]).stem + "_prompts.json")
+    return found if found.is_file() else None
+
+
+def next_commands(export: Path, target: str | None, prompts: Path | None = None) -> list[str]:
+    """The proof tools on the export: real speculative decoding, then the same through vLLM
+    (on `prompts`, else on a JSON list of prompts the user names)."""
     base = ["--target", target or "TARGET", "--drafter", str(export)]
-    prompts = "--prompts PROMPTS.json"
+    prompts = shlex.join(["--prompts", str(prompts)]) if prompts else "--prompts PROMPTS.json"
     return [
         f"{shlex.join(['python', '-m', 'train.proof.speculate', *base])} {prompts}"
         "   (tau and lossless, on a JSON list of prompts)",
