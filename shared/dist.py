@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -341,6 +342,7 @@ def launch(
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(_free_port())
     errors = mp.get_context("spawn").SimpleQueue()
+    started = time.time()
     ctx = mp.start_processes(
         _spawned,
         args=(fn, spec, args, errors, timeout, os.getpid()),
@@ -363,7 +365,8 @@ def launch(
                 f"stopped at once by a second {stop.signal_name}: the ranks were killed and "
                 "their work in progress is dropped (what they had committed is kept)"
             ) from None
-        raise Stopped(rank_died(e.error_index, e.error_pid, e.exit_code, e.signal_name)) from None
+        died = rank_died(e.error_index, e.error_pid, e.exit_code, e.signal_name, started)
+        raise Stopped(died) from None
     finally:
         stop.restore()
 

@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from shared.oom import kernel_log, oom_kill
+
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
@@ -155,7 +157,7 @@ def _take_over_stale(path: Path, tmp: Path, record: dict[str, Any]) -> bool:
             # The other host's process may be alive: an flock taken there is not always
             # visible here (NFS without lock support, or some FUSE file systems).
             raise _unchecked(info, path)
-        state = "no longer running" if not pid_alive(info.get("pid")) else "not holding it"
+        state = _gone(info) if not pid_alive(info.get("pid")) else "not holding it"
         log.warning(
             "taking over the stale lock %s of %s (%s)", path, _holder_text(info, path), state
         )
@@ -163,6 +165,16 @@ def _take_over_stale(path: Path, tmp: Path, record: dict[str, Any]) -> bool:
         return True
     finally:
         os.close(old)
+
+
+def _gone(info: dict[str, Any]) -> str:
+    """How the stale lock's holder ended, where the kernel's log tells (`shared.oom`)."""
+    pid, started = info.get("pid"), info.get("started")
+    if isinstance(pid, int) and isinstance(started, (int, float)):
+        killed = oom_kill(pid, started, kernel_log())
+        if killed is not None:
+            return f"{killed.describe()}: the same settings may run out of memory again"
+    return "no longer running"
 
 
 def refuse_if_held(folder: Path) -> None:

@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable
 
 from shared.lock import pid_alive
+from shared.oom import kernel_log, oom_kill
 from shared.ranks import launching_parent
 
 log = logging.getLogger(__name__)
@@ -50,24 +51,41 @@ def resume_command(stage: str) -> str:
     return shlex.join(["python", "-m", stage, *sys.argv[1:]])
 
 
-def rank_died(rank: int, pid: int, code: int, signal_name: str | None) -> str:
-    """What to tell of a spawned rank that ended without a word (killed, crashed).
+def rank_died(
+    rank: int, pid: int, code: int, signal_name: str | None, since: float | None = None
+) -> str:
+    """What to tell of a spawned rank that ended without a word (killed, crashed); `since`: when
+    it started (wall clock), to look for its kill in the kernel's log (`shared.oom`).
 
     >>> rank_died(1, 4242, -9, "SIGKILL")[:60]
     'rank 1 (pid 4242) was killed by SIGKILL (most often the kern'
     >>> rank_died(0, 7, 3, None)[:60]
     'rank 0 (pid 7) exited with code 3 without a message; the oth'
     """
-    if signal_name:
+    if signal_name == "SIGKILL":
+        how = _killed(pid, since)
+    elif signal_name:
         how = f"was killed by {signal_name}"
-        if signal_name == "SIGKILL":
-            how += " (most often the kernel's out-of-memory killer: `dmesg` says)"
     else:
         how = f"exited with code {code} without a message"
     return (
         f"rank {rank} (pid {pid}) {how}; the other ranks were stopped. What was saved before "
         "(committed parts, checkpoints) is kept, the work in progress is not"
     )
+
+
+def _killed(pid: int, since: float | None) -> str:
+    """How a process ended by SIGKILL was killed, as far as the kernel's log tells."""
+    log = kernel_log() if since is not None else None
+    killed = oom_kill(pid, since, log) if log is not None else None
+    if killed is not None:
+        return f"was {killed.describe()}; the same settings may run out of memory again"
+    if log is not None:
+        return (
+            "was killed by SIGKILL, not by the kernel's out-of-memory killer (its log names no "
+            "such kill): by `kill -9` or a job scheduler?"
+        )
+    return "was killed by SIGKILL (most often the kernel's out-of-memory killer: `dmesg` says)"
 
 
 def stop_error(kind: str, message: str) -> StopRun:

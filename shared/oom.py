@@ -1,0 +1,71 @@
+"""Whether the kernel ended a process for want of memory. Its out-of-memory killer ends the
+largest process with SIGKILL and nothing runs in it after: the process cannot say so itself, but
+the kernel's log names it ("Out of memory: Killed process 4242 (python)", or "Memory cgroup out
+of memory: ..." where a container's limit was reached). The log is read from /dev/kmsg, which
+root can read (others where kernel.dmesg_restrict is 0); elsewhere nothing is known."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import time
+from dataclasses import dataclass
+
+KMSG = "/dev/kmsg"
+_KILLED = re.compile(r"out of memory: Killed process (\d+) \([^)]*\)", re.IGNORECASE)
+# The log's clock and this process's monotonic clock agree to well under this; a kill logged
+# more than this before a process started was of an older process of the same pid.
+_SLACK_S = 2.0
+
+
+@dataclass(frozen=True)
+class OomKill:
+    when: float  # wall-clock time
+    line: str  # the kernel's line, up to the process's name
+
+    def describe(self) -> str:
+        """
+        >>> OomKill(0.0, "Out of memory: Killed process 7 (python)").describe()[:44]
+        "ended by the kernel's out-of-memory killer a"
+        """
+        at = time.strftime("%H:%M:%S", time.localtime(self.when))
+        return f"ended by the kernel's out-of-memory killer at {at}, its log says: {self.line}"
+
+
+def kernel_log(path: str = KMSG) -> list[tuple[float, str]] | None:
+    """The records still in the kernel's log buffer as (seconds since boot, first line), oldest
+    first; None where the log cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    records = []
+    try:
+        while True:
+            try:
+                record = os.read(fd, 8192)
+            except BlockingIOError:
+                break  # the end of the buffer
+            except OSError as e:
+                if e.errno == errno.EPIPE:
+                    continue  # a record overwritten while reading: the next one follows
+                return None if not records else records
+            head, _, text = record.decode(errors="replace").partition(";")
+            fields = head.split(",")
+            if len(fields) >= 3 and fields[2].isdigit():
+                records.append((int(fields[2]) / 1e6, text.split("\n", 1)[0]))
+    finally:
+        os.close(fd)
+    return records
+
+
+def oom_kill(pid: int, since: float, log: list[tuple[float, str]] | None) -> OomKill | None:
+    """The out-of-memory kill of process `pid` (started at wall-clock time `since`) in `log`
+    (`kernel_log()`), or None."""
+    boot = time.time() - time.monotonic()
+    for seconds, line in reversed(log or []):
+        m = _KILLED.search(line)
+        if m and int(m.group(1)) == pid and boot + seconds >= since - _SLACK_S:
+            return OomKill(boot + seconds, line[: m.end()])
+    return None
