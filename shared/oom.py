@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 KMSG = "/dev/kmsg"
 _KILLED = re.compile(r"out of memory: Killed process (\d+) \([^)]*\)", re.IGNORECASE)
-# The log's clock and this process's monotonic clock agree to well under this; a kill logged
-# more than this before a process started was of an older process of the same pid.
-_SLACK_S = 2.0
+# The log's clock (the kernel's, since boot) drifts from the monotonic clock that dates it here
+# (slewed by NTP) by up to seconds a day: a kill logged more than this before a process started
+# was of an older process of the same pid.
+_SLACK_S = 60.0
 
 
 @dataclass(frozen=True)
