@@ -246,3 +246,27 @@ def test_a_run_that_saved_nothing_does_not_block_the_corrected_command(tmp_path,
     assert (out / "export").is_dir()
     with pytest.raises(RunError, match="holds a different run"):
         run(tiny(cache, out, steps=4, checkpoint_every=2, lr=1e-3))
+
+
+def test_a_lower_keep_checkpoints_makes_room_on_resume(tmp_path):
+    """A full disk's message says to free space or lower --keep-checkpoints: on a tmpfs that
+    holds the run's three checkpoints but not a fourth, the same command with
+    --keep-checkpoints 1 deletes the older ones as it resumes (never the one it resumes from),
+    so its next checkpoint fits."""
+    import subprocess
+
+    from tests.test_extract_safety import small_disk
+
+    cache = write_cache(tmp_path / "c", num_parts=3, samples_per_part=6)
+    with small_disk(tmp_path / "disk", "64m") as disk:
+        out = disk / "run"
+        run(tiny(cache, out, steps=8, checkpoint_every=2, stop_after_steps=6))
+        assert [s for s, _ in list_checkpoints(out)] == [2, 4, 6]
+        stats = os.statvfs(disk)
+        used = (stats.f_blocks - stats.f_bfree) * stats.f_frsize
+        ckpt = sum(p.stat().st_size for p in list_checkpoints(out)[-1][1].iterdir())
+        room = used + (1 << 20) + ckpt // 2  # a checkpoint's estimate does not fit beside them
+        subprocess.run(["mount", "-o", f"remount,size={room}", str(disk)], check=True)
+        run(tiny(cache, out, steps=8, checkpoint_every=2, keep_checkpoints=1))
+        assert [s for s, _ in list_checkpoints(out)] == [8]
+        assert (out / "export" / "model.safetensors").is_file()

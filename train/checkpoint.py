@@ -318,6 +318,19 @@ def prune(run_dir: Path, *, keep: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def prune_before(run_dir: Path, resumed: Path, *, keep: int) -> None:
+    """Delete the complete checkpoints of a run older than the one it resumes from (`resumed`)
+    but the newest `keep - 1` of them: a run resumed with a lower --keep-checkpoints has room
+    for its next save, which is written before older ones go. Newer ones (passed over) stay."""
+    m, folder = _STEP_DIR.match(Path(resumed).name), checkpoints_dir(run_dir)
+    if m is None or not folder.is_dir() or not folder.samefile(Path(resumed).parent):
+        return  # another run's checkpoint (--resume PATH): this run's folder keeps its own
+    older = [path for step, path in list_checkpoints(run_dir) if step < int(m.group(1))]
+    for path in older[: max(0, len(older) - (keep - 1))]:
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("deleted %s (--keep-checkpoints %d)", path, keep)
+
+
 def read_meta(path: Path) -> dict[str, Any]:
     """The small `meta.json` of a checkpoint: step and loader position, without loading state."""
     return json.loads((Path(path) / META_FILE).read_text())

@@ -19,6 +19,7 @@ from train.checkpoint import (
     checkpoint_problem,
     checkpoints_dir,
     load_resume,
+    prune_before,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -58,6 +59,8 @@ def restore_run_state(trainer: Any) -> None:
     t.writer.rewind(t.step, last=t.step == t.total)  # saves and exports it without another step
     if len(state["rng"]) == t.info.world_size:
         set_rng_state(state["rng"][t.info.rank], t.device)
+    if t.info.is_main:
+        prune_before(t.cfg.out, t.restored, keep=t.cfg.keep_checkpoints)
     log.info("resumed from %s at step %d of %d", path, t.step, t.total)
 
 
