@@ -106,6 +106,21 @@ def test_export_command_names_an_out_dir_that_cannot_be_written(tmp_path, where)
     assert (tmp_path / "afile").read_text() == "x"
 
 
+def test_export_command_on_a_full_disk_says_so_and_leaves_nothing(tmp_path):
+    """safetensors reports a full disk as its own error type: the command says it in one line
+    and leaves no temporary folder on the disk."""
+    from tests.test_extract_safety import small_disk
+
+    drafter, cfg = _drafter()
+    ckpt = save_checkpoint(tmp_path / "run", 1, {"model": drafter.state_dict()}, cfg, keep=1)
+    with small_disk(tmp_path / "disk", "16k") as disk:
+        result = CliRunner().invoke(main, [str(ckpt), str(disk / "export")])
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+        assert f"Error: export folder {disk / 'export'}: " in result.output, result.output
+        assert "No space left on device" in result.output
+        assert list(disk.iterdir()) == []
+
+
 def test_export_command_refuses_a_cache_a_dflash_drafter_does_not_read(tmp_path):
     drafter, cfg = _drafter()
     ckpt = save_checkpoint(tmp_path / "run", 1, {"model": drafter.state_dict()}, cfg, keep=1)

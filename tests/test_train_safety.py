@@ -337,3 +337,25 @@ def test_a_full_disk_under_the_metrics_names_the_file(tmp_path):
     assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / METRICS_FILE)
     if writer.tb is not None:
         writer.tb.close()
+
+
+def test_a_full_disk_at_the_export_is_one_message_and_the_rerun_exports(cache, tmp_path):
+    """The last checkpoint fits (its estimate leaves 1 MB), the export after it (bf16 weights of
+    a drafter with a wide MLP: more than 1 MB) does not: the run says which file the full disk
+    stopped, and the same command exports once there is room, from the checkpoint saved."""
+    import subprocess
+
+    from tests.test_extract_safety import small_disk
+
+    wide = tiny(cache, tmp_path / "probe", steps=2, drafter_intermediate=4096)
+    run(wide)
+    ckpt = _tree_bytes(list_checkpoints(wide.out)[-1][1])
+    with small_disk(tmp_path / "disk", f"{ckpt + (1 << 20) + (128 << 10)}") as disk:
+        cfg = wide.replace(out=disk / "run")
+        with pytest.raises(DiskFull, match=r"export/model\.safetensors\. Free space there"):
+            run(cfg)
+        assert [s for s, _ in list_checkpoints(cfg.out)] == [2]
+        assert not (cfg.out / "export").exists() and not list(cfg.out.glob(".export.tmp-*"))
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        run(cfg)
+        assert (cfg.out / "export" / "model.safetensors").is_file()

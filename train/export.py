@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -218,7 +219,7 @@ def export_drafter(
     _drop_leftovers(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     try:
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        _save_weights(tensors, tmp / WEIGHTS_FILE, named=out / WEIGHTS_FILE)
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
         for name in (WEIGHTS_FILE, CONFIG_FILE):
             _fsync_file(tmp / name)
@@ -228,6 +229,17 @@ def export_drafter(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out  # said by the caller: the CLI on stdout, training in its log
+
+
+def _save_weights(tensors: dict[str, torch.Tensor], path: Path, *, named: Path) -> None:
+    """save_file, its I/O errors (a full disk: SafetensorError "... (os error 28)") raised as
+    the OSError they are, naming the file (`named`) that the error message shows."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        if not (code := re.search(r"\(os error (\d+)\)", str(e))):
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(named)) from None
 
 
 def _drop_leftovers(out: Path) -> None:
