@@ -83,3 +83,22 @@ def test_empty_windows_are_strict_json_nulls_that_the_readers_take(tmp_path):
     assert json_line({"grad_norm": math.inf, "nested": {"x": [nan, 1]}}) == (
         '{"grad_norm": null, "nested": {"x": [null, 1]}}'
     )
+
+
+def test_plots_on_a_full_disk_name_the_file_and_leave_no_part_of_it(tmp_path):
+    """A run's last write is its plots: on a full disk the error names the image it could not
+    write (the run's message shows it), and no image is left cut short."""
+    import errno
+
+    import pytest
+
+    from tests.test_extract_safety import small_disk
+    from train.metrics import plot_metrics
+
+    acc = [0.5] * 15
+    history = [{"kind": "train", "step": s, "loss": 5.0 / s, "acc": acc} for s in range(1, 40)]
+    with small_disk(tmp_path / "disk", "8k") as disk:
+        with pytest.raises(OSError) as e:
+            plot_metrics(history, disk / "plots")
+        assert e.value.errno == errno.ENOSPC and e.value.filename == str(disk / "plots/loss.png")
+        assert list((disk / "plots").iterdir()) == []

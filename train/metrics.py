@@ -8,6 +8,7 @@ accuracy when matplotlib is installed.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from shared.dist import all_reduce_sum
-from shared.fsio import atomic_write_text
+from shared.fsio import atomic_write_bytes, atomic_write_text, named
 from train.compiling import compiled_graphs
 from train.drafters.dspark_metrics import CALIBRATION_SIZE, auc, ece
 
@@ -318,7 +319,7 @@ def plot_metrics(history: list[dict[str, Any]], out_dir: Path) -> None:
         ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="eval")
     ax.set(xlabel="step", ylabel="loss", title="loss")
     ax.legend()
-    fig.savefig(out_dir / "loss.png", dpi=100, bbox_inches="tight")
+    _save_figure(fig, out_dir / "loss.png")
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, records in (("train", train), ("eval", evals)):
@@ -327,8 +328,19 @@ def plot_metrics(history: list[dict[str, Any]], out_dir: Path) -> None:
             ax.plot(range(1, len(acc) + 1), acc, "o-", label=f"{name} @ {records[-1]['step']}")
     ax.set(xlabel="block offset k", ylabel="accuracy", title="accuracy per block offset")
     ax.legend()
-    fig.savefig(out_dir / "accuracy.png", dpi=100, bbox_inches="tight")
+    _save_figure(fig, out_dir / "accuracy.png")
     plt.close(fig)
+
+
+def _save_figure(fig: Any, path: Path) -> None:
+    """A PNG written atomically (a run killed there leaves the old image or none, never a part
+    of one), an error naming the file (a full disk's message says which)."""
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100, bbox_inches="tight")
+    try:
+        atomic_write_bytes(path, png.getvalue())
+    except OSError as e:
+        raise named(e, path) from None
 
 
 def _record(line: str) -> dict[str, Any] | None:
