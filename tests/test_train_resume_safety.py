@@ -270,3 +270,21 @@ def test_a_lower_keep_checkpoints_makes_room_on_resume(tmp_path):
         run(tiny(cache, out, steps=8, checkpoint_every=2, keep_checkpoints=1))
         assert [s for s, _ in list_checkpoints(out)] == [8]
         assert (out / "export" / "model.safetensors").is_file()
+
+
+def test_a_warm_started_run_resumes_after_its_source_is_gone(tmp_path):
+    """Its checkpoints hold every weight the warm start gave: the same command resumes a run
+    whose --init-from folder was deleted since (another run's checkpoint, pruned as that run
+    went on), and ends as the whole run did."""
+    cache = write_cache(tmp_path / "c", num_parts=3, samples_per_part=6)
+    run(tiny(cache, tmp_path / "source", steps=2))
+    start = tmp_path / "start"
+    shutil.copytree(tmp_path / "source" / "export", start)
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    run(tiny(cache, whole, steps=6, checkpoint_every=2, init_from=start))
+    run(tiny(cache, out, steps=6, checkpoint_every=2, init_from=start, stop_after_steps=3))
+    shutil.rmtree(start)
+    run(tiny(cache, out, steps=6, checkpoint_every=2, init_from=start))
+    assert [r["loss"] for r in records(out)] == [r["loss"] for r in records(whole)]
+    ours, theirs = (load_file(str(f / "export" / "model.safetensors")) for f in (out, whole))
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)

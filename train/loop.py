@@ -52,7 +52,6 @@ from train.prepared import Prepared
 from train.run_state import restore_run_state, save_run_state
 from train.schedule import warmup_cosine
 from train.step import forward_loss, step_options
-from train.warm_start import warm_start
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +95,7 @@ class Trainer:
         dtype = torch.bfloat16 if cuda else torch.float32
         self.embed_VH, self.lm_head_VH = load_heads(cfg.data, device=self.device, dtype=dtype)
         self.model = build_drafter(prep.drafter)
-        init_weights(self.model, cfg.seed)
-        if cfg.init_from is not None:
-            warm_start(self.model, cfg.init_from)
+        init_weights(self.model, cfg.seed)  # --init-from's weights replace it (restore)
         self.model.to(self.device)
         self.model.use_flex_options(flex_kernel_options(prep.drafter.head_dim, self.device))
         self.optimizer = build_optimizer(self.model, cfg, fused=cuda)

@@ -68,7 +68,9 @@ def run(cfg: TrainConfig) -> Path:
             raise RunError("\n".join([f"{cfg.data} changed under the run {cfg.out}:", *changed]))
         view = read_view(cfg.data, manifest)
     cfg, prep = prepare(cfg, manifest, device_kind=spec.kind, view=view)
-    if cfg.init_from is not None:  # before the run folder is written: its fix is the command's
+    # Before the run folder is written: its fix is the command's. A resumed run's checkpoint
+    # holds the weights the warm start gave, so its source may be gone since.
+    if cfg.init_from is not None and saved is None:
         problem = init_from_problem(cfg.init_from)
         if problem:
             raise RunError(problem)

@@ -25,16 +25,19 @@ from train.checkpoint import (
     set_rng_state,
 )
 from train.data.loader import LoaderState
+from train.warm_start import warm_start
 
 log = logging.getLogger(__name__)
 
 
 def restore_run_state(trainer: Any) -> None:
-    """Load the checkpoint `--resume` names into `trainer` (a `train.loop.Trainer`); log a start
-    from scratch when there is none."""
+    """Load the checkpoint `--resume` names into `trainer` (a `train.loop.Trainer`); without
+    one, a start from scratch: --init-from's weights, if given, and a line in the log."""
     t = trainer
     found = load_resume(t.cfg.out, t.cfg.resume, t.device)
     if found is None:
+        if t.cfg.init_from is not None:  # a resumed run has its weights from its checkpoint
+            warm_start(t.model, t.cfg.init_from)
         t.writer.rewind(0)  # a run killed before its first checkpoint: its steps logged again
         log.info("starting from scratch: %d steps", t.total)
         return
