@@ -101,3 +101,23 @@ def test_plain_anchor_first_drafter_and_option_errors(cache, tmp_path):
     assert (config["markov_rank"], config["enable_confidence_head"]) == (0, False)
     with safe_open(str(export / "model.safetensors"), framework="pt") as f:
         assert not [k for k in f.keys() if k.startswith(("markov", "confidence"))]
+
+
+def test_export_command_says_to_give_the_cache_where_the_recorded_one_is_not_found(
+    cache, tmp_path, monkeypatch
+):
+    """A run records --data as its command spelled it: relative to the folder it ran in. From
+    another folder the export cannot find the target's heads there, and says to give --cache."""
+    monkeypatch.chdir(cache.parent)
+    run(tiny(cache.relative_to(cache.parent), tmp_path / "run", drafter_type="dspark",
+             markov_rank=8, dspark_loss="ce", steps=2))  # fmt: skip
+    ckpt = list_checkpoints(tmp_path / "run")[-1][1]
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(export_main, [str(ckpt), "export"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert (
+        f"--data {cache.name}" in result.output and "give the cache with --cache" in result.output
+    )
+    assert not (tmp_path / "export").exists()
+    result = CliRunner().invoke(export_main, [str(ckpt), "export", "--cache", str(cache)])
+    assert result.exit_code == 0, result.output

@@ -31,7 +31,7 @@ from shared.space import is_disk_full, size_text
 from train.drafters.config import DrafterConfig
 from train.drafters.dflash import DFlashDrafter
 from train.drafters.registry import build_drafter
-from train.export_dspark import HEAD_KEYS, dspark_keys, dspark_shapes
+from train.export_dspark import HEAD_KEYS, dspark_keys, dspark_shapes, export_heads
 from train.export_hf import (  # noqa: F401 (train.export's API too)
     DFLASH_FIELDS,
     config_from_hf,
@@ -377,8 +377,7 @@ def main(checkpoint: Path, out_dir: Path, cache: Path | None) -> None:
     """Export the drafter of CHECKPOINT (a `runs/NAME/checkpoints/step-N` folder) of any family
     (DFlash, DFlash2, DSpark) to OUT_DIR in the format the serving engines load."""
     from shared.logs import setup_logging
-    from shared.target_files import load_heads
-    from train.checkpoint import load_drafter, load_state
+    from train.checkpoint import load_drafter
 
     setup_logging()
     if problem := unwritable_reason(out_dir):
@@ -392,8 +391,7 @@ def main(checkpoint: Path, out_dir: Path, cache: Path | None) -> None:
                 "only a DSpark drafter's export reads the cache (for its heads); drop it"
             )
         if cfg.drafter_type == "dspark":
-            cache = cache or Path(load_state(checkpoint)["config"]["data"])
-            heads = load_heads(cache)
+            heads = export_heads(checkpoint, cache)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     try:

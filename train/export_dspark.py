@@ -13,6 +13,7 @@ the drafter's own) and the heads: `markov_head.markov_w{1,2}.weight` [V, r] and
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from train.drafters.config import DrafterConfig
@@ -85,3 +86,24 @@ def dspark_fields(data: dict[str, Any]) -> dict[str, Any]:
         "confidence_head_with_markov": bool(data.get("confidence_head_with_markov", False)),
         "num_anchors": int(data.get("num_anchors", 512)),
     }
+
+
+def export_heads(checkpoint: Path, cache: Path | None) -> tuple[Any, Any]:
+    """The target's (embedding, lm_head) a DSpark export of `checkpoint` ships: from `cache`
+    (--cache), else from the cache its run trained on, as its --data spelled it (relative to the
+    folder the run was started in). ValueError, saying to give --cache, where they are unread."""
+    from safetensors import SafetensorError
+
+    from shared.target_files import load_heads
+    from train.checkpoint import load_state
+
+    given = cache is not None
+    cache = cache if given else Path(load_state(checkpoint)["config"]["data"])
+    try:
+        return load_heads(cache)
+    except (OSError, SafetensorError) as e:
+        source = "--cache" if given else f"{checkpoint} was trained on --data {cache}, but"
+        raise ValueError(
+            f"{source} the target's embedding and lm_head, which a DSpark export ships, cannot "
+            f"be read there ({e}): give the cache with --cache"
+        ) from None
