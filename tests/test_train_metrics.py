@@ -102,3 +102,19 @@ def test_plots_on_a_full_disk_name_the_file_and_leave_no_part_of_it(tmp_path):
             plot_metrics(history, disk / "plots")
         assert e.value.errno == errno.ENOSPC and e.value.filename == str(disk / "plots/loss.png")
         assert list((disk / "plots").iterdir()) == []
+
+
+def test_a_finished_runs_last_record_with_nulls_goes_back_to_tensorboard(tmp_path):
+    """The same command run again on a finished run (to evaluate and export it again) rewinds
+    to its last step, whose record goes to TensorBoard again as read from the file: with the
+    nulls of offsets that had no target in its window."""
+    import pytest
+
+    pytest.importorskip("tensorboard")
+    writer = MetricsWriter(tmp_path, enabled=True)
+    writer.write({"kind": "train", "step": 1, "loss": 2.0, "acc": [0.5, math.nan]})
+    writer.close()
+    again = MetricsWriter(tmp_path, enabled=True)
+    again.rewind(1, last=True)
+    again.close()
+    assert [r["acc"] for r in again.history] == [[0.5, None]]

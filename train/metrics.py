@@ -264,9 +264,10 @@ class MetricsWriter:
             for key, value in record.items():
                 if key in ("step", "kind", "epoch"):
                     continue
-                if isinstance(value, list):
+                if isinstance(value, list):  # a null (re-read: no target there) is not drawn
                     for k, v in enumerate(value, start=1):
-                        self.tb.add_scalar(f"{prefix}{key}/offset_{k}", v, record["step"])
+                        if isinstance(v, (int, float)):
+                            self.tb.add_scalar(f"{prefix}{key}/offset_{k}", v, record["step"])
                 elif isinstance(value, (int, float)):
                     self.tb.add_scalar(prefix + key, value, record["step"])
 
