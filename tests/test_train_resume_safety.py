@@ -288,3 +288,15 @@ def test_a_warm_started_run_resumes_after_its_source_is_gone(tmp_path):
     assert [r["loss"] for r in records(out)] == [r["loss"] for r in records(whole)]
     ours, theirs = (load_file(str(f / "export" / "model.safetensors")) for f in (out, whole))
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_a_run_shortened_to_its_checkpoint_warns_of_no_step_it_will_not_take(tmp_path, capfd):
+    """--steps lowered to the step of the checkpoint a resume takes: the run evaluates and
+    exports it without another step, so no warning about the lr of a next step."""
+    cache = write_cache(tmp_path / "c", num_parts=3, samples_per_part=6)
+    out = tmp_path / "run"
+    run(tiny(cache, out, steps=8, checkpoint_every=2, stop_after_steps=5))
+    capfd.readouterr()
+    run(tiny(cache, out, steps=4, checkpoint_every=2))
+    assert not [w for w in warnings_of(capfd) if "schedule" in w]
+    assert (out / "export").is_dir() and [r["step"] for r in records(out)][-1] == 4

@@ -71,6 +71,8 @@ def _follow_schedule(scheduler: Any, saved: dict[str, Any], step: int, total: in
     """Where the run's length changed (--steps, --epochs), the schedule of the new length gives
     another lr at the resumed step than the saved one: the next step takes the new one (the
     optimizer's saved lr is the old schedule's), and a warning says where the lr jumps."""
+    if step >= total:  # resumed at its end: no step takes an lr
+        return
     was = saved.get("_last_lr") or []
     at = scheduler.last_epoch
     now = [b * f(at) for b, f in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
