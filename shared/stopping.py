@@ -88,6 +88,25 @@ def _killed(pid: int, since: float | None) -> str:
     return "was killed by SIGKILL (most often the kernel's out-of-memory killer: `dmesg` says)"
 
 
+def worker_died(error: BaseException) -> str | None:
+    """What to tell of a DataLoader worker that ended without a word (torch raises a bare
+    RuntimeError naming its pid), or None for any other error.
+
+    >>> worker_died(RuntimeError("DataLoader worker (pid(s) 42) exited unexpectedly"))[:53]
+    'a data loader worker (pid(s) 42) exited unexpectedly '
+    >>> worker_died(RuntimeError("shape mismatch")) is None
+    True
+    """
+    text = str(error).split("\n")[0]
+    if not (isinstance(error, RuntimeError) and text.startswith("DataLoader worker (pid")):
+        return None
+    return (
+        f"a data loader worker {text.removeprefix('DataLoader worker ')} (most often killed "
+        "by the kernel's out-of-memory killer: `dmesg` says). What was saved before "
+        "(checkpoints) is kept, the work in progress is not: the same command resumes"
+    )
+
+
 def stop_error(kind: str, message: str) -> StopRun:
     """The StopRun subclass named `kind` (a rank's error, passed back by name) with `message`."""
     todo, found = [StopRun], {}

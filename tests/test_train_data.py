@@ -2,6 +2,7 @@
 workers, damaged parts."""
 
 import io
+import os
 import shutil
 import subprocess
 import sys
@@ -331,3 +332,22 @@ def test_the_cli_reports_a_damaged_part_in_one_message_and_exits(tmp_path):
     assert "part-000001" in done.stderr
     repair = f"run `python -m extract.verify {cache} --repair`, then `python -m extract --out"
     assert repair in done.stderr
+
+
+def test_a_worker_the_kernel_killed_is_one_message_saying_what_to_change(tmp_path):
+    """The out-of-memory killer often picks a loader worker (each holds a shuffle buffer of
+    samples): the loader says so, that the same command resumes and which options take less
+    memory (a StopRun: the user's message, not a rank's traceback), not torch's RuntimeError."""
+    import signal
+
+    from shared.stopping import StopRun
+
+    parts = _catalog(write_cache(tmp_path / "c", num_parts=3, samples_per_part=8))
+    loader = iter(make_loader(_dataset(parts, _spec(parts), layers=(0,), epochs=4),
+                              workers=1, prefetch=1, pin_memory=False))  # fmt: skip
+    items = checked(loader)
+    next(items)
+    os.kill(loader._workers[0].pid, signal.SIGKILL)
+    with pytest.raises(StopRun, match=r"unexpectedly.*command resumes.*--workers.*--shuffle-buf"):
+        for _ in items:
+            pass

@@ -31,7 +31,7 @@ from shared.cache import Sample, open_part
 from shared.codec import dequantize_fp8
 from shared.int4 import decode_int4
 from shared.manifest import CacheMismatch, Manifest, PartRecord, read_manifest, repair_commands
-from shared.stopping import StopRun, loader_worker_init
+from shared.stopping import StopRun, loader_worker_init, worker_died
 from train.data.batch import Batch
 from train.data.growing import GrowingRows, interleaved_rows
 from train.data.plan import (
@@ -174,8 +174,10 @@ def checked(items: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
             if "error" in item:
                 raise CacheReadError(item["error"])
             yield item
-    except (Exception, KeyboardInterrupt):
+    except (Exception, KeyboardInterrupt) as e:
         _stop_workers(items)
+        if died := worker_died(e):  # each holds a shuffle buffer: those options take memory
+            raise StopRun(f"{died} (less memory: fewer --workers, --shuffle-buffer)") from None
         raise
 
 
