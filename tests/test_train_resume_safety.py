@@ -300,3 +300,17 @@ def test_a_run_shortened_to_its_checkpoint_warns_of_no_step_it_will_not_take(tmp
     run(tiny(cache, out, steps=4, checkpoint_every=2))
     assert not [w for w in warnings_of(capfd) if "schedule" in w]
     assert (out / "export").is_dir() and [r["step"] for r in records(out)][-1] == 4
+
+
+def test_files_added_to_the_runs_export_are_named_before_it_trains(tmp_path):
+    """A model card put in a finished run's export folder: the export replaces that folder
+    whole, so the same command (or a longer run) refuses at once, naming the file, rather than
+    failing after its training; the run's folder is left as it was."""
+    cache = write_cache(tmp_path / "c", num_parts=3, samples_per_part=6)
+    out = tmp_path / "run"
+    run(tiny(cache, out, steps=4, checkpoint_every=2))
+    (out / "export" / "README.md").write_text("my drafter")
+    with pytest.raises(RunError, match=r"export holds files .*\(README\.md\).* move them"):
+        run(tiny(cache, out, steps=6, checkpoint_every=2))
+    assert (out / "export" / "README.md").read_text() == "my drafter"
+    assert [s for s, _ in list_checkpoints(out)] == [2, 4]

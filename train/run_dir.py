@@ -21,6 +21,8 @@ from train.checkpoint import (
     resolve_resume,
 )
 from train.config import TrainConfig
+from train.export import CONFIG_FILE as EXPORT_CONFIG
+from train.export import WEIGHTS_FILE
 from train.loop import EXPORT_DIR
 from train.metrics import METRICS_FILE, PLOTS_DIR
 from train.options import HARMLESS_CHANGES
@@ -95,6 +97,8 @@ def prepare_run_dir(
             "the folder, or resume (--resume auto)"
         )
     _check_resume_point(cfg, world_size, record)
+    if problem := _export_problem(out / EXPORT_DIR):
+        raise RunError(problem)
     out.mkdir(parents=True, exist_ok=True)
     for left in remove_stale_tmp(out):
         log.info("removed %s, left by a killed write", left)
@@ -118,6 +122,24 @@ def foreign_files(out: Path) -> str | None:
     return (
         f"holds files but no training run ({shown}): give a new or empty folder, or a run "
         "folder to resume"
+    )
+
+
+def _export_problem(export: Path) -> str | None:
+    """Why the run could not write its export at its end (the export replaces its folder
+    whole: `train.export.refuse_foreign_out`), said before it trains; None when it can."""
+    if not export.exists() and not export.is_symlink():
+        return None
+    if not export.is_dir():
+        return f"{export} is not a folder: the run writes its export there; move it away"
+    names = sorted(set(os.listdir(export)) - {EXPORT_CONFIG, WEIGHTS_FILE})
+    if not names:
+        return None
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    return (
+        f"{export} holds files besides the run's export ({shown}): the run replaces that "
+        "folder whole at its end, so move them away first (keep a copy of the export elsewhere "
+        "to add files to it)"
     )
 
 
