@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import torch
 
@@ -118,3 +119,14 @@ def test_a_finished_runs_last_record_with_nulls_goes_back_to_tensorboard(tmp_pat
     again.rewind(1, last=True)
     again.close()
     assert [r["acc"] for r in again.history] == [[0.5, None]]
+
+
+def test_an_image_a_killed_run_was_writing_is_removed_by_the_next_plots(tmp_path):
+    from train.metrics import plot_metrics
+
+    left = tmp_path / "plots" / ".loss.png.tmp.123.456"
+    left.parent.mkdir()
+    left.write_bytes(b"\x89PNG")
+    os.utime(left, (1, 1))  # written long ago
+    plot_metrics([{"kind": "train", "step": 1, "loss": 2.0, "acc": [0.5]}], tmp_path / "plots")
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["accuracy.png", "loss.png"]

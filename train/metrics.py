@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from shared.dist import all_reduce_sum
-from shared.fsio import atomic_write_bytes, atomic_write_text, named
+from shared.fsio import atomic_write_bytes, atomic_write_text, named, remove_stale_tmp
 from train.compiling import compiled_graphs
 from train.drafters.dspark_metrics import CALIBRATION_SIZE, auc, ece
 
@@ -314,6 +314,7 @@ def plot_metrics(history: list[dict[str, Any]], out_dir: Path) -> None:
     if not train:
         return
     out_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp(out_dir)  # an image a killed run was writing
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
     if evals:
