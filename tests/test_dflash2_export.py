@@ -13,7 +13,8 @@ from torch import nn
 from tests.test_dflash2_model import dflash2_config, inputs, single_block, trained_like
 from train.checkpoint import save_checkpoint
 from train.drafters.dflash2 import DFlash2Drafter, is_added_parameter
-from train.export import export_drafter, export_keys, load_export, main
+from train.export import export_drafter, export_keys, main
+from train.export_load import load_export
 
 
 def test_config_and_weights_follow_the_public_schema(tmp_path):

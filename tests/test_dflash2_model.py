@@ -20,7 +20,8 @@ from train.drafters.dflash2 import (
 )
 from train.drafters.mask import build_masks
 from train.drafters.registry import build_drafter
-from train.export import export_drafter, export_keys, export_shapes, load_export
+from train.export import export_drafter, export_keys, export_shapes
+from train.export_load import load_export
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

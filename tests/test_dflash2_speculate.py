@@ -10,7 +10,8 @@ from click.testing import CliRunner
 
 from tests.test_speculate import EOS, agree_with_reference, drafter_config, keep_only_dim0, prompt
 from train.drafters.dflash2 import DFlash2Drafter, init_dflash2_weights, is_added_parameter
-from train.export import export_drafter, load_export
+from train.export import export_drafter
+from train.export_load import load_export
 from train.proof.speculate import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")

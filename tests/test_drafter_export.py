@@ -14,7 +14,8 @@ from torch import nn
 from tests.drafters import drafter_masks, tiny_drafter, tiny_drafter_config
 from train.checkpoint import save_checkpoint
 from train.drafters.dflash import init_drafter_weights
-from train.export import EXPORT_KEYS, export_drafter, load_export, main
+from train.export import EXPORT_KEYS, export_drafter, main
+from train.export_load import load_export
 
 
 def _drafter(layer_types=("full_attention", "full_attention"), sliding_window=None):

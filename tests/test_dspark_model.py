@@ -13,7 +13,8 @@ from train.drafters.anchors import sample_anchors
 from train.drafters.dflash import DFlashDrafter, init_drafter_weights
 from train.drafters.dspark import DSparkDrafter, init_dspark_weights
 from train.drafters.dspark_loss import DSparkLoss
-from train.export import check_tensors, export_drafter, export_keys, load_export
+from train.export import check_tensors, export_drafter, export_keys
+from train.export_load import load_export
 from train.step import anchored_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -22,7 +22,8 @@ from train.data.batch import Batch
 from train.drafters.anchors import block_inputs, block_positions, block_targets, context_starts
 from train.drafters.dspark import DSparkDrafter, init_dspark_weights
 from train.drafters.mask import build_masks
-from train.export import export_drafter, load_export
+from train.export import export_drafter
+from train.export_load import load_export
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,8 +15,9 @@ from shared.target_files import load_heads
 from tests.cachegen import write_cache
 from tests.test_train_loop import records, tiny
 from train.checkpoint import list_checkpoints, load_drafter
-from train.export import export_keys, load_export
+from train.export import export_keys
 from train.export import main as export_main
+from train.export_load import load_export
 from train.run import run
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -133,7 +133,7 @@ def test_zlab_config_puts_the_layer_ids_back() -> None:
 )
 def test_speculators_checkpoint_as_zlab_export_gives_its_blocks(tmp_path, layer_types, window):
     """speculators' DFlashDraftModel saved as its trainer saves it, converted by the config
-    rewrite alone, loads into our drafter (`train.export.load_export`, which checks every tensor
+    rewrite alone, loads into our drafter (`train.export_load.load_export`, which checks every tensor
     name and shape) and gives speculators' block outputs on one anchor: with full attention (our
     shape) and with its default sliding, causal-inside-the-block layers (window 2048)."""
     from speculators import SpeculatorsConfig, VerifierConfig
@@ -142,7 +142,7 @@ def test_speculators_checkpoint_as_zlab_export_gives_its_blocks(tmp_path, layer_
     from transformers import Qwen3Config
 
     from tests.drafters import drafter_masks
-    from train.export import load_export
+    from train.export_load import load_export
 
     V, block, taps = 300, 4, [0, 1, 3]
     layer = Qwen3Config(

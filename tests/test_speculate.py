@@ -14,7 +14,8 @@ from click.testing import CliRunner
 from train.data.batch import Batch
 from train.drafters.config import DrafterConfig
 from train.drafters.dflash import DFlashDrafter, init_drafter_weights
-from train.export import export_drafter, load_export
+from train.export import export_drafter
+from train.export_load import load_export
 from train.proof.decode import context_features, greedy, speculate
 from train.proof.lossless import divergence_gap, format_report, near_tie_tolerance
 from train.proof.speculate import main

@@ -17,7 +17,8 @@ from train.checkpoint import (
 )
 from train.drafters.config import DrafterConfig
 from train.drafters.dflash import DFlashDrafter
-from train.export import CONFIG_FILE, WEIGHTS_FILE, export_config, load_export, weights_problem
+from train.export import CONFIG_FILE, WEIGHTS_FILE
+from train.export_load import export_config, load_export, weights_problem
 
 log = logging.getLogger(__name__)
 

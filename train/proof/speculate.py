@@ -27,7 +27,8 @@ from shared.logs import setup_logging
 from shared.models import resolve_target_name
 from train.drafters.config import DrafterConfig
 from train.drafters.dflash import DFlashDrafter
-from train.export import CONFIG_FILE, export_config, load_export, weights_problem
+from train.export import CONFIG_FILE
+from train.export_load import export_config, load_export, weights_problem
 from train.proof.dspark_decode import format_sampled, sampled_summary
 from train.proof.lossless import compare_with_greedy, format_report, greedy_baselines
 
