@@ -314,3 +314,21 @@ def test_files_added_to_the_runs_export_are_named_before_it_trains(tmp_path):
         run(tiny(cache, out, steps=6, checkpoint_every=2))
     assert (out / "export" / "README.md").read_text() == "my drafter"
     assert [s for s, _ in list_checkpoints(out)] == [2, 4]
+
+
+def test_a_damaged_run_record_says_how_the_run_resumes(tmp_path, capfd):
+    """config.json cut short: the message says the run resumes once it is restored or deleted,
+    and deleting it does resume from the checkpoint (its steps not taken again)."""
+    cache = write_cache(tmp_path / "c", num_parts=3, samples_per_part=6)
+    out = tmp_path / "run"
+    run(tiny(cache, out, steps=2, checkpoint_every=2))
+    record = out / "config.json"
+    record.write_text(record.read_text()[:20])
+    with pytest.raises(RunError, match="cannot be read .*or delete it, and the run resumes") as e:
+        run(tiny(cache, out, steps=4, checkpoint_every=2))
+    assert "restore it from a copy and the same command resumes" in str(e.value)
+    record.unlink()
+    capfd.readouterr()
+    run(tiny(cache, out, steps=4, checkpoint_every=2))
+    assert "step-2 at step 2 of 4" in capfd.readouterr().err
+    assert [r["step"] for r in records(out)] == [1, 2, 3, 4]

@@ -157,7 +157,12 @@ def _run_record(path: Path) -> dict[str, Any]:
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise RunError(f"{path} cannot be read ({e}): give another --out") from None
+        raise RunError(
+            f"{path}, the run's record, cannot be read ({e}): restore it from a copy and the "
+            "same command resumes the run; or delete it, and the run resumes from its "
+            "checkpoints with this command's options, unchecked against the run's; or give "
+            "another --out"
+        ) from None
     if not isinstance(record, dict) or not isinstance(record.get("train"), dict):
         whose = "a drafter export's" if (path.parent / "model.safetensors").is_file() else "another"
         raise RunError(
