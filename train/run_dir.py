@@ -201,10 +201,14 @@ def _check_resume_point(cfg: TrainConfig, world_size: int | None, record: dict[s
     loader = read_meta(path).get("loader") or {}
     saved = (loader.get("world_size"), loader.get("workers"))
     if saved != (world_size, max(cfg.workers, 1)):
+        ranks = f"{saved[0]} rank{'s' if saved[0] != 1 else ''} (--gpus)"
+        same = [ranks] if saved[0] != world_size else []
+        if saved[1] != max(cfg.workers, 1):
+            same.append(f"--workers {saved[1]}" + (" (or 0)" if saved[1] == 1 else ""))
         raise RunError(
             f"{path} was written by {saved[0]} ranks x {saved[1]} loader streams, this run has "
-            f"{world_size} x {max(cfg.workers, 1)}: resume with the same --gpus count and "
-            "--workers, or start a new --out"
+            f"{world_size} x {max(cfg.workers, 1)}: the data's order depends on both; resume "
+            f"with {' and '.join(same)}, or start a new --out"
         )
 
 
