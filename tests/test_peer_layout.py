@@ -133,9 +133,10 @@ def test_zlab_config_puts_the_layer_ids_back() -> None:
 )
 def test_speculators_checkpoint_as_zlab_export_gives_its_blocks(tmp_path, layer_types, window):
     """speculators' DFlashDraftModel saved as its trainer saves it, converted by the config
-    rewrite alone, loads into our drafter (`train.export_load.load_export`, which checks every tensor
-    name and shape) and gives speculators' block outputs on one anchor: with full attention (our
-    shape) and with its default sliding, causal-inside-the-block layers (window 2048)."""
+    rewrite alone, loads into our drafter (`train.export_load.load_export`, which checks every
+    tensor name and shape) and gives speculators' block outputs on one anchor: with full
+    attention (our shape) and with its default sliding, causal-inside-the-block layers (window
+    2048)."""
     from speculators import SpeculatorsConfig, VerifierConfig
     from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
