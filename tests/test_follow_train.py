@@ -170,3 +170,30 @@ def test_parts_the_manifest_does_not_record_are_never_opened(growing, lines, tmp
     run(tiny(cache, tmp_path / "r", steps=2))
     assert (tmp_path / "r" / "export" / "model.safetensors").is_file()
     assert "2 of 6 parts committed" in "\n".join(lines.lines)
+
+
+def test_files_put_in_the_export_folder_while_it_trains_stop_it_with_its_checkpoint(
+    growing, lines, tmp_path
+):
+    """A file put in the run's export folder after the run checked it (here while the run waits
+    for parts): the export at the end names it, the last checkpoint is kept, and once it is
+    moved away the same command exports without training again."""
+    from shared.stopping import StopRun
+
+    cache, full = growing
+    out = tmp_path / "run"
+
+    def add_a_model_card() -> None:
+        lines.wait_for("waiting at step", 0)
+        (out / "export").mkdir()
+        (out / "export" / "README.md").write_text("my drafter")
+        write_manifest(cache, dataclasses.replace(full, complete=True))
+
+    with pytest.raises(StopRun, match=r"holds other files than an export \(README.md\)") as e:
+        run_beside(add_a_model_card, tiny(cache, out, steps=8))
+    assert "last checkpoint (step 8) is saved: move them away" in str(e.value)
+    shutil.move(out / "export" / "README.md", tmp_path / "README.md")
+    seen = len(lines.lines)
+    run(tiny(cache, out, steps=8))
+    assert "checkpoint step-8 is saved already" in "\n".join(lines.lines[seen:])
+    assert (out / "export" / "model.safetensors").is_file()

@@ -31,7 +31,7 @@ from shared.dist import (
 from shared.logs import setup_logging
 from shared.progress import progress_bar
 from shared.space import DiskFull, full_disk_stops
-from shared.stopping import StopRequest
+from shared.stopping import StopRequest, StopRun
 from shared.target_files import load_heads
 from train.compiling import compiled_graphs, configure_compile, recompile_errors
 from train.config import TrainConfig
@@ -380,7 +380,13 @@ class Trainer:
                 raise DiskFull(f"{e} {done}") from None
         self.evaluate()
         if self.info.is_main:
-            export_drafter(self.model, self.prep.drafter, out, heads=heads)
+            try:
+                export_drafter(self.model, self.prep.drafter, out, heads=heads)
+            except ValueError as e:  # files put in the export folder while the run trained
+                raise StopRun(
+                    f"{e}. The run's last checkpoint (step {self.step}) is saved: move them "
+                    "away, then the same command exports it"
+                ) from None
             log.info("exported the drafter to %s", out)
         self.writer.close()
         barrier()
