@@ -1,8 +1,9 @@
 """Whether the kernel ended a process for want of memory. Its out-of-memory killer ends the
 largest process with SIGKILL and nothing runs in it after: the process cannot say so itself, but
 the kernel's log names it ("Out of memory: Killed process 4242 (python)", or "Memory cgroup out
-of memory: ..." where a container's limit was reached). The log is read from /dev/kmsg, which
-root can read (others where kernel.dmesg_restrict is 0); elsewhere nothing is known."""
+of memory: ..." where a container's limit was reached; on 4.x kernels "Killed process 4242
+(python)" alone). The log is read from /dev/kmsg, which root can read (others where
+kernel.dmesg_restrict is 0); elsewhere nothing is known."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ import time
 from dataclasses import dataclass
 
 KMSG = "/dev/kmsg"
-_KILLED = re.compile(r"out of memory: Killed process (\d+) \([^)]*\)", re.IGNORECASE)
+# "Out of memory: Killed process 4242 (python) total-vm:..." on 5.x kernels (the cgroup's:
+# "Memory cgroup out of memory: ..."); on 4.x, a line of its own after the choice ("Out of
+# memory: Kill process 4242 (python) score 990 or sacrifice child"): "Killed process 4242
+# (python) total-vm:...", which names the process killed (a child, where one was sacrificed).
+_KILLED = re.compile(r"\bKilled process (\d+) \([^)]*\)")
 # The log's clock (the kernel's, since boot) drifts from the monotonic clock that dates it here
 # (slewed by NTP) by up to seconds a day: a kill logged more than this before a process started
 # was of an older process of the same pid.

@@ -103,3 +103,16 @@ def test_a_lock_left_by_kill_9_is_not_blamed_on_memory(tmp_path, memory_cgroup, 
     assert "no longer running" in caplog.text and "out-of-memory" not in caplog.text
     died = rank_died(0, p.pid, -9, "SIGKILL", since=started)
     assert "not by the kernel's out-of-memory killer" in died
+
+
+def test_the_kill_line_of_older_kernels_is_read():
+    """4.x kernels log the choice ("Kill process N ... or sacrifice child"), then the kill on a
+    line of its own ("Killed process N (name) total-vm:..."): that kill is found too."""
+    now = time.monotonic()
+    log = [
+        (now - 1, "Out of memory: Kill process 4242 (python) score 990 or sacrifice child"),
+        (now, "Killed process 4242 (python) total-vm:8500kB, anon-rss:7200kB, file-rss:0kB"),
+    ]
+    killed = oom_kill(4242, time.time() - 10, log)
+    assert killed is not None and killed.line == "Killed process 4242 (python)"
+    assert oom_kill(4243, time.time() - 10, log) is None
