@@ -23,6 +23,7 @@ _KILLED = re.compile(r"\bKilled process (\d+) \([^)]*\)")
 # (slewed by NTP) by up to seconds a day: a kill logged more than this before a process started
 # was of an older process of the same pid.
 _SLACK_S = 60.0
+_INIT_PID_NS = 0xEFFFFFFC  # the initial pid namespace's inode (PROC_PID_INIT_INO)
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,13 @@ class OomKill:
 
 def kernel_log(path: str = KMSG) -> list[tuple[float, str]] | None:
     """The records still in the kernel's log buffer as (seconds since boot, first line), oldest
-    first; None where the log cannot be read."""
+    first; None where the log cannot be read, or where its pids are not this process's (a
+    container's own pid namespace: the log names the host's pids)."""
+    try:
+        if os.stat("/proc/self/ns/pid").st_ino != _INIT_PID_NS:
+            return None
+    except OSError:
+        return None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:

@@ -116,3 +116,19 @@ def test_the_kill_line_of_older_kernels_is_read():
     killed = oom_kill(4242, time.time() - 10, log)
     assert killed is not None and killed.line == "Killed process 4242 (python)"
     assert oom_kill(4243, time.time() - 10, log) is None
+
+
+def test_a_pid_namespace_of_its_own_reads_no_kills(tmp_path):
+    """In a container's pid namespace the kernel's log names the host's pids, not the ones a
+    lock records: nothing is read there, so no kill is claimed or denied (root and unshare
+    needed, else skipped)."""
+    code = "from shared.oom import kernel_log; print(kernel_log() is None)"
+    args = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
+    except FileNotFoundError:
+        pytest.skip("no unshare here")
+    if done.returncode != 0:
+        pytest.skip(f"no pid namespace can be made here: {done.stderr.strip()}")
+    assert done.stdout == "True\n"
