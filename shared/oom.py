@@ -22,7 +22,7 @@ _KILLED = re.compile(r"\bKilled process (\d+) \([^)]*\)")
 # The log's clock (the kernel's, since boot) and the monotonic clock that dates it here (slewed
 # by NTP) drift apart with uptime (6 ms after a day on one VM; by NTP's 500 ppm bound at most 43 s
 # a day): a kill logged more than this before a process started was of an older process of the
-# same pid. On a machine up for long, a kill in a process's first moments may be taken for one.
+# same pid (on a machine up for weeks, a kill in a process's first minute may then be missed).
 _SLACK_S = 60.0
 _INIT_PID_NS = 0xEFFFFFFC  # the initial pid namespace's inode (PROC_PID_INIT_INO)
 
