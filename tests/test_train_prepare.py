@@ -18,6 +18,7 @@ from train.checkpoint import save_checkpoint
 from train.config import TrainConfig
 from train.export import main as export_main
 from train.run import prepare, prepare_run_dir
+from train.run_dir import RunError
 
 
 def test_training_resolves_target_layers_to_ascending(tmp_path):
@@ -88,14 +89,15 @@ def test_a_max_length_past_the_samples_is_refused(tmp_path):
     cache = write_cache(tmp_path / "cache", num_parts=2, samples_per_part=2, max_length=512)
     manifest = read_manifest(cache)
     cfg = TrainConfig(data=cache, out=tmp_path / "run", gpus="cpu", drafter_layers=1)
-    with pytest.raises(CacheMismatch) as e:
+    with pytest.raises(RunError) as e:  # the command's to fix, not the cache's
         prepare(cfg.replace(max_length=1024), manifest, device_kind="cpu")
+    assert "cannot be used" not in str(e.value)
     assert (
         "--max-length 1024 has no effect: samples are at most 512 tokens here (the cache was "
         "extracted with --max-length 512" in str(e.value)
     )
     assert "give --max-length 512 or less" in str(e.value)
-    with pytest.raises(CacheMismatch, match=r"at most 256 tokens here \(a micro-batch row holds "):
+    with pytest.raises(RunError, match=r"at most 256 tokens here \(a micro-batch row holds "):
         prepare(cfg.replace(max_length=400, batch_tokens=256), manifest, device_kind="cpu")
     assert prepare(cfg.replace(max_length=512), manifest, device_kind="cpu")[0].max_length == 512
     assert prepare(cfg, manifest, device_kind="cpu")[0].max_length == 512  # the cache's

@@ -332,3 +332,17 @@ def test_a_damaged_run_record_says_how_the_run_resumes(tmp_path, capfd):
     run(tiny(cache, out, steps=4, checkpoint_every=2))
     assert "step-2 at step 2 of 4" in capfd.readouterr().err
     assert [r["step"] for r in records(out)] == [1, 2, 3, 4]
+
+
+def test_a_run_recorded_with_a_max_length_past_the_samples_resumes_without_it(tmp_path):
+    """A run folder whose record holds a --max-length above what its samples can be (accepted
+    before such a value was refused): the command without it resumes the run, as the value
+    acted the same."""
+    cache = write_cache(tmp_path / "c", num_parts=3, samples_per_part=6)
+    out = tmp_path / "run"
+    run(tiny(cache, out, steps=2, checkpoint_every=2))
+    record = json.loads((out / "config.json").read_text())
+    record["train"]["max_length"] = 100_000
+    (out / "config.json").write_text(json.dumps(record))
+    run(tiny(cache, out, steps=4, checkpoint_every=2))
+    assert [r["step"] for r in records(out)] == [1, 2, 3, 4]

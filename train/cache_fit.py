@@ -101,8 +101,8 @@ def max_length_problems(cfg: TrainConfig, manifest: Manifest) -> list[str]:
             "one for longer samples"
         )
     return [
-        f"--max-length {cfg.max_length} has no effect: samples are at most {limit} tokens here "
-        f"({why}); drop it, or give --max-length {limit} or less"
+        f"{MAX_LENGTH_PROBLEM}{cfg.max_length} has no effect: samples are at most {limit} "
+        f"tokens here ({why}); drop it, or give --max-length {limit} or less"
     ]
 
 
@@ -187,6 +187,7 @@ _OPTIONS = {
     "markov_rank": ("--markov-rank", "markov_rank"),
 }
 OPTION_PROBLEM = "the drafter options make no drafter: "
+MAX_LENGTH_PROBLEM = "--max-length "  # the command's to fix, as OPTION_PROBLEM's
 
 
 def option_problem(error: str, cfg: TrainConfig) -> str:

@@ -27,7 +27,7 @@ from shared.manifest import (
     refuse_inside_cache,
     repair_commands,
 )
-from train.cache_fit import OPTION_PROBLEM, fit_cache
+from train.cache_fit import MAX_LENGTH_PROBLEM, OPTION_PROBLEM, fit_cache
 from train.config import TrainConfig
 from train.data.follow import CacheView, changed_parts, read_view
 from train.data.loader import layer_positions, load_catalog
@@ -170,7 +170,7 @@ def prepare(
         problems.append(f"cannot hold out {held_parts} of {units} parts for evaluation")
     if not manifest.parts and view is None:
         problems.append("the cache holds no parts")
-    if problems and all(p.startswith(OPTION_PROBLEM) for p in problems):
+    if problems and all(p.startswith((OPTION_PROBLEM, MAX_LENGTH_PROBLEM)) for p in problems):
         raise RunError("\n".join(problems))  # the command's to fix, not the cache's
     if problems or drafter is None:
         raise CacheMismatch(cfg.data, problems)

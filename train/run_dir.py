@@ -76,7 +76,10 @@ def prepare_run_dir(
     record = run_record(cfg, prep, manifest, ranks=world_size)
     if path.is_file():
         old = _run_record(path)
-        harmful, harmless = config_changes(old.get("train", {}), record["train"])
+        clip = min(manifest.max_length, cfg.batch_tokens)  # what --max-length can do here
+        harmful, harmless = config_changes(
+            _clipped(old.get("train", {}), clip), _clipped(record["train"], clip)
+        )
         harmful += _record_changes(old, record)
         if harmful and _saved_nothing(out):
             log.warning(
@@ -236,6 +239,14 @@ def _check_other_runs_checkpoint(path: Path, out: Path, record: dict[str, Any]) 
             f"--resume {path} is a checkpoint of another run ({run}) with other settings "
             f'("run" below is that run):\n{lines}\nresume it with that run\'s settings, or {hint}'
         )
+
+
+def _clipped(train: dict[str, Any], clip: int) -> dict[str, Any]:
+    """A run record's options with max_length as it acts: samples are cut to the cache's own
+    and to --batch-tokens whatever it says (a run recorded with more resumes without it)."""
+    if not isinstance(train.get("max_length"), int):
+        return train
+    return {**train, "max_length": min(train["max_length"], clip)}
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
