@@ -12,6 +12,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 KMSG = "/dev/kmsg"
 # "Out of memory: Killed process 4242 (python) total-vm:..." on 5.x kernels (the cgroup's:
@@ -83,3 +84,15 @@ def oom_kill(pid: int, since: float, log: list[tuple[float, str]] | None) -> Oom
         if m and int(m.group(1)) == pid and boot + seconds >= since - _SLACK_S:
             return OomKill(boot + seconds, line[: m.end()])
     return None
+
+
+def process_started(pid: int | str = "self") -> float:
+    """When a process of this host started (wall clock), from /proc; now where it cannot be
+    read (a kill is then looked for from now on: none is found)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # starttime, field 22
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.time()
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")

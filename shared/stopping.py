@@ -20,6 +20,7 @@ import ctypes
 import logging
 import multiprocessing
 import os
+import re
 import select
 import shlex
 import signal
@@ -28,7 +29,7 @@ import threading
 from collections.abc import Callable
 
 from shared.lock import pid_alive
-from shared.oom import kernel_log, oom_kill
+from shared.oom import kernel_log, oom_kill, process_started
 from shared.ranks import launching_parent
 
 log = logging.getLogger(__name__)
@@ -100,10 +101,18 @@ def worker_died(error: BaseException) -> str | None:
     text = str(error).split("\n")[0]
     if not (isinstance(error, RuntimeError) and text.startswith("DataLoader worker (pid")):
         return None
+    pids = [int(p) for p in re.findall(r"\d+", text.split(")")[0])]
+    log, since = kernel_log(), process_started()  # the workers started after this process
+    kills = [k for k in (oom_kill(pid, since, log) for pid in pids) if k is not None]
+    if kills:
+        how = f"(it was {kills[0].describe()})"
+    elif log is not None:
+        how = "(not by the kernel's out-of-memory killer: its log names no such kill)"
+    else:
+        how = "(most often killed by the kernel's out-of-memory killer: `dmesg` says)"
     return (
-        f"a data loader worker {text.removeprefix('DataLoader worker ')} (most often killed "
-        "by the kernel's out-of-memory killer: `dmesg` says). What was saved before "
-        "(checkpoints) is kept, the work in progress is not: the same command resumes"
+        f"a data loader worker {text.removeprefix('DataLoader worker ')} {how}. What was saved "
+        "before (checkpoints) is kept, the work in progress is not: the same command resumes"
     )
 
 

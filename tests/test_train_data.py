@@ -348,6 +348,12 @@ def test_a_worker_the_kernel_killed_is_one_message_saying_what_to_change(tmp_pat
     items = checked(loader)
     next(items)
     os.kill(loader._workers[0].pid, signal.SIGKILL)
-    with pytest.raises(StopRun, match=r"unexpectedly.*command resumes.*--workers.*--shuffle-buf"):
+    with pytest.raises(
+        StopRun, match=r"unexpectedly.*command resumes.*--workers.*--shuffle-buf"
+    ) as e:
         for _ in items:
             pass
+    from shared.oom import kernel_log
+
+    if kernel_log() is not None:  # where the kernel's log is read, a kill -9 is told apart
+        assert "not by the kernel's out-of-memory killer" in str(e.value)
