@@ -13,10 +13,12 @@ import signal
 import socket
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
+from extract.data import Rejected
 from extract.regen import llamacpp
 from extract.regen.client import RequestFailed, ServerClient, completion_request, foreign_ids
 from extract.regen.config import RegenConfig, RegenError
@@ -502,7 +504,8 @@ def test_a_journal_left_by_a_crash_after_its_commit_goes(serve, target, data_fil
 
 def test_a_torn_journal_line_is_dropped(tmp_path):
     journal = tmp_path / "chunk-000000.journal"
-    whole = json.dumps({"row": 1, "rejected": {"row": 1}}) + "\n"
+    rejected = Rejected(row=1, source="in.jsonl", line=2, reason="too_long", detail="")
+    whole = json.dumps({"row": 1, "rejected": asdict(rejected)}) + "\n"
     journal.write_text(whole + '{"row": 2, "kept"')
     loaded = OpenChunk.load(tmp_path, 0, range(0, 4))
     assert set(loaded.entries) == {1} and journal.read_text() == whole

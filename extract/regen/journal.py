@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Container
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,9 @@ class OpenChunk:
 
     @classmethod
     def load(cls, parts: Path, chunk: int, rows: range) -> OpenChunk:
-        """The chunk with its journal's entries; a last line cut short by a crash is dropped
-        (the journal is rewritten without it)."""
+        """The chunk with its journal's entries; a last line cut short by a crash, or any line
+        that is not an entry of one of `rows` (damage), is dropped: the journal is rewritten
+        without it and its row asked for again."""
         path = journal_path(parts, chunk)
         open_chunk = cls(chunk, rows, path)
         if not path.is_file():
@@ -42,7 +43,7 @@ class OpenChunk:
                 entry = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if line.endswith("\n") and entry.get("row") in rows:
+            if line.endswith("\n") and _is_entry(entry, rows):
                 open_chunk.entries[entry["row"]] = entry
                 good.append(line)
         if len(good) != len(lines):
@@ -79,6 +80,20 @@ class OpenChunk:
         if self.file is not None:
             self.file.close()
             self.file = None
+
+
+_COUNTS = ("turns", "at_limit", "new_tokens", "retokenized")
+_REJECTED = {f.name for f in fields(Rejected)}
+
+
+def _is_entry(entry: Any, rows: range) -> bool:
+    """Whether `entry` is a journal line as `Journal.handle` writes it, of one of `rows`."""
+    if not isinstance(entry, dict) or type(entry.get("row")) is not int or entry["row"] not in rows:
+        return False
+    if "rejected" in entry:
+        rejected = entry["rejected"]
+        return isinstance(rejected, dict) and rejected.keys() == _REJECTED
+    return isinstance(entry.get("kept"), dict) and all(type(entry.get(k)) is int for k in _COUNTS)
 
 
 def journal_path(parts: Path, chunk: int) -> Path:
