@@ -10,6 +10,10 @@ import pytest
 
 from extract.data import Rejected
 from extract.regen.journal import OpenChunk
+from extract.regen.state import chunk_name, parts_dir
+from tests.test_regenerate import regen, write_chats
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rejected(row: int) -> str:
@@ -35,3 +39,20 @@ def test_journal_lines_that_are_no_entry_are_dropped_and_their_row_asked_again(t
     assert set(loaded.entries) == {0, 1} and journal.read_text() == good
     result = loaded.result()
     assert [r.row for r in result.rejected] == [0] and result.new_tokens == 3
+
+
+def test_a_chunk_file_or_output_changed_on_disk_is_made_again(tiny_qwen3, tmp_path):
+    data = write_chats(tmp_path / "chats.jsonl")
+    out = tmp_path / "out.jsonl"
+    regen(out, tiny_qwen3, data, max_rows=8, max_new_tokens=4)
+    whole, chunk = out.read_bytes(), parts_dir(out) / chunk_name(1)
+    kept = chunk.read_bytes()
+    chunk.write_bytes(kept[: len(kept) // 2])  # cut short
+    with out.open("ab") as f:
+        f.write(b"garbage\n")
+    state = regen(out, tiny_qwen3, data, max_rows=8, max_new_tokens=4)
+    assert chunk.read_bytes() == kept and out.read_bytes() == whole and state.merged_rows == 8
+    with out.open("ab") as f:
+        f.write(b"garbage\n")
+    regen(out, tiny_qwen3, data, max_rows=8, max_new_tokens=4)
+    assert out.read_bytes() == whole

@@ -3,8 +3,10 @@
 
 The state file is the commit record, like a cache's manifest: a chunk counts as done only when
 the state lists it with its full row range (a `--max-rows` run may have cut the last one short)
-and its file exists. Every update is a locked read-modify-write with an atomic replace, so
-several processes record chunks at once and a crash leaves the previous state intact.
+and its file exists with the size recorded (one cut short or appended to is made again, and OUT
+merged again where its size is not the chunks'). Every update is a locked read-modify-write with
+an atomic replace, so several processes record chunks at once and a crash leaves the previous
+state intact.
 
 A run resumes an output only if its settings match the state's: target (content hash),
 tokenizer and chat template, data files (sha256), --max-new-tokens, --max-length,
@@ -27,7 +29,7 @@ from typing import Any
 from extract.data import Rejected, RowIndex
 from extract.regen.config import RegenError
 from extract.regen.turns import Prompter
-from shared.fsio import atomic_write_json, atomic_write_text, file_lock, fsync_dir
+from shared.fsio import atomic_write_bytes, atomic_write_json, file_lock, fsync_dir
 from shared.lock import LOCK_FILE
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,7 @@ class ChunkRecord:
     turns_at_limit: int  # of which stopped by --max-new-tokens, not by eos
     new_tokens: int
     turns_retokenized: int = 0  # turns extraction will read as other tokens (`turns`)
+    size: int | None = None  # bytes of its file (None: recorded before sizes were)
 
     @property
     def name(self) -> str:
@@ -218,14 +221,26 @@ def init_output(
 def pending_chunks(
     state: RegenState, parts: Path, *, rows_per_chunk: int, total_rows: int
 ) -> tuple[int, ...]:
-    """Chunks of rows 0..total_rows-1 that are not done (see the module docstring)."""
+    """Chunks of rows 0..total_rows-1 that are not done (see the module docstring); a chunk
+    file of another size than recorded (cut short, appended to) is not done either."""
 
     def done(chunk: int) -> bool:
         record = state.chunks.get(chunk)
         rows = chunk_rows(chunk, rows_per_chunk=rows_per_chunk, total_rows=total_rows)
         if record is None or (record.first_row, record.end_row) != (rows.start, rows.stop):
             return False
-        return (parts / record.name).is_file()
+        path = parts / record.name
+        if not path.is_file():
+            return False
+        if record.size is not None and path.stat().st_size != record.size:
+            log.warning(
+                "%s: %d bytes, %d when committed: generated again",
+                path,
+                path.stat().st_size,
+                record.size,
+            )
+            return False
+        return True
 
     num_chunks = -(-total_rows // rows_per_chunk)
     return tuple(c for c in range(num_chunks) if not done(c))
@@ -284,7 +299,9 @@ def finish_output(out: Path, job: Job, *, regenerated: bool) -> RegenState:
     if left:
         log.error("%d chunks are not done (first: %d); run again to resume", len(left), left[0])
         return state
-    if regenerated or state.merged_rows != job.total_rows or not out.is_file():
+    sizes = [state.chunks[c].size for c in range(job.num_chunks)]
+    changed = None not in sizes and out.is_file() and out.stat().st_size != sum(sizes)
+    if regenerated or state.merged_rows != job.total_rows or not out.is_file() or changed:
         merge_chunks(out, job.parts, job.num_chunks)
         state = update_state(
             job.parts, lambda s: dataclasses.replace(s, merged_rows=job.total_rows)
@@ -308,8 +325,8 @@ class ChunkResult:
 def commit_chunk(parts: Path, chunk: int, rows: range, result: ChunkResult) -> ChunkRecord:
     """Write the chunk's output rows atomically, then record it (its rejected rows listed,
     capped): only then is it done."""
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result.rows)
-    atomic_write_text(parts / chunk_name(chunk), text)
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result.rows).encode()
+    atomic_write_bytes(parts / chunk_name(chunk), data)
     reasons: dict[str, int] = {}
     for r in result.rejected:
         reasons[r.reason] = reasons.get(r.reason, 0) + 1
@@ -324,6 +341,7 @@ def commit_chunk(parts: Path, chunk: int, rows: range, result: ChunkResult) -> C
         turns_at_limit=result.turns_at_limit,
         new_tokens=result.new_tokens,
         turns_retokenized=result.turns_retokenized,
+        size=len(data),
     )
     update_state(parts, lambda s: s.with_chunk(record))
     log.info(
