@@ -9,8 +9,9 @@ from dataclasses import asdict
 import pytest
 
 from extract.data import Rejected
+from extract.regen.config import RegenError
 from extract.regen.journal import OpenChunk
-from extract.regen.state import chunk_name, parts_dir
+from extract.regen.state import STATE, chunk_name, existing_state, parts_dir
 from tests.test_regenerate import regen, write_chats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -56,3 +57,15 @@ def test_a_chunk_file_or_output_changed_on_disk_is_made_again(tiny_qwen3, tmp_pa
         f.write(b"garbage\n")
     regen(out, tiny_qwen3, data, max_rows=8, max_new_tokens=4)
     assert out.read_bytes() == whole
+
+
+def test_a_damaged_state_file_is_named_with_what_to_do(tmp_path):
+    out = tmp_path / "out.jsonl"
+    parts_dir(out).mkdir()
+    (parts_dir(out) / STATE).write_text('{"version": 1, "settings": {"target')  # cut short
+    with pytest.raises(RegenError) as e:
+        existing_state(out, {"target_revision": "x"}, overwrite=False)
+    message = str(e.value)
+    assert str(parts_dir(out) / STATE) in message and "malformed state file" in message
+    assert "--overwrite" in message and "same settings" not in message
+    assert existing_state(out, {"target_revision": "x"}, overwrite=True) is None

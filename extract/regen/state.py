@@ -177,11 +177,15 @@ def existing_state(out: Path, settings: dict[str, Any], *, overwrite: bool) -> R
         try:
             state = read_state(parts)
         except StateError as e:
-            problems = [str(e)]
-        else:
-            problems = settings_mismatches(state.settings, settings)
-            if not problems:
-                return state
+            if overwrite:
+                return None
+            raise RegenError(
+                f"--out {out}: {e}, so its chunks cannot be resumed; --overwrite to start it "
+                "again, or another --out"
+            ) from None
+        problems = settings_mismatches(state.settings, settings)
+        if not problems:
+            return state
     elif out.exists() or (parts.exists() and any(p.name != LOCK_FILE for p in parts.iterdir())):
         raise RegenError(  # --overwrite replaces only this command's own output
             f"--out {out}: it or {parts} exists without {STATE}, so this command did not write "
