@@ -4,6 +4,7 @@ chunk files or an output changed on disk, are redone rather than read as rows or
 from __future__ import annotations
 
 import json
+import subprocess
 from dataclasses import asdict
 
 import pytest
@@ -12,6 +13,7 @@ from extract.data import Rejected
 from extract.regen.config import RegenError
 from extract.regen.journal import OpenChunk
 from extract.regen.state import STATE, chunk_name, existing_state, parts_dir
+from tests.test_extract_safety import small_disk
 from tests.test_regenerate import regen, write_chats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -69,3 +71,26 @@ def test_a_damaged_state_file_is_named_with_what_to_do(tmp_path):
     assert str(parts_dir(out) / STATE) in message and "malformed state file" in message
     assert "--overwrite" in message and "same settings" not in message
     assert existing_state(out, {"target_revision": "x"}, overwrite=True) is None
+
+
+def test_a_full_disk_is_a_message_and_the_same_command_resumes(tiny_qwen3, tmp_path):
+    from click.testing import CliRunner
+
+    from extract.regen.__main__ import main
+
+    data = write_chats(tmp_path / "chats.jsonl")
+    whole = tmp_path / "whole.jsonl"
+    regen(whole, tiny_qwen3, data, max_rows=8, max_new_tokens=4, rows_per_chunk=2)
+    with small_disk(tmp_path / "disk", "8k") as disk:  # full at the first chunk's commit
+        args = ["--target", str(tiny_qwen3), "--data", str(data), "--out", str(disk / "o.jsonl")]
+        args += ["--gpus", "cpu", "--max-rows", "8", "--max-new-tokens", "4"]
+        args += ["--max-length", "160", "--batch-size", "3", "--rows-per-chunk", "2"]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+        assert f"Error: the disk holding {disk / 'o.jsonl.parts'} is full" in result.output
+        assert "run the same command" in result.output
+        assert [p.name for p in disk.glob(".*tmp*")] == []
+        subprocess.run(["mount", "-o", "remount,size=1m", str(disk)], check=True)
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+        assert (disk / "o.jsonl").read_bytes() == whole.read_bytes()

@@ -33,10 +33,12 @@ def main(more_data: tuple[Path, ...], **kwargs: Any) -> None:
     from extract.regen.config import RegenError
     from extract.regen.regenerate import run
     from extract.regen.report import format_summary
-    from extract.regen.state import parts_dir
+    from extract.regen.state import DISK_FULL_RERUN, parts_dir
     from shared.fsio import unwritable_reason
     from shared.lock import LockHeld, output_lock
     from shared.ranks import takes_output_lock
+    from shared.space import full_disk_stops
+    from shared.stopping import StopRun
 
     problem = unwritable_reason(parts_dir(cfg.out))
     if problem:
@@ -51,8 +53,9 @@ def main(more_data: tuple[Path, ...], **kwargs: Any) -> None:
             except OSError as e:  # e.g. --out /proc/x as root: mkdir fails although "writable"
                 where = e.filename or parts_dir(cfg.out)
                 raise RegenError(f"--out {cfg.out}: cannot make {where} ({e.strerror})") from None
-            state = run(cfg)
-    except (RegenError, LockHeld) as e:
+            with full_disk_stops(parts_dir(cfg.out), rerun=DISK_FULL_RERUN):
+                state = run(cfg)
+    except (RegenError, LockHeld, StopRun) as e:  # StopRun: a rank's full disk, say
         raise click.ClickException(str(e)) from None
     click.echo(format_summary(state, out=cfg.out, seconds=time.monotonic() - start))
     if state.merged_rows != state.config["total_rows"]:

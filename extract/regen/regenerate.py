@@ -37,6 +37,7 @@ from extract.regen.driver import RegenStopped
 from extract.regen.generation import BatchGenerator, regenerate_chats
 from extract.regen.report import RowBar
 from extract.regen.state import (
+    DISK_FULL_RERUN,
     PROGRESS_DIR,
     Job,
     RegenState,
@@ -60,6 +61,7 @@ from shared.dist import (
 )
 from shared.logs import setup_logging
 from shared.progress import RankCounters
+from shared.space import full_disk_stops
 from shared.stopping import Stopped, StopRequest
 
 log = logging.getLogger(__name__)
@@ -78,7 +80,8 @@ def rank_main(info: RankInfo, job: Job) -> None:
     stop = StopRequest().install("finishing the chunk in progress, then stopping (again: at once)")
     try:
         gen = _generator(job, info)  # a signal while it loads: no chunk is started
-        done = _regenerate(info, job, mine, gen, stop)
+        with full_disk_stops(job.parts, rerun=DISK_FULL_RERUN):  # a rank's: passed on as such
+            done = _regenerate(info, job, mine, gen, stop)
     finally:
         stop.restore()
     if done < len(mine):

@@ -38,6 +38,7 @@ STATE_VERSION = 1
 STATE = "state.json"
 PROGRESS_DIR = ".progress"  # per-rank counter files of the progress bar, in OUT.parts/
 MAX_LISTED_REJECTS = 200  # per chunk; counts stay exact, the list of rows is capped
+DISK_FULL_RERUN = "Free space there, then run the same command: the committed chunks are kept."
 
 
 def parts_dir(out: Path) -> Path:
