@@ -3,6 +3,7 @@ chunk files or an output changed on disk, are redone rather than read as rows or
 
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 from dataclasses import asdict
@@ -12,7 +13,7 @@ import pytest
 from extract.data import Rejected
 from extract.regen.config import RegenError
 from extract.regen.journal import OpenChunk
-from extract.regen.state import STATE, chunk_name, existing_state, parts_dir
+from extract.regen.state import STATE, chunk_name, existing_state, merge_chunks, parts_dir
 from tests.test_extract_safety import small_disk
 from tests.test_regenerate import regen, write_chats
 
@@ -94,3 +95,11 @@ def test_a_full_disk_is_a_message_and_the_same_command_resumes(tiny_qwen3, tmp_p
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 0, result.output
         assert (disk / "o.jsonl").read_bytes() == whole.read_bytes()
+
+
+def test_a_merge_that_fills_the_disk_leaves_no_partial_copy(tmp_path):
+    (tmp_path / chunk_name(0)).write_text("x" * 20_000)
+    with small_disk(tmp_path / "disk", "8k") as disk:
+        with pytest.raises(OSError) as e:
+            merge_chunks(disk / "o.jsonl", tmp_path, 1)
+        assert e.value.errno == errno.ENOSPC and list(disk.iterdir()) == []

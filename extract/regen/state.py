@@ -364,11 +364,15 @@ def commit_chunk(parts: Path, chunk: int, rows: range, result: ChunkResult) -> C
 def merge_chunks(out: Path, parts: Path, num_chunks: int) -> None:
     """OUT = chunk files 0..num_chunks-1 concatenated (row order), replaced atomically."""
     tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        for chunk in range(num_chunks):
-            with open(parts / chunk_name(chunk), "rb") as src:
-                shutil.copyfileobj(src, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in range(num_chunks):
+                with open(parts / chunk_name(chunk), "rb") as src:
+                    shutil.copyfileobj(src, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:  # a full disk, a signal: no partial copy left taking its space
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(out.parent)
