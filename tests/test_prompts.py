@@ -81,3 +81,37 @@ def test_shipped_real_chats_are_answered_distinct_and_disjoint_from_the_held_out
     keys = [normalized(r["messages"][0]["content"]) for r in rows]  # the dedup's own key
     assert len(set(keys)) == len(keys)
     assert not set(keys) & {normalized(p) for p in held_out}
+
+
+def _regen_rows(path, answers: list[str]) -> list[str]:
+    """`path` written as `python -m extract.regen` writes seed chats answered by `answers`."""
+    path.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": "q"}, _answer(a)]}) + "\n"
+            for a in answers
+        )
+    )
+    return [str(path)]
+
+
+def _answer(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def test_bad_files_are_named_without_a_traceback(tmp_path):
+    regen = _regen_rows(tmp_path / "r.jsonl", ["How does a thing work?"])
+    kept = (tmp_path / "r.jsonl").read_bytes()
+    out, held = str(tmp_path / "chats.jsonl"), str(tmp_path / "held.json")
+
+    def refused(*args: str) -> str:
+        result = CliRunner().invoke(main, list(args))
+        assert result.exit_code != 0 and isinstance(result.exception, SystemExit), result.output
+        return result.output
+
+    assert "same file" in refused("chats", "--regen", *regen, "--out", *regen, "--held-out", held)
+    assert "same file" in refused("chats", "--regen", *regen, "--out", out, "--held-out", out)
+    assert (tmp_path / "r.jsonl").read_bytes() == kept
+    assert "is a directory" in refused("seeds", "--out", str(tmp_path), "--count", "2")
+    (tmp_path / "r.jsonl").write_text("garbage\n")
+    message = refused("chats", "--regen", *regen, "--out", out, "--held-out", held)
+    assert f"--regen {regen[0]}, line 1: not a row of" in message

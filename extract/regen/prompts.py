@@ -95,10 +95,22 @@ def unique_prompts(first: Iterable[str], answers: Iterable[str]) -> list[str]:
 
 
 def regenerated_answers(path: Path) -> Iterator[str]:
+    """The last assistant turn of each row of `path`, an output of `python -m extract.regen`."""
     with open(path) as f:
-        for line in f:
-            messages = json.loads(line)["messages"]
-            yield next(m["content"] for m in reversed(messages) if m["role"] == "assistant")
+        for number, line in enumerate(f, 1):
+            try:
+                messages = json.loads(line)["messages"]
+                answers = [m["content"] for m in messages if m["role"] == "assistant"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                answers, why = [], f"{type(e).__name__}: {e}"
+            else:
+                why = "no assistant turn"
+            if not answers or not isinstance(answers[-1], str):
+                raise click.ClickException(
+                    f"--regen {path}, line {number}: not a row of `python -m extract.regen`'s "
+                    f"output ({why}); give the file that command wrote"
+                )
+            yield answers[-1]
 
 
 def _jsonl(rows: Iterable[dict]) -> str:
@@ -110,8 +122,12 @@ def main() -> None:
     """A prompt set written by the target itself (see the module help)."""
 
 
+def _file(**kwargs: bool) -> click.Path:
+    return click.Path(dir_okay=False, path_type=Path, **kwargs)
+
+
 @main.command()
-@click.option("--out", type=click.Path(path_type=Path), required=True)
+@click.option("--out", type=_file(), required=True)
 @click.option("--count", type=int, default=2000, show_default=True, help="Seed chats to write.")
 def seeds(out: Path, count: int) -> None:
     """Write prompt-writing chats for `python -m extract.regen`."""
@@ -125,12 +141,16 @@ def seeds(out: Path, count: int) -> None:
 
 
 @main.command()
-@click.option("--regen", type=click.Path(exists=True, path_type=Path), required=True)
-@click.option("--out", type=click.Path(path_type=Path), required=True)
-@click.option("--held-out", type=click.Path(path_type=Path), required=True)
+@click.option("--regen", type=_file(exists=True), required=True)
+@click.option("--out", type=_file(), required=True)
+@click.option("--held-out", type=_file(), required=True)
 @click.option("--held-out-count", type=int, default=64, show_default=True)
 def chats(regen: Path, out: Path, held_out: Path, held_out_count: int) -> None:
     """Prompts from regenerated seed chats -> chats to answer, and held-out prompts."""
+    named = {"--regen": regen, "--out": out, "--held-out": held_out}
+    for (a, x), (b, y) in itertools.combinations(named.items(), 2):
+        if x.resolve() == y.resolve():
+            raise click.ClickException(f"{a} and {b} are the same file, {x}; give two files")
     demo = json.loads(DEMO_PROMPTS.read_text())
     prompts = unique_prompts(demo, regenerated_answers(regen))
     if len(prompts) <= held_out_count:
