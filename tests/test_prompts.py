@@ -98,6 +98,15 @@ def _answer(text: str) -> dict:
     return {"role": "assistant", "content": text}
 
 
+def test_held_out_count_zero_keeps_every_prompt_for_training(tmp_path):
+    regen = _regen_rows(tmp_path / "r.jsonl", [f"How does thing {i} work?" for i in range(3)])
+    out, held = tmp_path / "chats.jsonl", tmp_path / "held.json"
+    args = ["chats", "--regen", *regen, "--out", str(out), "--held-out", str(held)]
+    result = CliRunner().invoke(main, [*args, "--held-out-count", "0"])
+    assert result.exit_code == 0, result.output
+    assert len(out.read_text().splitlines()) == 8 + 3 and json.loads(held.read_text()) == []
+
+
 def test_bad_files_are_named_without_a_traceback(tmp_path):
     regen = _regen_rows(tmp_path / "r.jsonl", ["How does a thing work?"])
     kept = (tmp_path / "r.jsonl").read_bytes()

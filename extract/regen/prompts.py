@@ -144,7 +144,7 @@ def seeds(out: Path, count: int) -> None:
 @click.option("--regen", type=_file(exists=True), required=True)
 @click.option("--out", type=_file(), required=True)
 @click.option("--held-out", type=_file(), required=True)
-@click.option("--held-out-count", type=int, default=64, show_default=True)
+@click.option("--held-out-count", type=click.IntRange(min=0), default=64, show_default=True)
 def chats(regen: Path, out: Path, held_out: Path, held_out_count: int) -> None:
     """Prompts from regenerated seed chats -> chats to answer, and held-out prompts."""
     named = {"--regen": regen, "--out": out, "--held-out": held_out}
@@ -155,7 +155,8 @@ def chats(regen: Path, out: Path, held_out: Path, held_out_count: int) -> None:
     prompts = unique_prompts(demo, regenerated_answers(regen))
     if len(prompts) <= held_out_count:
         raise click.ClickException(f"only {len(prompts)} distinct prompts")
-    train, test = prompts[:-held_out_count], prompts[-held_out_count:]
+    cut = len(prompts) - held_out_count
+    train, test = prompts[:cut], prompts[cut:]
     rows = (
         {"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": ""}]}
         for p in train
