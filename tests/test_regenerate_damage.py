@@ -13,7 +13,15 @@ import pytest
 from extract.data import Rejected
 from extract.regen.config import RegenError
 from extract.regen.journal import OpenChunk
-from extract.regen.state import STATE, chunk_name, existing_state, merge_chunks, parts_dir
+from extract.regen.state import (
+    STATE,
+    ChunkRecord,
+    RegenState,
+    chunk_name,
+    existing_state,
+    merge_chunks,
+    parts_dir,
+)
 from tests.test_extract_safety import small_disk
 from tests.test_regenerate import regen, write_chats
 
@@ -60,6 +68,36 @@ def test_a_chunk_file_or_output_changed_on_disk_is_made_again(tiny_qwen3, tmp_pa
         f.write(b"garbage\n")
     regen(out, tiny_qwen3, data, max_rows=8, max_new_tokens=4)
     assert out.read_bytes() == whole
+
+
+def _state_text(change) -> str:  # noqa: ANN001
+    record = ChunkRecord(
+        chunk=0, first_row=0, end_row=2, kept=2, rejected={}, rejected_rows=(), turns=2,
+        turns_at_limit=0, new_tokens=9, size=100,
+    )  # fmt: skip
+    obj = RegenState(settings={"target_revision": "x"}, config={}, chunks={0: record}).to_json()
+    change(obj)
+    return json.dumps(obj)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda s: s.update(settings=None),
+        lambda s: s.update(merged_rows="2"),
+        lambda s: s["chunks"][0].update(chunk="0"),
+        lambda s: s["chunks"][0].update(kept="2"),
+        lambda s: s["chunks"][0].update(rejected={"too_long": None}),
+    ],
+)
+def test_a_state_file_of_other_types_is_named_as_damaged(tmp_path, change):
+    out = tmp_path / "out.jsonl"
+    parts_dir(out).mkdir()
+    (parts_dir(out) / STATE).write_text(_state_text(lambda s: None))
+    assert existing_state(out, {"target_revision": "x"}, overwrite=False) is not None
+    (parts_dir(out) / STATE).write_text(_state_text(change))
+    with pytest.raises(RegenError, match="malformed state file"):
+        existing_state(out, {"target_revision": "x"}, overwrite=False)
 
 
 def test_a_damaged_state_file_is_named_with_what_to_do(tmp_path):

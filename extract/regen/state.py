@@ -90,10 +90,17 @@ class RegenState:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> RegenState:
+        """Raises TypeError (or KeyError) where `obj` is not a state as `to_json` writes it."""
         chunks = {}
         for c in obj["chunks"]:
             record = ChunkRecord(**{**c, "rejected_rows": tuple(c["rejected_rows"])})
+            if not _is_record(record):
+                raise TypeError(f"chunk record {c}: a count that is no integer")
             chunks[record.chunk] = record
+        if not isinstance(obj["settings"], dict) or not isinstance(obj["config"], dict):
+            raise TypeError("settings or config: no object")
+        if not (obj["merged_rows"] is None or type(obj["merged_rows"]) is int):
+            raise TypeError(f"merged_rows: {obj['merged_rows']!r}")
         return cls(
             settings=obj["settings"],
             config=obj["config"],
@@ -127,6 +134,16 @@ class RegenState:
         }
 
 
+def _is_record(record: ChunkRecord) -> bool:
+    """Whether the record's counts are integers (its size: or None), as `to_json` writes them."""
+    counts = dataclasses.asdict(record)
+    size, rejected = counts.pop("size"), counts.pop("rejected")
+    del counts["rejected_rows"]
+    return all(type(n) is int for n in [*counts.values(), *dict(rejected).values()]) and (
+        size is None or type(size) is int
+    )
+
+
 class StateError(ValueError):
     """The state file is missing or unreadable."""
 
@@ -140,7 +157,7 @@ def read_state(parts: Path) -> RegenState:
         return RegenState.from_json(obj)
     except FileNotFoundError:
         raise StateError(f"{path}: no state file") from None
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise StateError(f"{path}: malformed state file ({e})") from None
 
 
