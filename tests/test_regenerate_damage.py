@@ -33,9 +33,10 @@ def _rejected(row: int) -> str:
     return json.dumps({"row": row, "rejected": asdict(rejected)}) + "\n"
 
 
-def _kept(row: int) -> str:
-    entry = {"row": row, "kept": {"messages": [], "source_row": row}, "turns": 1}
-    return json.dumps({**entry, "at_limit": 0, "new_tokens": 3, "retokenized": 0}) + "\n"
+def _kept(row: int, text: str = "") -> str:
+    kept = {"messages": [{"role": "assistant", "content": text}], "source_row": row}
+    entry = {"row": row, "kept": kept, "turns": 1, "at_limit": 0, "new_tokens": 3}
+    return json.dumps({**entry, "retokenized": 0}, ensure_ascii=False) + "\n"
 
 
 @pytest.mark.parametrize(
@@ -51,6 +52,15 @@ def test_journal_lines_that_are_no_entry_are_dropped_and_their_row_asked_again(t
     assert set(loaded.entries) == {0, 1} and journal.read_text() == good
     result = loaded.result()
     assert [r.row for r in result.rejected] == [0] and result.new_tokens == 3
+
+
+def test_journal_bytes_that_are_no_utf8_are_dropped_and_a_line_separator_kept(tmp_path):
+    journal = tmp_path / "chunk-000000.journal"
+    good = (_rejected(0) + _kept(1, "one\u2028two")).encode()  # as Journal.handle writes it
+    journal.write_bytes(good + b"\xff\xfe garbage\n")
+    loaded = OpenChunk.load(tmp_path, 0, range(0, 4))
+    assert set(loaded.entries) == {0, 1} and journal.read_bytes() == good
+    assert loaded.entries[1]["kept"]["messages"][0]["content"] == "one\u2028two"
 
 
 def test_a_chunk_file_or_output_changed_on_disk_is_made_again(tiny_qwen3, tmp_path):

@@ -14,7 +14,7 @@ from typing import Any
 
 from extract.data import Rejected
 from extract.regen.state import ChunkResult, chunk_name
-from shared.fsio import atomic_write_text
+from shared.fsio import atomic_write_bytes
 
 
 @dataclass
@@ -36,18 +36,20 @@ class OpenChunk:
         open_chunk = cls(chunk, rows, path)
         if not path.is_file():
             return open_chunk
-        lines = path.read_text().splitlines(keepends=True)
+        # Bytes split at newlines only: a row's text may hold U+2028, which str.splitlines
+        # splits at, and damage may hold bytes that are no UTF-8.
+        lines = path.read_bytes().splitlines(keepends=True)
         good = []
         for line in lines:
             try:
                 entry = json.loads(line)
-            except json.JSONDecodeError:
+            except ValueError:  # not JSON, or not UTF-8
                 continue
-            if line.endswith("\n") and _is_entry(entry, rows):
+            if line.endswith(b"\n") and _is_entry(entry, rows):
                 open_chunk.entries[entry["row"]] = entry
                 good.append(line)
         if len(good) != len(lines):
-            atomic_write_text(path, "".join(good))
+            atomic_write_bytes(path, b"".join(good))
         return open_chunk
 
     def add(self, entry: dict[str, Any]) -> None:
