@@ -271,3 +271,26 @@ def test_sigterm_stops_the_sweep_and_the_same_command_finishes_it(cache, swept, 
     result = sweep(cache, out)
     assert result.exit_code == 0, result.output
     assert_runs_agree(folder, swept / "runs" / "optimizer=adamw" / "seed-0")
+
+
+def test_a_run_without_its_figures_is_trained_again(cache, swept, tmp_path):
+    """A finished run whose metrics.jsonl lost its held-out evaluation is not averaged in with
+    its training figures: the same command trains it again (from its last checkpoint); a run
+    whose config.json is damaged is named with train's error, not a traceback."""
+    out = tmp_path / "s"
+    shutil.copytree(swept / "runs", out / "runs")
+    cut = out / "runs" / "optimizer=muon" / "seed-0" / "metrics.jsonl"
+    cut.write_text("".join(x for x in cut.read_text().splitlines(True) if '"eval"' not in x))
+    (out / "runs" / "optimizer=adamw" / "seed-1" / "config.json").write_text('{"train": ')
+    result = sweep(cache, out)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "  optimizer=adamw seed 1: " in result.output and "config.json" in result.output
+    assert sorted(p.name for p in (out / "logs").iterdir()) == [
+        "optimizer=adamw.seed-1.log",
+        "optimizer=muon.seed-0.log",
+    ]
+    report = json.loads((out / "report.json").read_text())
+    theirs = json.loads((swept / "report.json").read_text())["variants"]
+    assert report["variants"][1]["tau"]["values"] == pytest.approx(theirs[1]["tau"]["values"])
+    assert report["variants"][0]["seeds"] == [0]
+    assert [(r["variant"], r["seed"]) for r in report["not_finished"]] == [("optimizer=adamw", 1)]

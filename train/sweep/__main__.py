@@ -10,10 +10,15 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from train.sweep.grid import GridError, check_same_sweep, parse_vary, plan_jobs
+
+if TYPE_CHECKING:
+    from train.sweep.grid import Job
+    from train.sweep.jobs import Outcome
 
 SWEEP_FILE = "sweep.json"
 
@@ -58,8 +63,8 @@ def main(
     from shared.fsio import atomic_write_json, unwritable_reason
     from shared.lock import LockHeld, output_lock
     from shared.logs import setup_logging
-    from train.sweep.jobs import finished, log_path, run_error, run_jobs
-    from train.sweep.report import REPORT_MD, write_report
+    from train.sweep.jobs import finished, run_jobs
+    from train.sweep.report import REPORT_MD, unusable, write_report
 
     setup_logging(0)
     command = shlex.join(["python", "-m", "train.sweep", *sys.argv[1:]])
@@ -93,7 +98,12 @@ def main(
             record = {"command": command, "grid": grid, "seeds": seeds, "train_args": ctx.args}
             record["data"] = str(data.resolve())
             atomic_write_json(out / SWEEP_FILE, record)
-            outcome = run_jobs(jobs, out=out, devices=devices)
+            redo = unusable([j for j in jobs if finished(j)])
+            for job, why in redo:
+                click.echo(
+                    f"{job.variant.name} seed {job.seed}: {why}: training it again", err=True
+                )
+            outcome = run_jobs(jobs, out=out, devices=devices, redo=[j for j, _ in redo])
             if outcome.stopped_by:
                 unfinished = [*(j for j, _ in outcome.failed), *outcome.not_started]
                 lines = ", ".join(f"{j.variant.name} seed {j.seed}" for j in unfinished)
@@ -101,12 +111,7 @@ def main(
                     f"stopped by {outcome.stopped_by}; not finished: {lines} (logs in "
                     f"{out / 'logs'})\nresume: {command}"
                 )
-            failed = [  # (one that exited with an error after its export is finished)
-                (j, run_error(log_path(out, j)) or "see its log")
-                for j, _ in outcome.failed
-                if not finished(j)
-            ]
-            done = [j for j in jobs if finished(j)]
+            done, failed = settle(jobs, outcome, out)
             if done:
                 write_report(out, done, command, not_finished=failed)
     except LockHeld as e:
@@ -126,6 +131,23 @@ def main(
                 ]
             )
         )
+
+
+def settle(jobs: list[Job], outcome: Outcome, out: Path) -> tuple[list[Job], list[tuple[Job, str]]]:
+    """(the runs the report takes, the others with why) once `run_jobs` is done: a run is
+    taken when its export exists and its figures can be read (`report.unusable`); one that is
+    not is trained again by the next run of the command."""
+    from train.sweep.jobs import finished, log_path, run_error
+    from train.sweep.report import unusable
+
+    ran = {j for j, _ in outcome.failed}  # the runs that exited with an error
+    failed = [(j, run_error(log_path(out, j)) or "see its log") for j in ran if not finished(j)]
+    done = [j for j in jobs if finished(j)]
+    for job, why in unusable(done):  # an error after its export: the error says more
+        error = run_error(log_path(out, job)) if job in ran else None
+        failed.append((job, error or f"{why}; the same command trains it again"))
+    taken = {j for j, _ in failed}
+    return [j for j in done if j not in taken], sorted(failed, key=lambda f: jobs.index(f[0]))
 
 
 if __name__ == "__main__":

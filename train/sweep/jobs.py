@@ -1,9 +1,10 @@
 """Running a sweep's jobs: each one the real `python -m train` command in a child process, as
 many at once as there are device slots, skipping finished runs and resuming interrupted ones.
 
-A run is finished when its export exists (train writes it last, after the final evaluation).
-Any other run folder is started again with the same command, and train's `--resume auto` takes
-it from its newest checkpoint (train refuses, with a message, a folder holding another run).
+A run is finished when its export exists (train writes it last, after the final evaluation)
+and it is not in `redo` (the finished runs whose figures the report cannot read). Any other
+run folder is started again with the same command, and train's `--resume auto` takes it from
+its newest checkpoint (train refuses, with a message, a folder holding another run).
 Children run in their own session, so a Ctrl-C or SIGTERM reaches the sweep alone: it passes
 SIGTERM on once to every running child (each saves a checkpoint at its next log step and stops)
 and starts no more; a second signal is passed on again (they stop at once). A child also gets
@@ -19,7 +20,7 @@ import shlex
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,11 +76,14 @@ class Outcome:
     stopped_by: str | None = None
 
 
-def run_jobs(jobs: Sequence[Job], *, out: Path, devices: Sequence[str]) -> Outcome:
-    """Run the unfinished jobs in order, one per device slot at a time (a device may appear
-    more than once: that many at once on it). Each child's output goes to `logs/`."""
-    outcome = Outcome(skipped=[j for j in jobs if finished(j)])
-    todo = [j for j in jobs if not finished(j)]
+def run_jobs(
+    jobs: Sequence[Job], *, out: Path, devices: Sequence[str], redo: Collection[Job] = ()
+) -> Outcome:
+    """Run the unfinished jobs and those in `redo` in order, one per device slot at a time (a
+    device may appear more than once: that many at once on it). Each child's output goes to
+    `logs/`."""
+    outcome = Outcome(skipped=[j for j in jobs if finished(j) and j not in redo])
+    todo = [j for j in jobs if not finished(j) or j in redo]
     log.info("%d runs: %d finished already, %d to run", len(jobs), len(outcome.skipped), len(todo))
     free, running = list(devices), {}  # pid -> (job, device, Popen)
     told: set[int] = set()  # the children passed SIGTERM since the last stop signal

@@ -20,6 +20,8 @@ from typing import Any
 
 from shared.fsio import atomic_write_bytes, atomic_write_json, atomic_write_text
 from train.proof.compare import (
+    METRICS_FILE,
+    CompareError,
     RunSummary,
     fmt,
     markdown_report,
@@ -43,6 +45,27 @@ def mean_se(values: Sequence[float]) -> tuple[float, float | None]:
     if len(values) < 2:
         return mean, None
     return mean, statistics.stdev(values) / math.sqrt(len(values))
+
+
+def unusable(jobs: Sequence[Job]) -> list[tuple[Job, str]]:
+    """The finished runs whose figures the report cannot take, with why: a run folder that
+    cannot be read, or a run without a held-out evaluation where another run has one (its
+    metrics.jsonl cut short or lost, or it stopped before its final evaluation); a mean over
+    such a run would mix its training figures into the held-out ones. Training the run again
+    (train resumes it from its last checkpoint) evaluates it again."""
+    read, out = [], []
+    for job in jobs:
+        try:
+            read.append((job, read_run(job.folder)))
+        except CompareError as e:
+            out.append((job, str(e)))
+    if any(summary.source == "eval" for _, summary in read):
+        out += [
+            (job, f"{job.folder / METRICS_FILE} holds no held-out evaluation")
+            for job, summary in read
+            if summary.source != "eval"
+        ]
+    return out
 
 
 def summarise(jobs: Sequence[Job]) -> tuple[list[dict[str, Any]], list[RunSummary]]:
