@@ -294,3 +294,12 @@ def test_a_run_without_its_figures_is_trained_again(cache, swept, tmp_path):
     assert report["variants"][1]["tau"]["values"] == pytest.approx(theirs[1]["tau"]["values"])
     assert report["variants"][0]["seeds"] == [0]
     assert [(r["variant"], r["seed"]) for r in report["not_finished"]] == [("optimizer=adamw", 1)]
+
+
+def test_a_report_that_cannot_be_written_is_named(cache, swept, tmp_path):
+    out = tmp_path / "s"
+    shutil.copytree(swept / "runs", out / "runs")
+    (out / "report.md").mkdir()  # as a full disk: the write fails
+    result = sweep(cache, out)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"Error: --out {out}: cannot write " in result.output and "report.md" in result.output

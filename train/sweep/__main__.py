@@ -116,6 +116,11 @@ def main(
                 write_report(out, done, command, not_finished=failed)
     except LockHeld as e:
         raise click.ClickException(str(e)) from None
+    except OSError as e:  # the sweep's own files: a full disk, a folder where a file goes
+        raise click.ClickException(
+            f"--out {out}: cannot write {e.filename or out} ({e.strerror or e}); once there is "
+            f"room, the same command goes on (the finished runs are kept): {command}"
+        ) from None
     if done:
         click.echo((out / REPORT_MD).read_text().split("\n## Every run")[0])
     if failed:
