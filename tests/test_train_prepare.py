@@ -114,3 +114,14 @@ def test_export_cli_says_it_exported_once(tmp_path):
     assert result.exit_code == 0, result.output
     assert result.stdout == f"exported to {out}\n"
     assert result.output.count(str(out)) == 1, result.output
+
+
+def test_a_sliding_window_without_sliding_layers_is_refused(tmp_path):
+    """--sliding-window where the target's default layer types do not slide (no --layer-types)
+    would change nothing: refused as the command's to fix, naming the option."""
+    cache = write_cache(tmp_path / "cache", num_parts=2, samples_per_part=2)
+    cfg = TrainConfig(data=cache, out=tmp_path / "run", gpus="cpu", drafter_layers=1)
+    with pytest.raises(RunError, match=r"--sliding-window 4 has no effect: .*--layer-types"):
+        prepare(cfg.replace(sliding_window=4), read_manifest(cache), device_kind="cpu")
+    sliding = cfg.replace(sliding_window=4, layer_types="sliding_attention")
+    assert prepare(sliding, read_manifest(cache), device_kind="cpu")[0].sliding_window == 4

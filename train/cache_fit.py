@@ -165,6 +165,14 @@ def _drafter_config(
     except (ValueError, KeyError) as e:
         problems.append(option_problem(str(e), cfg))
         return None, hidden
+    if cfg.sliding_window is not None and "sliding_attention" not in drafter.layer_types:
+        types = ", ".join(sorted(set(drafter.layer_types)))
+        problems.append(
+            f"{OPTION_PROBLEM}--sliding-window {cfg.sliding_window} has no effect: no layer "
+            f"slides (this target's default layer types: {types}); drop it, or give a sliding "
+            "--layer-types"
+        )
+        return None, hidden
     return drafter, hidden
 
 
