@@ -303,3 +303,13 @@ def test_a_report_that_cannot_be_written_is_named(cache, swept, tmp_path):
     result = sweep(cache, out)
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert f"Error: --out {out}: cannot write " in result.output and "report.md" in result.output
+
+
+def test_the_same_train_options_in_another_order_are_the_same_sweep(cache, swept, tmp_path):
+    out = tmp_path / "s"
+    shutil.copytree(swept, out)
+    at = TRAIN.index("--lr")
+    moved = [*TRAIN[at : at + 2], *TRAIN[:at], *TRAIN[at + 2 :]]
+    result = CliRunner().invoke(main, ["--data", str(cache), "--out", str(out), *GRID, *moved])
+    assert result.exit_code == 0, result.output
+    assert "4 runs: 4 finished already, 0 to run" in result.output

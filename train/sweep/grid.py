@@ -193,7 +193,7 @@ def check_same_sweep(old: dict | None, *, data: Path, train_args: list[str]) -> 
     as runs of this command. Another grid or more seeds only add runs, and are taken."""
     if old is None:
         return
-    if old.get("train_args") != list(train_args):
+    if _as_train_reads(old.get("train_args")) != _as_train_reads(list(train_args)):
         raise GridError(
             f"this sweep folder's runs were trained with the train options {old.get('train_args')}"
             f", not {list(train_args)}: its finished runs would be reported as runs of these. "
@@ -204,3 +204,17 @@ def check_same_sweep(old: dict | None, *, data: Path, train_args: list[str]) -> 
             f"this sweep folder's runs were trained on {old['data']}, not {Path(data).resolve()}:"
             " give that cache, or another --out"
         )
+
+
+def _as_train_reads(args: object) -> object:
+    """The option values `python -m train args` reads (the same options in another order, or
+    a value written another way, read the same); `args` itself where train refuses them."""
+    from train.__main__ import main
+
+    if not isinstance(args, list):
+        return args
+    try:
+        with main.make_context("python -m train", ["--data", ".", "--out", ".", *args]) as ctx:
+            return ctx.params
+    except click.ClickException:
+        return args
