@@ -313,3 +313,16 @@ def test_the_same_train_options_in_another_order_are_the_same_sweep(cache, swept
     result = CliRunner().invoke(main, ["--data", str(cache), "--out", str(out), *GRID, *moved])
     assert result.exit_code == 0, result.output
     assert "4 runs: 4 finished already, 0 to run" in result.output
+
+
+def test_a_run_killed_by_a_signal_is_said_so(cache, tmp_path):
+    from train.sweep.__main__ import settle
+    from train.sweep.jobs import Outcome
+
+    jobs = jobs_of(cache, tmp_path)
+    done, failed = settle(jobs, Outcome(failed=[(jobs[1], -9), (jobs[0], 1)]), tmp_path)
+    assert done == [] and [j for j, _ in failed] == jobs[:2]
+    assert [why for _, why in failed] == [
+        "exited with status 1 (see its log)",
+        "killed by SIGKILL (see its log)",
+    ]

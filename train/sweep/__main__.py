@@ -142,11 +142,15 @@ def settle(jobs: list[Job], outcome: Outcome, out: Path) -> tuple[list[Job], lis
     """(the runs the report takes, the others with why) once `run_jobs` is done: a run is
     taken when its export exists and its figures can be read (`report.unusable`); one that is
     not is trained again by the next run of the command."""
-    from train.sweep.jobs import finished, log_path, run_error
+    from train.sweep.jobs import exit_reason, finished, log_path, run_error
     from train.sweep.report import unusable
 
-    ran = {j for j, _ in outcome.failed}  # the runs that exited with an error
-    failed = [(j, run_error(log_path(out, j)) or "see its log") for j in ran if not finished(j)]
+    ran = dict(outcome.failed)  # the runs that exited with an error: their status
+    failed = [
+        (j, run_error(log_path(out, j)) or exit_reason(code))
+        for j, code in ran.items()
+        if not finished(j)
+    ]
     done = [j for j in jobs if finished(j)]
     for job, why in unusable(done):  # an error after its export: the error says more
         error = run_error(log_path(out, job)) if job in ran else None

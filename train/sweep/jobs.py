@@ -65,6 +65,21 @@ def run_error(path: Path, *, most: int = 3) -> str | None:
     return " ".join([said[0].removeprefix("Error: "), *said[1:]]).strip()
 
 
+def exit_reason(code: int) -> str:
+    """A run's exit status in words, for a run whose log ends with no error of its own (one
+    killed by a signal: the kernel's out-of-memory killer, a `kill -9`).
+
+    >>> exit_reason(-9), exit_reason(1)
+    ('killed by SIGKILL (see its log)', 'exited with status 1 (see its log)')
+    """
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name} (see its log)"
+        except ValueError:
+            pass
+    return f"exited with status {code} (see its log)"
+
+
 @dataclass
 class Outcome:
     """What a call of `run_jobs` did."""
