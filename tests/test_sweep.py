@@ -326,3 +326,17 @@ def test_a_run_killed_by_a_signal_is_said_so(cache, tmp_path):
         "exited with status 1 (see its log)",
         "killed by SIGKILL (see its log)",
     ]
+
+
+def test_a_report_of_training_figures_says_so():
+    from train.proof.compare import RunSummary
+    from train.sweep.report import markdown
+
+    last = {"kind": "train", "step": 6, "tau": 1.5, "loss": 2.0, "acc": [0.5]}
+    run = RunSummary("r", {"train": {}}, "train", [last])
+    record = {"variant": "a", "seeds": [0], "step": [6], "source": ["train"], "acc": [0.5]}
+    record["tau"] = {"mean": 1.5, "se": None, "values": [1.5]}
+    text = markdown([record], [run], "cmd")
+    assert "held-out evaluation (" not in text and "last training log step" in text
+    record["source"] = ["eval"]
+    assert "each run's last held-out evaluation (" in markdown([record], [run], "cmd")

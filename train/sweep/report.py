@@ -172,9 +172,16 @@ def markdown(
         row += [_pm(r.get("selected_tau"))] * selected + [_pm(r.get("loss"), 4)]
         rows.append(row + [fmt(a, 3) for a in r["acc"]] + ["-"] * (offsets - len(r["acc"])))
     lines = ["# Sweep", "", f"`{command}`", ""]
+    held_out = all(r["source"] == ["eval"] for r in records)
+    what = (
+        "last held-out evaluation"
+        if held_out
+        else "last training log step (no held-out evaluation: --eval-fraction 0, or runs that "
+        "stopped before their final one)"
+    )
     lines += [
-        "Mean ± standard error over seeds of each run's last held-out evaluation "
-        "(`tau`: acceptance length estimate).",
+        f"Mean ± standard error over seeds of each run's {what} (`tau`: acceptance length "
+        "estimate).",
         "",
     ]
     lines += markdown_table(header, rows, numeric_from=1)
