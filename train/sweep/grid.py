@@ -28,6 +28,9 @@ FIXED = frozenset(
     | {"steps", "epochs", "batch_tokens", "grad_accum", "max_length"}
 )
 SET_BY_SWEEP = ("data", "out", "seed", "gpus")
+# Train options that would break the sweep's own resume (every run resumes from its newest
+# checkpoint, `--resume auto`, and ends with its export).
+NOT_FOR_SWEEPS = ("resume", "stop_after_steps")
 
 
 class GridError(ValueError):
@@ -127,6 +130,13 @@ def plan_jobs(
         raise GridError(
             f"train options {', '.join(clash)}: set by the sweep (--data, --out, --seeds, --gpus) "
             "or varied by --vary; give them there"
+        )
+    refused = sorted(given & set(NOT_FOR_SWEEPS))
+    if refused:
+        raise GridError(
+            f"train options {', '.join('--' + k.replace('_', '-') for k in refused)}: not for a "
+            "sweep, which resumes each run from its newest checkpoint (--resume auto) until it "
+            "has its export; drop them"
         )
     inside = refuse_inside_cache(out, data)
     if inside:
