@@ -344,3 +344,21 @@ def test_a_report_of_training_figures_says_so():
     assert "held-out evaluation (" not in text and "last training log step" in text
     record["source"] = ["eval"]
     assert "each run's last held-out evaluation (" in markdown([record], [run], "cmd")
+
+
+def test_a_run_without_metrics_leaves_its_variant_figures(cache, tmp_path):
+    """Runs without a held-out evaluation (--eval-fraction 0): one whose metrics.jsonl is
+    lost is left out (and trained again), not a blank for its whole variant."""
+    from train.sweep.report import summarise, unusable
+
+    jobs = jobs_of(cache, tmp_path)
+    for job in jobs:
+        job.folder.mkdir(parents=True)
+        (job.folder / "config.json").write_text('{"train": {}}')
+        if job.seed == 1:
+            record = {"kind": "train", "step": 6, "tau": 1.5 + job.seed, "loss": 2.0, "acc": []}
+            (job.folder / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    assert [j for j, _ in unusable(jobs)] == [jobs[0], jobs[2]]
+    assert "metrics.jsonl holds no metrics" in unusable(jobs)[0][1]
+    records, _ = summarise([jobs[1], jobs[3]])
+    assert [r["tau"]["values"] for r in records] == [[2.5], [2.5]]

@@ -49,22 +49,23 @@ def mean_se(values: Sequence[float]) -> tuple[float, float | None]:
 
 def unusable(jobs: Sequence[Job]) -> list[tuple[Job, str]]:
     """The finished runs whose figures the report cannot take, with why: a run folder that
-    cannot be read, or a run without a held-out evaluation where another run has one (its
-    metrics.jsonl cut short or lost, or it stopped before its final evaluation); a mean over
-    such a run would mix its training figures into the held-out ones. Training the run again
-    (train resumes it from its last checkpoint) evaluates it again."""
+    cannot be read, a run without metrics, or a run without a held-out evaluation where
+    another run has one (its metrics.jsonl cut short or lost, or it stopped before its final
+    evaluation): a mean over such a run would mix its training figures into the held-out ones.
+    Training the run again (train resumes it from its last checkpoint) evaluates it again."""
     read, out = [], []
     for job in jobs:
         try:
             read.append((job, read_run(job.folder)))
         except CompareError as e:
             out.append((job, str(e)))
-    if any(summary.source == "eval" for _, summary in read):
-        out += [
-            (job, f"{job.folder / METRICS_FILE} holds no held-out evaluation")
-            for job, summary in read
-            if summary.source != "eval"
-        ]
+    kind = "eval" if any(summary.source == "eval" for _, summary in read) else "train"
+    what = "held-out evaluation" if kind == "eval" else "metrics"
+    out += [
+        (job, f"{job.folder / METRICS_FILE} holds no {what}")
+        for job, summary in read
+        if summary.source != kind
+    ]
     return out
 
 
