@@ -362,3 +362,20 @@ def test_a_run_without_metrics_leaves_its_variant_figures(cache, tmp_path):
     assert "metrics.jsonl holds no metrics" in unusable(jobs)[0][1]
     records, _ = summarise([jobs[1], jobs[3]])
     assert [r["tau"]["values"] for r in records] == [[2.5], [2.5]]
+
+
+def test_a_run_found_without_its_evaluation_late_is_trained_again(cache, swept, tmp_path):
+    """A finished run without a held-out evaluation is seen so only once another run has
+    one: the same command still trains it again, and the report takes all four."""
+    out = tmp_path / "s"
+    shutil.copytree(swept / "runs", out / "runs")
+    cut = out / "runs" / "optimizer=muon" / "seed-0" / "metrics.jsonl"
+    cut.write_text("".join(x for x in cut.read_text().splitlines(True) if '"eval"' not in x))
+    for folder in (out / "runs").glob("*/*"):
+        if folder != cut.parent:
+            shutil.rmtree(folder / "export")
+    result = sweep(cache, out)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert [v["seeds"] for v in report["variants"]] == [[0, 1], [0, 1]]
+    assert {s for v in report["variants"] for s in v["source"]} == {"eval"}

@@ -7,6 +7,7 @@ Options this command does not know are `python -m train` options, the same for e
 from __future__ import annotations
 
 import json
+import logging
 import shlex
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from train.sweep.jobs import Outcome
 
 SWEEP_FILE = "sweep.json"
+log = logging.getLogger(__spec__.name if __spec__ else __name__)  # not "__main__" under -m
 
 
 @click.command(
@@ -63,8 +65,7 @@ def main(
     from shared.fsio import atomic_write_json, unwritable_reason
     from shared.lock import LockHeld, output_lock
     from shared.logs import setup_logging
-    from train.sweep.jobs import finished, run_jobs
-    from train.sweep.report import REPORT_MD, unusable, write_report
+    from train.sweep.report import REPORT_MD, write_report
 
     setup_logging(0)
     command = shlex.join(["python", "-m", "train.sweep", *sys.argv[1:]])
@@ -98,12 +99,7 @@ def main(
             record = {"command": command, "grid": grid, "seeds": seeds, "train_args": ctx.args}
             record["data"] = str(data.resolve())
             atomic_write_json(out / SWEEP_FILE, record)
-            redo = unusable([j for j in jobs if finished(j)])
-            for job, why in redo:
-                click.echo(
-                    f"{job.variant.name} seed {job.seed}: {why}: training it again", err=True
-                )
-            outcome = run_jobs(jobs, out=out, devices=devices, redo=[j for j, _ in redo])
+            outcome = run_all(jobs, out=out, devices=devices)
             if outcome.stopped_by:
                 unfinished = [*(j for j, _ in outcome.failed), *outcome.not_started]
                 lines = ", ".join(f"{j.variant.name} seed {j.seed}" for j in unfinished)
@@ -136,6 +132,30 @@ def main(
                 ]
             )
         )
+
+
+def run_all(jobs: list[Job], *, out: Path, devices: list[str]) -> Outcome:
+    """`run_jobs` over the unfinished runs and the finished ones whose figures the report
+    cannot take (`report.unusable`), then once more over those found so only by the runs just
+    finished (the first held-out evaluation of the sweep, say)."""
+    from train.sweep.jobs import finished, run_jobs
+    from train.sweep.report import unusable
+
+    redo = unusable([j for j in jobs if finished(j)])
+    for job, why in redo:
+        log.warning("%s seed %d: %s: training it again", job.variant.name, job.seed, why)
+    outcome = run_jobs(jobs, out=out, devices=devices, redo=[j for j, _ in redo])
+    done = [j for j in jobs if finished(j)]
+    late = [(j, why) for j, why in unusable(done) if j in outcome.skipped]
+    if late and outcome.stopped_by is None:
+        for job, why in late:
+            log.warning("%s seed %d: %s: training it again", job.variant.name, job.seed, why)
+        late = [j for j, _ in late]
+        more = run_jobs(late, out=out, devices=devices, redo=late)
+        outcome.failed += more.failed
+        outcome.not_started += more.not_started
+        outcome.stopped_by = more.stopped_by
+    return outcome
 
 
 def settle(jobs: list[Job], outcome: Outcome, out: Path) -> tuple[list[Job], list[tuple[Job, str]]]:
