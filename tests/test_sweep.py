@@ -379,3 +379,18 @@ def test_a_run_found_without_its_evaluation_late_is_trained_again(cache, swept, 
     report = json.loads((out / "report.json").read_text())
     assert [v["seeds"] for v in report["variants"]] == [[0, 1], [0, 1]]
     assert {s for v in report["variants"] for s in v["source"]} == {"eval"}
+
+
+def test_a_sweep_whose_runs_all_fail_replaces_an_earlier_report(cache, tmp_path):
+    out = tmp_path / "s"
+    out.mkdir()
+    for name in ("report.json", "report.md", "tau.png", "curves.png"):
+        (out / name).write_text("{}")  # an earlier command's
+    args = ["--data", str(cache), "--out", str(out), "--vary", "lr=1e30", "--seeds", "1"]
+    at = TRAIN.index("--lr")
+    result = CliRunner().invoke(main, [*args, "--gpus", "cpu", *TRAIN[:at], *TRAIN[at + 2 :]])
+    assert result.exit_code == 1, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["variants"] == [] and [r["seed"] for r in report["not_finished"]] == [0]
+    assert "No run has finished." in (out / "report.md").read_text()
+    assert not (out / "tau.png").exists() and not (out / "curves.png").exists()

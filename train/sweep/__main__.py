@@ -108,8 +108,7 @@ def main(
                     f"{out / 'logs'})\nresume: {command}"
                 )
             done, failed = settle(jobs, outcome, out)
-            if done:
-                write_report(out, done, command, not_finished=failed)
+            write_report(out, done, command, not_finished=failed)  # none done: the failures
     except LockHeld as e:
         raise click.ClickException(str(e)) from None
     except OSError as e:  # the sweep's own files: a full disk, a folder where a file goes

@@ -198,6 +198,8 @@ def markdown(
     if not_finished:
         lines += ["", "Not finished (the figures above leave them out):", ""]
         lines += [f"- {r['variant']} seed {r['seed']}: {r['error']}" for r in not_finished]
+    if not runs:
+        return "\n".join([*lines, "", "No run has finished."]) + "\n"
     every = markdown_report(runs).replace("# Drafter runs", "## Every run", 1)
     return "\n".join(lines) + "\n\n" + every
 
@@ -218,7 +220,10 @@ def write_report(
     report["not_finished"] = left
     atomic_write_json(out / REPORT_JSON, report)
     atomic_write_text(out / REPORT_MD, markdown(records, runs, command, left))
-    if plot_runs(runs, out / CURVES_PLOT):
+    if not runs:  # no plot of an earlier command's runs is left beside this report
+        for name in (TAU_PLOT, CURVES_PLOT):
+            (out / name).unlink(missing_ok=True)
+    elif plot_runs(runs, out / CURVES_PLOT):
         atomic_write_bytes(out / TAU_PLOT, _tau_png(records))
     return json.loads(json.dumps(report))
 
