@@ -196,6 +196,8 @@ def test_the_grid_is_checked_before_any_run(cache, tmp_path):
         plan(["lr=1e-3"], ["--resume", "none"])
     with pytest.raises(GridError, match="--stop-after-steps: not for a sweep"):
         plan(["lr=1e-3"], ["--stop-after-steps=3"])
+    with pytest.raises(GridError, match="lr=1e-3 and lr=0.001 train the same runs"):
+        plan(["lr=1e-3,0.001"])
     with pytest.raises(GridError, match="varied by --vary"):
         plan(["lr=1e-3,3e-3"], ["--lr", "1e-3"])
     with pytest.raises(GridError, match="variant optimizer=sgd: .*sgd"):

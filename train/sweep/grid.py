@@ -152,13 +152,21 @@ def plan_jobs(
                 f"variants {same.settings} and {variant.settings} would share the run folder "
                 f"{variant.name}: give values that differ by more than '/' and '_'"
             )
+    trains: dict[TrainConfig, Variant] = {}  # a value written two ways: one variant twice
     for variant in variants(grid):
         for seed in range(seeds):
             folder = Path(out) / RUNS_DIR / variant.name / f"seed-{seed}"
             argv = ["--data", str(data), "--out", str(folder), "--seed", str(seed)]
             argv += [*train_args, *variant.args()]
             if seed == 0:
-                check_cache(variant, check(variant, argv), manifest)
+                cfg = check(variant, argv)
+                check_cache(variant, cfg, manifest)
+                same = trains.setdefault(cfg.replace(out=Path(out)), variant)
+                if same is not variant:
+                    raise GridError(
+                        f"variants {same.name} and {variant.name} train the same runs (one "
+                        "value written two ways): give it once"
+                    )
             jobs.append(Job(variant, seed, folder, tuple(argv)))
     return jobs
 
