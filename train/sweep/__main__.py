@@ -6,7 +6,6 @@ Options this command does not know are `python -m train` options, the same for e
 
 from __future__ import annotations
 
-import json
 import logging
 import shlex
 import sys
@@ -15,13 +14,19 @@ from typing import TYPE_CHECKING
 
 import click
 
-from train.sweep.grid import GridError, check_same_sweep, parse_vary, plan_jobs
+from train.sweep.grid import (
+    SWEEP_FILE,
+    GridError,
+    check_same_sweep,
+    parse_vary,
+    plan_jobs,
+    read_record,
+)
 
 if TYPE_CHECKING:
     from train.sweep.grid import Job
     from train.sweep.jobs import Outcome
 
-SWEEP_FILE = "sweep.json"
 log = logging.getLogger(__spec__.name if __spec__ else __name__)  # not "__main__" under -m
 
 
@@ -87,13 +92,8 @@ def main(
         ) from None
     try:
         with output_lock(out, "python -m train.sweep"):
-            old = out / SWEEP_FILE
             try:
-                check_same_sweep(
-                    json.loads(old.read_text()) if old.is_file() else None,
-                    data=data,
-                    train_args=list(ctx.args),
-                )
+                check_same_sweep(read_record(out), data=data, train_args=list(ctx.args))
             except GridError as e:
                 raise click.ClickException(f"{out}: {e}") from None
             record = {"command": command, "grid": grid, "seeds": seeds, "train_args": ctx.args}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from train.config import TrainConfig
 from train.follow_start import never_a_cache
 
 RUNS_DIR = "runs"
+SWEEP_FILE = "sweep.json"  # the record of the command that made the folder
 # Set by the sweep for every run, or deciding the held-out rows and the budget: never varied.
 FIXED = frozenset(
     {"data", "out", "seed", "gpus", "resume", "stop_after_steps", "follow"}
@@ -203,6 +205,26 @@ def _truth(key: str, value: str) -> bool:
     if value.lower() in ("false", "0", "no", "off"):
         return False
     raise GridError(f"--vary {key}: {value!r} is not true or false")
+
+
+def read_record(out: Path) -> dict | None:
+    """The sweep folder's record (`sweep.json`), None for a new folder; GridError where it
+    cannot be read."""
+    path = Path(out) / SWEEP_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        record = e
+    if isinstance(record, dict):
+        return record
+    why = record if isinstance(record, Exception) else "not a JSON object"
+    raise GridError(
+        f"{path} cannot be read ({why}): it records the train options and the cache of the "
+        "runs in this folder. Restore it, or delete it to take the runs there as runs of this "
+        "command unchecked"
+    )
 
 
 def check_same_sweep(old: dict | None, *, data: Path, train_args: list[str]) -> None:
