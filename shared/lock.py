@@ -107,9 +107,14 @@ def _make_private(folder: Path, record: dict[str, Any]) -> tuple[int, Path]:
     """A flocked file holding `record`, under a name only this process uses."""
     tmp = folder / f"{LOCK_FILE}.{record['host']}.{record['pid']}"
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.write(fd, (json.dumps(record) + "\n").encode())
-    os.fsync(fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, (json.dumps(record) + "\n").encode())
+        os.fsync(fd)
+    except BaseException:  # a full disk: no empty lock file is left in the folder
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
     return fd, tmp
 
 

@@ -146,3 +146,21 @@ def test_export_takes_h_for_help():
 
     r = CliRunner().invoke(export_main, ["-h"])
     assert r.exit_code == 0 and "Usage:" in r.output
+
+
+def test_a_lock_that_cannot_be_written_leaves_no_file(tmp_path):
+    """A full disk (here: a file size limit of 0) fails taking the lock with OSError and
+    leaves the folder as it was."""
+    code = (
+        "import resource, signal, sys\n"
+        "from shared.lock import acquire\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))\n"
+        "try:\n"
+        "    acquire(sys.argv[1])\n"
+        "except OSError as e:\n"
+        "    sys.exit(f'OSError {e.errno}')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True)
+    assert done.stderr.decode().startswith("OSError"), done.stderr.decode()
+    assert os.listdir(tmp_path) == []
