@@ -17,6 +17,7 @@ import click
 from train.sweep.grid import (
     SWEEP_FILE,
     GridError,
+    check,
     check_same_sweep,
     parse_vary,
     plan_jobs,
@@ -81,6 +82,7 @@ def main(
     except (GridError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     devices = ["cpu"] * spec.nprocs if spec.kind == "cpu" else [str(d) for d in spec.devices]
+    await_cache(jobs)
     problem = unwritable_reason(out)
     if problem:
         raise click.ClickException(f"--out {out}: {problem}")
@@ -131,6 +133,21 @@ def main(
                 ]
             )
         )
+
+
+def await_cache(jobs: list[Job]) -> None:
+    """Wait once, as each run would, for an extraction to start writing a --data that holds no
+    cache yet; a ClickException when none did (each run would have waited its 10 minutes)."""
+    from shared.manifest import CacheMismatch
+    from shared.stopping import Stopped
+    from train.follow_start import await_manifest
+
+    if not jobs:
+        return
+    try:
+        await_manifest(check(jobs[0].variant, list(jobs[0].argv)))
+    except (CacheMismatch, Stopped) as e:
+        raise click.ClickException(f"{e}; no run was started") from None
 
 
 def run_all(jobs: list[Job], *, out: Path, devices: list[str]) -> Outcome:
