@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from shared.oom import kernel_log, oom_kill
+from shared.oom import oom_kills
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +176,9 @@ def _gone(info: dict[str, Any]) -> str:
     """How the stale lock's holder ended, where the kernel's log tells (`shared.oom`)."""
     pid, started = info.get("pid"), info.get("started")
     if isinstance(pid, int) and isinstance(started, (int, float)):
-        killed = oom_kill(pid, started, kernel_log())
-        if killed is not None:
-            return f"{killed.describe()}: the same settings may run out of memory again"
+        kills, _ = oom_kills([pid], started)
+        if kills:
+            return kills[0].describe()
     return "no longer running"
 
 

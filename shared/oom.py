@@ -39,7 +39,10 @@ class OomKill:
         "ended by the kernel's out-of-memory killer a"
         """
         at = time.strftime("%H:%M:%S", time.localtime(self.when))
-        return f"ended by the kernel's out-of-memory killer at {at}, its log says: {self.line}"
+        return (
+            f"ended by the kernel's out-of-memory killer at {at}, its log says: {self.line}; the "
+            "same settings may run out of memory again"
+        )
 
 
 def kernel_log(path: str = KMSG) -> list[tuple[float, str]] | None:
@@ -84,6 +87,15 @@ def oom_kill(pid: int, since: float, log: list[tuple[float, str]] | None) -> Oom
         if m and int(m.group(1)) == pid and boot + seconds >= since - _SLACK_S:
             return OomKill(boot + seconds, line[: m.end()])
     return None
+
+
+def oom_kills(pids: list[int], since: float) -> tuple[list[OomKill], bool]:
+    """The out-of-memory kills of processes `pids` (started after wall-clock time `since`) in
+    the kernel's log, and whether that log could be read (no kill found means none then)."""
+    log = kernel_log()
+    if log is None:
+        return [], False
+    return [k for k in (oom_kill(pid, since, log) for pid in pids) if k is not None], True
 
 
 def process_started(pid: int | str = "self") -> float:

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 
 from shared.lock import pid_alive
-from shared.oom import kernel_log, oom_kill, process_started
+from shared.oom import oom_kills, process_started
 from shared.ranks import launching_parent
 
 log = logging.getLogger(__name__)
@@ -77,11 +77,10 @@ def rank_died(
 
 def _killed(pid: int, since: float | None) -> str:
     """How a process ended by SIGKILL was killed, as far as the kernel's log tells."""
-    log = kernel_log() if since is not None else None
-    killed = oom_kill(pid, since, log) if log is not None else None
-    if killed is not None:
-        return f"was {killed.describe()}; the same settings may run out of memory again"
-    if log is not None:
+    kills, read = oom_kills([pid], since) if since is not None else ([], False)
+    if kills:
+        return f"was {kills[0].describe()}"
+    if read:
         return (
             "was killed by SIGKILL, not by the kernel's out-of-memory killer (its log names no "
             "such kill): by `kill -9` or a job scheduler?"
@@ -102,11 +101,10 @@ def worker_died(error: BaseException) -> str | None:
     if not (isinstance(error, RuntimeError) and text.startswith("DataLoader worker (pid")):
         return None
     pids = [int(p) for p in re.findall(r"\d+", text.split(")")[0])]
-    log, since = kernel_log(), process_started()  # the workers started after this process
-    kills = [k for k in (oom_kill(pid, since, log) for pid in pids) if k is not None]
+    kills, read = oom_kills(pids, process_started())  # the workers started after this process
     if kills:
         how = f"(it was {kills[0].describe()})"
-    elif log is not None:
+    elif read:
         how = "(not by the kernel's out-of-memory killer: its log names no such kill)"
     else:
         how = "(most often killed by the kernel's out-of-memory killer: `dmesg` says)"
