@@ -325,19 +325,10 @@ class TrainConfig:
         _check(self.muon_lr > 0, "muon_lr", "must be > 0")
         _check(0 <= self.warmup < 1, "warmup", "must be in [0, 1)")
         _check(0 <= self.eval_fraction < 1, "eval_fraction", "must be in [0, 1)")
-        for name in (
-            "steps",
-            "stop_after_steps",
-            "sliding_window",
-            "drafter_heads",
-            "drafter_kv_heads",
-            "drafter_head_dim",
-            "drafter_intermediate",
-        ):
+        for name in _AT_LEAST_1:
             value = getattr(self, name)
             _check(value is None or value >= 1, name, "must be >= 1")
         _check(self.gamma is None or self.gamma > 0, "gamma", "must be > 0")
-        _check(self.num_anchors is None or self.num_anchors >= 1, "num_anchors", "must be >= 1")
         _check(self.steps is not None or self.epochs >= 1, "epochs", "must be >= 1 without steps")
         for name, allowed in (
             ("attention", ATTENTIONS),
@@ -394,6 +385,9 @@ class TrainConfig:
 _AT_LEAST_0 = ("selector_weight", "noise_std", "weight_decay", "grad_clip", "eval_parts")
 _AT_LEAST_0 += ("mask_token_id", "markov_rank", "dspark_ce_weight", "dspark_l1_weight")
 _AT_LEAST_0 += ("dspark_conf_weight",)
+# Fields that must be >= 1 where given.
+_AT_LEAST_1 = ("steps", "stop_after_steps", "sliding_window", "drafter_heads", "drafter_kv_heads")
+_AT_LEAST_1 += ("drafter_head_dim", "drafter_intermediate", "num_anchors")
 
 
 def _check(ok: bool, name: str, message: str) -> None:

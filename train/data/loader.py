@@ -184,9 +184,7 @@ def checked(items: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 def _stop_workers(items: Iterator[dict[str, Any]]) -> None:
     """Stop a DataLoader iterator's workers now: the error's traceback keeps the iterator
     alive, and its workers (they ignore signals) would keep the exiting process waiting."""
-    shutdown = getattr(items, "_shutdown_workers", None)  # torch's DataLoader iterator
-    if shutdown is not None:
-        shutdown()
+    getattr(items, "_shutdown_workers", lambda: None)()  # torch's DataLoader iterator
 
 
 class PlanDataset(IterableDataset):
