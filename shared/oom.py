@@ -21,8 +21,8 @@ KMSG = "/dev/kmsg"
 # (python) total-vm:...", which names the process killed (a child, where one was sacrificed).
 _KILLED = re.compile(r"\bKilled process (\d+) \([^)]*\)")
 # The log's clock (the kernel's, since boot) and the monotonic clock that dates it here (slewed
-# by NTP) drift apart with uptime (6 ms after a day on one VM; by NTP's 500 ppm bound at most 43 s
-# a day): a kill logged more than this before a process started was of an older process of the
+# by NTP) drift apart with uptime (by NTP's 500 ppm bound, at most 43 s a day; far less as a
+# rule): a kill logged more than this before a process started was of an older process of the
 # same pid (on a machine up for weeks, a kill in a process's first minute may then be missed).
 _SLACK_S = 60.0
 _INIT_PID_NS = 0xEFFFFFFC  # the initial pid namespace's inode (PROC_PID_INIT_INO)
