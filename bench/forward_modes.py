@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from e2e_inputs import long_tailed_lengths  # noqa: E402
 
-import extract.packed as packed  # noqa: E402
 import extract.packed_attention as pa  # noqa: E402
 from extract.batching import length_order  # noqa: E402
 from extract.capture import DeviceInputs  # noqa: E402
@@ -140,8 +139,6 @@ VARIANTS: dict[str, tuple[dict, int, bool]] = {
     "compiled+tma": ({"USE_TMA": True}, 128, True),
     "compiled+b64": (_B64, 128, True),
     "compiled+mask64": (_B64, 64, True),
-    # q/k/v and gate/up as separate matmuls (`extract.packed.FUSE_PROJECTIONS` off)
-    "compiled+unfused": DEFAULT,
 }
 
 
@@ -192,7 +189,6 @@ def measure(body, rows: list[np.ndarray], mode: str, *, batch_tokens: int, max_l
         layout = PaddedLayout(body, pad_id=0)
     else:
         pa.FLEX_OPTIONS, pa.MASK_BLOCK, pa.MASK_FULL_BLOCKS = VARIANTS[mode.split("@")[0]]
-        packed.FUSE_PROJECTIONS = "unfused" not in mode
         torch._dynamo.reset()  # each variant compiles afresh
         chunk = chunk_size(batch_tokens, max_length)
         layout = choose_layout(

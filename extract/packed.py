@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from extract.fused import fuse_projections
 from extract.linear_attention import PackedGatedDeltaNet, Segments, fla_kernels, supports
 from extract.packed_attention import (
     PACKED_ATTENTION,
@@ -47,8 +46,6 @@ PACKABLE_LAYER_TYPES = frozenset({"full_attention", "linear_attention"})
 # tests' reference). GPU_ATTENTION is what `--attention auto` runs on a GPU ("sdpa" elsewhere).
 ATTENTION_KINDS = ("flex", "sdpa", "dense")
 GPU_ATTENTION = "flex"
-# Compiled layers run their q/k/v and gate/up projections as one matmul each (`extract.fused`).
-FUSE_PROJECTIONS = True
 
 
 def packed_support(body: nn.Module, device: torch.device) -> str | None:
@@ -122,8 +119,6 @@ class PackedLayout:
             cfg._attn_implementation = PACKED_ATTENTION
             self._undo.append(lambda cfg=cfg, old=old: setattr(cfg, "_attn_implementation", old))
         use_fla = device.type == "cuda"
-        if self.compiled and FUSE_PROJECTIONS:
-            self._undo.append(fuse_projections(self.body))
         for layer in decoder_layers(self.body):
             inner = getattr(layer, "linear_attn", None)
             if inner is not None:
