@@ -139,7 +139,11 @@ VARIANTS: dict[str, tuple[dict, int, bool]] = {
     "compiled+tma": ({"USE_TMA": True}, 128, True),
     "compiled+b64": (_B64, 128, True),
     "compiled+mask64": (_B64, 64, True),
+    # Inductor's prologue fusion off (`torch._inductor.config.prologue_fusion`): it fuses the
+    # query's norm and rotary embedding into flex_attention's kernel
+    "compiled+noprologue": DEFAULT,
 }
+PROLOGUE_FUSION = torch._inductor.config.prologue_fusion
 
 
 def kernel_split(fn) -> dict[str, Any]:  # noqa: ANN001
@@ -189,6 +193,7 @@ def measure(body, rows: list[np.ndarray], mode: str, *, batch_tokens: int, max_l
         layout = PaddedLayout(body, pad_id=0)
     else:
         pa.FLEX_OPTIONS, pa.MASK_BLOCK, pa.MASK_FULL_BLOCKS = VARIANTS[mode.split("@")[0]]
+        torch._inductor.config.prologue_fusion = PROLOGUE_FUSION and "noprologue" not in mode
         torch._dynamo.reset()  # each variant compiles afresh
         chunk = chunk_size(batch_tokens, max_length)
         layout = choose_layout(
