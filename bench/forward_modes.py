@@ -66,15 +66,20 @@ def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
 
 def forward_flops(body: torch.nn.Module, lengths: list[int]) -> float:
     """FLOPs of the forward of rows of `lengths` through `body`'s (kept) decoder layers."""
+    params = sum(p.numel() for p in decoder_layers(body).parameters())
+    return 2.0 * params * sum(lengths) + attention_flops(body, lengths)
+
+
+def attention_flops(body: torch.nn.Module, lengths: list[int]) -> float:
+    """The part of forward_flops that is each sample's causal attention (full-attention layers)."""
     layers = decoder_layers(body)
-    params = sum(p.numel() for p in layers.parameters())
     cfg = body.config
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * len(layers)
     full = sum(t == "full_attention" for t in types[: len(layers)])
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     width = cfg.num_attention_heads * head_dim
     pairs = sum(n * (n + 1) / 2 for n in lengths)
-    return 2.0 * params * sum(lengths) + 4.0 * full * width * pairs
+    return 4.0 * full * width * pairs
 
 
 def part_order(rows: list, rows_per_part: int) -> list[list]:
@@ -268,6 +273,8 @@ def main() -> None:
     ceiling = matmul_tflops(device)
     flops = forward_flops(body, lengths)
     out: dict[str, Any] = {"shape": args.shape, "layers": last + 1, "ceiling_tflops": ceiling}
+    out["attention_flops_share"] = attention_flops(body, lengths) / flops
+    print(f"{flops / 1e12:,.1f} TFLOP by count, {out['attention_flops_share']:.1%} of it attention")
     reference: dict = {}  # (eager?, row size) -> the first such mode's output states
     for mode in args.modes.split(","):
         r = measure(
