@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from e2e_inputs import long_tailed_lengths  # noqa: E402
 
+import extract.packed as packed  # noqa: E402
 import extract.packed_attention as pa  # noqa: E402
 from extract.batching import length_order  # noqa: E402
 from extract.capture import DeviceInputs  # noqa: E402
@@ -144,11 +145,10 @@ VARIANTS: dict[str, tuple[dict, int, bool]] = {
     "compiled+tma": ({"USE_TMA": True}, 128, True),
     "compiled+b64": (_B64, 128, True),
     "compiled+mask64": (_B64, 64, True),
-    # Inductor's prologue fusion off (`torch._inductor.config.prologue_fusion`): it fuses the
+    # Inductor's prologue fusion off (`extract.packed.INDUCTOR_OPTIONS`): by default it fuses the
     # query's norm and rotary embedding into flex_attention's kernel
     "compiled+noprologue": DEFAULT,
 }
-PROLOGUE_FUSION = torch._inductor.config.prologue_fusion
 
 
 def kernel_split(fn) -> dict[str, Any]:  # noqa: ANN001
@@ -198,7 +198,7 @@ def measure(body, rows: list[np.ndarray], mode: str, *, batch_tokens: int, max_l
         layout = PaddedLayout(body, pad_id=0)
     else:
         pa.FLEX_OPTIONS, pa.MASK_BLOCK, pa.MASK_FULL_BLOCKS = VARIANTS[mode.split("@")[0]]
-        torch._inductor.config.prologue_fusion = PROLOGUE_FUSION and "noprologue" not in mode
+        packed.INDUCTOR_OPTIONS = {"prologue_fusion": False} if "noprologue" in mode else {}
         torch._dynamo.reset()  # each variant compiles afresh
         chunk = chunk_size(batch_tokens, max_length)
         layout = choose_layout(
