@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from extract.data import Rejected
+from extract.data import Rejected, RowIndex
 from extract.regen.config import Chat, RegenConfig, RegenError, iter_chats
 from extract.regen.driver import RegenStopped
 from extract.regen.generation import BatchGenerator, regenerate_chats
@@ -149,16 +149,12 @@ class _Plan:
     job: Job
 
 
-def _plan(cfg: RegenConfig, spec: DeviceSpec, server: tuple[str, int | None] | None) -> _Plan:
-    """Validate the request and work out its settings; writes nothing. `server`: the model
-    name and context length a --server reported."""
-    from transformers import AutoTokenizer
-
-    from extract.data import index_rows, source_fingerprint, template_fingerprint
+def _rows(cfg: RegenConfig) -> tuple[RowIndex, int]:
+    """The --data rows (their index, and how many to regenerate), with --data and --out
+    checked: needs neither the target nor a server, so a bad path is said before either."""
+    from extract.data import index_rows
     from extract.sources import check_table, source_kind, streams
-    from extract.target import content_hash, read_config, text_config
 
-    config = read_config(cfg.target)
     missing = [str(f) for f in cfg.data if not Path(f).exists()]
     if missing:
         raise RegenError(f"--data: no such file: {', '.join(missing)}")
@@ -171,16 +167,29 @@ def _plan(cfg: RegenConfig, spec: DeviceSpec, server: tuple[str, int | None] | N
         raise RegenError(f"--out {cfg.out} is a folder; give a .jsonl file path")
     if any(cfg.out.resolve() == Path(f).resolve() for f in cfg.data):
         raise RegenError(f"--out {cfg.out} is one of the --data files")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.target)
-    except (OSError, ValueError) as e:
-        raise RegenError(f"--target {cfg.target}: cannot load its tokenizer ({e})") from None
     index = index_rows(list(cfg.data))
     total = sum(index.counts) if cfg.max_rows is None else min(sum(index.counts), cfg.max_rows)
     if total == 0:  # as extraction refuses it, before anything is loaded or written
         raise RegenError(f"--data: {', '.join(map(str, cfg.data))} holds no rows")
-    server_length = server[1] if server else None
-    max_length = cfg.max_length or server_length or text_config(config)["max_position_embeddings"]
+    return index, total
+
+
+def _plan(cfg: RegenConfig, spec: DeviceSpec, rows: tuple[RowIndex, int]) -> _Plan:
+    """Validate the request and work out its settings; writes nothing. With --server, the
+    settings the server decides are left to `_served`: its model (None here), and the context
+    length where --max-length is not given."""
+    from transformers import AutoTokenizer
+
+    from extract.data import source_fingerprint, template_fingerprint
+    from extract.target import content_hash, read_config, text_config
+
+    config = read_config(cfg.target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    except (OSError, ValueError) as e:
+        raise RegenError(f"--target {cfg.target}: cannot load its tokenizer ({e})") from None
+    index, total = rows
+    max_length = cfg.max_length or text_config(config)["max_position_embeddings"]
     prints = template_fingerprint(tokenizer)
     settings = {
         "target_revision": content_hash(Path(cfg.target)),
@@ -194,9 +203,9 @@ def _plan(cfg: RegenConfig, spec: DeviceSpec, server: tuple[str, int | None] | N
         "rows_per_chunk": cfg.rows_per_chunk,
     }
     # Keys only where they differ from the first version's runs, which stay resumable.
-    if server is not None:  # the server's dtype is its own
+    if cfg.server is not None:  # the server's dtype is its own
         del settings["dtype"]
-        settings.update(engine="server", server_model=server[0])
+        settings.update(engine="server", server_model=None)
     elif cfg.engine != "hf":
         settings["engine"] = cfg.engine
     if cfg.thinking != "auto":
@@ -244,39 +253,29 @@ def _torchrun_entry(info: RankInfo, cfg: RegenConfig, plan: _Plan) -> None:
 
 
 def run(cfg: RegenConfig) -> RegenState:
-    """Regenerate the assistant turns described by `cfg`; returns the final state."""
+    """Regenerate the assistant turns described by `cfg`; returns the final state. What needs
+    no target (--data, --out, --gpus) is checked before the target is materialized, and all
+    that needs no server before a --server is contacted."""
     from extract.target import TargetError
 
-    if cfg.target is not None:  # a named real target is materialized on first use
-        from extract.models import ModelError, resolve_target
-
-        try:
-            cfg = dataclasses.replace(cfg, target=resolve_target(cfg.target))
-        except ModelError as e:
-            raise RegenError(str(e)) from None
-    if cfg.target is None or not cfg.data:  # the embedded demo, as in `python -m extract`
+    if not cfg.data:  # the embedded demo, as in `python -m extract`
         from extract.data import demo_dataset
-        from extract.tiny import tiny_target
 
-        target = cfg.target if cfg.target is not None else str(tiny_target())
-        cfg = dataclasses.replace(cfg, target=target, data=cfg.data or (demo_dataset(),))
-    server = None
-    if cfg.server is not None:
-        from extract.regen.served import connect, serve
-
-        client, server = connect(cfg)
+        cfg = dataclasses.replace(cfg, data=(demo_dataset(),))
+    if cfg.engine == "vllm" and under_torchrun():
+        raise RegenError("--engine vllm: vLLM starts its own processes; run without torchrun")
     try:
         spec = parse_gpus(cfg.gpus)
-        plan = _plan(cfg, spec, server)
-    except (TargetError, ValueError) as e:
+        rows = _rows(cfg)
+        cfg = dataclasses.replace(cfg, target=_target(cfg.target))
+        plan = _plan(cfg, spec, rows)
+    except (TargetError, ValueError) as e:  # ModelError and SourceError are ValueErrors
         raise RegenError(str(e)) from None
     if cfg.server is not None:
-        return serve(cfg, plan.settings, plan.config, plan.job, client)
+        return _served(cfg, plan)
     if cfg.engine == "vllm":
         from extract.regen.engine import generate
 
-        if under_torchrun():
-            raise RegenError("--engine vllm: vLLM starts its own processes; run without torchrun")
         if cfg.gpus is None and spec.kind == "cuda":  # tensor parallel only where asked for
             spec = DeviceSpec("cuda", spec.devices[:1])
         return generate(cfg, plan.settings, plan.config, plan.job, spec)
@@ -298,6 +297,34 @@ def run(cfg: RegenConfig) -> RegenState:
             if bar is not None:
                 bar.close()
     return finish_output(cfg.out, job, regenerated=bool(job.chunks))
+
+
+def _target(target: str | None) -> str:
+    """The folder of `target`: a named real target materialized (on first use), None the
+    embedded tiny demo target."""
+    if target is None:
+        from extract.tiny import tiny_target
+
+        return str(tiny_target())
+    from extract.models import resolve_target
+
+    return resolve_target(target)
+
+
+def _served(cfg: RegenConfig, plan: _Plan) -> RegenState:
+    """The --server route: --out refused before the server is contacted wherever the settings
+    known without it already differ from its own, then the server's model and context length
+    completing the plan."""
+    from extract.regen.served import connect, serve
+
+    decided = {"server_model"} if cfg.max_length else {"server_model", "max_length"}
+    existing_state(cfg.out, plan.settings, overwrite=cfg.overwrite, unknown=decided)
+    client, (model, length) = connect(cfg)
+    max_length = cfg.max_length or length or plan.job.max_length
+    settings = {**plan.settings, "max_length": max_length, "server_model": model}
+    config = {**plan.config, "max_length": max_length}
+    job = dataclasses.replace(plan.job, max_length=max_length)
+    return serve(cfg, settings, config, job, client)
 
 
 @contextlib.contextmanager

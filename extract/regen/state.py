@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,9 +173,9 @@ def update_state(parts: Path, change: Callable[[RegenState], RegenState]) -> Reg
     return state
 
 
-def settings_mismatches(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Human-readable differences between two runs' settings."""
-    keys = list(dict.fromkeys([*old, *new]))
+def settings_mismatches(old: dict, new: dict, unknown: Collection[str] = ()) -> list[str]:
+    """Human-readable differences between two runs' settings, but for the keys `unknown`."""
+    keys = [k for k in dict.fromkeys([*old, *new]) if k not in unknown]
     return [
         f"{k}: output has {old.get(k)!r}, requested {new.get(k)!r}"
         for k in keys
@@ -188,8 +188,11 @@ def chunk_rows(chunk: int, *, rows_per_chunk: int, total_rows: int) -> range:
     return range(first, min(first + rows_per_chunk, total_rows))
 
 
-def existing_state(out: Path, settings: dict[str, Any], *, overwrite: bool) -> RegenState | None:
-    """The state to resume, None for a fresh start; raises if OUT holds something else."""
+def existing_state(
+    out: Path, settings: dict[str, Any], *, overwrite: bool, unknown: Collection[str] = ()
+) -> RegenState | None:
+    """The state to resume, None for a fresh start; raises if OUT holds something else.
+    `unknown`: keys of `settings` not known yet (a server's), left out of the comparison."""
     parts = parts_dir(out)
     if (parts / STATE).is_file():
         try:
@@ -201,7 +204,7 @@ def existing_state(out: Path, settings: dict[str, Any], *, overwrite: bool) -> R
                 f"--out {out}: {e}, so its chunks cannot be resumed; --overwrite to start it "
                 "again, or another --out"
             ) from None
-        problems = settings_mismatches(state.settings, settings)
+        problems = settings_mismatches(state.settings, settings, unknown)
         if not problems:
             return state
     elif out.exists() or (parts.exists() and any(p.name != LOCK_FILE for p in parts.iterdir())):
