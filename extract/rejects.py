@@ -51,16 +51,24 @@ def all_rejected(
 
 
 def nothing_kept(
-    read: int, reasons: Mapping[str, int], first: Iterable[RejectedRow], out: Path, *, then: str
+    read: int,
+    reasons: Mapping[str, int],
+    first: Iterable[RejectedRow],
+    out: Path,
+    *,
+    then: str,
+    written: str = "no cache",
+    hints: Sequence[str] | None = None,
 ) -> str:
     """The error for data of which no row was kept: the counts, the first rejected rows with
-    what is wrong with each, and what to change. `then`: what became of `out`."""
+    what is wrong with each, and what to change (`hints`; default: extraction's for `reasons`).
+    `written`: what was not written to `out`; `then`: what became of `out`."""
     said = ", ".join(f"{n} {r}" for r, n in reasons.items()) or "none"
     lines = "".join(f"\n  {r.describe()}" for r in list(first)[:LISTED])
+    hints = nothing_kept_hints(reasons) if hints is None else hints
     return (
-        f"no row of --data was kept ({read} read; rejected: {said}), so no cache was written "
-        f"to {out}{then}. The first rejected rows:{lines}\n"
-        + "\n".join(nothing_kept_hints(reasons))
+        f"no row of --data was kept ({read} read; rejected: {said}), so {written} was written "
+        f"to {out}{then}. The first rejected rows:{lines}\n" + "\n".join(hints)
     )
 
 

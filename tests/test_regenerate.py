@@ -378,20 +378,35 @@ def test_an_out_that_cannot_be_written_is_named(target, data_file, tmp_path, und
     assert (tmp_path / "afile").read_text() == "x"
 
 
-def test_nothing_kept_is_a_failure(target, tmp_path):
+def test_nothing_kept_is_a_failure_that_says_why_and_what_to_change(target, tmp_path):
     from click.testing import CliRunner
 
     from extract.regen.__main__ import main
 
-    data = tmp_path / "system_only.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "system", "content": "hi"}]}) + "\n")
+    data = tmp_path / "none_kept.jsonl"
+    rows = [
+        {"messages": [{"role": "system", "content": "hi"}]},
+        {"messages": [_user("word " * 200), _assistant("old")]},
+        {"input_ids": [1, 5, 2], "loss_mask": [0, 1, 1]},
+        {"messages": [_user("word " * 300), _assistant("old")]},
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "none.jsonl"
     args = ["--target", str(target), "--data", str(data), "--out", str(out), "--gpus", "cpu"]
+    args += ["--max-length", str(MAX_LENGTH), "--max-new-tokens", str(MAX_NEW)]
     result = CliRunner().invoke(main, args)
-    assert result.exit_code == 1 and "no row kept" in result.output, result.output
-    assert "no_assistant_turn" in result.output  # the summary above it says why
-    assert "nothing was written" in result.output
-    assert sorted(p.name for p in tmp_path.iterdir() if "none" in p.name) == []  # no output
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    said = result.output.split("Error: ", 1)[-1]  # the logs before it, then this alone
+    assert said.startswith(
+        "no row of --data was kept (4 read; rejected: 1 no_assistant_turn, 1 pretokenized, "
+        f"2 too_long), so nothing was written to {out}. The first rejected rows:\n"
+        f"  {data}:1: no_assistant_turn ("
+    ), result.output
+    assert f"  {data}:2: too_long (prompt of " in said and f"  {data}:3: pretokenized (" in said
+    assert "a smaller --max-new-tokens, or a larger --max-length" in said  # too_long's hint
+    assert "give such rows to `python -m extract` as they are" in said  # pretokenized's
+    assert "rows read" not in result.output and "(0 rows)" not in result.output  # no table
+    assert sorted(p.name for p in tmp_path.iterdir() if "none." in p.name) == []  # no output
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     out = tmp_path / "nothing.jsonl"

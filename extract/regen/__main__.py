@@ -32,7 +32,7 @@ def main(more_data: tuple[Path, ...], **kwargs: Any) -> None:
     start = time.monotonic()
     from extract.regen.config import RegenError
     from extract.regen.regenerate import run
-    from extract.regen.report import format_summary
+    from extract.regen.report import format_summary, nothing_kept_error
     from extract.regen.state import DISK_FULL_RERUN, parts_dir
     from shared.fsio import unwritable_reason
     from shared.lock import LockHeld, output_lock
@@ -57,18 +57,17 @@ def main(more_data: tuple[Path, ...], **kwargs: Any) -> None:
                 state = run(cfg)
     except (RegenError, LockHeld, StopRun) as e:  # StopRun: a rank's full disk, say
         raise click.ClickException(str(e)) from None
-    click.echo(format_summary(state, out=cfg.out, seconds=time.monotonic() - start))
-    if state.merged_rows != state.config["total_rows"]:
+    complete = state.merged_rows == state.config["total_rows"]
+    nothing = nothing_kept_error(state, out=cfg.out) if complete else None
+    if nothing is None:  # else that error says it all: the rows read, and why none was kept
+        click.echo(format_summary(state, out=cfg.out, seconds=time.monotonic() - start))
+    if not complete:
         raise SystemExit(1)
-    total = state.config["total_rows"]
-    if not state.totals(range(-(-total // state.config["rows_per_chunk"])))["rows_kept"]:
+    if nothing is not None:
         if takes_output_lock():  # as extraction leaves no cache of no rows
             cfg.out.unlink(missing_ok=True)
             shutil.rmtree(parts_dir(cfg.out), ignore_errors=True)
-        raise click.ClickException(
-            f"no row kept, so nothing was written to {cfg.out} (the rows rejected, and why, "
-            "are above)"
-        )
+        raise click.ClickException(nothing)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ import logging
 import time
 from pathlib import Path
 
+from extract.data import Rejected
 from extract.regen.state import RegenState
+from extract.rejects import nothing_kept
+from shared.manifest import RejectedRow
 from shared.progress import LINE_EVERY_S, on_terminal, progress_bar, read_counters
 
 log = logging.getLogger(__name__)
@@ -92,3 +95,50 @@ def format_summary(state: RegenState, *, out: Path, seconds: float, listed: int 
     rows += [("engine", engine), ("time", f"{seconds:,.1f} s this run")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def nothing_kept_error(state: RegenState, *, out: Path) -> str | None:
+    """Where every row read was rejected, what the run says instead of its summary: the rows
+    read, rejected by reason, the first of them, that nothing was written, and what to change;
+    else None."""
+    t = state.totals(range(-(-state.config["total_rows"] // state.config["rows_per_chunk"])))
+    if t["rows_kept"]:
+        return None
+    first = [RejectedRow.of(Rejected(**r)) for r in t["rejected_rows"]]
+    return nothing_kept(
+        t["rows_read"],
+        t["rejected"],
+        first,
+        out,
+        then="",
+        written="nothing",
+        hints=_hints(set(t["rejected"])),
+    )
+
+
+def _hints(reasons: set[str]) -> list[str]:
+    """What to change about rows rejected for `reasons` (of `REGEN_REJECT_REASONS`)."""
+    hints = []
+    if reasons & {"malformed_json", "unknown_schema", "empty", "no_assistant_turn"}:
+        hints.append(
+            "--data takes JSONL, parquet or arrow files and Hugging Face `datasets` folders whose "
+            "rows hold OpenAI `messages` or ShareGPT `conversations` with an assistant turn to "
+            "regenerate"
+        )
+    if reasons & {"pretokenized", "tool_calls"}:
+        hints.append(
+            "pre-tokenized rows hold no text, and tool calls answer tools' results: neither can "
+            "be regenerated; give such rows to `python -m extract` as they are"
+        )
+    if "template_error" in reasons:
+        hints.append(
+            "the target's chat template failed on a row (the detail above says how): "
+            "regeneration needs a target whose chat template renders these messages"
+        )
+    if "too_long" in reasons:
+        hints.append(
+            "a turn's prompt plus --max-new-tokens exceeded --max-length (by default the target's "
+            "context, or the one --server reports): a smaller --max-new-tokens, or a larger "
+            "--max-length where the target (or the server) takes one, keeps these rows"
+        )
+    return hints
