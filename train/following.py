@@ -54,13 +54,17 @@ class Following:
     """A rank's side of the run: the first pass's plan, how much of it every rank has, and the
     wait for more."""
 
-    def __init__(self, cfg: TrainConfig, plan: FollowPlan, info: RankInfo) -> None:
+    def __init__(
+        self, cfg: TrainConfig, plan: FollowPlan, info: RankInfo, *, ranks: int | None = None
+    ) -> None:
+        """`ranks`: those the run's length is planned for (a finished run's, resumed on other
+        ones, `Prepared.trained_with`); the run's own by default."""
         self.cfg, self.info = cfg, info
         self.view = plan.view
         # Under torchrun every rank estimated by itself: rank 0's is the run's.
         self.rows_estimate = int(broadcast_object(plan.rows_estimate))
         self.watch = ManifestWatch(cfg.data, plan.identity)
-        self.total = total_steps(cfg, self.rows_estimate, info.world_size)
+        self.total = total_steps(cfg, self.rows_estimate, ranks or info.world_size)
         self.plan = first_pass(cfg, self.view, complete=self.view.complete)
         self.limits: list[int] = []  # micro-batches per epoch, once the cache is complete
         self.available = 0  # micro-batches of the first pass every rank has planned

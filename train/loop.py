@@ -99,7 +99,8 @@ class Trainer:
         self.model.to(self.device)
         self.model.use_flex_options(flex_kernel_options(prep.drafter.head_dim, self.device))
         self.optimizer = build_optimizer(self.model, cfg, fused=cuda)
-        self.workers = max(cfg.workers, 1)
+        # The ranks and loader streams the data plan is for: this run's, or a finished run's
+        self.ranks, self.workers = prep.data_plan(info.world_size, cfg.workers)
         self.spec = PlanSpec(
             lengths=prep.train_lengths,
             seed=cfg.seed,
@@ -107,14 +108,14 @@ class Trainer:
             shuffle_buffer=cfg.shuffle_buffer,
             max_length=cfg.max_length,
         )
-        self.follow = Following(cfg, prep.follow, info) if prep.follow else None
+        self.follow = Following(cfg, prep.follow, info, ranks=self.ranks) if prep.follow else None
         if self.follow is not None:  # its epochs are planned once the cache is complete
             self.limits, self.total = [], self.follow.total
         else:
             by_steps = cfg.steps is not None
             self.limits = epoch_lengths(
                 self.spec,
-                world_size=info.world_size,
+                world_size=self.ranks,
                 grad_accum=cfg.grad_accum,
                 epochs=None if by_steps else cfg.epochs,
                 steps=cfg.steps,
@@ -203,7 +204,8 @@ class Trainer:
 
     def fit(self) -> None:
         self.restore()
-        if self.follow is None:  # a follower's loader comes with its first catch_up
+        # A follower's loader comes with its first catch_up; a finished run reads no data.
+        if self.follow is None and self.step < self.total:
             self.prepare()
         bar = progress_bar(
             total=self.total,

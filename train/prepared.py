@@ -31,11 +31,19 @@ class Prepared:
     layers: tuple[int, ...]  # positions in the cached layer axis, in the drafter's order
     gamma: float | None  # the exp slot weights' decay (None with other slot weights)
     follow: FollowPlan | None = None  # set when the run follows a running extraction
+    # (ranks, loader streams) of a finished run resumed with other ones (`--gpus`, `--workers`):
+    # its data plan, and so its length, is theirs; it only evaluates and exports
+    trained_with: tuple[int, int] | None = None
 
     @property
     def first_draft_slot(self) -> int:
         """The first block offset that drafts: 0 when the anchor's slot predicts (DSpark)."""
         return 0 if self.drafter.anchor_predicts else 1
+
+    def data_plan(self, world_size: int, workers: int) -> tuple[int, int]:
+        """(ranks, loader streams) whose data plan the run follows: this command's, or the
+        finished run's (`trained_with`)."""
+        return self.trained_with or (world_size, max(workers, 1))
 
     @property
     def num_eval(self) -> int:

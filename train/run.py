@@ -36,7 +36,13 @@ from train.drafters.anchors import default_gamma
 from train.follow_start import await_first_step, await_manifest, holdout, start_following
 from train.loop import EXPORT_DIR, train_rank
 from train.prepared import FollowPlan, Prepared
-from train.run_dir import RunError, foreign_files, prepare_run_dir, resumed_plan
+from train.run_dir import (
+    RunError,
+    finished_with,
+    foreign_files,
+    prepare_run_dir,
+    resumed_plan,
+)
 from train.warm_start import init_from_problem, init_from_problems
 
 log = logging.getLogger(__name__)
@@ -92,13 +98,22 @@ def _run_locked(
     cfg: TrainConfig, prep: Prepared, manifest: Manifest, spec: DeviceSpec, estimate: int | None
 ) -> Path:
     world = torchrun_world_size() if under_torchrun() else spec.nprocs
+    done = finished_with(cfg, prep, world)
+    ranks = world if done is None else done[0]  # those the data plan is for
     if prep.follow is None:
-        check_size(cfg, prep, world)
-    prepare_run_dir(cfg, prep, manifest, world_size=world)
+        check_size(cfg, prep, ranks)
+    prepare_run_dir(cfg, prep, manifest, world_size=world, finished=done)
+    if done is not None:
+        log.info(
+            "%s finished its steps on %d rank(s) x %d loader stream(s): this run, on %d x %d, "
+            "evaluates and exports it only",
+            cfg.out, *done, world, max(cfg.workers, 1),
+        )  # fmt: skip
+        prep = dataclasses.replace(prep, trained_with=done)
     if prep.follow is not None:
-        view = await_first_step(cfg, prep.follow.view, manifest, world_size=world)
+        view = await_first_step(cfg, prep.follow.view, manifest, world_size=ranks)
         train, evals = holdout(cfg, view)
-        plan = start_following(cfg, view, manifest, world_size=world, estimate=estimate)
+        plan = start_following(cfg, view, manifest, world_size=ranks, estimate=estimate)
         prep = dataclasses.replace(
             prep, parts=view.parts, train_lengths=train, eval_lengths=evals, follow=plan
         )

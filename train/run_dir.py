@@ -21,8 +21,10 @@ from train.checkpoint import (
     resolve_resume,
 )
 from train.config import TrainConfig
+from train.data.plan import PlanSpec, epoch_lengths
 from train.export import CONFIG_FILE as EXPORT_CONFIG
 from train.export import WEIGHTS_FILE
+from train.follow_start import total_steps
 from train.loop import EXPORT_DIR
 from train.metrics import METRICS_FILE, PLOTS_DIR
 from train.options import HARMLESS_CHANGES
@@ -47,6 +49,54 @@ def resumed_plan(cfg: TrainConfig) -> dict[str, Any] | None:
     return None if path is None else read_meta(path).get("plan") or {"follow": False}
 
 
+def finished_with(cfg: TrainConfig, prep: Prepared, world_size: int) -> tuple[int, int] | None:
+    """(ranks, loader streams) of the checkpoint the run resumes, where they differ from this
+    command's (`world_size`, --workers) and the checkpoint is at the run's last step (or past
+    it) by the data plan of those: nothing is left to train, and the final evaluation and the
+    export depend on neither. None otherwise: a run with steps left resumes on its own ranks
+    and streams only (`_check_resume_point` says so)."""
+    try:
+        path = resolve_resume(cfg.out, cfg.resume)
+    except ValueError:
+        return None  # prepare_run_dir says why
+    if path is None:
+        return None
+    meta = read_meta(path)
+    loader = meta.get("loader") or {}
+    saved = (loader.get("world_size"), loader.get("workers"))
+    if saved == (world_size, max(cfg.workers, 1)) or not all(isinstance(n, int) for n in saved):
+        return None
+    total = _planned_steps(cfg, prep, saved[0], meta.get("plan") or {})
+    return saved if total is not None and meta.get("step", 0) >= total else None
+
+
+def _planned_steps(
+    cfg: TrainConfig, prep: Prepared, ranks: int, plan: dict[str, Any]
+) -> int | None:
+    """The run's length on `ranks` (as `train.loop.Trainer` plans it): --steps, or --epochs
+    passes over the cache (a followed extraction's: its checkpoint's estimate); None when it
+    cannot be planned (the run says why)."""
+    if cfg.steps is not None:
+        return cfg.steps
+    if plan.get("follow"):
+        estimate = plan.get("rows_estimate")
+        return total_steps(cfg, estimate, ranks) if isinstance(estimate, int) else None
+    spec = PlanSpec(
+        lengths=prep.train_lengths,
+        seed=cfg.seed,
+        row_tokens=cfg.batch_tokens,
+        shuffle_buffer=cfg.shuffle_buffer,
+        max_length=cfg.max_length,
+    )
+    try:
+        limits = epoch_lengths(
+            spec, world_size=ranks, epochs=cfg.epochs, steps=None, grad_accum=cfg.grad_accum
+        )
+    except ValueError:
+        return None
+    return sum(limits) // cfg.grad_accum
+
+
 def run_record(
     cfg: TrainConfig, prep: Prepared, manifest: Manifest, *, ranks: int | None = None
 ) -> dict[str, Any]:
@@ -63,19 +113,27 @@ def run_record(
 
 
 def prepare_run_dir(
-    cfg: TrainConfig, prep: Prepared, manifest: Manifest, *, world_size: int | None = None
+    cfg: TrainConfig,
+    prep: Prepared,
+    manifest: Manifest,
+    *,
+    world_size: int | None = None,
+    finished: tuple[int, int] | None = None,
 ) -> None:
     """Create the run folder or check that it holds this run; write config.json.
 
     `world_size`, the processes the run trains on (torchrun's WORLD_SIZE under torchrun), is
     recorded and checked against the checkpoint a resume would start from, before the record
-    is written: the data plan depends on it. None: neither.
+    is written: the data plan depends on it. None: neither. `finished`: the ranks and loader
+    streams of a finished run resumed on others (`finished_with`), which the record keeps.
     """
     out = Path(cfg.out)
     path = out / CONFIG_FILE
     record = run_record(cfg, prep, manifest, ranks=world_size)
-    if path.is_file():
-        old = _run_record(path)
+    old = _run_record(path) if path.is_file() else None
+    if finished is not None:
+        record = _as_trained(record, old, finished)
+    if old is not None:
         clip = min(manifest.max_length, cfg.batch_tokens)  # what --max-length can do here
         harmful, harmless = config_changes(
             _clipped(old.get("train", {}), clip), _clipped(record["train"], clip)
@@ -99,7 +157,7 @@ def prepare_run_dir(
             f"{out} has checkpoints and --resume none was given: use another --out, delete "
             "the folder, or resume (--resume auto)"
         )
-    _check_resume_point(cfg, world_size, record)
+    _check_resume_point(cfg, None if finished else world_size, record)
     if problem := _export_problem(out / EXPORT_DIR):
         raise RunError(problem)
     out.mkdir(parents=True, exist_ok=True)
@@ -144,6 +202,19 @@ def _export_problem(export: Path) -> str | None:
         "folder whole at its end, so move them away first (keep a copy of the export elsewhere "
         "to add files to it)"
     )
+
+
+def _as_trained(
+    record: dict[str, Any], old: dict[str, Any] | None, trained_with: tuple[int, int]
+) -> dict[str, Any]:
+    """The record of a finished run resumed on other ranks or loader streams: those it trained
+    with, as its record (or, where that says otherwise, its checkpoint) has them."""
+    ranks, workers = trained_with
+    was = (old or {}).get("train") or {}
+    train = {**record["train"], "gpus": was.get("gpus", record["train"]["gpus"])}
+    w = was.get("workers")
+    train["workers"] = w if isinstance(w, int) and max(w, 1) == workers else workers
+    return {**record, "train": train, "ranks": ranks}
 
 
 def _saved_nothing(out: Path) -> bool:

@@ -53,9 +53,7 @@ def restore_run_state(trainer: Any) -> None:
     t.optimizer.load_state_dict(state["optimizer"])
     t.scheduler.load_state_dict(state["scheduler"])
     _follow_schedule(t.scheduler, state["scheduler"], int(state["step"]), t.total)
-    t.loader_state = LoaderState.from_dict(
-        state["loader"], world_size=t.info.world_size, workers=t.workers
-    )
+    t.loader_state = LoaderState.from_dict(state["loader"], world_size=t.ranks, workers=t.workers)
     t.step, t.restored = int(state["step"]), Path(path)
     t.guard.checked = t.step  # checked finite when it was saved: a run resumed at its end
     t.guard.seen = t.step
@@ -113,7 +111,7 @@ def save_run_state(trainer: Any) -> None:
             "model": t.model.state_dict(),
             "optimizer": t.optimizer.state_dict(),
             "scheduler": t.scheduler.state_dict(),
-            "loader": t.loader_state.to_dict(world_size=t.info.world_size, workers=t.workers),
+            "loader": t.loader_state.to_dict(world_size=t.ranks, workers=t.workers),
             "rng": rngs,
             "config": to_json(t.cfg),
             "plan": t.follow.record() if t.follow else {"follow": False},
