@@ -38,7 +38,7 @@ from train.config import TrainConfig
 from train.data.batch import Batch
 from train.data.feed import DeviceFeed
 from train.data.loader import LoaderState, PlanDataset, checked, make_loader
-from train.data.plan import PlanSpec, epoch_lengths
+from train.data.plan import epoch_lengths
 from train.drafters.dflash2_loss import selector_loss
 from train.drafters.mask import flex_kernel_options
 from train.drafters.registry import build_drafter, init_weights
@@ -101,13 +101,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg, fused=cuda)
         # The ranks and loader streams the data plan is for: this run's, or a finished run's
         self.ranks, self.workers = prep.data_plan(info.world_size, cfg.workers)
-        self.spec = PlanSpec(
-            lengths=prep.train_lengths,
-            seed=cfg.seed,
-            row_tokens=cfg.batch_tokens,
-            shuffle_buffer=cfg.shuffle_buffer,
-            max_length=cfg.max_length,
-        )
+        self.spec = prep.train_spec(cfg)
         self.follow = Following(cfg, prep.follow, info, ranks=self.ranks) if prep.follow else None
         if self.follow is not None:  # its epochs are planned once the cache is complete
             self.limits, self.total = [], self.follow.total

@@ -7,6 +7,7 @@ from typing import Any
 
 from train.data.follow import CacheView
 from train.data.loader import PartInfo
+from train.data.plan import PlanSpec
 from train.drafters.config import DrafterConfig
 
 
@@ -44,6 +45,16 @@ class Prepared:
         """(ranks, loader streams) whose data plan the run follows: this command's, or the
         finished run's (`trained_with`)."""
         return self.trained_with or (world_size, max(workers, 1))
+
+    def train_spec(self, cfg: Any) -> PlanSpec:
+        """The training samples' data plan settings under `cfg` (a TrainConfig)."""
+        return PlanSpec(
+            lengths=self.train_lengths,
+            seed=cfg.seed,
+            row_tokens=cfg.batch_tokens,
+            shuffle_buffer=cfg.shuffle_buffer,
+            max_length=cfg.max_length,
+        )
 
     @property
     def num_eval(self) -> int:

@@ -31,7 +31,7 @@ from train.cache_fit import MAX_LENGTH_PROBLEM, OPTION_PROBLEM, fit_cache
 from train.config import TrainConfig
 from train.data.follow import CacheView, changed_parts, read_view
 from train.data.loader import layer_positions, load_catalog
-from train.data.plan import PlanSpec, holdout_lengths, plan_rows
+from train.data.plan import holdout_lengths, plan_rows
 from train.drafters.anchors import default_gamma
 from train.follow_start import await_first_step, await_manifest, holdout, start_following
 from train.loop import EXPORT_DIR, train_rank
@@ -236,13 +236,7 @@ def eval_sample_count(fraction: float, num_samples: int) -> int:
 def check_size(cfg: TrainConfig, prep: Prepared, world_size: int) -> None:
     """Refuse, before any work, a cache too small for one optimizer step on `world_size` ranks;
     log how many samples are truncated to a row."""
-    spec = PlanSpec(
-        lengths=prep.train_lengths,
-        seed=cfg.seed,
-        row_tokens=cfg.batch_tokens,
-        shuffle_buffer=cfg.shuffle_buffer,
-        max_length=cfg.max_length,
-    )
+    spec = prep.train_spec(cfg)
     rows = len(plan_rows(spec, epoch=0))
     need = world_size * cfg.grad_accum
     tokens = sum(min(n, spec.clip) for ls in prep.train_lengths for n in ls)

@@ -21,7 +21,7 @@ from train.checkpoint import (
     resolve_resume,
 )
 from train.config import TrainConfig
-from train.data.plan import PlanSpec, epoch_lengths
+from train.data.plan import epoch_lengths
 from train.export import CONFIG_FILE as EXPORT_CONFIG
 from train.export import WEIGHTS_FILE
 from train.follow_start import total_steps
@@ -81,13 +81,7 @@ def _planned_steps(
     if plan.get("follow"):
         estimate = plan.get("rows_estimate")
         return total_steps(cfg, estimate, ranks) if isinstance(estimate, int) else None
-    spec = PlanSpec(
-        lengths=prep.train_lengths,
-        seed=cfg.seed,
-        row_tokens=cfg.batch_tokens,
-        shuffle_buffer=cfg.shuffle_buffer,
-        max_length=cfg.max_length,
-    )
+    spec = prep.train_spec(cfg)
     try:
         limits = epoch_lengths(
             spec, world_size=ranks, epochs=cfg.epochs, steps=None, grad_accum=cfg.grad_accum
