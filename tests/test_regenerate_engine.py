@@ -6,7 +6,9 @@ the concurrency; a killed run and a Ctrl-C'd one resume without losing a row or 
 finished one again. Here, with a fake of vLLM's engine (its `add_request` and `step`) in place of
 vLLM: a turn that outgrows --max-length rejects its row mid-conversation, turns vLLM aborts or
 fails never become rows, and vLLM raising stops the run with a message and a resumable output.
-Without vLLM, the option is a message.
+Without vLLM, the option is a message; a vLLM that is not importable or refuses to start leaves
+an output that --overwrite would replace byte for byte as it was, and a complete output is
+resumed without starting one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import os
 import re
 import signal
 import subprocess
+import sys
+import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,6 +34,7 @@ from tests.test_regenerate_server import _finished_rows
 ROOT = Path(__file__).resolve().parents[1]
 ROWS, ROWS_PER_CHUNK, MAX_NEW = 48, 4, 32
 VLLM_PYTHON = os.environ.get("DFLASH_VLLM_PYTHON")
+LOAD_ENGINE = extract.regen.engine.load_engine  # the real one, which the fake replaces
 
 
 def needs_vllm(test):
@@ -301,3 +306,80 @@ def test_ctrl_c_finishes_the_conversations_in_flight_and_starts_none(demo, fake_
     engine = fake_vllm()
     assert _fake_run(demo, out).merged_rows == 12
     assert {int(r.split(":")[0]) for r, _ in engine.requests} == set(range(12)) - finished
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    """OUT and every file under OUT.parts, by path, with their bytes."""
+    paths = [out, *sorted(parts_dir(out).rglob("*"))]
+    return {str(p.relative_to(out.parent)): p.read_bytes() for p in paths if p.is_file()}
+
+
+def _vllm_refusing(monkeypatch, refusal: Exception | None) -> None:
+    """vLLM as this process would import it: not importable (`refusal` None), or one whose
+    `LLM` raises `refusal` (no memory for its KV cache, say) on vLLM's CPU build."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # set by a CPU engine's start
+    if refusal is None:
+        monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+        return
+
+    def llm(**options):
+        raise refusal
+
+    modules = {
+        "vllm": dict(LLM=llm, SamplingParams=dict),
+        "vllm.platforms": dict(current_platform=SimpleNamespace(is_cpu=lambda: True)),
+        "vllm.sampling_params": dict(RequestOutputKind=SimpleNamespace(FINAL_ONLY=2)),
+    }
+    for name, attrs in modules.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+@pytest.mark.parametrize(
+    "refusal, said",
+    [
+        (None, "vLLM is not importable in this Python"),
+        (ValueError("no memory for the KV cache"), "vLLM did not start on .* no memory for"),
+    ],
+)
+def test_an_engine_that_cannot_start_leaves_the_output_it_would_overwrite(
+    demo, fake_vllm, monkeypatch, tmp_path, refusal, said
+):
+    fake_vllm()
+    out = tmp_path / "o.jsonl"
+    assert _fake_run(demo, out, max_new_tokens=1).merged_rows == 12
+    before = _files(out)
+    monkeypatch.setattr(extract.regen.engine, "load_engine", LOAD_ENGINE)  # vLLM's, below
+    _vllm_refusing(monkeypatch, refusal)
+    with pytest.raises(RegenError, match="holds another regeneration"):  # checked first
+        _fake_run(demo, out)
+    with pytest.raises(RegenError, match=f"--engine vllm: {said}"):
+        _fake_run(demo, out, overwrite=True)
+    assert _files(out) == before
+
+
+def test_overwrite_replaces_the_output_once_the_engine_started(demo, fake_vllm, tmp_path):
+    fake_vllm()
+    out = tmp_path / "o.jsonl"
+    _fake_run(demo, out, max_new_tokens=1)
+    before = _files(out)
+    engine = fake_vllm()
+    state = _fake_run(demo, out, overwrite=True)
+    assert state.merged_rows == 12 and state.settings["max_new_tokens"] != 1
+    assert {int(r.split(":")[0]) for r, _ in engine.requests} == set(range(12))  # none resumed
+    assert _files(out)[out.name] != before[out.name]
+
+
+def test_a_complete_output_is_resumed_without_starting_an_engine(
+    demo, fake_vllm, monkeypatch, tmp_path
+):
+    fake_vllm()
+    out = tmp_path / "o.jsonl"
+    _fake_run(demo, out)
+    before = _files(out)[out.name]
+    monkeypatch.setattr(extract.regen.engine, "load_engine", LOAD_ENGINE)
+    _vllm_refusing(monkeypatch, None)
+    for overwrite in (False, True):  # the same settings: --overwrite resumes too
+        assert _fake_run(demo, out, overwrite=overwrite).merged_rows == 12
+    assert _files(out)[out.name] == before

@@ -213,6 +213,14 @@ def prepare(
     return job
 
 
+def to_do(cfg: RegenConfig, settings: dict[str, Any], job: Job) -> tuple[int, ...]:
+    """The chunks that `prepare` will leave pending, read from the output as it is (nothing
+    written): all of them where it starts afresh (no output yet, or one --overwrite replaces).
+    Raises where --out holds something this run may not resume or replace."""
+    resume = existing_state(cfg.out, settings, overwrite=cfg.overwrite)
+    return tuple(range(job.num_chunks)) if resume is None else job.pending(resume)
+
+
 def conclude(out: Path, job: Job, report: RunReport, source: str, hint: str = "") -> RegenState:
     """The run's failures recorded, then the output merged, or `RegenStopped` saying what is
     kept and how to resume (`hint`: what to do first)."""

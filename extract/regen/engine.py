@@ -34,6 +34,7 @@ from extract.regen.driver import (
     prepare,
     restore,
     signals_to,
+    to_do,
     turn_seed,
 )
 from extract.regen.state import Job, RegenState, finish_output
@@ -272,11 +273,14 @@ def generate(
     job: Job,
     spec: DeviceSpec,
 ) -> RegenState:
-    """The --engine vllm run: prepare or resume the output, generate its pending rows, merge."""
+    """The --engine vllm run: start vLLM where rows are pending, then prepare or resume the
+    output (so a vLLM that cannot start leaves an output that --overwrite would replace as it
+    was), generate its pending rows, merge."""
     from transformers import AutoTokenizer
 
-    job = prepare(cfg, settings, config, job, where=f"vLLM ({spec.label})")
-    if not job.chunks:
+    where = f"vLLM ({spec.label})"
+    if not to_do(cfg, settings, job):  # complete: no engine to start
+        job = prepare(cfg, settings, config, job, where=where)
         return finish_output(cfg.out, job, regenerated=False)
     engine, sampling_params = load_engine(
         job.target,
@@ -286,6 +290,7 @@ def generate(
         seed=job.seed,
         concurrency=cfg.in_flight,
     )
+    job = prepare(cfg, settings, config, job, where=where)
     tokenizer = AutoTokenizer.from_pretrained(job.target)
     eos = target_eos(job.target, tokenizer)
     prompter = job.prompter(tokenizer)
