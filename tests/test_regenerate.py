@@ -346,6 +346,7 @@ def test_cli_takes_several_files_after_data(target, data_file, full, tmp_path):
     result = CliRunner().invoke(main, [*args, "--rows-per-chunk", str(ROWS_PER_CHUNK)])
     assert result.exit_code == 0, result.output
     assert out.read_bytes() == full.read_bytes()
+    assert f"wrote {out}: rows 0.." in result.output  # the log says it, as kept rows went there
     assert re.search(r"no_assistant_turn +1 \(lines b.jsonl:1\)", result.output)
 
 
@@ -406,6 +407,8 @@ def test_nothing_kept_is_a_failure_that_says_why_and_what_to_change(target, tmp_
     assert "a smaller --max-new-tokens, or a larger --max-length" in said  # too_long's hint
     assert "give such rows to `python -m extract` as they are" in said  # pretokenized's
     assert "rows read" not in result.output and "(0 rows)" not in result.output  # no table
+    assert "committed chunk-000000.jsonl: 0 rows kept, 4 rejected" in result.output  # the log
+    assert f"wrote {out}" not in result.output  # claims no output that then goes
     assert sorted(p.name for p in tmp_path.iterdir() if "none." in p.name) == []  # no output
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

@@ -331,7 +331,8 @@ def finish_output(out: Path, job: Job, *, regenerated: bool) -> RegenState:
         state = update_state(
             job.parts, lambda s: dataclasses.replace(s, merged_rows=job.total_rows)
         )
-        log.info("wrote %s: rows 0..%d of the source", out, job.total_rows - 1)
+        if state.totals(range(job.num_chunks))["rows_kept"]:  # none: the command deletes OUT
+            log.info("wrote %s: rows 0..%d of the source", out, job.total_rows - 1)
     return state
 
 
