@@ -253,13 +253,13 @@ def main() -> None:
         figures = timed(cfg, (extract.regen.engine, "run_engine"))
         out.with_suffix(".figures.json").write_text(json.dumps(figures))
         return
-    import extract.regen.regenerate
+    import extract.regen.local
 
     with tempfile.TemporaryDirectory() as tmp:
         local_out, served_out = Path(tmp) / "local.jsonl", Path(tmp) / "served.jsonl"
         engine_out = Path(tmp) / "engine.jsonl"
         local_cfg = RegenConfig(out=local_out, gpus="cpu", batch_size=args.batch_size, **common)
-        local = timed(local_cfg, (extract.regen.regenerate, "regenerate_chats"))
+        local = timed(local_cfg, (extract.regen.local, "regenerate_chats"))
         routes: dict[str, Any] = {}
         same: dict[str, Any] = {}
         c = args.concurrency

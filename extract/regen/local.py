@@ -1,0 +1,259 @@
+"""The local route of `python -m extract.regen`: the target loaded with Hugging Face
+transformers in one process per device (this one, several spawned by `--gpus`, or torchrun's
+ranks), each regenerating its share of the pending chunks (`extract.regen.generation`) and
+committing them.
+
+Nothing is written before every rank holds its target: what is to do is read from the output as
+it is (`extract.regen.driver.to_do`), the ranks with chunks load the target, all ranks agree
+that all of them loaded (a failure on any, or a signal while they loaded, stops every rank with
+one message), and only then does rank 0 prepare the output (under --overwrite: replace it) while
+the others wait. An output with nothing to do is resumed without loading the target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from extract.data import Rejected
+from extract.regen.config import Chat, RegenConfig, RegenError, iter_chats
+from extract.regen.driver import RegenStopped, prepare, to_do
+from extract.regen.generation import BatchGenerator, regenerate_chats
+from extract.regen.report import RowBar
+from extract.regen.state import (
+    DISK_FULL_RERUN,
+    PROGRESS_DIR,
+    Job,
+    RegenState,
+    StateError,
+    commit_chunk,
+    finish_output,
+    read_state,
+    settings_mismatches,
+)
+from extract.target import TargetError
+from shared.dist import (
+    DeviceSpec,
+    RankInfo,
+    all_gather_objects,
+    barrier,
+    broadcast_object,
+    launch,
+    under_torchrun,
+)
+from shared.logs import setup_logging
+from shared.progress import RankCounters
+from shared.space import full_disk_stops
+from shared.stopping import Stopped, StopRequest, StopRun
+
+log = logging.getLogger(__name__)
+
+
+class TargetNotLoaded(StopRun):
+    """The target failed to load on a rank: raised on every rank, the output untouched."""
+
+
+def generate(
+    cfg: RegenConfig, settings: dict[str, Any], config: dict[str, Any], job: Job, spec: DeviceSpec
+) -> RegenState:
+    """The local run on `spec` (or torchrun's ranks): the pending chunks regenerated, merged."""
+    try:
+        if under_torchrun():
+            with stops_said(job, settings):
+                launch(_torchrun_entry, (cfg, settings, config, job), spec)
+            return read_state(job.parts)
+        spawned = spec.nprocs > 1
+        job = dataclasses.replace(job, chunks=to_do(cfg, settings, job), draw_bar=not spawned)
+        if not job.chunks:  # complete: no target to load
+            job = prepare(cfg, settings, config, job, where=str(spec))
+            return finish_output(cfg.out, job, regenerated=False)
+        bar = RowBar(job.parts / PROGRESS_DIR, total=job.pending_rows) if spawned else None
+        try:
+            with stops_said(job, settings):
+                args = (cfg, settings, config, job)
+                launch(rank_main, args, spec, monitor=bar.refresh if bar else None)
+        finally:
+            if bar is not None:
+                bar.close()
+    except TargetNotLoaded as e:
+        raise RegenError(str(e)) from None
+    return finish_output(cfg.out, job, regenerated=True)
+
+
+def _torchrun_entry(
+    info: RankInfo, cfg: RegenConfig, settings: dict[str, Any], config: dict[str, Any], job: Job
+) -> None:
+    """Torchrun path: rank 0 reads what is to do (or its refusal, raised on every rank), the
+    ranks regenerate it; rank 0 merges."""
+    pending: tuple[int, ...] | RegenError | None = None
+    if info.is_main:
+        try:
+            pending = to_do(cfg, settings, job)
+        except RegenError as e:
+            pending = e
+    pending = broadcast_object(pending)
+    if isinstance(pending, RegenError):
+        raise pending
+    job = rank_main(info, cfg, settings, config, dataclasses.replace(job, chunks=pending))
+    barrier()
+    if info.is_main:
+        finish_output(cfg.out, job, regenerated=bool(job.chunks))
+    barrier()  # every rank returns the final state
+
+
+def rank_main(
+    info: RankInfo, cfg: RegenConfig, settings: dict[str, Any], config: dict[str, Any], job: Job
+) -> Job:
+    """One process: its target loaded where `job.chunks` (the chunks to do) gives it some;
+    every rank loaded, the output prepared (rank 0) and its chunks regenerated and committed.
+    The prepared job."""
+    setup_logging(info.rank, verbose=job.verbose)
+    mine = job.chunks[info.rank :: info.world_size]
+    if mine and info.device.type == "cpu":
+        # Share the cores the process may use (OMP_NUM_THREADS, or all) among the CPU ranks:
+        # oversubscribed intra-op threads spin and run ~10x slower.
+        torch.set_num_threads(max(1, torch.get_num_threads() // info.world_size))
+    stop = StopRequest().install("finishing the chunk in progress, then stopping (again: at once)")
+    try:
+        gen = _loaded(info, job, mine, stop, cfg)
+        job = _prepared(info, cfg, settings, config, job)
+        with full_disk_stops(job.parts, rerun=DISK_FULL_RERUN):  # a rank's: passed on as such
+            done = _regenerate(info, job, mine, gen, stop) if gen is not None else 0
+    finally:
+        stop.restore()
+    if done < len(mine):
+        raise Stopped(
+            f"stopped by {stop.signal_name}: rank {info.rank} committed {done} of its "
+            f"{len(mine)} chunks in this run"
+        )
+    return job
+
+
+def _loaded(
+    info: RankInfo, job: Job, mine: tuple[int, ...], stop: StopRequest, cfg: RegenConfig
+) -> BatchGenerator | None:
+    """This rank's target (None where it has no chunk), once all ranks have loaded theirs: a
+    failure on any (memory, damaged weights, an unsupported model, a missing device) raises
+    TargetNotLoaded on every rank with the first failing rank's message, and a signal while
+    they loaded Stopped, before the output is touched."""
+    gen, failure = None, None
+    if mine:
+        try:
+            gen = _generator(job, info)
+        except Exception as e:  # whatever it is, the other ranks must hear of it
+            log.debug("rank %d: the target did not load", info.rank, exc_info=True)
+            failure = str(e) if isinstance(e, TargetError) else _load_failure(job, info, e)
+    ranks = all_gather_objects((failure, stop.signal_name if stop.requested else None))
+    failures = [f for f, _ in ranks if f is not None]
+    if failures:
+        many = f" ({len(failures)} of {info.world_size} ranks)" if info.world_size > 1 else ""
+        raise TargetNotLoaded(f"{failures[0]}{many}; --out {cfg.out} was not touched")
+    signals = [s for _, s in ranks if s is not None]
+    if signals:
+        raise Stopped(f"stopped by {signals[0]} while the target loaded, before any chunk")
+    return gen
+
+
+def _load_failure(job: Job, info: RankInfo, e: Exception) -> str:
+    """The message of a target that raised `e` while loading on `info`'s device."""
+    return f"--target {job.target}: it did not load on {info.device} ({type(e).__name__}: {e})"
+
+
+def _prepared(
+    info: RankInfo, cfg: RegenConfig, settings: dict[str, Any], config: dict[str, Any], job: Job
+) -> Job:
+    """The output prepared or resumed by rank 0 (`extract.regen.driver.prepare`) while the
+    other ranks wait; its refusal raised on every rank."""
+    prepared: Job | RegenError | StopRun | None = None
+    if info.is_main:
+        where = str(info.device) if info.world_size == 1 else f"{info.world_size} ranks"
+        try:
+            with full_disk_stops(job.parts, rerun=DISK_FULL_RERUN):
+                prepared = prepare(cfg, settings, config, job, where=where)
+        except (RegenError, StopRun) as e:  # DiskFull is a StopRun
+            prepared = e
+    prepared = broadcast_object(prepared)
+    if isinstance(prepared, (RegenError, StopRun)):
+        raise prepared
+    return prepared
+
+
+def _regenerate(
+    info: RankInfo, job: Job, mine: tuple[int, ...], gen: BatchGenerator, stop: StopRequest
+) -> int:
+    """Regenerate and commit the chunks `mine` in turn until `stop`; how many were committed."""
+    counters = RankCounters(job.parts / PROGRESS_DIR, info.rank)
+    bar = RowBar(counters.path.parent, total=job.pending_rows) if job.draw_bar else None
+    bar = bar if info.is_main else None
+
+    def progress(rows: int, new_tokens: int) -> None:
+        counters.add(rows=rows, new_tokens=new_tokens)
+        if bar is not None:
+            bar.refresh()
+
+    log.info("rank %d: %d chunks on %s", info.rank, len(mine), info.device)
+    done = 0
+    try:
+        for chunk in mine:
+            if stop.requested:
+                break
+            rows = job.chunk_rows(chunk)
+            items = list(iter_chats(job.files, rows, job.index))
+            bad = [x for x in items if isinstance(x, Rejected)]
+            progress(len(bad), 0)
+            chats = [x for x in items if isinstance(x, Chat)]
+            if job.sampling:  # one draw per chunk: the same answers after a resume
+                torch.manual_seed(job.seed + chunk)
+            result = regenerate_chats(chats, gen, batch_size=job.batch_size, progress=progress)
+            result.rejected = sorted([*bad, *result.rejected], key=lambda r: r.row)
+            commit_chunk(job.parts, chunk, rows, result)
+            counters.flush()
+            done += 1
+    finally:
+        counters.close()
+        if bar is not None:
+            bar.close()
+    return done
+
+
+def _generator(job: Job, info: RankInfo) -> BatchGenerator:
+    """The target of one process on its device, with the chat template's prompter."""
+    from transformers import AutoTokenizer
+
+    from extract.target import load_target, read_config, text_config
+
+    tokenizer = AutoTokenizer.from_pretrained(job.target)
+    prompter = job.prompter(tokenizer)
+    layers = int(text_config(read_config(job.target))["num_hidden_layers"])
+    model = load_target(job.target, device=info.device, last_layer=layers - 1)
+    return BatchGenerator(model, prompter, sampling=job.sampling)
+
+
+@contextlib.contextmanager
+def stops_said(job: Job, settings: dict[str, Any]) -> Iterator[None]:
+    """A stop of the ranks (Stopped, or KeyboardInterrupt: a second Ctrl-C) as RegenStopped,
+    saying what the run kept and how to resume it, or that it stopped before it prepared the
+    output (its state is not this run's)."""
+    try:
+        yield
+    except (Stopped, KeyboardInterrupt) as e:
+        why = str(e) if isinstance(e, Stopped) else "stopped at once (its chunk dropped)"
+        try:
+            state = read_state(job.parts)
+        except StateError:
+            state = None
+        if state is None or settings_mismatches(state.settings, settings):
+            raise RegenStopped(
+                f"{why}. The output was not touched: run the same command to start it."
+            ) from None
+        left = job.pending(state)
+        rows = sum(len(job.chunk_rows(c)) for c in left)
+        raise RegenStopped(
+            f"{why}. The committed chunks are kept in {job.parts}; {len(left)} chunks ({rows:,} "
+            "rows) are still to do: run the same command to resume."
+        ) from None

@@ -1,0 +1,103 @@
+"""The local route of `python -m extract.regen` loads the target before it touches --out: a
+target whose weights do not load (on one process or on any of several) is named, and an output
+that --overwrite would replace stays byte for byte as it was; one that loads replaces it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from extract.regen.config import RegenError
+from extract.regen.state import parts_dir
+from tests.test_regenerate import regen, write_chats
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LAYER_WEIGHT = "model.layers.0.mlp.up_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    return write_chats(tmp_path_factory.mktemp("data") / "chats.jsonl")
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    """OUT and every file under OUT.parts, by path, with their bytes."""
+    paths = [out, *sorted(parts_dir(out).rglob("*"))]
+    return {str(p.relative_to(out.parent)): p.read_bytes() for p in paths if p.is_file()}
+
+
+def _damaged(tiny: Path, folder: Path, damage: str) -> Path:
+    """A copy of the tiny target whose weights file is damaged: `truncated` (its header names
+    bytes it lacks), or rewritten with one layer weight `missing` or of another `shape` (both
+    pass the header checks made before anything is written)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny, folder)
+    weights = folder / "model.safetensors"
+    if damage == "truncated":
+        os.truncate(weights, weights.stat().st_size // 2)
+        return folder
+    tensors = load_file(weights)
+    if damage == "missing":
+        del tensors[LAYER_WEIGHT]
+    else:
+        tensors[LAYER_WEIGHT] = tensors[LAYER_WEIGHT][:-1].contiguous()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def previous(tiny_qwen3, data_file, tmp_path_factory) -> Path:
+    """A complete output of 4 rows, to copy into each test."""
+    out = tmp_path_factory.mktemp("previous") / "out.jsonl"
+    regen(out, tiny_qwen3, data_file, max_rows=4, max_new_tokens=2)
+    return out
+
+
+def _copy(previous: Path, folder: Path) -> Path:
+    out = folder / previous.name
+    shutil.copyfile(previous, out)
+    shutil.copytree(parts_dir(previous), parts_dir(out))
+    return out
+
+
+@pytest.mark.parametrize(
+    "damage, said",
+    [
+        ("missing", f"1 weight of the layers this run uses is not in .*{LAYER_WEIGHT}"),
+        ("shape", "it did not load on cpu \\(RuntimeError: .*ignore_mismatched_sizes"),
+        ("truncated", ".*/model.safetensors cannot be read"),  # refused by its header check
+    ],
+)
+def test_a_target_that_does_not_load_leaves_the_output_to_overwrite(
+    tiny_qwen3, data_file, previous, tmp_path, damage, said
+):
+    out = _copy(previous, tmp_path)
+    before = _files(out)
+    target = _damaged(tiny_qwen3, tmp_path / "damaged", damage)
+    with pytest.raises(RegenError, match=f"--target {target}: {said}"):
+        regen(out, target, data_file, max_rows=4, overwrite=True)
+    assert _files(out) == before
+
+
+@pytest.mark.slow
+def test_one_rank_of_two_that_cannot_load_stops_both_and_leaves_the_output(
+    tiny_qwen3, data_file, previous, tmp_path, monkeypatch
+):
+    """Rank 0 holds rows 0-3 and rank 1 rows 4-7: both load, both fail alike, and neither
+    prepares the output; with a target that loads, the same command replaces it."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # inherited by the spawned processes
+    out = _copy(previous, tmp_path)
+    before = _files(out)
+    target = _damaged(tiny_qwen3, tmp_path / "damaged", "shape")
+    two = dict(max_rows=8, overwrite=True, gpus="cpu:2")
+    with pytest.raises(RegenError, match=f"--target {target}: it did not load .* \\(2 of 2 ranks"):
+        regen(out, target, data_file, **two)
+    assert _files(out) == before
+    state = regen(out, tiny_qwen3, data_file, **two)
+    assert state.merged_rows == 8 and state.settings["max_new_tokens"] != 2
+    assert _files(out)[out.name] != before[out.name]
