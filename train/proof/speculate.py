@@ -19,6 +19,8 @@ from typing import Any
 
 import click
 import torch
+from huggingface_hub.errors import StrictDataclassError  # transformers' config validation
+from safetensors import SafetensorError
 from torch import nn
 
 from shared.cli import build, click_options, option
@@ -214,7 +216,7 @@ def load(
     try:
         target_config = AutoConfig.from_pretrained(cfg.target)
         tokenizer = AutoTokenizer.from_pretrained(cfg.target)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, StrictDataclassError) as e:
         raise SpeculateError(
             f"--target {cfg.target}: cannot read its config or tokenizer ({e})"
         ) from None
@@ -243,7 +245,7 @@ def load(
     dtype = DTYPES.get(cfg.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     try:
         target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(device).eval()
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:  # a weight file cut short: the latter
         raise SpeculateError(f"--target {cfg.target}: cannot load its weights ({e})") from None
     drafters = [load_export(d)[0].to(device, dtype).eval() for d in cfg.drafter]
     eos = getattr(target.generation_config, "eos_token_id", None)

@@ -1,0 +1,55 @@
+"""`python -m train.proof.speculate` on inputs a user gets wrong: each refused with one message
+naming the input, never a traceback."""
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from train.drafters.config import DrafterConfig
+from train.drafters.dflash import DFlashDrafter, init_drafter_weights
+from train.export import export_drafter
+from train.proof.speculate import main
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory, tiny_qwen3):
+    target_cfg = json.loads((tiny_qwen3 / "config.json").read_text())
+    cfg = DrafterConfig.from_target_config(
+        target_cfg, num_layers=1, target_layer_ids=(1, 3), block_size=8, tokenizer_vocab_size=500
+    )
+    drafter = DFlashDrafter(cfg)
+    init_drafter_weights(drafter, 0)
+    return export_drafter(drafter, cfg, tmp_path_factory.mktemp("drafter") / "export")
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def refused(result, needle: str) -> None:
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert needle in result.output, result.output
+
+
+def test_a_damaged_target_weight_file_is_named(tmp_path, tiny_qwen3, export):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["hi"]))
+    cut = shutil.copytree(tiny_qwen3, tmp_path / "cut")
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])  # its header intact, its data cut short
+    result = run("--target", cut, "--drafter", export, "--prompts", prompts, "--warmup", 0)
+    refused(result, f"--target {cut}: cannot load its weights (")
+
+
+def test_a_target_config_transformers_rejects_is_named(tmp_path, tiny_qwen3, export):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["hi"]))
+    odd = shutil.copytree(tiny_qwen3, tmp_path / "odd")
+    config = json.loads((odd / "config.json").read_text())
+    config["layer_types"] = config["layer_types"][:1]  # fewer than num_hidden_layers
+    (odd / "config.json").write_text(json.dumps(config))
+    result = run("--target", odd, "--drafter", export, "--prompts", prompts)
+    refused(result, f"--target {odd}: cannot read its config or tokenizer (")
