@@ -53,3 +53,12 @@ def test_a_target_config_transformers_rejects_is_named(tmp_path, tiny_qwen3, exp
     (odd / "config.json").write_text(json.dumps(config))
     result = run("--target", odd, "--drafter", export, "--prompts", prompts)
     refused(result, f"--target {odd}: cannot read its config or tokenizer (")
+
+
+def test_prompts_given_as_a_folder_or_with_a_bad_entry_name_the_file(tmp_path, tiny_qwen3, export):
+    result = run("--target", tiny_qwen3, "--drafter", export, "--prompts", tmp_path)
+    refused(result, f"--prompts: {tmp_path} is a folder, not a file")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["fine", None]))
+    result = run("--target", tiny_qwen3, "--drafter", export, "--prompts", prompts)
+    refused(result, f"--prompts {prompts}: prompt 1: expected a string")

@@ -125,7 +125,10 @@ def load_prompts(path: Path, tokenizer: Any, vocab_size: int) -> list[list[int]]
         raise SpeculateError(f"--prompts {path}: not a readable JSON file ({e})") from None
     if not isinstance(entries, list) or not entries:
         raise SpeculateError(f"--prompts {path}: expected a non-empty JSON list of prompts")
-    return [_prompt_ids(entry, n, tokenizer, vocab_size) for n, entry in enumerate(entries)]
+    try:
+        return [_prompt_ids(entry, n, tokenizer, vocab_size) for n, entry in enumerate(entries)]
+    except SpeculateError as e:
+        raise SpeculateError(f"--prompts {path}: {e}") from None
 
 
 def _prompt_ids(entry: Any, n: int, tokenizer: Any, vocab_size: int) -> list[int]:
@@ -207,6 +210,8 @@ def load(
     device = pick_device(cfg.device)
     files = [(cfg.prompts, "--prompts")] + [(d / CONFIG_FILE, "--drafter") for d in cfg.drafter]
     for path, what in files:
+        if Path(path).is_dir():
+            raise SpeculateError(f"{what}: {path} is a folder, not a file")
         if not Path(path).is_file():
             raise SpeculateError(f"{what}: {path} does not exist")
     try:
