@@ -62,3 +62,19 @@ def test_prompts_given_as_a_folder_or_with_a_bad_entry_name_the_file(tmp_path, t
     prompts.write_text(json.dumps(["fine", None]))
     result = run("--target", tiny_qwen3, "--drafter", export, "--prompts", prompts)
     refused(result, f"--prompts {prompts}: prompt 1: expected a string")
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (("--warmup", -1), "--warmup: must be >= 0, got -1"),
+        (("--temperature", -0.5), "--temperature: must be >= 0, got -0.5"),
+        (("--max-new-tokens", 0), "--max-new-tokens: must be >= 1, got 0"),
+        (("--confidence-threshold", 2), "--confidence-threshold: must be in [0, 1], got 2.0"),
+        (("--shard", "3/2"), "--shard: must be K/N with 1 <= K <= N"),
+    ],
+)
+def test_an_option_out_of_range_is_named_as_typed(tmp_path, option, message):
+    result = run("--target", "t", "--drafter", tmp_path, "--prompts", tmp_path / "p", *option)
+    assert result.exit_code == 2, result.output
+    assert message in result.output, result.output

@@ -88,9 +88,11 @@ class SpeculateConfig:
     def __post_init__(self) -> None:
         for name, low in (("max_new_tokens", 1), ("warmup", 0), ("temperature", 0)):
             if getattr(self, name) < low:
-                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+                raise ValueError(f"{name}: must be >= {low}, got {getattr(self, name)}")
         if self.confidence_threshold is not None and not 0 <= self.confidence_threshold <= 1:
-            raise ValueError("confidence_threshold must be in [0, 1]")
+            raise ValueError(
+                f"confidence_threshold: must be in [0, 1], got {self.confidence_threshold}"
+            )
         if self.shard is not None:
             parse_shard(self.shard)  # before any work
 
@@ -99,7 +101,7 @@ def parse_shard(shard: str) -> tuple[int, int]:
     """(K, N) of "K/N"; ValueError unless 1 <= K <= N."""
     k, sep, n = shard.partition("/")
     if not (sep and k.isdecimal() and n.isdecimal() and 1 <= int(k) <= int(n)):
-        raise ValueError(f"shard must be K/N with 1 <= K <= N (e.g. 2/8), got {shard!r}")
+        raise ValueError(f"shard: must be K/N with 1 <= K <= N (e.g. 2/8), got {shard!r}")
     return int(k), int(n)
 
 
