@@ -159,3 +159,13 @@ def test_a_last_share_missing_is_refused(tmp_path):
     assert CliRunner().invoke(main, [str(p) for p in paths]).exit_code == 0
     r = CliRunner().invoke(main, [str(p) for p in paths[:2]])
     assert r.exit_code != 0 and "not the whole prompt list in order" in r.output
+
+
+def test_a_decoding_with_no_standard_error_is_refused_by_name(tmp_path):
+    one, steps = tmp_path / "one", tmp_path / "steps"
+    one.write_text(summary("A", [(1.5, 2)]) + "\n")  # one prompt
+    steps.write_text(summary("B", [(float("nan"), 0), (float("nan"), 0)]) + "\n")  # no step
+    for path, needle in [(one, "A: decoded on 1 prompt, 2 verify"), (steps, "B: decoded on 2")]:
+        r = CliRunner().invoke(main, [str(path)])
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
+        assert needle in r.output and "needs 2 or more prompts and a verify step" in r.output

@@ -239,6 +239,15 @@ def _compare_lines(out: dict[str, Any], a: str, b: str) -> list[str]:
 def main(spec: tuple[Path, ...], as_json: bool, compare: tuple[str, str] | None) -> None:
     """tau of each drafter with its standard error, and each one against the first, paired."""
     runs = read_runs(spec)
+    for run in runs:
+        if len(run["s"]) < 2 or sum(run["s"]) <= 0:
+            prompts = f"{len(run['s'])} prompt" + ("s" if len(run["s"]) != 1 else "")
+            raise click.ClickException(
+                f"{run['drafter']}: decoded on {prompts}, {sum(run['s']):g} verify steps in "
+                "all: tau's standard error needs 2 or more prompts and a verify step; "
+                "decode more prompts, or more tokens each (train.proof.speculate "
+                "--max-new-tokens)"
+            )
     compared = None if compare is None else compare_groups(runs, *compare)
     out = []
     for run in runs:
