@@ -69,7 +69,7 @@ def test_prompts_given_as_a_folder_or_with_a_bad_entry_name_the_file(tmp_path, t
     [
         (("--warmup", -1), "--warmup: must be >= 0, got -1"),
         (("--temperature", -0.5), "--temperature: must be >= 0, got -0.5"),
-        (("--max-new-tokens", 0), "--max-new-tokens: must be >= 1, got 0"),
+        (("--max-new-tokens", 1), "--max-new-tokens: must be >= 2 (the first new token"),
         (("--confidence-threshold", 2), "--confidence-threshold: must be in [0, 1], got 2.0"),
         (("--shard", "3/2"), "--shard: must be K/N with 1 <= K <= N"),
     ],

@@ -58,7 +58,9 @@ class SpeculateConfig:
         help="JSON list of prompts: strings (a user message through the chat template), chat "
         "`messages` lists, or lists of token ids"
     )
-    max_new_tokens: int = option(128, help="tokens to generate per prompt (fewer at eos)")
+    max_new_tokens: int = option(
+        128, help="tokens to generate per prompt (fewer at eos), 2 or more"
+    )
     device: str | None = option(None, help="torch device; default cuda if available, else cpu")
     dtype: str = option("auto", choices=("auto", *DTYPES), help="auto: bf16 on CUDA, else fp32")
     warmup: int = option(1, help="untimed runs of both decoders on the first prompt")
@@ -86,7 +88,12 @@ class SpeculateConfig:
     )
 
     def __post_init__(self) -> None:
-        for name, low in (("max_new_tokens", 1), ("warmup", 0), ("temperature", 0)):
+        if self.max_new_tokens < 2:
+            raise ValueError(
+                f"max_new_tokens: must be >= 2 (the first new token comes from the prompt's "
+                f"forward, drafting starts at the second), got {self.max_new_tokens}"
+            )
+        for name, low in (("warmup", 0), ("temperature", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name}: must be >= {low}, got {getattr(self, name)}")
         if self.confidence_threshold is not None and not 0 <= self.confidence_threshold <= 1:
