@@ -239,3 +239,14 @@ def test_the_plot_draws_training_curves_with_the_eval_points(tmp_path):
     )  # b logged no train record
     losses = {line.get_label(): list(line.get_ydata()) for line in ax_loss.get_lines()}
     assert losses[f"{a} train"] == [3.0, 2.0] and losses[f"{a} eval"] == [3.1, 2.1]
+
+
+def test_cli_names_the_path_given_when_it_is_a_folder(tmp_path):
+    a, b = two_runs(tmp_path)
+    folder = tmp_path / "taken"
+    folder.mkdir()
+    options = ["--out"] + (["--plot"] if importlib.util.find_spec("matplotlib") else [])
+    for option in options:
+        result = CliRunner().invoke(main, [str(a), str(b), option, str(folder)])
+        assert result.exit_code == 1, result.output
+        assert f"Error: cannot write {folder}: Is a directory" in result.output, result.output

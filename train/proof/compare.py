@@ -256,14 +256,16 @@ def main(runs: tuple[Path, ...], out: Path | None, plot: Path | None) -> None:
         raise click.ClickException(str(e)) from None
     report = markdown_report(summaries)
     click.echo(report, nl=False)
+    where = out
     try:
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(out, report)
+        where = plot
         if plot is not None and plot_runs(summaries, plot):
             log.info("plot written to %s", plot)
     except OSError as e:  # a folder given as the file, a file as its folder, no permission
-        where = e.filename or out or plot
+        # the path given: e.filename may be the temporary file beside it
         raise click.ClickException(f"cannot write {where}: {e.strerror or e}") from None
 
 
