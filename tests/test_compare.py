@@ -250,3 +250,14 @@ def test_cli_names_the_path_given_when_it_is_a_folder(tmp_path):
         result = CliRunner().invoke(main, [str(a), str(b), option, str(folder)])
         assert result.exit_code == 1, result.output
         assert f"Error: cannot write {folder}: Is a directory" in result.output, result.output
+
+
+def test_a_metrics_line_that_is_json_but_no_record_is_skipped(tmp_path):
+    a, b = two_runs(tmp_path)
+    with open(b / "metrics.jsonl", "a") as f:
+        f.write("[1, 2]\n7\n")
+    result = CliRunner().invoke(main, [str(a), str(b)])
+    assert result.exit_code == 0, result.output
+    assert [str(b), "eval", "40"] == rows_of(result.stdout)[3][:3]
+    for number in (3, 4):
+        assert f"metrics.jsonl line {number} is not a metrics record: skipped" in result.stderr

@@ -86,9 +86,14 @@ def read_run(folder: Path | str) -> RunSummary:
     lines = path.read_text().splitlines() if path.is_file() else []
     for number, line in enumerate(lines, start=1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
             log.warning("%s line %d is not JSON: skipped", path, number)
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+        else:  # a damaged or hand-edited file
+            log.warning("%s line %d is not a metrics record: skipped", path, number)
     trained = [r for r in records if r.get("kind") == "train"]
     for kind in ("eval", "train"):
         history = [r for r in records if r.get("kind") == kind]
