@@ -261,3 +261,18 @@ def test_a_metrics_line_that_is_json_but_no_record_is_skipped(tmp_path):
     assert [str(b), "eval", "40"] == rows_of(result.stdout)[3][:3]
     for number in (3, 4):
         assert f"metrics.jsonl line {number} is not a metrics record: skipped" in result.stderr
+
+
+def test_one_cache_named_relative_and_absolute_is_no_warning(tmp_path, monkeypatch):
+    """Training records --data and --out as typed: a run started in tmp_path with relative
+    paths read the same cache as one given it absolute."""
+    monkeypatch.chdir(tmp_path)
+    records = [eval_record(20, 2.0, 2.0, [0.5])]
+    a = write_run(tmp_path / "a", records=records, train={"data": str(tmp_path / "shards")})
+    b = write_run(tmp_path / "b", records=records, train={"data": "shards", "out": "b"})
+    c = write_run(tmp_path / "c", records=records, train={"data": "other", "out": "c"})
+    for given in (b, "b"):
+        assert mismatch_warnings([read_run(a), read_run(given)]) == []
+    assert mismatch_warnings([read_run(a), read_run(c)]) == [
+        f"{c} read its cache from other, {a} from {tmp_path / 'shards'} (same manifest identity)"
+    ]

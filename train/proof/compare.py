@@ -114,7 +114,7 @@ def mismatch_warnings(runs: list[RunSummary]) -> list[str]:
                 f"{run.name} was trained on another cache than {first.name} "
                 f"(manifest identity differs in: {', '.join(keys)})"
             )
-        elif _norm(first.train.get("data")) != _norm(run.train.get("data")):
+        elif _cache_folder(first) != _cache_folder(run):
             warnings.append(
                 f"{run.name} read its cache from {run.train.get('data')}, {first.name} from "
                 f"{first.train.get('data')} (same manifest identity)"
@@ -130,8 +130,19 @@ def mismatch_warnings(runs: list[RunSummary]) -> list[str]:
     return warnings
 
 
-def _norm(path: Any) -> str | None:
-    return None if path is None else os.path.normpath(str(path))
+def _cache_folder(run: RunSummary) -> str | None:
+    """The run's --data, a relative one resolved from the folder training ran in where that can
+    be told: the run folder's absolute path less its --out as recorded (relative too)."""
+    data, out = run.train.get("data"), run.train.get("out")
+    if data is None:
+        return None
+    if os.path.isabs(data) or out is None or os.path.isabs(out):
+        return os.path.normpath(str(data))
+    here = Path(os.path.abspath(run.name)).parts
+    out_parts = Path(os.path.normpath(str(out))).parts
+    if ".." in out_parts or here[len(here) - len(out_parts) :] != out_parts:
+        return os.path.normpath(str(data))
+    return os.path.normpath(Path(*here[: len(here) - len(out_parts)], data))
 
 
 def differing_settings(runs: list[RunSummary]) -> list[tuple[str, list[Any]]]:
