@@ -328,9 +328,25 @@ def _rerun(
     if why_not is not None:
         log.warning("%s: skipping the re-run check", why_not)
         return []
+    from extract.target import TargetError, weight_files
+
+    try:
+        weight_files(Path(manifest.target.path))  # each weight file's header, before its bytes
+    except TargetError as e:
+        return [_target_problem(manifest, e)]
     changed = _changed_target(manifest)  # said first: the re-run's mismatches follow from it
     first = [changed] if changed is not None else []
-    return first + rerun_samples(cache, manifest, samples=samples, seed=seed, device=device)
+    try:
+        return first + rerun_samples(cache, manifest, samples=samples, seed=seed, device=device)
+    except TargetError as e:  # a file cut short past its header
+        return [*first, _target_problem(manifest, e)]
+
+
+def _target_problem(manifest: Manifest, error: Exception) -> str:
+    """A target that cannot be loaded, said as verify's problem (the error names it as
+    extraction's --target)."""
+    why = str(error).removeprefix(f"--target {manifest.target.path}: ")
+    return f"the target {manifest.target.path} cannot be re-run: {why}"
 
 
 def _changed_target(manifest: Manifest) -> str | None:

@@ -67,3 +67,29 @@ def test_verify_names_a_target_whose_weights_changed(tmp_path, tiny_qwen3, data_
     r = verify()
     assert r.exit_code == 1 and "is not the one this cache was extracted from" in r.output
     assert read_manifest(tmp_path / "c").complete  # nothing about the cache itself changed
+
+
+def test_verify_names_a_target_it_cannot_load(tmp_path, tiny_qwen3, data_file):  # noqa: F811
+    from click.testing import CliRunner
+
+    from extract.verify import main
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_qwen3, target)
+    extract(tmp_path / "c", target, data_file, max_rows=4)
+    weights = next(target.glob("*.safetensors"))
+    whole = weights.read_bytes()
+    verify = lambda: CliRunner().invoke(main, [str(tmp_path / "c"), "--samples", "1"])  # noqa: E731
+    weights.write_bytes(whole[:-1000])  # its header intact, its data cut short
+    r = verify()
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
+    assert f"MISMATCH the target {target} cannot be re-run: {weights} cannot be read (" in r.output
+    assert "1 parts checked, 1 problems" in r.output
+    weights.write_bytes(whole)
+    tensors = load_file(str(weights))
+    del tensors["model.layers.1.mlp.down_proj.weight"]  # a layer the cache's states pass through
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    r = verify()
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
+    assert f"MISMATCH the target {target} cannot be re-run: " in r.output, r.output
+    assert "model.layers.1.mlp.down_proj.weight" in r.output
