@@ -78,3 +78,35 @@ def test_an_option_out_of_range_is_named_as_typed(tmp_path, option, message):
     result = run("--target", "t", "--drafter", tmp_path, "--prompts", tmp_path / "p", *option)
     assert result.exit_code == 2, result.output
     assert message in result.output, result.output
+
+
+def test_progress_is_told_per_prompt_before_the_report(tmp_path, tiny_qwen3, export):
+    """Without a terminal (a log file) each decoding ends with a progress line of its prompts,
+    named by its drafter where there are several."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["hi", [1, 5, 9]]))
+    other = shutil.copytree(export, tmp_path / "other")
+    common = ["--target", tiny_qwen3, "--prompts", prompts, "--device", "cpu"]
+    common += ["--max-new-tokens", 4, "--warmup", 0]
+
+    def events(output):
+        said = []
+        for line in output.splitlines():
+            if ": 2/2 prompts (100%)" in line:
+                said.append(line.split(" INFO shared.progress: ")[-1].split(":")[0])
+            elif line.startswith("tau "):
+                said.append("report")
+        return said
+
+    result = run(*common, "--drafter", export)
+    assert result.exit_code == 0, result.output
+    assert events(result.output) == ["greedy decoding", "speculative decoding", "report"]
+    result = run(*common, "--drafter", export, "--drafter", other)
+    assert result.exit_code == 0, result.output
+    assert events(result.output) == [
+        "greedy decoding",
+        f"speculative decoding, {export}",
+        "report",
+        f"speculative decoding, {other}",
+        "report",
+    ]

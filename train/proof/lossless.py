@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shared.progress import progress_bar
 from train.drafters.dflash import DFlashDrafter
 from train.proof.decode import Result, greedy, pooled_tau_se, se_words
 from train.proof.dspark_decode import decode
@@ -77,7 +78,13 @@ def greedy_baselines(
     kwargs = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids)
     for _ in range(warmup):  # first calls pay for kernel selection and allocator growth
         greedy(target, prompts[0], **kwargs)
-    return [greedy(target, ids, **kwargs) for ids in prompts]
+    bar = progress_bar(total=len(prompts), desc="greedy decoding", unit="prompts")
+    results = []
+    for ids in prompts:
+        results.append(greedy(target, ids, **kwargs))
+        bar.update()
+    bar.close()
+    return results
 
 
 def compare_with_greedy(
@@ -91,12 +98,13 @@ def compare_with_greedy(
     baselines: Sequence[Result] | None = None,
     options: dict[str, Any] | None = None,
     first_index: int = 0,
+    desc: str = "speculative decoding",
 ) -> dict[str, Any]:
     """Speculative vs plain greedy decoding of every prompt: tau, losslessness, tokens/s.
     `baselines`: the prompts' greedy decodings already made (`greedy_baselines`, same prompts
     and limits), else they are made here. `options`: passed to each decoding (`full_blocks`; a
     DSpark drafter's confidence cut). `first_index`: the first prompt's index in the list it was
-    cut from (a share of it), for the rows and warnings."""
+    cut from (a share of it), for the rows and warnings. `desc`: its progress bar's name."""
     kwargs = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids)
     if baselines is None:
         baselines = greedy_baselines(target, prompts, **kwargs, warmup=warmup)
@@ -108,8 +116,10 @@ def compare_with_greedy(
     dtype = next(target.parameters()).dtype
     tolerance = near_tie_tolerance(dtype)
     rows, lengths, spec_s, base_s, base_tokens, per_prompt = [], [], 0.0, 0.0, 0, []
+    bar = progress_bar(total=len(prompts), desc=desc, unit="prompts")
     for n, (ids, base) in enumerate(zip(prompts, baselines, strict=True), start=first_index):
         spec = decode(target, drafter, ids, **kwargs_spec)
+        bar.update()
         mismatch = _first_mismatch(spec.new_ids, base.new_ids)
         gap = None
         if mismatch is not None:
@@ -141,6 +151,7 @@ def compare_with_greedy(
                 new_ids=spec.new_ids,
             )
         )
+    bar.close()
     new_tokens = sum(r["new_tokens"] for r in rows)
     speed, baseline = new_tokens / max(spec_s, 1e-9), base_tokens / max(base_s, 1e-9)
     return {

@@ -308,6 +308,7 @@ def main(**kwargs: Any) -> None:
             summary = compare_with_greedy(
                 target, drafter, prompts, **limits, warmup=cfg.warmup, baselines=baselines,
                 options=options, first_index=share.start,
+                desc="speculative decoding" + (f", {path}" if len(drafters) > 1 else ""),
             )  # fmt: skip
         summaries.append(
             {"drafter": str(path), **summary, "full_blocks": cfg.full_blocks, "shard": cfg.shard}
