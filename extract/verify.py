@@ -294,7 +294,8 @@ def main(cache: Path, samples: int, seed: int, device: str | None, repair: bool)
         problems += _rerun(cache, manifest, samples=samples, seed=seed, device=dev)
     for p in problems:
         click.echo(f"MISMATCH {p}", err=True)
-    click.echo(f"{len(manifest.parts)} parts checked, {len(problems)} problems")
+    parts, found = len(manifest.parts), len(problems)
+    click.echo(f"{parts} part{'s' * (parts != 1)} checked, {found} problem{'s' * (found != 1)}")
     if damaged:
         click.echo(f"to repair: {repair_commands(cache, manifest)}", err=True)
     sys.exit(1 if problems else 0)

@@ -84,7 +84,7 @@ def test_verify_names_a_target_it_cannot_load(tmp_path, tiny_qwen3, data_file): 
     r = verify()
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
     assert f"MISMATCH the target {target} cannot be re-run: {weights} cannot be read (" in r.output
-    assert "1 parts checked, 1 problems" in r.output
+    assert "1 part checked, 1 problem\n" in r.output
     weights.write_bytes(whole)
     tensors = load_file(str(weights))
     del tensors["model.layers.1.mlp.down_proj.weight"]  # a layer the cache's states pass through
@@ -93,3 +93,4 @@ def test_verify_names_a_target_it_cannot_load(tmp_path, tiny_qwen3, data_file): 
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
     assert f"MISMATCH the target {target} cannot be re-run: " in r.output, r.output
     assert "model.layers.1.mlp.down_proj.weight" in r.output
+    assert "1 part checked, 2 problems\n" in r.output  # that, and its weights' changed bytes
