@@ -110,3 +110,15 @@ def test_progress_is_told_per_prompt_before_the_report(tmp_path, tiny_qwen3, exp
         f"speculative decoding, {other}",
         "report",
     ]
+
+
+def test_a_cache_given_as_the_target_names_the_target_to_give(tmp_path, export):
+    from tests.cachegen import write_cache
+
+    cache = write_cache(tmp_path / "cache", num_parts=1, samples_per_part=1)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["hi"]))
+    for given, what in [(cache, "a hidden-state cache"), (cache / "target", "a cache's target/")]:
+        result = run("--target", given, "--drafter", export, "--prompts", prompts)
+        refused(result, f"--target {given} is {what}")
+        assert "give the target model it was extracted from, synthetic" in result.output

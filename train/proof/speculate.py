@@ -26,7 +26,9 @@ from torch import nn
 from shared.cli import build, click_options, option
 from shared.dist import parse_device
 from shared.logs import setup_logging
+from shared.manifest import MANIFEST, CacheMismatch, read_manifest
 from shared.models import resolve_target_name
+from shared.target_files import TARGET_DIR
 from train.drafters.config import DrafterConfig
 from train.drafters.dflash import DFlashDrafter
 from train.export import CONFIG_FILE
@@ -208,6 +210,7 @@ def load(
                 f"--drafter {d} is a checkpoint: export it first (python -m train.export {d} "
                 "OUT_DIR) and give OUT_DIR"
             )
+    refuse_cache_as_target(Path(cfg.target))
     if not Path(cfg.target).is_dir():  # a hub id is taken from the local cache only
         try:
             AutoConfig.from_pretrained(cfg.target, local_files_only=True)
@@ -265,6 +268,22 @@ def load(
     eos = getattr(target.generation_config, "eos_token_id", None)
     eos = {tokenizer.eos_token_id, *(eos if isinstance(eos, (list, tuple)) else [eos])} - {None}
     return target, drafters, prompts, sorted(eos)
+
+
+def refuse_cache_as_target(path: Path) -> None:
+    """SpeculateError where `path` is a hidden-state cache or its target/ folder (a tokenizer
+    and embeddings, no weights), naming the target the cache was extracted from."""
+    cache = path.parent if path.name == TARGET_DIR else path
+    if not (cache / MANIFEST).is_file() or not (cache / TARGET_DIR).is_dir():
+        return
+    what = "a hidden-state cache" if cache == path else "a cache's target/ folder (no weights)"
+    try:
+        extracted = f", {read_manifest(cache).target.path}"
+    except CacheMismatch:
+        extracted = ""
+    raise SpeculateError(
+        f"--target {path} is {what}: give the target model it was extracted from{extracted}"
+    )
 
 
 def pick_device(name: str | None) -> torch.device:
