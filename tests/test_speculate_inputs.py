@@ -122,3 +122,15 @@ def test_a_cache_given_as_the_target_names_the_target_to_give(tmp_path, export):
         result = run("--target", given, "--drafter", export, "--prompts", prompts)
         refused(result, f"--target {given} is {what}")
         assert "give the target model it was extracted from, synthetic" in result.output
+
+
+def test_a_drafter_of_another_target_is_named_with_the_target(tmp_path, tiny_qwen3, export):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["hi"]))
+    other = shutil.copytree(tiny_qwen3, tmp_path / "other")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "hidden_size": 96}))
+    result = run("--target", other, "--drafter", export, "--prompts", prompts)
+    refused(result, f"the drafter ({export}) does not fit the target {other}:")
+    assert "drafter hidden size 64, target 96" in result.output
+    assert "give the target its training cache was extracted from" in result.output

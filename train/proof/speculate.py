@@ -244,7 +244,10 @@ def load(
         which = f" ({path})" if len(cfg.drafter) > 1 else ""
         if problems:
             raise SpeculateError(
-                f"the drafter{which} does not fit the target:\n  - " + "\n  - ".join(problems)
+                f"the drafter ({path}) does not fit the target {cfg.target}:\n  - "
+                + "\n  - ".join(problems)
+                + "\ngive the target its training cache was extracted from (the cache's "
+                "manifest.json names it)"
             )
         dspark = cfg.temperature > 0 or cfg.confidence_threshold is not None
         if dspark and drafter_cfg.drafter_type != "dspark":
