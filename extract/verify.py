@@ -85,7 +85,9 @@ def _check_part(cache: Path, rec: PartRecord, shard_threads: int) -> list[str]:
     try:
         reader = open_part(path)
     except (OSError, ValueError, KeyError) as e:
-        return [*problems, f"{rec.name}: cannot be opened ({e})"]
+        # the check of every chunk or member above has said why already, where it could read
+        said = [p for p in problems if not p.startswith(f"{rec.name}: checksum ")]
+        return problems if said else [*problems, f"{rec.name}: cannot be opened ({e})"]
     if reader.num_samples != rec.rows_kept:
         problems.append(f"{rec.name}: {reader.num_samples} samples, manifest says {rec.rows_kept}")
     if int(reader.tokens) != rec.tokens:

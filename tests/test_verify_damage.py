@@ -1,0 +1,25 @@
+"""`extract.verify`'s check of damaged parts: each damage said once, naming the part."""
+
+import pytest
+
+from extract.verify import check_parts
+from shared.manifest import read_manifest
+from tests.cachegen import write_cache
+
+
+@pytest.mark.parametrize("fmt", ["zarr", "wds"])
+def test_a_part_that_cannot_be_opened_is_said_so_once(tmp_path, fmt):
+    cache = write_cache(tmp_path / "c", num_parts=2, samples_per_part=2, fmt=fmt)
+    manifest = read_manifest(cache)
+    first = cache / manifest.parts[0].name
+    if fmt == "zarr":
+        (first / "zarr.json").write_text("not json")
+    else:
+        first.write_bytes(first.read_bytes()[: first.stat().st_size // 3])
+    found = check_parts(cache, manifest, threads=1)
+    name = manifest.parts[0].name
+    assert all(p.startswith(f"{name}: ") for p in found) and found[0].startswith(
+        f"{name}: checksum "
+    )
+    opening = [p for p in found if "open" in p]
+    assert len(opening) == 1, found
