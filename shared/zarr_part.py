@@ -274,6 +274,8 @@ def verify_zarr(path: Path, threads: int = 1) -> list[str]:
     try:
         group = zarr.open_group(zarr.storage.LocalStore(path, read_only=True), mode="r")
         attrs, hidden = dict(group.attrs), group["hidden"]
+    except KeyError:  # the group opens: its hidden array's folder is gone
+        return ["hidden: missing"]
     except Exception as e:  # a verifier reports, whatever broke
         return [f"cannot open: {type(e).__name__}: {e}"]
     problems = []
@@ -292,6 +294,8 @@ def verify_zarr(path: Path, threads: int = 1) -> list[str]:
             continue
         try:
             small[name] = group[name][...]
+        except KeyError:  # its folder gone
+            problems.append(f"{name}: missing")
         except Exception as e:
             problems.append(f"{name}: {type(e).__name__}: {e}")
     N = len(small.get("lengths", ()))

@@ -23,3 +23,16 @@ def test_a_part_that_cannot_be_opened_is_said_so_once(tmp_path, fmt):
     )
     opening = [p for p in found if "open" in p]
     assert len(opening) == 1, found
+
+
+@pytest.mark.parametrize("array", ["input_ids", "hidden"])
+def test_an_array_gone_from_a_zarr_part_is_named_missing(tmp_path, array):
+    import shutil
+
+    cache = write_cache(tmp_path / "c", num_parts=1, samples_per_part=2)
+    manifest = read_manifest(cache)
+    name = manifest.parts[0].name
+    shutil.rmtree(cache / name / array)
+    found = check_parts(cache, manifest, threads=1)
+    assert f"{name}: {array}: missing" in found, found
+    assert not any("Error" in p for p in found), found
