@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import click
 
 from extract.layer_check import compare_layers
-from shared.lock import LockHeld, output_lock
+from shared.lock import LockHeld, holder_running, output_lock, read_holder
 from shared.manifest import (
     CacheMismatch,
     Manifest,
@@ -314,10 +314,20 @@ def unfinished(cache: Path, manifest: Manifest) -> list[str]:
     said = ", though it says complete" if manifest.complete else ""
     names = [part_name(u, manifest.format) for u in unlisted[:MAX_NAMED]]
     names += [f"{len(unlisted) - MAX_NAMED} more"] if len(unlisted) > MAX_NAMED else []
+    todo = f"run `{manifest.extract_command(cache)}` to finish it"
+    holder = read_holder(cache)  # an extraction still writing it: the command would be refused
+    running = None if holder is None else holder_running(holder)
+    if holder is not None and running is not False:
+        who = f"pid {holder.get('pid')} on {holder.get('host')}"
+        todo = (
+            f"an extraction is writing it ({who}): verify it once that has finished"
+            if running
+            else f"its lock names {who}, which cannot be checked from here: once that has "
+            f"finished, {todo}"
+        )
     return [
         f"the cache is incomplete ({manifest.num_units - len(unlisted)}/{manifest.num_units} "
-        f"parts listed{said}; not listed: {', '.join(names)}): run "
-        f"`{manifest.extract_command(cache)}` to finish it"
+        f"parts listed{said}; not listed: {', '.join(names)}): {todo}"
     ]
 
 

@@ -36,3 +36,22 @@ def test_an_array_gone_from_a_zarr_part_is_named_missing(tmp_path, array):
     found = check_parts(cache, manifest, threads=1)
     assert f"{name}: {array}: missing" in found, found
     assert not any("Error" in p for p in found), found
+
+
+def test_an_incomplete_cache_still_being_written_is_said_so(tmp_path):
+    from extract.verify import unfinished
+    from shared.lock import acquire, release
+
+    cache = write_cache(tmp_path / "c", num_parts=2, samples_per_part=2, complete=False)
+    manifest = read_manifest(cache)
+    fd = acquire(cache, "python -m extract --out c")  # this process: a running extraction
+    try:
+        (writing,) = unfinished(cache, manifest)
+    finally:
+        release(cache, fd)
+    (stopped,) = unfinished(cache, manifest)
+    assert writing.startswith("the cache is incomplete (")
+    assert "an extraction is writing it (pid " in writing and "once that has finished" in writing
+    assert "python -m extract --out" not in writing  # that command would be refused now
+    assert "writing it" not in stopped and stopped.endswith("to finish it")
+    assert "python -m extract --out" in stopped
