@@ -169,3 +169,17 @@ def test_a_decoding_with_no_standard_error_is_refused_by_name(tmp_path):
         r = CliRunner().invoke(main, [str(path)])
         assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
         assert needle in r.output and "needs 2 or more prompts and a verify step" in r.output
+
+
+def test_a_prompt_without_a_verify_step_adds_nothing(tmp_path):
+    """A prompt whose first new token was eos has no step and tau NaN (null in strict JSON)."""
+    rows = [(1.5, 2), (2.0, 3), (4.0, 1)]
+    for empty in (float("nan"), None):
+        spec = tmp_path / "spec"
+        spec.write_text(summary("A", [(empty, 0), *rows]) + "\n")
+        r = CliRunner().invoke(main, [str(spec), "--json"])
+        assert r.exit_code == 0, r.output
+        (row,) = json.loads(r.output.splitlines()[-1])
+        n = [0.0] + [t * s for t, s in rows]
+        assert (row["tau"], row["se"]) == ratio_se(n, [0, 2, 3, 1])
+        assert row["tau"] == (3 + 6 + 4) / 6 and row["prompts"] == 4

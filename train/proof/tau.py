@@ -135,7 +135,8 @@ def read_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
                     f"others with {run['settings']}: decode every share alike"
                 )
             rows = summary["per_prompt"]
-            run["n"] += [r["tau"] * r["steps"] for r in rows]
+            # a prompt with no verify step (eos first) has tau NaN, or null: it adds nothing
+            run["n"] += [r["tau"] * r["steps"] if r["steps"] else 0.0 for r in rows]
             run["s"] += [r["steps"] for r in rows]
             run["prompts"] += [r.get("prompt_tokens") for r in rows]
             run["indices"] += [r.get("index") for r in rows]
