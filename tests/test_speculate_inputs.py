@@ -134,3 +134,21 @@ def test_a_drafter_of_another_target_is_named_with_the_target(tmp_path, tiny_qwe
     refused(result, f"the drafter ({export}) does not fit the target {other}:")
     assert "drafter hidden size 64, target 96" in result.output
     assert "give the target its training cache was extracted from" in result.output
+
+
+def test_the_json_line_is_strict_json_with_no_standard_error_as_null(tmp_path, tiny_qwen3, export):
+    """One prompt has no standard error: null, as metrics.jsonl writes a figure with nothing to
+    measure, which every JSON reader reads (NaN is no JSON)."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[1, 5, 9]]))
+    result = run(
+        "--target", tiny_qwen3, "--drafter", export, "--prompts", prompts, "--device", "cpu",
+        "--max-new-tokens", 6, "--warmup", 0, "--json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    summary = json.loads(result.stdout.splitlines()[-1], parse_constant=refuse)
+    assert summary["tau_se"] is None and summary["prompts"] == 1 and summary["tau"] >= 1

@@ -33,6 +33,7 @@ from train.drafters.config import DrafterConfig
 from train.drafters.dflash import DFlashDrafter
 from train.export import CONFIG_FILE
 from train.export_load import export_config, load_export, weights_problem
+from train.metrics import json_line
 from train.proof.dspark_decode import format_sampled, sampled_summary
 from train.proof.lossless import compare_with_greedy, format_report, greedy_baselines
 
@@ -340,7 +341,7 @@ def main(**kwargs: Any) -> None:
         click.echo(format_sampled(summary) if sampled else format_report(summary))
     if cfg.as_json:  # one line per drafter, in --drafter's order
         for summary in summaries:
-            click.echo(json.dumps(summary))
+            click.echo(json_line(summary))  # strict JSON: a figure with nothing to measure, null
 
 
 if __name__ == "__main__":
