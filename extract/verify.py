@@ -85,9 +85,12 @@ def _check_part(cache: Path, rec: PartRecord, shard_threads: int) -> list[str]:
     try:
         reader = open_part(path)
     except (OSError, ValueError, KeyError) as e:
-        # the check of every chunk or member above has said why already, where it could read
-        said = [p for p in problems if not p.startswith(f"{rec.name}: checksum ")]
-        return problems if said else [*problems, f"{rec.name}: cannot be opened ({e})"]
+        # Said once: the chunk or member check's "cannot open" is this error in other words,
+        # and what else it found (an array missing) says why already.
+        opened = f"{rec.name}: cannot open: "
+        kept = [p for p in problems if not p.startswith(opened)]
+        said = [p for p in kept if not p.startswith(f"{rec.name}: checksum ")]
+        return kept if said else [*kept, f"{rec.name}: cannot be opened ({e})"]
     if reader.num_samples != rec.rows_kept:
         problems.append(f"{rec.name}: {reader.num_samples} samples, manifest says {rec.rows_kept}")
     if int(reader.tokens) != rec.tokens:
