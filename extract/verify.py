@@ -249,7 +249,8 @@ def repair_manifest(cache: Path, problems: list[str]) -> str:
 
     with output_lock(cache, "python -m extract.verify --repair"):
         manifest = update_manifest(cache, change)
-    done = f"dropped {len(names)} damaged parts from the manifest" if names else ""
+    parts = f"{len(names)} damaged part{'s' * (len(names) != 1)}"
+    done = f"dropped {parts} from the manifest" if names else ""
     if target_damaged:
         done += (", and " if done else "") + "marked target/ to be written again"
     return f"{done}: run `{manifest.extract_command(cache)}` to write them again"

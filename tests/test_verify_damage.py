@@ -54,3 +54,20 @@ def test_an_incomplete_cache_still_being_written_is_said_so(tmp_path):
     assert "python -m extract --out" not in writing  # that command would be refused now
     assert "writing it" not in stopped and stopped.endswith("to finish it")
     assert "python -m extract --out" in stopped
+
+
+def test_repair_counts_the_parts_it_dropped_in_words_that_agree(tmp_path):
+    from click.testing import CliRunner
+
+    from extract.verify import main
+
+    for count in (1, 2):
+        cache = write_cache(tmp_path / f"c{count}", num_parts=3, samples_per_part=2)
+        names = [p.name for p in read_manifest(cache).parts]
+        for name in names[:count]:
+            (cache / name / "zarr.json").write_text("not json")
+        r = CliRunner().invoke(main, [str(cache), "--samples", "0", "--repair"])
+        assert r.exit_code == 1, r.output
+        said = "1 damaged part from" if count == 1 else "2 damaged parts from"
+        assert f"repaired: dropped {said} the manifest" in r.output, r.output
+        assert [p.name for p in read_manifest(cache).parts] == names[count:]
