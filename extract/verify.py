@@ -295,13 +295,16 @@ def main(cache: Path, samples: int, seed: int, device: str | None, repair: bool)
         except LockHeld as e:
             raise click.ClickException(str(e)) from None
         sys.exit(1)
-    problems = damaged + unfinished(cache, manifest)
-    if samples and not problems:
+    problems, skipped = damaged + unfinished(cache, manifest), None
+    if samples and not problems and (skipped := _no_rerun(manifest, dev)) is None:
         problems += _rerun(cache, manifest, samples=samples, seed=seed, device=dev)
     for p in problems:
         click.echo(f"MISMATCH {p}", err=True)
     parts, found = len(manifest.parts), len(problems)
-    click.echo(f"{parts} part{'s' * (parts != 1)} checked, {found} problem{'s' * (found != 1)}")
+    unchecked = "" if skipped is None else f"; the states not re-run: {skipped}"
+    click.echo(
+        f"{parts} part{'s' * (parts != 1)} checked, {found} problem{'s' * (found != 1)}{unchecked}"
+    )
     if damaged:
         click.echo(f"to repair: {repair_commands(cache, manifest)}", err=True)
     sys.exit(1 if problems else 0)
@@ -341,10 +344,6 @@ MAX_NAMED = 5  # parts named in a message; the rest counted
 def _rerun(
     cache: Path, manifest: Manifest, *, samples: int, seed: int, device: torch.device
 ) -> list[str]:
-    why_not = _no_rerun(manifest, device)
-    if why_not is not None:
-        log.warning("%s: skipping the re-run check", why_not)
-        return []
     from extract.target import TargetError, weight_files
 
     try:

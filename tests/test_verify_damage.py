@@ -71,3 +71,23 @@ def test_repair_counts_the_parts_it_dropped_in_words_that_agree(tmp_path):
         said = "1 damaged part from" if count == 1 else "2 damaged parts from"
         assert f"repaired: dropped {said} the manifest" in r.output, r.output
         assert [p.name for p in read_manifest(cache).parts] == names[count:]
+
+
+def test_the_last_line_says_when_the_states_were_not_re_run(tmp_path, monkeypatch):
+    """The re-run needs the target: where it is not found the checks of the files still pass,
+    and the last line, the one a log is read by, says the states went unchecked."""
+    from click.testing import CliRunner
+
+    from extract.verify import main
+
+    monkeypatch.chdir(tmp_path)  # where no folder is named as the target recorded
+    cache = write_cache(tmp_path / "c", num_parts=2, samples_per_part=2)
+    r = CliRunner().invoke(main, [str(cache), "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    last = r.stdout.splitlines()[-1]
+    assert (
+        last
+        == "2 parts checked, 0 problems; the states not re-run: target synthetic not found here"
+    )
+    r = CliRunner().invoke(main, [str(cache), "--samples", "0"])
+    assert r.exit_code == 0 and r.stdout.splitlines()[-1] == "2 parts checked, 0 problems"
