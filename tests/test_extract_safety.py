@@ -298,7 +298,7 @@ def test_verify_options_are_checked_before_any_work(tmp_path, tiny_qwen3, data_f
     assert r.exit_code == 2 and "-1 is not in the range" in r.output
     for device, needle in [("foo", "not a torch device"), ("mps", "only cpu and cuda")]:
         r = _verify(cache, "--device", device)
-        assert r.exit_code == 1 and needle in r.output and "parts checked" not in r.output
+        assert r.exit_code == 1 and needle in r.output and " checked, " not in r.output
 
 
 def test_a_cut_short_wds_part_is_named_and_repaired(tmp_path, tiny_qwen3, data_file):
