@@ -24,7 +24,7 @@ def setup_logging(rank: int = 0, *, verbose: bool = False) -> None:
     handler = _BarSafeHandler() if sys.stderr.isatty() else logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
-    for noisy in ("urllib3", "filelock", "asyncio", "numcodecs", "zarr"):
+    for noisy in ("urllib3", "filelock", "asyncio", "numcodecs", "zarr", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
