@@ -78,9 +78,13 @@ def se_words(se: float) -> str:
     """`+- se` where one was measured; under two prompts with steps, saying why there is none.
 
     >>> se_words(0.1234), se_words(pooled_tau_se([[2, 3]]))
-    ('+- 0.123', '(one prompt: no standard error)')
+    ('+- 0.123', '(no standard error: fewer than two prompts with a verify step)')
     """
-    return f"+- {se:.3f}" if se == se else "(one prompt: no standard error)"
+    return (
+        f"+- {se:.3f}"
+        if se == se
+        else "(no standard error: fewer than two prompts with a verify step)"
+    )
 
 
 def context_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]):
