@@ -33,7 +33,7 @@ def record(out) -> dict:
     return rec
 
 
-def test_a_finished_run_on_other_ranks_and_workers_evaluates_and_exports_only(tmp_path):
+def test_a_finished_run_on_other_ranks_and_workers_evaluates_and_exports_only(tmp_path, capfd):
     """By --epochs (the tiny default), whose length in steps depends on the ranks: 16 steps on
     one rank, 8 a pass on two. A copy of the finished run rerun on two ranks with two loader
     streams writes what the run wrote (its final evaluation over held-out rows split between
@@ -47,7 +47,10 @@ def test_a_finished_run_on_other_ranks_and_workers_evaluates_and_exports_only(tm
     for export in (False, True):
         if export:
             shutil.rmtree(copy / "export")
+        capfd.readouterr()
         run(tiny(cache, copy, gpus="cpu:2", workers=2, **kw))
+        err = capfd.readouterr().err
+        assert "evaluating and exporting a 1-layer drafter" in err and "training a " not in err
         files = saved(copy)
         assert "export/model.safetensors" in files and "metrics.jsonl" in files
         assert [k for k in files if k.startswith("tensorboard")]

@@ -118,7 +118,8 @@ def _run_locked(
             prep, parts=view.parts, train_lengths=train, eval_lengths=evals, follow=plan
         )
     log.info(
-        "training a %d-layer drafter on %s (%d samples held out) with %s, target layers %s",
+        "%s a %d-layer drafter on %s (%d samples held out) with %s, target layers %s",
+        "training" if done is None else "evaluating and exporting",
         prep.drafter.num_layers,
         f"{len(prep.parts)} part{'s' if len(prep.parts) != 1 else ''}",
         prep.num_eval,
