@@ -381,9 +381,9 @@ def _changed_target(manifest: Manifest) -> str | None:
         return None
     return (
         f"the target at {manifest.target.path} is not the one this cache was extracted from: "
-        "its weights differ (sampled bytes), though its shapes are the same, so the re-run "
-        "below compares the cache with another checkpoint's states. Put the extracted "
-        "checkpoint back there to check the states, or extract again for this one."
+        "its weights' sampled bytes differ from those recorded, so the re-run below compares "
+        "the cache with another checkpoint's states (or fails, if they do not load). Put the "
+        "extracted checkpoint back there to check the states, or extract again for this one."
     )
 
 
