@@ -152,3 +152,22 @@ def test_the_json_line_is_strict_json_with_no_standard_error_as_null(tmp_path, t
 
     summary = json.loads(result.stdout.splitlines()[-1], parse_constant=refuse)
     assert summary["tau_se"] is None and summary["prompts"] == 1 and summary["tau"] >= 1
+
+
+def test_prompts_that_run_past_the_targets_positions_are_warned_of(tmp_path, tiny_qwen3, export):
+    """A decoding past max_position_embeddings measures the target's extrapolation: said once,
+    naming how many prompts and the longest; the decoding still runs. Within them, nothing."""
+    target = shutil.copytree(tiny_qwen3, tmp_path / "target")
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16}))
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[5] * 14, [1, 5, 9]]))
+    common = ["--target", target, "--drafter", export, "--device", "cpu", "--warmup", 0]
+    result = run(*common, "--prompts", prompts, "--max-new-tokens", 4)
+    assert result.exit_code == 0, result.output
+    said = "1 of 2 prompts run past the target's 16 positions with --max-new-tokens 4"
+    assert result.output.count(said) == 1, result.output
+    assert "(the longest, prompt 0, to 18)" in result.output
+    prompts.write_text(json.dumps([[5] * 10, [1, 5, 9]]))
+    result = run(*common, "--prompts", prompts, "--max-new-tokens", 4)
+    assert result.exit_code == 0 and "past the target's" not in result.output, result.output

@@ -274,6 +274,30 @@ def load(
     return target, drafters, prompts, sorted(eos)
 
 
+def past_positions(prompts: list[list[int]], max_new_tokens: int, text_config: Any) -> str | None:
+    """Why some decodings would run past the target's positions (max_position_embeddings), or
+    None: their tokens there are the target's extrapolation, not what it was trained for.
+
+    >>> from types import SimpleNamespace
+    >>> print(past_positions([[1] * 10, [1] * 3], 4, SimpleNamespace(max_position_embeddings=12)))
+    ... # doctest: +ELLIPSIS
+    1 of 2 prompts run past the target's 12 positions ... (the longest, prompt 0, to 14): ...
+    """
+    limit = getattr(text_config, "max_position_embeddings", None)
+    if not limit:
+        return None
+    ends = [len(p) + max_new_tokens for p in prompts]
+    over = [i for i, n in enumerate(ends) if n > limit]
+    if not over:
+        return None
+    worst = max(over, key=ends.__getitem__)
+    return (
+        f"{len(over)} of {len(prompts)} prompts run past the target's {limit} positions with "
+        f"--max-new-tokens {max_new_tokens} (the longest, prompt {worst}, to {ends[worst]}): "
+        "their tau measures an extrapolation; give shorter prompts or fewer new tokens"
+    )
+
+
 def refuse_cache_as_target(path: Path) -> None:
     """SpeculateError where `path` is a hidden-state cache or its target/ folder (a tokenizer
     and embeddings, no weights), naming the target the cache was extracted from."""
@@ -315,6 +339,8 @@ def main(**kwargs: Any) -> None:
             f"{len(prompts)}"
         )
     prompts = prompts[share.start : share.stop]
+    if problem := past_positions(prompts, cfg.max_new_tokens, target.config.get_text_config()):
+        log.warning("%s", problem)
     limits = dict(max_new_tokens=cfg.max_new_tokens, eos_ids=eos)
     sampled = cfg.temperature > 0  # no single right output: tau alone, no greedy comparison
     baselines = None if sampled else greedy_baselines(target, prompts, **limits, warmup=cfg.warmup)
