@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
+from train.proof.decode import pooled_tau_se
 from train.proof.tau import main, paired_difference, ratio_se
 
 
@@ -162,13 +164,20 @@ def test_a_last_share_missing_is_refused(tmp_path):
 
 
 def test_a_decoding_with_no_standard_error_is_refused_by_name(tmp_path):
-    one, steps = tmp_path / "one", tmp_path / "steps"
+    """Under two prompts with a verify step there is no spread to measure: one prompt, none
+    with a step, or one of three with a step (its se would read 0)."""
+    one, steps, once = tmp_path / "one", tmp_path / "steps", tmp_path / "once"
     one.write_text(summary("A", [(1.5, 2)]) + "\n")  # one prompt
     steps.write_text(summary("B", [(float("nan"), 0), (float("nan"), 0)]) + "\n")  # no step
-    for path, needle in [(one, "A: decoded on 1 prompt, 2 verify"), (steps, "B: decoded on 2")]:
+    once.write_text(summary("C", [(1.5, 2), (float("nan"), 0), (float("nan"), 0)]) + "\n")
+    for path, needle in [
+        (one, "A: decoded on 1 prompt, 1 of them with a verify step"),
+        (steps, "B: decoded on 2 prompts, 0 of them"),
+        (once, "C: decoded on 3 prompts, 1 of them"),
+    ]:
         r = CliRunner().invoke(main, [str(path)])
         assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
-        assert needle in r.output and "needs 2 or more prompts and a verify step" in r.output
+        assert needle in r.output and "needs 2 or more prompts with a verify step" in r.output
 
 
 def test_a_prompt_without_a_verify_step_adds_nothing(tmp_path):
@@ -183,3 +192,12 @@ def test_a_prompt_without_a_verify_step_adds_nothing(tmp_path):
         n = [0.0] + [t * s for t, s in rows]
         assert (row["tau"], row["se"]) == ratio_se(n, [0, 2, 3, 1])
         assert row["tau"] == (3 + 6 + 4) / 6 and row["prompts"] == 4
+
+
+def test_speculate_and_tau_give_one_standard_error_where_a_prompt_has_no_step():
+    """train.proof.speculate's pooled error and train.proof.tau's count a prompt with no verify
+    step alike (one of the prompts, adding nothing to tau)."""
+    lengths = [[2, 1], [], [3, 3, 1], [1]]
+    se = ratio_se([sum(ls) for ls in lengths], [len(ls) for ls in lengths])[1]
+    assert pooled_tau_se(lengths) == pytest.approx(se, rel=1e-12)
+    assert pooled_tau_se(lengths) != pytest.approx(pooled_tau_se([ls for ls in lengths if ls]))

@@ -60,14 +60,17 @@ def pooled_tau_se(lengths_per_prompt: Sequence[Sequence[int]]) -> float:
     """Standard error of the pooled tau (all steps' lengths over all steps) with prompts as
     independent clusters (a step's length depends on the steps of its own prompt): the ratio
     estimator's sqrt(sum_i (L_i - tau n_i)^2 / (m (m - 1))) / mean(n_i), L_i and n_i prompt i's
-    summed lengths and steps over m prompts; nan under two prompts with steps.
+    summed lengths and steps over m prompts (a prompt with no verify step is one of them, as
+    `train.proof.tau.ratio_se` counts it); nan under two prompts with steps.
 
     >>> round(pooled_tau_se([[1, 1], [3, 3], [2]]), 4)
     0.6928
+    >>> round(pooled_tau_se([[1, 1], [3, 3], [2], []]), 4)  # eos first in the 4th: no step
+    0.6532
     """
-    sums = [(sum(ls), len(ls)) for ls in lengths_per_prompt if ls]
+    sums = [(sum(ls), len(ls)) for ls in lengths_per_prompt]
     m = len(sums)
-    if m < 2:
+    if sum(1 for _, n in sums if n) < 2:
         return float("nan")
     tau = sum(total for total, _ in sums) / sum(n for _, n in sums)
     spread = sum((total - tau * n) ** 2 for total, n in sums) / (m * (m - 1))

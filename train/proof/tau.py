@@ -42,7 +42,7 @@ def ratio_se(n_P: Sequence[float], s_P: Sequence[float]) -> tuple[float, float]:
     (1.6667, 0.2029)
     """
     P, N, S = len(n_P), float(sum(n_P)), float(sum(s_P))
-    if P < 2 or S <= 0:
+    if sum(1 for s in s_P if s) < 2:
         raise ValueError(f"tau's standard error needs 2 or more prompts with steps, got {P}")
     tau = N / S
     residual = sum((n - tau * s) ** 2 for n, s in zip(n_P, s_P, strict=True))
@@ -241,11 +241,12 @@ def main(spec: tuple[Path, ...], as_json: bool, compare: tuple[str, str] | None)
     """tau of each drafter with its standard error, and each one against the first, paired."""
     runs = read_runs(spec)
     for run in runs:
-        if len(run["s"]) < 2 or sum(run["s"]) <= 0:
+        stepped = sum(1 for s in run["s"] if s)
+        if stepped < 2:
             prompts = f"{len(run['s'])} prompt" + ("s" if len(run["s"]) != 1 else "")
             raise click.ClickException(
-                f"{run['drafter']}: decoded on {prompts}, {sum(run['s']):g} verify steps in "
-                "all: tau's standard error needs 2 or more prompts and a verify step; "
+                f"{run['drafter']}: decoded on {prompts}, {stepped} of them with a verify step: "
+                "tau's standard error needs 2 or more prompts with a verify step; "
                 "decode more prompts, or more tokens each (train.proof.speculate "
                 "--max-new-tokens)"
             )
