@@ -56,6 +56,14 @@ def test_without_vllm_says_how_to_install_it(tmp_path):
     assert result.exit_code == NOT_INSTALLED and "vllm is not installed" in result.output
 
 
+def test_fewer_than_two_new_tokens_are_refused_as_typed(tmp_path):
+    """One new token is the prompt's forward alone: no drafting step to measure."""
+    args = ["--target", "t", "--drafter", str(tmp_path), "--prompts", str(tmp_path / "p.json")]
+    result = CliRunner().invoke(main, [*args, "--max-new-tokens", "1"])
+    assert result.exit_code == 2, result.output
+    assert "--max-new-tokens: must be >= 2 (the first new token" in result.output
+
+
 @pytest.fixture()
 def two_token_pair(tmp_path, tiny_qwen3):
     """A target folder whose final norm keeps hidden dim 0 only, and a drafter export that also

@@ -71,8 +71,11 @@ class ServeCheckConfig:
     as_json: bool = option(False, flag="--json", help="print a one-line JSON summary last")
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens < 2:
+            raise ValueError(
+                f"max_new_tokens: must be >= 2 (the first new token comes from the prompt's "
+                f"forward, drafting starts at the second), got {self.max_new_tokens}"
+            )
 
 
 def acceptance(per_request: Sequence[Sequence[int]]) -> dict[str, float]:
