@@ -30,7 +30,7 @@ def _files(out: Path) -> dict[str, bytes]:
     return {str(p.relative_to(out.parent)): p.read_bytes() for p in paths if p.is_file()}
 
 
-def _damaged(tiny: Path, folder: Path, damage: str) -> Path:
+def damaged_target(tiny: Path, folder: Path, damage: str) -> Path:
     """A copy of the tiny target whose weights file is damaged: `truncated` (its header names
     bytes it lacks), or rewritten with one layer weight `missing` or of another `shape` (both
     pass the header checks made before anything is written)."""
@@ -78,7 +78,7 @@ def test_a_target_that_does_not_load_leaves_the_output_to_overwrite(
 ):
     out = _copy(previous, tmp_path)
     before = _files(out)
-    target = _damaged(tiny_qwen3, tmp_path / "damaged", damage)
+    target = damaged_target(tiny_qwen3, tmp_path / "damaged", damage)
     with pytest.raises(RegenError, match=f"--target {target}: {said}"):
         regen(out, target, data_file, max_rows=4, overwrite=True)
     assert _files(out) == before
@@ -93,7 +93,7 @@ def test_one_rank_of_two_that_cannot_load_stops_both_and_leaves_the_output(
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # inherited by the spawned processes
     out = _copy(previous, tmp_path)
     before = _files(out)
-    target = _damaged(tiny_qwen3, tmp_path / "damaged", "shape")
+    target = damaged_target(tiny_qwen3, tmp_path / "damaged", "shape")
     two = dict(max_rows=8, overwrite=True, gpus="cpu:2")
     with pytest.raises(RegenError, match=f"--target {target}: it did not load .* \\(2 of 2 ranks"):
         regen(out, target, data_file, **two)
