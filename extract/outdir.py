@@ -70,9 +70,13 @@ def protected_reason(out: Path, inputs: Iterable[Path]) -> str | None:
     return None
 
 
+def to_clear(out: Path) -> list[str]:
+    """This tool's entries in `out` that `clear_cache` deletes (not its output lock)."""
+    return [n for n in entries(out) if is_own_entry(n) and not n.startswith(".lock")]
+
+
 def clear_cache(out: Path) -> None:
     """Delete this tool's entries in `out` (not the folder itself, nor its output lock)."""
-    for name in entries(out):
-        if is_own_entry(name) and not name.startswith(".lock"):
-            log.info("removing %s", Path(out) / name)
-            remove_path(Path(out) / name)
+    for name in to_clear(out):
+        log.info("removing %s", Path(out) / name)
+        remove_path(Path(out) / name)

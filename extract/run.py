@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import shutil
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from extract.outdir import (
     only_leftovers,
     part_entries,
     protected_reason,
+    to_clear,
 )
 from extract.parallel import Layout, describe_engine, layout_record
 from extract.plan import ExtractError, plan_manifest
@@ -183,13 +185,20 @@ def _finalize(out: Path) -> Manifest:
 
 
 def _entry(
-    info: RankInfo, job: Job, cfg: ExtractConfig, planned: Manifest, resume: Manifest | None
+    info: RankInfo,
+    job: Job,
+    cfg: ExtractConfig,
+    planned: Manifest,
+    resume: Manifest | None,
+    replaces: bool,
 ) -> None:
-    """Torchrun path: rank 0 prepares the output while the others wait; rank 0 commits."""
+    """Torchrun path: rank 0 prepares the output while the others wait (a cache to replace:
+    once every rank holds its target); rank 0 commits."""
     with main_first(info):
-        if info.is_main:
+        if info.is_main and not replaces:
             _init_output(cfg, planned, resume)
-    rank_main(info, job)
+    prepare = functools.partial(_init_output, cfg, planned, resume) if replaces else None
+    rank_main(info, job, prepare)
     barrier()
     if info.is_main:
         _finalize(cfg.out)
@@ -304,10 +313,15 @@ def _run_locked(
         _init_output(cfg, planned, resume)
         return _finalize(cfg.out)
     timeout = LOAD_TIMEOUT if layout.sharded else DEFAULT_TIMEOUT
+    # A cache to clear (--overwrite, or one with no part of other settings) is cleared by rank
+    # 0 only once every rank holds its target: one that does not load leaves it as it was.
+    replaces = resume is None and bool(to_clear(cfg.out))
     if under_torchrun():
-        launch(_entry, (job, cfg, planned, resume), spec, timeout=timeout)
+        launch(_entry, (job, cfg, planned, resume, replaces), spec, timeout=timeout)
         return read_manifest(cfg.out)
-    _init_output(cfg, planned, resume)
+    prepare = functools.partial(_init_output, cfg, planned, resume) if replaces else None
+    if prepare is None:
+        _init_output(cfg, planned, resume)
     bar = None
     if spawned:
         bar = SummedBar(
@@ -318,7 +332,8 @@ def _run_locked(
             expected_tokens=job.expected_tokens,
         )
     try:
-        launch(rank_main, (job,), spec, monitor=bar.refresh if bar else None, timeout=timeout)
+        monitor = bar.refresh if bar else None
+        launch(rank_main, (job, prepare), spec, monitor=monitor, timeout=timeout)
     finally:
         if bar is not None:
             bar.close()

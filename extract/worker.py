@@ -6,6 +6,7 @@ import functools
 import logging
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from extract.parallel import describe_engine, engine_kwargs
 from extract.pipeline import PartPipeline
 from extract.target import TargetError, load_target
 from extract.units import reader_reading_ahead, run_units
-from shared.dist import RankInfo, one_rank_group
+from shared.dist import RankInfo, all_gather_objects, broadcast_object, one_rank_group
 from shared.int4 import prepare_encoder
 from shared.logs import setup_logging
 from shared.progress import RankCounters, SummedBar
@@ -31,7 +32,14 @@ from shared.stopping import Stopped, StopRequest, StopRun
 log = logging.getLogger(__name__)
 
 
-def rank_main(info: RankInfo, job: Job) -> None:
+class TargetLoadFailed(StopRun):
+    """The target failed to load on a rank: raised on every rank, before --out is prepared."""
+
+
+def rank_main(info: RankInfo, job: Job, prepare: Callable[[], object] | None = None) -> None:
+    """One process: its units extracted. `prepare` (the output cleared and begun anew, where
+    --out holds a cache to replace) is run by rank 0 once every rank holds its target, the
+    others waiting: a target that does not load leaves that cache as it was."""
     setup_logging(info.rank, verbose=job.verbose)
     from transformers import AutoTokenizer
 
@@ -44,15 +52,8 @@ def rank_main(info: RankInfo, job: Job) -> None:
     mine, writes = _my_units(info, job)
     tokenizer = AutoTokenizer.from_pretrained(job.target)
     read = reader_reading_ahead(job, tokenizer, mine)
-    try:
-        model = load_target(
-            job.target,
-            device=info.device,
-            last_layer=max(job.layer_ids),
-            sharding=engine_kwargs(job.layout) if sharded else None,
-        )
-    except TargetError as e:  # a message for the user, from any rank
-        raise StopRun(str(e)) from None
+    model = _loaded(info, job, sharded=sharded, replaces=prepare is not None)
+    _prepared(info, job, prepare)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if job.store == "int4" and info.device.type == "cuda" and job.compile != "none":
         # Before the target's start-up probe, which counts the graphs made after it as
@@ -166,6 +167,57 @@ def rank_main(info: RankInfo, job: Job) -> None:
             f"{len(mine)} parts in this run, and no part was left half-written; rerun the same "
             "command to resume."
         )
+
+
+def _loaded(info: RankInfo, job: Job, *, sharded: bool, replaces: bool) -> torch.nn.Module:
+    """This rank's target, once every rank holds its own: a failure on any (memory, damaged
+    weights, an unsupported model) raises TargetLoadFailed on every rank with the first failing
+    rank's message. A sharded target is loaded by its ranks together, through collectives of
+    transformers' own, so a rank that fails there raises at once: the others, waiting in a
+    collective it never joins, are ended by the launcher and never agree that all loaded."""
+    model, failure = None, None
+    try:
+        model = load_target(
+            job.target,
+            device=info.device,
+            last_layer=max(job.layer_ids),
+            sharding=engine_kwargs(job.layout) if sharded else None,
+        )
+    except Exception as e:  # whatever it is, the other ranks must hear of it
+        log.debug("rank %d: the target did not load", info.rank, exc_info=True)
+        failure = str(e) if isinstance(e, TargetError) else _load_failure(job, info, e)
+    failures = [failure] if sharded and failure else all_gather_objects(failure)
+    failures = [f for f in failures if f is not None]
+    if failures:
+        many = f" ({len(failures)} of {info.world_size} ranks)" if info.world_size > 1 else ""
+        kept = f"; the cache in --out {job.out} was not touched" if replaces else ""
+        raise TargetLoadFailed(f"{failures[0]}{many}{kept}")
+    return model
+
+
+def _load_failure(job: Job, info: RankInfo, e: Exception) -> str:
+    """The message of a target that raised `e` while loading on `info`'s device."""
+    return f"--target {job.target}: it did not load on {info.device} ({type(e).__name__}: {e})"
+
+
+def _prepared(info: RankInfo, job: Job, prepare: Callable[[], object] | None) -> None:
+    """`prepare` run by rank 0 while the other ranks wait; its failure raised on every rank."""
+    failure = None
+    if info.is_main and prepare is not None:
+        try:
+            prepare()
+        except (TargetError, OSError) as e:  # `target/` or --out that cannot be written
+            failure = (
+                str(e)
+                if isinstance(e, TargetError)
+                else f"{e.filename or job.out}: {e.strerror or e}"
+            )
+        except Exception as e:
+            log.exception("rank 0: preparing %s failed", job.out)
+            failure = f"{job.out}: it could not be prepared ({type(e).__name__}: {e})"
+    failure = broadcast_object(failure)
+    if failure is not None:
+        raise StopRun(failure)
 
 
 def _my_units(info: RankInfo, job: Job) -> tuple[tuple[int, ...], bool]:

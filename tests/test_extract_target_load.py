@@ -1,5 +1,6 @@
 """A target that cannot be loaded is named as the problem, and leaves nothing in --out that
-blocks the same command once the target is fixed."""
+blocks the same command once the target is fixed; a cache that --overwrite would replace is
+left byte for byte as it was."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from extract.run import ExtractError, run
 from shared.manifest import read_manifest
 from shared.stopping import StopRun
 from tests.test_extract import chat
+from tests.test_regenerate_target_load import LAYER_WEIGHT, damaged_target
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -141,3 +143,62 @@ def test_a_target_without_tokenizer_files_is_named(tmp_path, tiny_qwen3, data_fi
     with pytest.raises(ExtractError, match=f"--target {target}: its tokenizer is empty"):
         run(request(tmp_path / "c", target, data_file))
     assert not (tmp_path / "c").exists()
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    """Every file under `out`, by path, with its bytes."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def previous(tiny_qwen3, data_file, tmp_path_factory) -> Path:
+    """A complete cache of layers 0 and 1 in two parts, to copy into each test."""
+    out = tmp_path_factory.mktemp("previous") / "c"
+    assert run(request(out, tiny_qwen3, data_file, rows_per_part=2)).complete
+    return out
+
+
+@pytest.mark.parametrize(
+    "damage, said",
+    [
+        ("missing", f"1 weight of the layers this run uses is not in .*{LAYER_WEIGHT}"),
+        ("shape", "it did not load on cpu \\(RuntimeError: .*ignore_mismatched_sizes"),
+    ],
+)
+def test_a_target_that_does_not_load_leaves_the_cache_to_overwrite(
+    tiny_qwen3, data_file, previous, tmp_path, damage, said
+):
+    """Both damages pass planning's checks of the weight files and fail as the target loads;
+    the same command with a target that loads replaces the cache."""
+    out = tmp_path / "c"
+    shutil.copytree(previous, out)
+    before = _files(out)
+    target = damaged_target(tiny_qwen3, tmp_path / "damaged", damage)
+    again = dict(layers="0,2", rows_per_part=2, overwrite=True)
+    with pytest.raises(StopRun, match=f"--target {target}: {said}") as e:
+        run(request(out, target, data_file, **again))
+    assert str(e.value).endswith(f"the cache in --out {out} was not touched")
+    assert _files(out) == before
+    manifest = run(request(out, tiny_qwen3, data_file, **again))
+    assert manifest.complete and manifest.layer_ids == (0, 2)
+    assert _files(out)["manifest.json"] != before["manifest.json"]
+
+
+@pytest.mark.slow
+def test_a_target_that_loads_on_no_rank_of_two_leaves_the_cache_to_overwrite(
+    tiny_qwen3, data_file, previous, tmp_path, monkeypatch
+):
+    """Each rank holds a part: both fail alike, neither clears the cache; with a target that
+    loads, the same command replaces it."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # inherited by the spawned processes
+    out = tmp_path / "c"
+    shutil.copytree(previous, out)
+    before = _files(out)
+    target = damaged_target(tiny_qwen3, tmp_path / "damaged", "shape")
+    two = dict(layers="0,2", rows_per_part=2, overwrite=True, gpus="cpu:2")
+    with pytest.raises(StopRun, match=f"--target {target}: it did not load .* \\(2 of 2 ranks\\)"):
+        run(request(out, target, data_file, **two))
+    assert _files(out) == before
+    manifest = run(request(out, tiny_qwen3, data_file, **two))
+    assert manifest.complete and manifest.layer_ids == (0, 2)
+    assert _files(out)["manifest.json"] != before["manifest.json"]
