@@ -48,7 +48,9 @@ from shared.stopping import (
     StopRequest,
     StopRun,
     die_with_parent,
+    error_kind,
     rank_died,
+    stop_class,
     stop_error,
     stop_with_parent,
 )
@@ -224,9 +226,9 @@ def _spawned(
     try:
         fn(info, *args)
     except Stopped as e:  # a signal reached every rank: each stops at its own consistent point
-        errors.put((local_rank, type(e).__name__, str(e)))  # the launcher waits for all of them
+        errors.put((local_rank, error_kind(e), str(e)))  # the launcher waits for all of them
     except StopRun as e:
-        errors.put((local_rank, type(e).__name__, str(e)))
+        errors.put((local_rank, error_kind(e), str(e)))
         code = STOP_EXIT
     finally:
         if dist.is_initialized():
@@ -298,7 +300,7 @@ def _queued(errors: Any) -> StopRun:
     out = []
     while not errors.empty():
         out.append(errors.get())
-    _, kind, message = min(out, key=lambda e: (e[1] == "Stopped", e[0]))
+    _, kind, message = min(out, key=lambda e: (issubclass(stop_class(e[1]), Stopped), e[0]))
     return stop_error(kind, message)
 
 

@@ -114,14 +114,31 @@ def worker_died(error: BaseException) -> str | None:
     )
 
 
-def stop_error(kind: str, message: str) -> StopRun:
-    """The StopRun subclass named `kind` (a rank's error, passed back by name) with `message`."""
-    todo, found = [StopRun], {}
+def error_kind(error: StopRun) -> str:
+    """How a rank names its error to the launching process: its class's module and qualified
+    name (two subclasses of one name in two modules stay apart)."""
+    return f"{type(error).__module__}.{type(error).__qualname__}"
+
+
+def stop_class(kind: str) -> type[StopRun]:
+    """The StopRun subclass `kind` names (`error_kind`'s, or a bare class name); StopRun for
+    none.
+
+    >>> stop_class("shared.stopping.Stopped").__name__, stop_class("Stopped").__name__
+    ('Stopped', 'Stopped')
+    """
+    todo, named, bare = [StopRun], {}, {}
     while todo:
         cls = todo.pop()
-        found[cls.__name__] = cls
+        named[f"{cls.__module__}.{cls.__qualname__}"] = cls
+        bare.setdefault(cls.__name__, cls)
         todo += cls.__subclasses__()
-    return found.get(kind, StopRun)(message)
+    return named.get(kind) or bare.get(kind, StopRun)
+
+
+def stop_error(kind: str, message: str) -> StopRun:
+    """The StopRun subclass `kind` names (a rank's error, passed back by name) with `message`."""
+    return stop_class(kind)(message)
 
 
 _PR_SET_PDEATHSIG = 1
