@@ -32,6 +32,14 @@ class TargetError(ValueError):
     """The target cannot be used; the message says why and what to do."""
 
 
+def load_failure(target: str, device: torch.device, error: Exception) -> str:
+    """The message of `target` that raised `error` while loading on `device`: a TargetError's
+    own, else what was raised."""
+    if isinstance(error, TargetError):
+        return str(error)
+    return f"--target {target}: it did not load on {device} ({type(error).__name__}: {error})"
+
+
 def build_target_layer_ids(num_target_layers: int, num_layers: int) -> list[int]:
     """The DFlash default capture rule.
 

@@ -21,7 +21,7 @@ from extract.lockstep import LockStep, agree_max, cpu_group
 from extract.packing import chunk_size
 from extract.parallel import describe_engine, engine_kwargs
 from extract.pipeline import PartPipeline
-from extract.target import TargetError, load_target
+from extract.target import TargetError, load_failure, load_target
 from extract.units import reader_reading_ahead, run_units
 from shared.dist import RankInfo, all_gather_objects, broadcast_object, one_rank_group
 from shared.int4 import prepare_encoder
@@ -185,7 +185,7 @@ def _loaded(info: RankInfo, job: Job, *, sharded: bool, replaces: bool) -> torch
         )
     except Exception as e:  # whatever it is, the other ranks must hear of it
         log.debug("rank %d: the target did not load", info.rank, exc_info=True)
-        failure = str(e) if isinstance(e, TargetError) else _load_failure(job, info, e)
+        failure = load_failure(job.target, info.device, e)
     failures = [failure] if sharded and failure else all_gather_objects(failure)
     failures = [f for f in failures if f is not None]
     if failures:
@@ -193,11 +193,6 @@ def _loaded(info: RankInfo, job: Job, *, sharded: bool, replaces: bool) -> torch
         kept = f"; the cache in --out {job.out} was not touched" if replaces else ""
         raise TargetLoadFailed(f"{failures[0]}{many}{kept}")
     return model
-
-
-def _load_failure(job: Job, info: RankInfo, e: Exception) -> str:
-    """The message of a target that raised `e` while loading on `info`'s device."""
-    return f"--target {job.target}: it did not load on {info.device} ({type(e).__name__}: {e})"
 
 
 def _prepared(info: RankInfo, job: Job, prepare: Callable[[], object] | None) -> None:

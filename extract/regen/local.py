@@ -36,7 +36,7 @@ from extract.regen.state import (
     read_state,
     settings_mismatches,
 )
-from extract.target import TargetError
+from extract.target import load_failure
 from shared.dist import (
     DeviceSpec,
     RankInfo,
@@ -147,7 +147,7 @@ def _loaded(
             gen = _generator(job, info)
         except Exception as e:  # whatever it is, the other ranks must hear of it
             log.debug("rank %d: the target did not load", info.rank, exc_info=True)
-            failure = str(e) if isinstance(e, TargetError) else _load_failure(job, info, e)
+            failure = load_failure(job.target, info.device, e)
     ranks = all_gather_objects((failure, stop.signal_name if stop.requested else None))
     failures = [f for f, _ in ranks if f is not None]
     if failures:
@@ -157,11 +157,6 @@ def _loaded(
     if signals:
         raise Stopped(f"stopped by {signals[0]} while the target loaded, before any chunk")
     return gen
-
-
-def _load_failure(job: Job, info: RankInfo, e: Exception) -> str:
-    """The message of a target that raised `e` while loading on `info`'s device."""
-    return f"--target {job.target}: it did not load on {info.device} ({type(e).__name__}: {e})"
 
 
 def _prepared(
