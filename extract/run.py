@@ -190,14 +190,13 @@ def _entry(
     cfg: ExtractConfig,
     planned: Manifest,
     resume: Manifest | None,
-    replaces: bool,
+    prepare: Callable[[], None] | None,
 ) -> None:
     """Torchrun path: rank 0 prepares the output while the others wait (a cache to replace:
-    once every rank holds its target); rank 0 commits."""
+    `prepare`, once every rank holds its target); rank 0 commits."""
     with main_first(info):
-        if info.is_main and not replaces:
+        if info.is_main and prepare is None:
             _init_output(cfg, planned, resume)
-    prepare = functools.partial(_init_output, cfg, planned, resume) if replaces else None
     rank_main(info, job, prepare)
     barrier()
     if info.is_main:
@@ -316,10 +315,10 @@ def _run_locked(
     # A cache to clear (--overwrite, or one with no part of other settings) is cleared by rank
     # 0 only once every rank holds its target: one that does not load leaves it as it was.
     replaces = resume is None and bool(to_clear(cfg.out))
-    if under_torchrun():
-        launch(_entry, (job, cfg, planned, resume, replaces), spec, timeout=timeout)
-        return read_manifest(cfg.out)
     prepare = functools.partial(_init_output, cfg, planned, resume) if replaces else None
+    if under_torchrun():
+        launch(_entry, (job, cfg, planned, resume, prepare), spec, timeout=timeout)
+        return read_manifest(cfg.out)
     if prepare is None:
         _init_output(cfg, planned, resume)
     bar = None
