@@ -51,9 +51,9 @@ def slots(
     for u in range(0, len(lengths), rows_per_part):
         part = lengths[u : u + rows_per_part]
         part = [part[i] for i in length_order(part)]
-        chunks = pack_rows(part, chunk_tokens=chunk)
-        rows += [[part[i] for i in c] for c in chunks]
-        fills = [sum(r) for r in rows[len(rows) - len(chunks) :]]
+        packed = [[part[i] for i in c] for c in pack_rows(part, chunk_tokens=chunk)]
+        rows += packed
+        fills = [sum(r) for r in packed]
         one += chunk * len(fills)
         several += sum(fitting_size(sizes, f) for f in fills)
         last.append(fills[-1])
