@@ -38,7 +38,6 @@ from train.config import TrainConfig
 from train.data.batch import Batch
 from train.data.feed import DeviceFeed
 from train.data.loader import LoaderState, PlanDataset, checked, make_loader
-from train.data.plan import epoch_lengths
 from train.drafters.dflash2_loss import selector_loss
 from train.drafters.mask import flex_kernel_options
 from train.drafters.registry import build_drafter, init_weights
@@ -106,15 +105,7 @@ class Trainer:
         if self.follow is not None:  # its epochs are planned once the cache is complete
             self.limits, self.total = [], self.follow.total
         else:
-            by_steps = cfg.steps is not None
-            self.limits = epoch_lengths(
-                self.spec,
-                world_size=self.ranks,
-                grad_accum=cfg.grad_accum,
-                epochs=None if by_steps else cfg.epochs,
-                steps=cfg.steps,
-            )
-            self.total = cfg.steps if by_steps else sum(self.limits) // cfg.grad_accum
+            self.limits, self.total = prep.epoch_plan(cfg, self.ranks)
         self.scheduler = warmup_cosine(self.optimizer, total=self.total, warmup=cfg.warmup)
         self.step, self.loader_state = 0, LoaderState()
         self.restored: Path | None = None  # the checkpoint folder the run resumed from

@@ -7,7 +7,7 @@ from typing import Any
 
 from train.data.follow import CacheView
 from train.data.loader import PartInfo
-from train.data.plan import PlanSpec
+from train.data.plan import PlanSpec, epoch_lengths
 from train.drafters.config import DrafterConfig
 
 
@@ -55,6 +55,19 @@ class Prepared:
             shuffle_buffer=cfg.shuffle_buffer,
             max_length=cfg.max_length,
         )
+
+    def epoch_plan(self, cfg: Any, ranks: int) -> tuple[list[int], int]:
+        """(rows per rank of each epoch, optimizer steps) of a run that does not follow an
+        extraction, on `ranks`: --steps, or --epochs passes. ValueError as `epoch_lengths`."""
+        by_steps = cfg.steps is not None
+        limits = epoch_lengths(
+            self.train_spec(cfg),
+            world_size=ranks,
+            grad_accum=cfg.grad_accum,
+            epochs=None if by_steps else cfg.epochs,
+            steps=cfg.steps,
+        )
+        return limits, cfg.steps if by_steps else sum(limits) // cfg.grad_accum
 
     @property
     def num_eval(self) -> int:

@@ -21,7 +21,6 @@ from train.checkpoint import (
     resolve_resume,
 )
 from train.config import TrainConfig
-from train.data.plan import epoch_lengths
 from train.export import CONFIG_FILE as EXPORT_CONFIG
 from train.export import WEIGHTS_FILE
 from train.follow_start import total_steps
@@ -81,14 +80,10 @@ def _planned_steps(
     if plan.get("follow"):
         estimate = plan.get("rows_estimate")
         return total_steps(cfg, estimate, ranks) if isinstance(estimate, int) else None
-    spec = prep.train_spec(cfg)
     try:
-        limits = epoch_lengths(
-            spec, world_size=ranks, epochs=cfg.epochs, steps=None, grad_accum=cfg.grad_accum
-        )
+        return prep.epoch_plan(cfg, ranks)[1]
     except ValueError:
         return None
-    return sum(limits) // cfg.grad_accum
 
 
 def run_record(
