@@ -157,21 +157,24 @@ def run_all(jobs: list[Job], *, out: Path, devices: list[str]) -> Outcome:
     from train.sweep.jobs import finished, run_jobs
     from train.sweep.report import unusable
 
-    redo = unusable([j for j in jobs if finished(j)])
-    for job, why in redo:
-        log.warning("%s seed %d: %s: training it again", job.variant.name, job.seed, why)
-    outcome = run_jobs(jobs, out=out, devices=devices, redo=[j for j, _ in redo])
+    redo = _train_again(unusable([j for j in jobs if finished(j)]))
+    outcome = run_jobs(jobs, out=out, devices=devices, redo=redo)
     done = [j for j in jobs if finished(j)]
     late = [(j, why) for j, why in unusable(done) if j in outcome.skipped]
     if late and outcome.stopped_by is None:
-        for job, why in late:
-            log.warning("%s seed %d: %s: training it again", job.variant.name, job.seed, why)
-        late = [j for j, _ in late]
+        late = _train_again(late)
         more = run_jobs(late, out=out, devices=devices, redo=late)
         outcome.failed += more.failed
         outcome.not_started += more.not_started
         outcome.stopped_by = more.stopped_by
     return outcome
+
+
+def _train_again(found: list[tuple[Job, str]]) -> list[Job]:
+    """The runs of `found` (with why each is unusable), each logged as trained again."""
+    for job, why in found:
+        log.warning("%s seed %d: %s: training it again", job.variant.name, job.seed, why)
+    return [j for j, _ in found]
 
 
 def settle(jobs: list[Job], outcome: Outcome, out: Path) -> tuple[list[Job], list[tuple[Job, str]]]:
