@@ -52,7 +52,7 @@ from shared.manifest import (
     write_manifest,
 )
 from shared.manifest_checks import identity_mismatches
-from shared.progress import SummedBar
+from shared.progress import SummedBar, counter_files
 from shared.ranks import usable_cpus
 from shared.target_files import target_checksums, target_problems
 
@@ -329,6 +329,7 @@ def _run_locked(
             unit_key="done_rows",
             desc="extract",
             expected_tokens=job.expected_tokens,
+            earlier=counter_files(job.progress_dir),  # a cache to replace: rank 0 clears them
         )
     try:
         monitor = bar.refresh if bar else None

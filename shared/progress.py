@@ -8,6 +8,7 @@ Files work across processes and nodes alike, with no extra collective in the hot
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -86,11 +87,32 @@ class RankCounters:
                 self.listener()
 
 
-def read_counters(folder: Path) -> Counter[str]:
+def _version(path: Path) -> tuple[str, int, int]:
+    """One written version of a counter file: a rank replaces its file whole (a new file,
+    written later), so a version never comes back."""
+    st = path.stat()
+    return path.name, st.st_ino, st.st_mtime_ns
+
+
+def counter_files(folder: Path) -> frozenset[tuple[str, int, int]]:
+    """The versions of the counter files in `folder` now. Taken by a launcher before it starts
+    its ranks, they are an earlier run's, which rank 0 deletes only once every rank holds the
+    target (minutes on a big one): `read_counters(earlier=...)` leaves them out meanwhile."""
+    versions = set()
+    for path in Path(folder).glob("rank-*.json"):
+        with contextlib.suppress(OSError):  # deleted meanwhile
+            versions.add(_version(path))
+    return frozenset(versions)
+
+
+def read_counters(folder: Path, *, earlier: frozenset = frozenset()) -> Counter[str]:
+    """The counters of every rank summed, leaving out the file versions in `earlier`
+    (`counter_files` of an earlier run)."""
     total: Counter[str] = Counter()
     for path in Path(folder).glob("rank-*.json"):
         try:
-            total.update(json.loads(path.read_text()))
+            if _version(path) not in earlier:
+                total.update(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError):
             continue  # a file being replaced right now: the next refresh reads it
     return total
@@ -181,7 +203,8 @@ class SummedBar:
 
     With `expected_tokens` (an estimate of the tokens to do), the time the whole run takes is
     logged once, at the rate measured over the first `RATE_AFTER_S` seconds after the first
-    tokens (set-up and the target's loading left out)."""
+    tokens (set-up and the target's loading left out). `earlier`: counter files of an earlier
+    run, left out (`counter_files`)."""
 
     def __init__(
         self,
@@ -192,8 +215,9 @@ class SummedBar:
         desc: str,
         disable: bool = False,
         expected_tokens: int = 0,
+        earlier: frozenset = frozenset(),
     ):
-        self.folder, self.unit_key = Path(folder), unit_key
+        self.folder, self.unit_key, self.earlier = Path(folder), unit_key, earlier
         self.start = time.monotonic()
         self.bar = progress_bar(total=total, desc=desc, unit="rows", disable=disable)
         self._lock = threading.Lock()  # refreshed by the launcher's loop or a counters thread
@@ -226,7 +250,7 @@ class SummedBar:
 
     def refresh(self) -> Counter[str]:
         with self._lock:
-            counts = read_counters(self.folder)
+            counts = read_counters(self.folder, earlier=self.earlier)
             self.bar.n = int(counts.get(self.unit_key, 0))
             elapsed = max(time.monotonic() - self.start, 1e-6)
             self._estimate_time(counts.get("tokens", 0))

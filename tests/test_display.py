@@ -192,6 +192,15 @@ def _row_counts(folder, **counts) -> None:
     counters.close()
 
 
+def test_counter_files_of_an_earlier_run_are_left_out_until_a_rank_writes_its_own(tmp_path):
+    _row_counts(tmp_path, rows=10, new_tokens=500)  # an earlier run's rank 0
+    earlier = progress.counter_files(tmp_path)
+    assert progress.read_counters(tmp_path)["rows"] == 10
+    assert progress.read_counters(tmp_path, earlier=earlier) == {}
+    _row_counts(tmp_path, rows=3)  # this run's rank 0 replaces the same file
+    assert progress.read_counters(tmp_path, earlier=earlier) == {"rows": 3}
+
+
 def test_regenerate_progress_counts_failed_rows_apart(tmp_path, caplog, monkeypatch):
     from extract.regen.report import RowBar
 

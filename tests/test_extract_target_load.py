@@ -5,6 +5,7 @@ left byte for byte as it was."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 from extract.config import ExtractConfig
 from extract.run import ExtractError, run
 from shared.manifest import read_manifest
+from shared.progress import read_counters
 from shared.stopping import StopRun
 from tests.test_extract import chat
 from tests.test_regenerate_target_load import LAYER_WEIGHT, damaged_target
@@ -186,19 +188,24 @@ def test_a_target_that_does_not_load_leaves_the_cache_to_overwrite(
 
 @pytest.mark.slow
 def test_a_target_that_loads_on_no_rank_of_two_leaves_the_cache_to_overwrite(
-    tiny_qwen3, data_file, previous, tmp_path, monkeypatch
+    tiny_qwen3, data_file, previous, tmp_path, monkeypatch, caplog
 ):
     """Each rank holds a part: both fail alike, neither clears the cache; with a target that
-    loads, the same command replaces it."""
+    loads, the same command replaces it. The launcher's bar, drawn while the ranks load, counts
+    none of the rows of the cache it is to replace, whose counters stay until rank 0 clears it."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # inherited by the spawned processes
     out = tmp_path / "c"
     shutil.copytree(previous, out)
+    assert read_counters(out / ".progress")["done_rows"] == 4
     before = _files(out)
     target = damaged_target(tiny_qwen3, tmp_path / "damaged", "shape")
     two = dict(layers="0,2", rows_per_part=2, overwrite=True, gpus="cpu:2")
+    caplog.set_level(logging.INFO, logger="shared.progress")
     with pytest.raises(StopRun, match=f"--target {target}: it did not load .* \\(2 of 2 ranks\\)"):
         run(request(out, target, data_file, **two))
     assert _files(out) == before
+    bar = [r.getMessage() for r in caplog.records if r.getMessage().startswith("extract: ")]
+    assert bar and all(line.startswith("extract: 0/4 rows") for line in bar), bar
     manifest = run(request(out, tiny_qwen3, data_file, **two))
     assert manifest.complete and manifest.layer_ids == (0, 2)
     assert _files(out)["manifest.json"] != before["manifest.json"]

@@ -4,6 +4,7 @@ that --overwrite would replace stays byte for byte as it was; one that loads rep
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from extract.regen.config import RegenError
-from extract.regen.state import parts_dir
+from extract.regen.state import PROGRESS_DIR, parts_dir
+from shared.progress import read_counters
 from tests.test_regenerate import regen, write_chats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -86,18 +88,24 @@ def test_a_target_that_does_not_load_leaves_the_output_to_overwrite(
 
 @pytest.mark.slow
 def test_one_rank_of_two_that_cannot_load_stops_both_and_leaves_the_output(
-    tiny_qwen3, data_file, previous, tmp_path, monkeypatch
+    tiny_qwen3, data_file, previous, tmp_path, monkeypatch, caplog
 ):
     """Rank 0 holds rows 0-3 and rank 1 rows 4-7: both load, both fail alike, and neither
-    prepares the output; with a target that loads, the same command replaces it."""
+    prepares the output; with a target that loads, the same command replaces it. The launcher's
+    bar, drawn while the ranks load, counts none of the rows of the output it is to replace,
+    whose counters stay until rank 0 prepares it."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # inherited by the spawned processes
     out = _copy(previous, tmp_path)
+    assert read_counters(parts_dir(out) / PROGRESS_DIR)["rows"] == 4
     before = _files(out)
     target = damaged_target(tiny_qwen3, tmp_path / "damaged", "shape")
     two = dict(max_rows=8, overwrite=True, gpus="cpu:2")
+    caplog.set_level(logging.INFO, logger="extract.regen.report")
     with pytest.raises(RegenError, match=f"--target {target}: it did not load .* \\(2 of 2 ranks"):
         regen(out, target, data_file, **two)
     assert _files(out) == before
+    bar = [r.getMessage() for r in caplog.records if r.getMessage().startswith("regenerate: ")]
+    assert bar and all(line.startswith("regenerate: of 8 rows, 0 done,") for line in bar), bar
     state = regen(out, tiny_qwen3, data_file, **two)
     assert state.merged_rows == 8 and state.settings["max_new_tokens"] != 2
     assert _files(out)[out.name] != before[out.name]

@@ -47,7 +47,7 @@ from shared.dist import (
     under_torchrun,
 )
 from shared.logs import setup_logging
-from shared.progress import RankCounters
+from shared.progress import RankCounters, counter_files
 from shared.space import full_disk_stops
 from shared.stopping import Stopped, StopRequest, StopRun
 
@@ -72,7 +72,10 @@ def generate(
         if not job.chunks:  # complete: no target to load
             job = prepare(cfg, settings, config, job, where=str(spec))
             return finish_output(cfg.out, job, regenerated=False)
-        bar = RowBar(job.parts / PROGRESS_DIR, total=job.pending_rows) if spawned else None
+        bar = None
+        if spawned:  # the earlier run's counters stay until rank 0 prepares the output
+            folder = job.parts / PROGRESS_DIR
+            bar = RowBar(folder, total=job.pending_rows, earlier=counter_files(folder))
         try:
             with stops_said(job, settings):
                 args = (cfg, settings, config, job)

@@ -20,17 +20,25 @@ class RowBar:
     command requests them again) and waiting, summed from every rank's counter file
     (`shared.progress`: counters `rows`, `failed`, `new_tokens`). On a terminal a tqdm bar over
     the rows answered either way; else a log line every `every` seconds and at the end (a job's
-    log file gets no redraws)."""
+    log file gets no redraws). `earlier`: counter files of an earlier run, left out
+    (`shared.progress.counter_files`)."""
 
-    def __init__(self, folder: Path, *, total: int, every: float = LINE_EVERY_S):
-        self.folder, self.total, self.every = folder, total, every
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        total: int,
+        every: float = LINE_EVERY_S,
+        earlier: frozenset = frozenset(),
+    ):
+        self.folder, self.total, self.every, self.earlier = folder, total, every, earlier
         self.start = self.logged = time.monotonic()
         self.bar = (
             progress_bar(total=total, desc="regenerate", unit="rows") if on_terminal() else None
         )
 
     def refresh(self, *, final: bool = False) -> None:
-        counts = read_counters(self.folder)
+        counts = read_counters(self.folder, earlier=self.earlier)
         done, failed = int(counts.get("rows", 0)), int(counts.get("failed", 0))
         waiting = max(self.total - done - failed, 0)
         now = time.monotonic()
