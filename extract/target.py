@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import re
 import shutil
 from pathlib import Path
@@ -17,6 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from extract.parallel import engine_places
+from shared import target_identity as identity
 from shared.fsio import public_modes, replace_dir
 from shared.manifest import TargetInfo
 from shared.space import size_text
@@ -106,7 +105,7 @@ MISSING_LISTED = 5  # missing weights an error names
 def weight_files(target: Path) -> list[Path]:
     """The target's safetensors files, each checked to open (headers only: fast), and every
     file its shard index lists there."""
-    files = sorted(Path(target).glob("*.safetensors"))
+    files = identity.safetensors_files(target)
     if not files:
         raise TargetError(f"--target {target}: no *.safetensors weight files found")
     index = Path(target) / SHARD_INDEX
@@ -138,43 +137,13 @@ def weight_files(target: Path) -> list[Path]:
 
 
 def content_hash(target: Path) -> str:
-    """sha256 over config.json and the safetensors headers (names, shapes, dtypes, offsets).
-
-    Reading headers only keeps this fast for large checkpoints; with random-init checkpoints of
-    the same shape, the weight bytes are hashed too when the files are small (< 64 MiB).
-    """
-    h = hashlib.sha256((Path(target) / "config.json").read_bytes())
-    for f in weight_files(target):
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            h.update(f.name.encode() + fh.read(n))
-            if f.stat().st_size < 64 << 20:
-                h.update(fh.read())
-    return "sha256:" + h.hexdigest()
-
-
-# `weights_sample`: windows read per weight file, and their size. A checkpoint of the same
-# shape (another fine-tune, another revision) differs in nearly every byte, so 16 windows tell
-# it apart; reading 1 MiB a file keeps it instant for any target.
-SAMPLE_WINDOWS, SAMPLE_BYTES = 16, 64 << 10
+    """`shared.target_identity.content_hash` of the target folder (its weight files checked)."""
+    return identity.content_hash(Path(target) / "config.json", weight_files(target))
 
 
 def weights_sample(target: Path) -> str:
-    """sha256 over each weight file's name, size and SAMPLE_WINDOWS windows spread over it (the
-    whole file when it is no larger): what `content_hash` (headers only) cannot tell apart, two
-    checkpoints of one shape."""
-    h = hashlib.sha256()
-    for f in weight_files(target):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
-            if size <= SAMPLE_WINDOWS * SAMPLE_BYTES:
-                h.update(fh.read())
-                continue
-            step = (size - SAMPLE_BYTES) // (SAMPLE_WINDOWS - 1)
-            for i in range(SAMPLE_WINDOWS):
-                h.update(os.pread(fh.fileno(), SAMPLE_BYTES, i * step))
-    return "sha256:" + h.hexdigest()
+    """`shared.target_identity.weights_sample` of the target folder (its weight files checked)."""
+    return identity.weights_sample(weight_files(target))
 
 
 def target_info(target: str, config: dict[str, Any], tokenizer_vocab: int) -> TargetInfo:

@@ -60,7 +60,7 @@ class TargetInfo:
     hidden_size: int
     vocab_size: int  # rows of the embedding matrix
     tokenizer_vocab_size: int
-    # bytes sampled across the weight files (`extract.target.weights_sample`); None: before it
+    # bytes sampled across the weight files (shared/target_identity.py); None: before it
     weights_sample: str | None = None
 
 
