@@ -159,7 +159,8 @@ def _ours_single_block(drafter, cfg, target_hidden, noise):
 def test_reference_package_loads_export_and_matches_forward(tmp_path, layer_types, window):
     dflash_model = pytest.importorskip("dflash.model")
     drafter, cfg = _drafter(layer_types, window)
-    export_drafter(drafter, cfg, tmp_path / "export")
+    named = {"path": "/models/base", "revision": "sha256:0", "weights_sample": None}
+    export_drafter(drafter, cfg, tmp_path / "export", target={**named, "model_type": "qwen3"})
     ref = dflash_model.DFlashDraftModel.from_pretrained(tmp_path / "export", dtype=torch.float32)
     ref.eval()
     assert ref.block_size == 4 and ref.mask_token_id == 299

@@ -249,6 +249,7 @@ def save_checkpoint(
         meta = {"step": step, "files": [STATE_FILE, DRAFTER_FILE], "loader": state.get("loader")}
         meta["state"] = {"bytes": hashed.size, "crc32c": f"{CHECKSUM_PREFIX}{hashed.crc:08x}"}
         meta["plan"] = state.get("plan")  # a run's view of a cache still being written
+        meta["target"] = state.get("target")  # its cache's target, which an export records
         atomic_write_json(tmp / META_FILE, meta)
         fsync_dir(tmp)
         replace_dir(tmp, final)

@@ -6,7 +6,10 @@
 embedding, no lm_head, no `auto_map`. A DSpark drafter goes out in DeepSpec's dense format
 instead (train/export_dspark.py: `Qwen3DSparkModel`, its fields at the top level, the target's
 embedding and lm_head shipped). SGLang ignores unknown weight names silently (a DFlash2 selector
-then degrades to top-1 without an error), so names and shapes are checked both ways.
+then degrades to top-1 without an error), so names and shapes are checked both ways. Every
+family's config.json also names the target its training cache was extracted from
+(`target_identity`: its path, both hashes and model type; `train.export_hf.TARGET_KEY`), which
+the engines ignore and the proof commands compare with their `--target`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import click
 import torch
@@ -192,13 +196,16 @@ def export_drafter(
     out_dir: str | Path,
     *,
     heads: tuple[torch.Tensor, torch.Tensor] | None = None,
+    target: dict[str, Any] | None = None,
 ) -> Path:
     """Write config.json and bf16 model.safetensors into `out_dir` atomically; return it.
 
     Target layer ids are written ascending (`sort_target_layers`). `heads`: the target's
-    (embedding, lm_head), which a DSpark export ships. The files are written into a temporary
-    sibling folder that is renamed to `out_dir` (an earlier export there is replaced; any other
-    folder or file is refused, `refuse_foreign_out`), so readers never see a half-written export.
+    (embedding, lm_head), which a DSpark export ships. `target`: the `target_record` of the
+    cache the drafter trained on, which config.json records (None: it records none). The files
+    are written into a temporary sibling folder that is renamed to `out_dir` (an earlier export
+    there is replaced; any other folder or file is refused, `refuse_foreign_out`), so readers
+    never see a half-written export.
     """
     out = Path(out_dir)
     refuse_foreign_out(out)
@@ -219,7 +226,7 @@ def export_drafter(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     try:
         _save_weights(tensors, tmp / WEIGHTS_FILE, named=out / WEIGHTS_FILE)
-        (tmp / CONFIG_FILE).write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(hf_config(cfg, target=target), indent=2) + "\n")
         for name in (WEIGHTS_FILE, CONFIG_FILE):
             _fsync_file(tmp / name)
         public_modes(tmp)  # a serving process often runs as another user
@@ -281,13 +288,14 @@ def export_if_room(
     out_dir: str | Path,
     *,
     heads: tuple[torch.Tensor, torch.Tensor] | None = None,
+    target: dict[str, Any] | None = None,
 ) -> str:
     """Export when the last checkpoint did not fit on the disk: the export (bf16 weights, no
     optimizer state) is several times smaller. Returns a sentence saying whether it was
     written; raises any error that is not a full disk."""
     need = sum(2 * p.nelement() for p in drafter.state_dict().values()) + (1 << 20)
     try:
-        out = export_drafter(drafter, cfg, out_dir, heads=heads)
+        out = export_drafter(drafter, cfg, out_dir, heads=heads, target=target)
     except (OSError, SafetensorError) as e:
         if not is_disk_full(e, Path(out_dir).parent, need):
             raise
@@ -314,13 +322,14 @@ def main(checkpoint: Path, out_dir: Path, cache: Path | None) -> None:
     """Export the drafter of CHECKPOINT (a `runs/NAME/checkpoints/step-N` folder) of any family
     (DFlash, DFlash2, DSpark) to OUT_DIR in the format the serving engines load."""
     from shared.logs import setup_logging
-    from train.checkpoint import load_drafter
+    from train.checkpoint import load_drafter, read_meta
 
     setup_logging()
     if problem := unwritable_reason(out_dir):
         raise click.ClickException(f"export folder {out_dir}: {problem}")
     try:
         drafter, cfg = load_drafter(checkpoint)
+        target = read_meta(checkpoint).get("target")  # none in a checkpoint older than it
         heads = None
         if cache is not None and cfg.drafter_type != "dspark":
             raise ValueError(
@@ -332,7 +341,7 @@ def main(checkpoint: Path, out_dir: Path, cache: Path | None) -> None:
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     try:
-        out = export_drafter(drafter, cfg, out_dir, heads=heads)
+        out = export_drafter(drafter, cfg, out_dir, heads=heads, target=target)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     except OSError as e:  # e.g. OUT_DIR /proc/x as root: its temporary sibling cannot be made

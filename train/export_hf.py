@@ -6,12 +6,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared.manifest import TargetInfo
 from train.drafters.config import DFLASH2_FIELDS, LOGIT_FIELDS, DrafterConfig, rope_fields_from_hf
 from train.export_dspark import dspark_fields, dspark_hf_config, is_dspark_config
 
+# The target whose cache trained the drafter, as the cache's manifest names it: the proof
+# commands compare their --target with it. SGLang, vLLM and transformers ignore the key.
+TARGET_KEY = "target_identity"
+TARGET_FIELDS = ("path", "revision", "weights_sample", "model_type")
 
-def hf_config(cfg: DrafterConfig) -> dict[str, Any]:
-    """The config.json dict of an exported drafter."""
+
+def target_record(target: TargetInfo) -> dict[str, Any]:
+    """What an export records of its cache's target under TARGET_KEY."""
+    return {name: getattr(target, name) for name in TARGET_FIELDS}
+
+
+def hf_config(cfg: DrafterConfig, *, target: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json dict of an exported drafter; `target`, its cache's `target_record`, is
+    written under TARGET_KEY where given."""
     rope_parameters = {"rope_type": "default", **(cfg.rope_scaling or {})}
     rope_parameters["rope_theta"] = cfg.rope_theta
     out = {
@@ -58,6 +70,8 @@ def hf_config(cfg: DrafterConfig) -> dict[str, Any]:
         for name in LOGIT_FIELDS:
             if getattr(cfg, name) is not None:
                 out["dflash_config"][name] = getattr(cfg, name)
+    if target is not None:
+        out[TARGET_KEY] = dict(target)
     return dspark_hf_config(out, cfg) if cfg.drafter_type == "dspark" else out
 
 

@@ -359,16 +359,17 @@ class Trainer:
         if self.follow is not None:
             self.follow.say_unfinished(self.step)
         heads, out = (self.embed_VH, self.lm_head_VH), self.cfg.out / EXPORT_DIR
+        drafter, target = self.prep.drafter, self.prep.target  # the export records the latter
         if self.step > 0:
             try:
                 self.save()
             except DiskFull as e:  # the export is smaller: written where it fits
-                done = export_if_room(self.model, self.prep.drafter, out, heads=heads)
+                done = export_if_room(self.model, drafter, out, heads=heads, target=target)
                 raise DiskFull(f"{e} {done}") from None
         self.evaluate()
         if self.info.is_main:
             try:
-                export_drafter(self.model, self.prep.drafter, out, heads=heads)
+                export_drafter(self.model, drafter, out, heads=heads, target=target)
             except ValueError as e:  # files put in the export folder while the run trained
                 raise StopRun(
                     f"{e}. The run's last checkpoint (step {self.step}) is saved: move them "

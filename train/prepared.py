@@ -35,6 +35,8 @@ class Prepared:
     # (ranks, loader streams) of a finished run resumed with other ones (`--gpus`, `--workers`):
     # its data plan, and so its length, is theirs; it only evaluates and exports
     trained_with: tuple[int, int] | None = None
+    # the cache's target as an export records it (`train.export_hf.target_record`)
+    target: dict[str, Any] | None = None
 
     @property
     def first_draft_slot(self) -> int:

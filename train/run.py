@@ -33,6 +33,7 @@ from train.data.follow import CacheView, changed_parts, read_view
 from train.data.loader import layer_positions, load_catalog
 from train.data.plan import holdout_lengths, plan_rows
 from train.drafters.anchors import default_gamma
+from train.export_hf import target_record
 from train.follow_start import await_first_step, await_manifest, holdout, start_following
 from train.loop import EXPORT_DIR, train_rank
 from train.prepared import FollowPlan, Prepared
@@ -217,6 +218,7 @@ def prepare(
         layers=layer_positions(manifest.layer_ids, read),
         gamma=gamma,
         follow=None if view is None else FollowPlan(view, 0, manifest.identity()),
+        target=target_record(manifest.target),
     )
     return cfg, prep
 

@@ -115,6 +115,7 @@ def save_run_state(trainer: Any) -> None:
             "rng": rngs,
             "config": to_json(t.cfg),
             "plan": t.follow.record() if t.follow else {"follow": False},
+            "target": t.prep.target,
         }
         save_checkpoint(t.cfg.out, t.step, state, t.prep.drafter, keep=t.cfg.keep_checkpoints)
     barrier()
