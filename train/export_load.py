@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
@@ -15,7 +16,7 @@ from train.drafters.dflash import DFlashDrafter
 from train.drafters.registry import build_drafter
 from train.export import CONFIG_FILE, WEIGHTS_FILE, check_shapes
 from train.export_dspark import HEAD_KEYS
-from train.export_hf import DFLASH_FIELDS, config_from_hf, missing_fields
+from train.export_hf import DFLASH_FIELDS, TARGET_KEY, config_from_hf, missing_fields
 
 
 def export_config(export_dir: str | Path) -> DrafterConfig:
@@ -41,6 +42,16 @@ def export_config(export_dir: str | Path) -> DrafterConfig:
         f"{folder} is not a drafter export: its {CONFIG_FILE} has no {', '.join(missing)}"
         + (fix or f"; {export_again(folder)}")
     )
+
+
+def recorded_target(export_dir: str | Path) -> dict[str, Any] | None:
+    """The target an export names as its training cache's (`TARGET_KEY`); None for an export
+    written before it was recorded, or a config.json that cannot be read."""
+    try:
+        recorded = json.loads((Path(export_dir) / CONFIG_FILE).read_text()).get(TARGET_KEY)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
 
 
 def export_again(folder: Path) -> str:

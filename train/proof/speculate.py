@@ -36,6 +36,7 @@ from train.export_load import export_config, load_export, weights_problem
 from train.metrics import json_line
 from train.proof.dspark_decode import format_sampled, sampled_summary
 from train.proof.lossless import compare_with_greedy, format_report, greedy_baselines
+from train.proof.target_check import other_target_warning
 
 log = logging.getLogger(__spec__.name if __spec__ else __name__)  # not "__main__" under -m
 
@@ -250,6 +251,8 @@ def load(
                 + "\ngive the target its training cache was extracted from (the cache's "
                 "manifest.json names it)"
             )
+        if warning := other_target_warning(path, cfg.target):
+            log.warning("%s", warning)
         dspark = cfg.temperature > 0 or cfg.confidence_threshold is not None
         if dspark and drafter_cfg.drafter_type != "dspark":
             raise SpeculateError(
