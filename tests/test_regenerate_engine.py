@@ -3,12 +3,13 @@
 With vLLM's CPU build (in the Python DFLASH_VLLM_PYTHON names, as `.ci/run` sets it) on the tiny
 demo target: the rows equal our own greedy run's, token for token; sampled rows do not depend on
 the concurrency; a killed run and a Ctrl-C'd one resume without losing a row or generating a
-finished one again. Here, with a fake of vLLM's engine (its `add_request` and `step`) in place of
-vLLM: a turn that outgrows --max-length rejects its row mid-conversation, turns vLLM aborts or
-fails never become rows, and vLLM raising stops the run with a message and a resumable output.
-Without vLLM, the option is a message; a vLLM that is not importable or refuses to start leaves
-an output that --overwrite would replace byte for byte as it was, and a complete output is
-resumed without starting one.
+finished one again. Here, with a fake of vLLM's engine (its `add_request`, `step` and shutdown)
+in place of vLLM: a turn that outgrows --max-length rejects its row mid-conversation, turns vLLM
+aborts or fails never become rows, vLLM raising stops the run with a message and a resumable
+output, and vLLM is shut down however the run ends (a full disk as the output is prepared
+included). Without vLLM, the option is a message; a vLLM that is not importable or refuses to
+start leaves an output that --overwrite would replace byte for byte as it was, and a complete
+output is resumed without starting one.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +31,7 @@ import extract.regen.engine
 from extract.regen.config import RegenConfig, RegenError
 from extract.regen.regenerate import run
 from extract.regen.state import parts_dir, read_state
+from tests.test_extract_safety import small_disk
 from tests.test_regenerate_server import _finished_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,15 +158,26 @@ def test_a_stopped_run_resumes_losing_nothing_generating_nothing_twice(demo, loc
     assert _asked(log) == ROWS - len(finished)
 
 
+class FakeEngineCore:
+    """vLLM's engine core client as the run uses it: its `shutdown`, counted."""
+
+    def __init__(self):
+        self.shutdowns = 0
+
+    def shutdown(self, timeout=None):
+        self.shutdowns += 1
+
+
 class FakeEngine:
-    """vLLM's `LLMEngine` as the loop uses it: each request answered whole at the next step,
+    """vLLM's `LLMEngine` as the run uses it: each request answered whole at the next step,
     the same answer for the same prompt: "fine" and eos (`finish`: the finish reason of the
     requests of a row's turn given as "ROW:TURN"; `fail_at`: the step that raises;
-    `signal_at`: the step that sends this process SIGINT)."""
+    `signal_at`: the step that sends this process SIGINT); `engine_core`: its client."""
 
     def __init__(
         self, tokenizer, eos: int, *, finish=None, fail_at: int | None = None, signal_at=None
     ):
+        self.engine_core = FakeEngineCore()
         self.answer = tokenizer("fine", add_special_tokens=False)["input_ids"] + [eos]
         self.finish, self.fail_at, self.signal_at = finish or {}, fail_at, signal_at
         self.live_at_signal: set[int] = set()
@@ -239,6 +253,7 @@ def test_every_turn_is_asked_with_the_answers_before_it(demo, fake_vllm, tmp_pat
     assert state.merged_rows == 12
     turns = state.totals(range(len(state.chunks)))["turns"]
     assert len(engine.requests) == turns
+    assert engine.engine_core.shutdowns == 1
     multi = _multi_turn_rows(out)
     assert multi, "the demo's first rows include multi-turn chats"
     prompts = dict(engine.requests)
@@ -279,11 +294,25 @@ def test_turns_vllm_aborts_or_fails_never_become_rows(demo, fake_vllm, tmp_path,
     assert "1:0" in dict(engine.requests)  # asked again
 
 
+def test_a_shutdown_that_fails_is_logged_not_said_over_the_run(demo, fake_vllm, tmp_path, caplog):
+    engine = fake_vllm()
+
+    def shutdown(timeout=None):
+        raise RuntimeError("an engine process did not end")
+
+    engine.engine_core.shutdown = shutdown
+    assert _fake_run(demo, tmp_path / "o.jsonl").merged_rows == 12
+    (warning,) = [r for r in caplog.records if r.name == "extract.regen.engine"]
+    assert warning.getMessage() == "vLLM did not shut down cleanly"
+    assert "an engine process did not end" in str(warning.exc_info[1])
+
+
 def test_vllm_raising_stops_the_run_with_a_message_and_resumes(demo, fake_vllm, tmp_path):
-    fake_vllm(fail_at=6)
+    failing = fake_vllm(fail_at=6)
     out = tmp_path / "o.jsonl"
     with pytest.raises(RegenError, match="vLLM failed: RuntimeError: the engine died"):
         _fake_run(demo, out)
+    assert failing.engine_core.shutdowns == 1
     finished = _finished_rows(out)
     assert finished and len(finished) < 12
     engine = fake_vllm()
@@ -296,7 +325,7 @@ def test_ctrl_c_finishes_the_conversations_in_flight_and_starts_none(demo, fake_
     out = tmp_path / "o.jsonl"
     with pytest.raises(RegenError, match="stopped by a signal"):
         _fake_run(demo, out)
-    assert engine.live_at_signal
+    assert engine.live_at_signal and engine.engine_core.shutdowns == 1
     after = {
         int(request.split(":")[0]) for request, _ in engine.requests[engine.asked_before_signal :]
     }
@@ -317,7 +346,6 @@ def _files(out: Path) -> dict[str, bytes]:
 def _vllm_refusing(monkeypatch, refusal: Exception | None) -> None:
     """vLLM as this process would import it: not importable (`refusal` None), or one whose
     `LLM` raises `refusal` (no memory for its KV cache, say) on vLLM's CPU build."""
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # set by a CPU engine's start
     if refusal is None:
         monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
         return
@@ -325,6 +353,12 @@ def _vllm_refusing(monkeypatch, refusal: Exception | None) -> None:
     def llm(**options):
         raise refusal
 
+    _vllm_cpu(monkeypatch, llm)
+
+
+def _vllm_cpu(monkeypatch, llm) -> None:
+    """vLLM's CPU build as this process would import it, its `LLM(**options)` being `llm`."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # set by a CPU engine's start
     modules = {
         "vllm": dict(LLM=llm, SamplingParams=dict),
         "vllm.platforms": dict(current_platform=SimpleNamespace(is_cpu=lambda: True)),
@@ -383,3 +417,28 @@ def test_a_complete_output_is_resumed_without_starting_an_engine(
     for overwrite in (False, True):  # the same settings: --overwrite resumes too
         assert _fake_run(demo, out, overwrite=overwrite).merged_rows == 12
     assert _files(out)[out.name] == before
+
+
+def test_vllm_is_shut_down_when_the_output_cannot_be_prepared(
+    demo, fake_vllm, monkeypatch, tmp_path
+):
+    """A full disk where the output is prepared, vLLM started: one message, and vLLM shut down
+    rather than left running to the end of the process."""
+    from click.testing import CliRunner
+
+    from extract.regen.__main__ import main
+
+    engine = fake_vllm()
+    monkeypatch.setattr(extract.regen.engine, "load_engine", LOAD_ENGINE)  # vLLM's, below
+    _vllm_cpu(monkeypatch, lambda **options: SimpleNamespace(llm_engine=engine))
+    target, data = demo
+    with small_disk(tmp_path / "disk", "8k") as disk:
+        room = os.sysconf("SC_PAGE_SIZE")  # one page of a tmpfs: the run's lock file only
+        (disk / "filler").write_bytes(bytes(shutil.disk_usage(disk).free - room))
+        out = disk / "o.jsonl"
+        args = ["--engine", "vllm", "--gpus", "cpu", "--target", str(target), "--data", str(data)]
+        result = CliRunner().invoke(main, [*args, "--out", str(out), "--max-rows", "4"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"Error: the disk holding {parts_dir(out)} is full" in result.output
+    assert "Traceback" not in result.output
+    assert engine.engine_core.shutdowns == 1 and engine.requests == []

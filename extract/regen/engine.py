@@ -9,16 +9,19 @@ seed (`extract.regen.driver.turn_seed`): the same rows whatever the order, and a
 Finished conversations go to their chunk's journal (`extract.regen.driver`): resumable after a
 crash; on a CPU, Ctrl-C finishes the conversations in flight (on GPUs it also reaches vLLM's own
 processes, which abort their requests: the run stops, and those conversations are asked
-again). Float32 on a CPU and bfloat16 on GPUs, as the Hugging Face route.
+again). Float32 on a CPU and bfloat16 on GPUs, as the Hugging Face route. However the run ends
+once vLLM started (the output not prepared, vLLM failing, a signal, or done), vLLM is shut down
+before the output is merged or the message said.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +147,20 @@ def load_engine(
         ) from None
     sampling_params = functools.partial(SamplingParams, output_kind=RequestOutputKind.FINAL_ONLY)
     return llm.llm_engine, sampling_params
+
+
+@contextlib.contextmanager
+def shut_down_after(engine: Any) -> Iterator[None]:
+    """The block, then vLLM's `engine` shut down however the block ends (its processes ended,
+    their GPU memory released), rather than left to the end of the process. A shutdown that
+    fails is logged: the block's own outcome (its error, or the run's) is what is said."""
+    try:
+        yield
+    finally:
+        try:  # the engine core client's: LLMEngine has no shutdown of its own (vLLM 0.32)
+            engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 (vLLM's)
+            log.warning("vLLM did not shut down cleanly", exc_info=True)
 
 
 @dataclass
@@ -275,7 +292,7 @@ def generate(
 ) -> RegenState:
     """The --engine vllm run: start vLLM where rows are pending, then prepare or resume the
     output (so a vLLM that cannot start leaves an output that --overwrite would replace as it
-    was), generate its pending rows, merge."""
+    was), generate its pending rows, shut vLLM down (also where any of that failed), merge."""
     from transformers import AutoTokenizer
 
     where = f"vLLM ({spec.label})"
@@ -290,10 +307,11 @@ def generate(
         seed=job.seed,
         concurrency=cfg.in_flight,
     )
-    job = prepare(cfg, settings, config, job, where=where)
-    tokenizer = AutoTokenizer.from_pretrained(job.target)
-    eos = target_eos(job.target, tokenizer)
-    prompter = job.prompter(tokenizer)
-    loop = Loop(engine, sampling_params, prompter, eos, sampling=job.sampling, seed=job.seed)
-    done = run_engine(job, loop, concurrency=cfg.in_flight)
+    with shut_down_after(engine):
+        job = prepare(cfg, settings, config, job, where=where)
+        tokenizer = AutoTokenizer.from_pretrained(job.target)
+        eos = target_eos(job.target, tokenizer)
+        prompter = job.prompter(tokenizer)
+        loop = Loop(engine, sampling_params, prompter, eos, sampling=job.sampling, seed=job.seed)
+        done = run_engine(job, loop, concurrency=cfg.in_flight)
     return conclude(cfg.out, job, done, "--engine vllm")
