@@ -1,6 +1,7 @@
 """The local route of `python -m extract.regen` loads the target before it touches --out: a
-target whose weights do not load (on one process or on any of several) is named, and an output
-that --overwrite would replace stays byte for byte as it was; one that loads replaces it."""
+target whose weights do not load (on one process or on any of several), or Ctrl-C while it
+loads, is named, and an output that --overwrite would replace stays byte for byte as it was; one
+that loads replaces it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from extract.regen.config import RegenError
 from extract.regen.state import PROGRESS_DIR, parts_dir
 from shared.progress import read_counters
+from tests.held_file import interrupted_at_open
 from tests.test_regenerate import regen, write_chats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -109,3 +111,24 @@ def test_one_rank_of_two_that_cannot_load_stops_both_and_leaves_the_output(
     state = regen(out, tiny_qwen3, data_file, **two)
     assert state.merged_rows == 8 and state.settings["max_new_tokens"] != 2
     assert _files(out)[out.name] != before[out.name]
+
+
+def test_ctrl_c_while_the_target_loads_leaves_the_output_to_overwrite(
+    tiny_qwen3, data_file, previous, tmp_path
+):
+    """SIGINT sent while the process is held inside the target's load (where transformers opens
+    generation_config.json, which planning does not read): the run stops with one message once
+    the load ends, before it prepares the output."""
+    out = _copy(previous, tmp_path)
+    before = _files(out)
+    target = tmp_path / "target"
+    shutil.copytree(tiny_qwen3, target)
+    args = ["--target", str(target), "--data", str(data_file), "--out", str(out), "--gpus", "cpu"]
+    args += ["--max-rows", "4", "--overwrite"]  # its other --max-new-tokens: a run to replace
+    done = interrupted_at_open("extract.regen", args, target / "generation_config.json")
+    assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "Error: stopped by SIGINT while the target loaded, before any chunk. The output was not "
+        "touched: run the same command to start it."
+    )
+    assert _files(out) == before

@@ -1,0 +1,81 @@
+"""A file that another process cannot open until the test lets it: a Linux write lease, which
+makes the kernel hold such an `open()` and signal the lease holder (SIGIO). A test then knows,
+without sleeping or polling, that a child process has reached the point where it opens that
+file, and holds it there. A FIFO cannot do this for the files transformers reads: it checks
+that each is a regular file first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import select
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def held_file(path: Path) -> Iterator[Callable[[float], None]]:
+    """Hold `path` until the block ends: another process's `open()` of it waits until then (or
+    the kernel's lease-break-time, 45 s by default). Yields `opened(timeout)`, which returns once
+    a process is waiting in that `open()`. Skips where the file system takes no lease. The
+    block must not open `path` itself."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    handler = signal.signal(signal.SIGIO, lambda *_: None)  # SIGIO would end this process
+    wakeup = signal.set_wakeup_fd(wake_w)  # any thread's SIGIO reaches the pipe
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        except OSError as e:
+            pytest.skip(f"no file lease on {path} ({e})")
+
+        def opened(timeout: float) -> None:
+            while True:
+                ready, _, _ = select.select([wake_r], [], [], timeout)
+                if not ready:
+                    raise AssertionError(f"no process opened {path} in {timeout} s")
+                if signal.SIGIO in os.read(wake_r, 64):  # one byte per signal, its number
+                    return
+
+        yield opened
+    finally:
+        os.close(fd)  # the lease goes with it: the waiting open() goes on
+        signal.set_wakeup_fd(wakeup)
+        signal.signal(signal.SIGIO, handler)
+        os.close(wake_r)
+        os.close(wake_w)
+
+
+def interrupted_at_open(module: str, args: list[str], path: Path) -> subprocess.CompletedProcess:
+    """`python -m module args` (of this project, on one intra-op thread) run until it opens
+    `path`, sent SIGINT while that `open()` waits, then let go on to its end: its exit code and
+    output."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with held_file(path) as opened:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            opened(timeout=120)
+        except BaseException as e:
+            proc.kill()
+            e.add_note(f"python -m {module} said:\n{proc.communicate()[1][-3000:]}")
+            raise
+        proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
