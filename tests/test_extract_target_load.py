@@ -17,6 +17,7 @@ from extract.run import ExtractError, run
 from shared.manifest import read_manifest
 from shared.progress import read_counters
 from shared.stopping import StopRun
+from tests.held_file import interrupted_at_open
 from tests.test_extract import chat
 from tests.test_regenerate_target_load import LAYER_WEIGHT, damaged_target
 
@@ -209,3 +210,23 @@ def test_a_target_that_loads_on_no_rank_of_two_leaves_the_cache_to_overwrite(
     manifest = run(request(out, tiny_qwen3, data_file, **two))
     assert manifest.complete and manifest.layer_ids == (0, 2)
     assert _files(out)["manifest.json"] != before["manifest.json"]
+
+
+def test_ctrl_c_while_the_target_loads_leaves_the_cache_to_overwrite(
+    tiny_qwen3, data_file, previous, tmp_path
+):
+    """SIGINT sent while the process is held inside the target's load (where transformers opens
+    generation_config.json, which planning does not read): it stops with a message and the
+    resume command, before it clears the cache that --overwrite would replace."""
+    out = tmp_path / "c"
+    shutil.copytree(previous, out)
+    before = _files(out)
+    target = tmp_path / "target"
+    shutil.copytree(tiny_qwen3, target)
+    args = ["--target", str(target), "--data", str(data_file), "--out", str(out), "--gpus", "cpu"]
+    args += ["--layers", "0,2", "--rows-per-part", "2", "--overwrite"]
+    done = interrupted_at_open("extract", args, target / "generation_config.json")
+    assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr, done.stderr
+    said = done.stderr.strip().splitlines()
+    assert said[-2].startswith("Error: stopped") and said[-1].startswith("resume: python -m ")
+    assert _files(out) == before
