@@ -30,6 +30,7 @@ from train.sweep.grid import Job
 log = logging.getLogger(__name__)
 
 LOGS_DIR = "logs"
+START_MARK = "$ "  # a log line that starts a run's output: `$ ` and its command
 EXPORT_WEIGHTS = Path("export") / "model.safetensors"
 
 
@@ -46,22 +47,28 @@ def log_path(out: Path, job: Job) -> Path:
 
 
 def run_error(path: Path, *, most: int = 3) -> str | None:
-    r"""The error a run's log ends with (train's `Error: ...`, its first `most` lines), if any.
+    r"""The error a run's log ends with (train's `Error: ...`, its first `most` lines), if any,
+    in its last start's part (`_start` appends each start's output after a `$ command` line).
 
     >>> import tempfile
     >>> p = Path(tempfile.mkdtemp()) / "r.log"
     >>> _ = p.write_text("step 1\nError: training stopped: the loss is not finite\nfrom step 3\n")
     >>> run_error(p)
     'training stopped: the loss is not finite from step 3'
+    >>> _ = p.write_text("$ python -m train\nError: stopped by SIGTERM\n$ python -m train\n")
+    >>> run_error(p) is None  # the last start's run was killed without a word
+    True
     """
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return None
-    starts = [i for i, line in enumerate(lines) if line.startswith("Error: ")]
-    if not starts:
+    starts = [i for i, line in enumerate(lines) if line.startswith(START_MARK)]
+    lines = lines[starts[-1] :] if starts else lines
+    errors = [i for i, line in enumerate(lines) if line.startswith("Error: ")]
+    if not errors:
         return None
-    said = lines[starts[-1] : starts[-1] + most]
+    said = lines[errors[-1] : errors[-1] + most]
     return " ".join([said[0].removeprefix("Error: "), *said[1:]]).strip()
 
 
@@ -164,7 +171,7 @@ def _start(job: Job, device: str, out: Path) -> subprocess.Popen:
     cmd = command(job, device)
     log.info("starting %s seed %d on %s: %s", job.variant.name, job.seed, device, shlex.join(cmd))
     with open(path, "ab") as sink:  # appended: a resumed run's log follows its first part
-        sink.write(f"$ {shlex.join(cmd)}\n".encode())
+        sink.write(f"{START_MARK}{shlex.join(cmd)}\n".encode())
         sink.flush()
         return subprocess.Popen(
             cmd,

@@ -1,0 +1,44 @@
+"""python -m train.sweep as a user meets it: why a run did not finish (the last start's word,
+not an earlier one's)."""
+
+import pytest
+
+from tests.cachegen import write_cache
+from train.sweep.__main__ import settle
+from train.sweep.grid import parse_vary, plan_jobs
+from train.sweep.jobs import Outcome, command, log_path
+
+TRAIN = [
+    "--drafter-layers", "1", "--block-size", "4", "--num-anchors", "8", "--batch-tokens", "512",
+    "--workers", "0", "--shuffle-buffer", "4", "--lr", "3e-3", "--steps", "4", "--log-every", "2",
+    "--eval-parts", "1", "--checkpoint-every", "2",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return write_cache(tmp_path_factory.mktemp("cache"), num_parts=3, samples_per_part=4)
+
+
+def plan(cache, out, vary=("optimizer=adamw,muon",), seeds=1):
+    grid = parse_vary(list(vary))
+    return plan_jobs(data=cache, out=out, grid=grid, seeds=seeds, train_args=TRAIN)
+
+
+def test_a_run_killed_after_an_earlier_stop_is_said_killed(cache, tmp_path):
+    """A run's log holds every start of it: a run stopped by SIGTERM (its log ends with train's
+    error), then started again and killed without a word (SIGKILL) is named killed, not with
+    the first start's error."""
+    job = plan(cache, tmp_path)[0]
+    path = log_path(tmp_path, job)
+    path.parent.mkdir(parents=True)
+    first = " ".join(command(job, "cpu"))
+    path.write_text(
+        f"$ {first}\nError: stopped by SIGTERM at step 2 of 4: checkpoint saved\n"
+        f"$ {first}\n12:00:00 INFO train.loop: first step: 0.1 s\n"
+    )
+    _, failed = settle([job], Outcome(failed=[(job, -9)]), tmp_path)
+    assert failed == [(job, "killed by SIGKILL (see its log)")]
+    path.write_text(path.read_text() + "Error: training stopped: the loss is not finite\n")
+    _, failed = settle([job], Outcome(failed=[(job, 1)]), tmp_path)
+    assert failed == [(job, "training stopped: the loss is not finite")]
