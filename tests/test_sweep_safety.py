@@ -1,10 +1,11 @@
 """python -m train.sweep as a user meets it: why a run did not finish (the last start's word,
-not an earlier one's)."""
+not an earlier one's), an --out that is no sweep's folder."""
 
 import pytest
+from click.testing import CliRunner
 
 from tests.cachegen import write_cache
-from train.sweep.__main__ import settle
+from train.sweep.__main__ import main, settle
 from train.sweep.grid import parse_vary, plan_jobs
 from train.sweep.jobs import Outcome, command, log_path
 
@@ -42,3 +43,18 @@ def test_a_run_killed_after_an_earlier_stop_is_said_killed(cache, tmp_path):
     path.write_text(path.read_text() + "Error: training stopped: the loss is not finite\n")
     _, failed = settle([job], Outcome(failed=[(job, 1)]), tmp_path)
     assert failed == [(job, "training stopped: the loss is not finite")]
+
+
+def test_an_out_of_other_files_is_refused(cache, tmp_path):
+    """An --out that holds files no sweep writes and no sweep.json: refused before any run, as
+    train refuses a folder of other files (the sweep would replace its report.md, say)."""
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "todo.txt").write_text("x")
+    (out / "report.md").write_text("# my notes\n")
+    args = ["--data", str(cache), "--out", str(out), "--vary", "optimizer=muon", "--seeds", "1"]
+    result = CliRunner().invoke(main, [*args, "--gpus", "cpu", *TRAIN])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"--out {out}: holds files but no sweep (todo.txt)" in result.output
+    assert sorted(p.name for p in out.iterdir()) == ["report.md", "todo.txt"]
+    assert (out / "report.md").read_text() == "# my notes\n"

@@ -7,6 +7,7 @@ Options this command does not know are `python -m train` options, the same for e
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 import click
 
 from train.sweep.grid import (
+    RUNS_DIR,
     SWEEP_FILE,
     GridError,
     check,
@@ -95,9 +97,16 @@ def main(
     try:
         with output_lock(out, "python -m train.sweep"):
             try:
-                check_same_sweep(read_record(out), data=data, train_args=list(ctx.args))
+                record = read_record(out)
+                check_same_sweep(record, data=data, train_args=list(ctx.args))
             except GridError as e:
                 raise click.ClickException(f"{out}: {e}") from None
+            if record is None and (names := foreign(out)):
+                shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+                raise click.ClickException(
+                    f"--out {out}: holds files but no sweep ({shown}): give a new or empty "
+                    "folder, or a sweep's folder to go on with it"
+                )
             record = {"command": command, "grid": grid, "seeds": seeds, "train_args": ctx.args}
             record["data"] = str(data.resolve())
             atomic_write_json(out / SWEEP_FILE, record)
@@ -148,6 +157,19 @@ def await_cache(jobs: list[Job]) -> None:
         await_manifest(check(jobs[0].variant, list(jobs[0].argv)))
     except (CacheMismatch, Stopped) as e:
         raise click.ClickException(f"{e}; no run was started") from None
+
+
+def foreign(out: Path) -> list[str]:
+    """The names in `out` that no sweep writes (its lock and atomic writes' files aside): a
+    folder of other files, whose report.md, say, the sweep would replace."""
+    from shared.fsio import is_atomic_tmp
+    from shared.lock import LOCK_FILE
+    from train.sweep.jobs import LOGS_DIR
+    from train.sweep.report import CURVES_PLOT, REPORT_JSON, REPORT_MD, TAU_PLOT
+
+    own = {RUNS_DIR, LOGS_DIR, SWEEP_FILE, REPORT_MD, REPORT_JSON, TAU_PLOT, CURVES_PLOT}
+    names = (n for n in os.listdir(out) if not (n.startswith(LOCK_FILE) or is_atomic_tmp(n)))
+    return sorted(set(names) - own)
 
 
 def run_all(jobs: list[Job], *, out: Path, devices: list[str]) -> Outcome:
