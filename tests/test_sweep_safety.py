@@ -1,13 +1,14 @@
 """python -m train.sweep as a user meets it: why a run did not finish (the last start's word,
-not an earlier one's), an --out that is no sweep's folder."""
+not an earlier one's), an --out that is no sweep's folder, a variant whose values cannot
+name a file."""
 
 import pytest
 from click.testing import CliRunner
 
 from tests.cachegen import write_cache
 from train.sweep.__main__ import main, settle
-from train.sweep.grid import parse_vary, plan_jobs
-from train.sweep.jobs import Outcome, command, log_path
+from train.sweep.grid import GridError, parse_vary, plan_jobs
+from train.sweep.jobs import Outcome, check_names, command, log_path
 
 TRAIN = [
     "--drafter-layers", "1", "--block-size", "4", "--num-anchors", "8", "--batch-tokens", "512",
@@ -58,3 +59,18 @@ def test_an_out_of_other_files_is_refused(cache, tmp_path):
     assert f"--out {out}: holds files but no sweep (todo.txt)" in result.output
     assert sorted(p.name for p in out.iterdir()) == ["report.md", "todo.txt"]
     assert (out / "report.md").read_text() == "# my notes\n"
+
+
+def test_a_variant_named_longer_than_a_file_name_is_refused_before_any_run(cache, tmp_path):
+    """A value as long as a deep --init-from path: its run folder and log (named after the
+    values) cannot be made; refused when planned, not taken for a full disk once runs start."""
+    deep = "/".join(["."] * 130) + "/export"
+    out = tmp_path / "s"
+    args = ["--data", str(cache), "--out", str(out), "--seeds", "1", "--gpus", "cpu"]
+    result = CliRunner().invoke(main, [*args, "--vary", f"init-from={deep}", *TRAIN])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "bytes where a file name takes at most 255: give shorter values" in result.output
+    assert not out.exists()
+    check_names(plan(cache, out, [f"init-from={deep[-200:]}"]), out)  # a name that fits
+    with pytest.raises(GridError, match=r"variant init_from=\._\._"):
+        check_names(plan(cache, out, [f"init-from={deep}"]), out)

@@ -73,6 +73,7 @@ def main(
     from shared.fsio import atomic_write_json, unwritable_reason
     from shared.lock import LockHeld, output_lock
     from shared.logs import setup_logging
+    from train.sweep.jobs import check_names
     from train.sweep.report import REPORT_MD, write_report
 
     setup_logging(0)
@@ -80,6 +81,7 @@ def main(
     try:
         grid = parse_vary(vary)
         jobs = plan_jobs(data=data, out=out, grid=grid, seeds=seeds, train_args=list(ctx.args))
+        check_names(jobs, out)
         spec = parse_gpus(gpus)
     except (GridError, ValueError) as e:
         raise click.ClickException(str(e)) from None

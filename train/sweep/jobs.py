@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.stopping import STOP_SIGNALS, die_with_parent
-from train.sweep.grid import Job
+from train.sweep.grid import GridError, Job
 
 log = logging.getLogger(__name__)
 
 LOGS_DIR = "logs"
+NAME_MAX = 255  # bytes in a file name: Linux's ext4, XFS, btrfs, tmpfs
 START_MARK = "$ "  # a log line that starts a run's output: `$ ` and its command
 EXPORT_WEIGHTS = Path("export") / "model.safetensors"
 
@@ -70,6 +71,19 @@ def run_error(path: Path, *, most: int = 3) -> str | None:
         return None
     said = lines[errors[-1] : errors[-1] + most]
     return " ".join([said[0].removeprefix("Error: "), *said[1:]]).strip()
+
+
+def check_names(jobs: list[Job], out: Path) -> None:
+    """GridError for a variant whose run folder or log, named after its values, is a name
+    longer than a file system takes: found here, not as a failed write once runs started."""
+    for job in jobs:
+        name = max(job.folder.parent.name, log_path(out, job).name, key=len)
+        if len(name.encode()) > NAME_MAX:
+            raise GridError(
+                f"variant {job.variant.name[:80]}...: its run folder and log are named after "
+                f"its values, {len(name.encode())} bytes where a file name takes at most "
+                f"{NAME_MAX}: give shorter values (a symlink to a long path, say)"
+            )
 
 
 def exit_reason(code: int) -> str:
