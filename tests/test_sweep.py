@@ -272,6 +272,7 @@ def test_sigterm_stops_the_sweep_and_the_same_command_finishes_it(cache, swept, 
     rest = sweep_proc.stderr.read()
     assert sweep_proc.wait() == 1, rest
     assert "stopped by SIGTERM; not finished: optimizer=adamw seed 0" in rest
+    assert "optimizer=adamw seed 0 stopped before its export (status " in rest
     assert "resume: python -m train.sweep --data" in rest
     assert not (folder / "export").exists()
     result = sweep(cache, out)

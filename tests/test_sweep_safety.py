@@ -1,6 +1,8 @@
 """python -m train.sweep as a user meets it: why a run did not finish (the last start's word,
 not an earlier one's), an --out that is no sweep's folder, a variant whose values cannot
-name a file."""
+name a file, and the log's count of the runs going and left."""
+
+import json
 
 import pytest
 from click.testing import CliRunner
@@ -74,3 +76,28 @@ def test_a_variant_named_longer_than_a_file_name_is_refused_before_any_run(cache
     check_names(plan(cache, out, [f"init-from={deep[-200:]}"]), out)  # a name that fits
     with pytest.raises(GridError, match=r"variant init_from=\._\._"):
         check_names(plan(cache, out, [f"init-from={deep}"]), out)
+
+
+def test_the_log_counts_the_runs_and_names_those_left_out(cache, tmp_path):
+    """Each run's start says which of how many it is and where its output goes, each end how
+    many are left; a second command on the folder with a smaller grid names the runs it keeps
+    there but leaves out of its report."""
+    out = tmp_path / "s"
+    args = ["--data", str(cache), "--out", str(out), "--seeds", "1", "--gpus", "cpu"]
+    result = CliRunner().invoke(main, [*args, "--vary", "optimizer=adamw,muon", *TRAIN])
+    assert result.exit_code == 0, result.output
+    for nth, job in enumerate(plan(cache, out), 1):
+        name = f"{job.variant.name} seed 0"
+        assert f"starting {name} ({nth} of 2) on cpu, its output in {log_path(out, job)}: " in (
+            result.output
+        )
+        assert f"finished {name} ({nth} of 2 ended, {2 - nth} left)" in result.output
+    result = CliRunner().invoke(main, [*args, "--vary", "optimizer=muon", *TRAIN])
+    assert result.exit_code == 0, result.output
+    assert "1 run: 1 finished already, 0 to run" in result.output
+    assert f"{out} also holds 1 run of other variants or seeds than this command's " in (
+        result.output
+    )
+    assert "(optimizer=adamw seed 0): kept, and left out of its report" in result.output
+    report = json.loads((out / "report.json").read_text())
+    assert [v["variant"] for v in report["variants"]] == ["optimizer=muon"]

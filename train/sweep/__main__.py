@@ -24,6 +24,7 @@ from train.sweep.grid import (
     parse_vary,
     plan_jobs,
     read_record,
+    runs_outside,
 )
 
 if TYPE_CHECKING:
@@ -98,17 +99,7 @@ def main(
         ) from None
     try:
         with output_lock(out, "python -m train.sweep"):
-            try:
-                record = read_record(out)
-                check_same_sweep(record, data=data, train_args=list(ctx.args))
-            except GridError as e:
-                raise click.ClickException(f"{out}: {e}") from None
-            if record is None and (names := foreign(out)):
-                shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-                raise click.ClickException(
-                    f"--out {out}: holds files but no sweep ({shown}): give a new or empty "
-                    "folder, or a sweep's folder to go on with it"
-                )
+            take_folder(out, jobs, data=data, train_args=list(ctx.args))
             record = {"command": command, "grid": grid, "seeds": seeds, "train_args": ctx.args}
             record["data"] = str(data.resolve())
             atomic_write_json(out / SWEEP_FILE, record)
@@ -159,6 +150,32 @@ def await_cache(jobs: list[Job]) -> None:
         await_manifest(check(jobs[0].variant, list(jobs[0].argv)))
     except (CacheMismatch, Stopped) as e:
         raise click.ClickException(f"{e}; no run was started") from None
+
+
+def take_folder(out: Path, jobs: list[Job], *, data: Path, train_args: list[str]) -> None:
+    """Check that the sweep folder can take this command's runs (a ClickException where its
+    record names other train options or another cache, or where it holds other files than a
+    sweep's), and log the runs it holds that this command leaves out."""
+    try:
+        record = read_record(out)
+        check_same_sweep(record, data=data, train_args=train_args)
+    except GridError as e:
+        raise click.ClickException(f"{out}: {e}") from None
+    if record is None and (names := foreign(out)):
+        raise click.ClickException(
+            f"--out {out}: holds files but no sweep ({_some(names)}): give a new or empty "
+            "folder, or a sweep's folder to go on with it"
+        )
+    if others := runs_outside(out, jobs):
+        log.info(
+            "%s also holds %d run%s of other variants or seeds than this command's (%s): "
+            "kept, and left out of its report",
+            out, len(others), "s" * (len(others) != 1), _some(others),
+        )  # fmt: skip
+
+
+def _some(names: list[str], most: int = 5) -> str:
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "")
 
 
 def foreign(out: Path) -> list[str]:

@@ -173,6 +173,14 @@ def plan_jobs(
     return jobs
 
 
+def runs_outside(out: Path, jobs: list[Job]) -> list[str]:
+    """The run folders in the sweep folder that are none of `jobs` (those of an earlier command
+    there with another grid or more seeds), as 'VARIANT seed S'."""
+    ours = {job.folder for job in jobs}
+    found = sorted(p for p in (Path(out) / RUNS_DIR).glob("*/seed-*") if p not in ours)
+    return [f"{p.parent.name} seed {p.name.removeprefix('seed-')}" for p in found if p.is_dir()]
+
+
 def check(variant: Variant, argv: list[str]) -> TrainConfig:
     """The TrainConfig `python -m train argv` would build; GridError naming the variant."""
     from train.__main__ import main

@@ -120,7 +120,9 @@ def run_jobs(
     `logs/`."""
     outcome = Outcome(skipped=[j for j in jobs if finished(j) and j not in redo])
     todo = [j for j in jobs if not finished(j) or j in redo]
-    log.info("%d runs: %d finished already, %d to run", len(jobs), len(outcome.skipped), len(todo))
+    runs = f"{len(jobs)} run" + "s" * (len(jobs) != 1)
+    log.info("%s: %d finished already, %d to run", runs, len(outcome.skipped), len(todo))
+    total, ended = len(todo), 0
     free, running = list(devices), {}  # pid -> (job, device, Popen)
     told: set[int] = set()  # the children passed SIGTERM since the last stop signal
 
@@ -141,7 +143,7 @@ def run_jobs(
         while todo or running:
             while todo and free and outcome.stopped_by is None:
                 job, device = todo.pop(0), free.pop(0)
-                proc = _start(job, device, out)
+                proc = _start(job, device, out, f"{total - len(todo)} of {total}")
                 running[proc.pid] = (job, device, proc)
                 if outcome.stopped_by is not None:  # a signal came while it was starting
                     pass_on()
@@ -151,15 +153,14 @@ def run_jobs(
             job, device, proc = running.pop(pid)
             code = proc.wait()
             free.append(device)
-            if code == 0 and finished(job):
+            ok, ended = code == 0 and finished(job), ended + 1
+            if ok:
                 outcome.done.append(job)
-                log.info("finished %s seed %d", job.variant.name, job.seed)
             else:
                 outcome.failed.append((job, code))
-                log.warning(
-                    "%s seed %d ended with status %d before its export: see %s",
-                    job.variant.name, job.seed, code, log_path(out, job),
-                )  # fmt: skip
+            count = f"{ended} of {total} ended, {total - ended} left"
+            stopped = outcome.stopped_by is not None
+            _log_end(job, code, log_path(out, job), ok=ok, stopped=stopped, count=count)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -179,11 +180,29 @@ def _next_exit(running: dict[int, tuple[Job, str, subprocess.Popen]]) -> int:
             os.close(fd)
 
 
-def _start(job: Job, device: str, out: Path) -> subprocess.Popen:
+def _log_end(job: Job, code: int, path: Path, *, ok: bool, stopped: bool, count: str) -> None:
+    """The line a run's end is logged with: finished, stopped by the sweep's stop signal
+    (resumed by the same command), or failed; `count`: how many ended, how many are left."""
+    what = f"{job.variant.name} seed {job.seed}"
+    if ok:
+        log.info("finished %s (%s)", what, count)
+    elif stopped:
+        log.warning(
+            "%s stopped before its export (status %d): see %s (%s)", what, code, path, count
+        )
+    else:
+        log.warning(
+            "%s ended with status %d before its export: see %s (%s)", what, code, path, count
+        )
+
+
+def _start(job: Job, device: str, out: Path, nth: str) -> subprocess.Popen:
+    """Start `job` on `device`, its output appended to its log; `nth`: '2 of 4' (to run)."""
     path = log_path(out, job)
     path.parent.mkdir(parents=True, exist_ok=True)
     cmd = command(job, device)
-    log.info("starting %s seed %d on %s: %s", job.variant.name, job.seed, device, shlex.join(cmd))
+    what = f"{job.variant.name} seed {job.seed} ({nth})"
+    log.info("starting %s on %s, its output in %s: %s", what, device, path, shlex.join(cmd))
     with open(path, "ab") as sink:  # appended: a resumed run's log follows its first part
         sink.write(f"{START_MARK}{shlex.join(cmd)}\n".encode())
         sink.flush()
