@@ -13,8 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from shared.cache import is_own_entry
-from shared.fsio import within
-from shared.part import remove_path
+from shared.fsio import remove_path, within
 
 log = logging.getLogger(__name__)
 

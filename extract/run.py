@@ -40,7 +40,7 @@ from shared.dist import (
     takes_output_lock,
     under_torchrun,
 )
-from shared.fsio import atomic_write_json, remove_stale_tmp
+from shared.fsio import atomic_write_json, os_error_text, remove_stale_tmp
 from shared.lock import LockHeld, output_lock
 from shared.manifest import (
     MANIFEST,
@@ -236,7 +236,7 @@ def run(
     except (LockHeld, TargetError, SpaceError) as e:
         raise ExtractError(str(e)) from None
     except OSError as e:  # e.g. --out /proc/x as root: mkdir fails although "writable"
-        raise ExtractError(f"{e.filename or cfg.out}: {e.strerror or e}") from None
+        raise ExtractError(os_error_text(e, cfg.out)) from None
     return manifest
 
 

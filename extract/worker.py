@@ -24,6 +24,7 @@ from extract.pipeline import PartPipeline
 from extract.target import TargetError, load_failure, load_target
 from extract.units import reader_reading_ahead, run_units
 from shared.dist import RankInfo, all_gather_objects, broadcast_object, one_rank_group
+from shared.fsio import os_error_text
 from shared.int4 import prepare_encoder
 from shared.logs import setup_logging
 from shared.progress import RankCounters, SummedBar
@@ -202,11 +203,7 @@ def _prepared(info: RankInfo, job: Job, prepare: Callable[[], object] | None) ->
         try:
             prepare()
         except (TargetError, OSError) as e:  # `target/` or --out that cannot be written
-            failure = (
-                str(e)
-                if isinstance(e, TargetError)
-                else f"{e.filename or job.out}: {e.strerror or e}"
-            )
+            failure = str(e) if isinstance(e, TargetError) else os_error_text(e, job.out)
         except Exception as e:
             log.exception("rank 0: preparing %s failed", job.out)
             failure = f"{job.out}: it could not be prepared ({type(e).__name__}: {e})"

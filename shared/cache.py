@@ -14,6 +14,7 @@ from pathlib import Path
 from shared.checksum import part_checksum, tree_file_sizes
 from shared.codec import check_format, check_store
 from shared.diskqueue import DiskQueue
+from shared.fsio import remove_path
 from shared.part import (  # noqa: F401  (re-exported: the cache's public names)
     PartReader,
     PartStats,
@@ -22,7 +23,6 @@ from shared.part import (  # noqa: F401  (re-exported: the cache's public names)
     aligned_offsets,
     layout_problems,
     part_name,
-    remove_path,
 )
 from shared.wds import WdsPartReader, WdsPartWriter, verify_wds
 from shared.zarr_part import ZarrPartReader, ZarrPartWriter, verify_zarr

@@ -1,4 +1,5 @@
-"""Atomic file writes and an advisory lock: every file the project writes goes through here."""
+"""Atomic file writes, removal and an advisory lock (every file the project writes goes through
+here), and a file-system error in words for the user."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -94,6 +96,38 @@ def named(e: OSError, path: Path | str) -> OSError:
     if e.filename is not None or e.errno is None:
         return e
     return OSError(e.errno, e.strerror, str(path))
+
+
+def os_error_text(e: OSError, where: Path | str) -> str:
+    """A file-system error as one line for the user: the file it names (else `where`, the
+    folder being written) and why.
+
+    >>> os_error_text(PermissionError(13, "Permission denied", "/out/part-000001"), "/out")
+    '/out/part-000001: Permission denied'
+    >>> os_error_text(OSError("no such device"), "/out")
+    '/out: no such device'
+    """
+    return f"{e.filename or where}: {e.strerror or e}"
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file or folder if it exists. An entry that cannot be removed is named by its
+    path in the error (rmtree names it by its name alone before Python 3.13)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, **{_ONEXC: _raise_with_path})
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+_ONEXC = "onexc" if sys.version_info >= (3, 12) else "onerror"  # onerror: deprecated in 3.12
+
+
+def _raise_with_path(_func: object, path: str, error: BaseException | tuple) -> None:
+    """rmtree's error handler: its error raised again, naming `path` (the entry's path)."""
+    e = error if isinstance(error, BaseException) else error[1]
+    if isinstance(e, OSError) and e.errno is not None:
+        raise OSError(e.errno, e.strerror, path) from None  # PermissionError etc. by errno
+    raise e
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

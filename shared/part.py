@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -38,7 +37,7 @@ from shared.codec import (
     u16_to_bf16,
 )
 from shared.diskqueue import DiskQueue, drain
-from shared.fsio import fsync_dir, replace_dir
+from shared.fsio import fsync_dir, remove_path, replace_dir
 from shared.int4 import Int4Scheme, decode_int4
 
 log = logging.getLogger(__name__)
@@ -93,14 +92,6 @@ class PartStats:
     stored_rows: int  # T: tokens plus alignment rows (zarr); tokens (wds)
     nbytes: int  # on disk
     checksum: str
-
-
-def remove_path(path: Path) -> None:
-    """Remove a file or folder if it exists."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
 
 
 class PartWriter:
