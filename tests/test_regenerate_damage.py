@@ -1,12 +1,16 @@
 """Damaged files of a `python -m extract.regen` output: journal lines that are not entries, and
-chunk files or an output changed on disk, are redone rather than read as rows or a traceback."""
+chunk files or an output changed on disk, are redone rather than read as rows or a traceback; a
+full disk, or an old output that cannot be removed, is one message."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import subprocess
+from collections.abc import Iterator
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
@@ -151,3 +155,35 @@ def test_a_merge_that_fills_the_disk_leaves_no_partial_copy(tmp_path):
         with pytest.raises(OSError) as e:
             merge_chunks(disk / "o.jsonl", tmp_path, 1)
         assert e.value.errno == errno.ENOSPC and list(disk.iterdir()) == []
+
+
+@contextlib.contextmanager
+def undeletable(folder: Path) -> Iterator[Path]:
+    """`folder` made a read-only file system holding one file, which no one (root included) can
+    remove: that file's path. Skips where none can be mounted."""
+    with small_disk(folder, "1m") as disk:
+        (disk / "kept").write_text("x")
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        yield disk / "kept"
+
+
+@pytest.mark.parametrize("gpus", ["cpu", pytest.param("cpu:2", marks=pytest.mark.slow)])
+def test_an_old_output_that_cannot_be_removed_is_one_message(
+    tiny_qwen3, tmp_path, monkeypatch, gpus
+):
+    """--overwrite of an output whose folder holds a file that cannot be removed: one message
+    naming it, from this process or from rank 0 of --gpus cpu:2 (which prepares the output)."""
+    from click.testing import CliRunner
+
+    from extract.regen.__main__ import main
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # inherited by the spawned processes
+    data = write_chats(tmp_path / "chats.jsonl")
+    out = tmp_path / "o.jsonl"
+    regen(out, tiny_qwen3, data, max_rows=4, max_new_tokens=2)
+    with undeletable(parts_dir(out) / "old") as stuck:
+        args = ["--target", str(tiny_qwen3), "--data", str(data), "--out", str(out)]
+        args += ["--gpus", gpus, "--max-rows", "4", "--max-new-tokens", "4", "--overwrite"]
+        result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.strip().splitlines()[-1] == f"Error: {stuck}: Read-only file system"

@@ -1,15 +1,15 @@
 """`python -m extract.regen --engine vllm`: vLLM in the regenerating process.
 
 With vLLM's CPU build (in the Python DFLASH_VLLM_PYTHON names, as `.ci/run` sets it) on the tiny
-demo target: the rows equal our own greedy run's, token for token; sampled rows do not depend on
-the concurrency; a killed run and a Ctrl-C'd one resume without losing a row or generating a
-finished one again. Here, with a fake of vLLM's engine (its `add_request`, `step` and shutdown)
-in place of vLLM: a turn that outgrows --max-length rejects its row mid-conversation, turns vLLM
-aborts or fails never become rows, vLLM raising stops the run with a message and a resumable
-output, and vLLM is shut down however the run ends (a full disk as the output is prepared
-included). Without vLLM, the option is a message; a vLLM that is not importable or refuses to
-start leaves an output that --overwrite would replace byte for byte as it was, and a complete
-output is resumed without starting one.
+demo target: the rows equal our own greedy run's, token for token; sampled rows do not depend on the
+concurrency; a killed run and a Ctrl-C'd one resume without losing a row or generating a finished
+one again. Here, with a fake of vLLM's engine (its `add_request`, `step` and shutdown) in place of
+vLLM: a turn that outgrows --max-length rejects its row mid-conversation, turns vLLM aborts or fails
+never become rows, vLLM raising stops the run with a message and a resumable output, and vLLM is
+shut down however the run ends (a full disk as the output is prepared, or an old file there that
+cannot be removed, included). Without vLLM, the option is a message; a vLLM that is not importable
+or refuses to start leaves an output that --overwrite would replace byte for byte as it was, and a
+complete output is resumed without starting one.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from extract.regen.config import RegenConfig, RegenError
 from extract.regen.regenerate import run
 from extract.regen.state import parts_dir, read_state
 from tests.test_extract_safety import small_disk
+from tests.test_regenerate_damage import undeletable
 from tests.test_regenerate_server import _finished_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -441,4 +442,27 @@ def test_vllm_is_shut_down_when_the_output_cannot_be_prepared(
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert f"Error: the disk holding {parts_dir(out)} is full" in result.output
     assert "Traceback" not in result.output
+    assert engine.engine_core.shutdowns == 1 and engine.requests == []
+
+
+def test_vllm_is_shut_down_when_an_old_output_cannot_be_removed(
+    demo, fake_vllm, monkeypatch, tmp_path
+):
+    """--overwrite of an output holding a file that cannot be removed, vLLM started: one
+    message naming it, and vLLM shut down."""
+    from click.testing import CliRunner
+
+    from extract.regen.__main__ import main
+
+    fake_vllm()
+    out = tmp_path / "o.jsonl"
+    _fake_run(demo, out, max_new_tokens=1)
+    engine = fake_vllm()
+    target, data = demo
+    with undeletable(parts_dir(out) / "old") as stuck:
+        args = ["--engine", "vllm", "--gpus", "cpu", "--target", str(target), "--data", str(data)]
+        args += ["--out", str(out), "--max-rows", "12", "--rows-per-chunk", "4", "--overwrite"]
+        result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.strip().splitlines()[-1] == f"Error: {stuck}: Read-only file system"
     assert engine.engine_core.shutdowns == 1 and engine.requests == []

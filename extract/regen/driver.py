@@ -32,6 +32,7 @@ from extract.regen.config import Chat, RegenConfig, RegenError, iter_chats
 from extract.regen.journal import OpenChunk, drop_committed
 from extract.regen.report import RowBar
 from extract.regen.state import (
+    DISK_FULL_RERUN,
     PROGRESS_DIR,
     Job,
     RegenState,
@@ -42,7 +43,9 @@ from extract.regen.state import (
     update_state,
 )
 from extract.regen.turns import Conversation, Prompter
+from shared.fsio import os_error_text
 from shared.progress import RankCounters
+from shared.space import full_disk_stops
 
 log = logging.getLogger(__name__)
 
@@ -204,10 +207,15 @@ def prepare(
     cfg: RegenConfig, settings: dict[str, Any], config: dict[str, Any], job: Job, *, where: str
 ) -> Job:
     """The output prepared or resumed (journals of committed chunks dropped): `job` with its
-    pending chunks."""
-    resume = existing_state(cfg.out, settings, overwrite=cfg.overwrite)
-    state = init_output(cfg.out, settings, config, resume)
-    drop_committed(job.parts, state.chunks)
+    pending chunks. A full disk raises DiskFull; any other file-system error (an old file that
+    cannot be removed) RegenError naming the file."""
+    try:
+        with full_disk_stops(job.parts, rerun=DISK_FULL_RERUN):
+            resume = existing_state(cfg.out, settings, overwrite=cfg.overwrite)
+            state = init_output(cfg.out, settings, config, resume)
+            drop_committed(job.parts, state.chunks)
+    except OSError as e:
+        raise RegenError(os_error_text(e, job.parts)) from None
     job = dataclasses.replace(job, chunks=job.pending(state))
     log.info("%s: %d of %d chunks to do on %s", cfg.out, len(job.chunks), job.num_chunks, where)
     return job

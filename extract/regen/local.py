@@ -58,6 +58,11 @@ class TargetNotLoaded(StopRun):
     """The target failed to load on a rank: raised on every rank, the output untouched."""
 
 
+class OutputNotPrepared(StopRun):
+    """Rank 0 could not prepare the output (a file there that cannot be removed, say): raised
+    on every rank."""
+
+
 def generate(
     cfg: RegenConfig, settings: dict[str, Any], config: dict[str, Any], job: Job, spec: DeviceSpec
 ) -> RegenState:
@@ -83,7 +88,7 @@ def generate(
         finally:
             if bar is not None:
                 bar.close()
-    except TargetNotLoaded as e:
+    except (TargetNotLoaded, OutputNotPrepared) as e:
         raise RegenError(str(e)) from None
     return finish_output(cfg.out, job, regenerated=True)
 
@@ -167,16 +172,17 @@ def _prepared(
 ) -> Job:
     """The output prepared or resumed by rank 0 (`extract.regen.driver.prepare`) while the
     other ranks wait; its refusal raised on every rank."""
-    prepared: Job | RegenError | StopRun | None = None
+    prepared: Job | StopRun | None = None
     if info.is_main:
         where = str(info.device) if info.world_size == 1 else f"{info.world_size} ranks"
         try:
-            with full_disk_stops(job.parts, rerun=DISK_FULL_RERUN):
-                prepared = prepare(cfg, settings, config, job, where=where)
-        except (RegenError, StopRun) as e:  # DiskFull is a StopRun
+            prepared = prepare(cfg, settings, config, job, where=where)
+        except RegenError as e:  # a spawned rank passes on a StopRun only
+            prepared = OutputNotPrepared(str(e))
+        except StopRun as e:  # DiskFull
             prepared = e
     prepared = broadcast_object(prepared)
-    if isinstance(prepared, (RegenError, StopRun)):
+    if isinstance(prepared, StopRun):
         raise prepared
     return prepared
 

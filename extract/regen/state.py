@@ -29,7 +29,13 @@ from typing import Any
 from extract.data import Rejected, RowIndex
 from extract.regen.config import RegenError
 from extract.regen.turns import Prompter
-from shared.fsio import atomic_write_bytes, atomic_write_json, file_lock, fsync_dir
+from shared.fsio import (
+    atomic_write_bytes,
+    atomic_write_json,
+    file_lock,
+    fsync_dir,
+    remove_path,
+)
 from shared.lock import LOCK_FILE
 
 log = logging.getLogger(__name__)
@@ -232,7 +238,7 @@ def init_output(
         parts.mkdir(parents=True, exist_ok=True)
         for old in parts.iterdir():  # all but the lock this run holds (`shared.lock`)
             if old.name != LOCK_FILE:
-                shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+                remove_path(old)
         out.unlink(missing_ok=True)  # an output never outlives its state
         write_state(parts, RegenState(settings=settings, config=config))
     else:
