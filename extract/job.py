@@ -48,6 +48,11 @@ class Job:
     layout: Layout | None = None
     layout_record: str | None = None
 
+    @property
+    def num_units(self) -> int:
+        """All the units of the cache, those committed before included."""
+        return -(-self.total_rows // self.rows_per_part)
+
     def unit_rows(self, unit: int) -> range:
         first = unit * self.rows_per_part
         return range(first, min(first + self.rows_per_part, self.total_rows))

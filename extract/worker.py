@@ -37,13 +37,16 @@ class TargetLoadFailed(StopRun):
     """The target failed to load on a rank: raised on every rank, before --out is prepared."""
 
 
+# What the first stop signal starts, in words, until the target has loaded on every rank.
+STOPPING_ONCE_LOADED = "stopping once the target has loaded, before any part (again: at once)"
+
+
 def rank_main(info: RankInfo, job: Job, prepare: Callable[[], object] | None = None) -> None:
     """One process: its units extracted. `prepare` (the output cleared and begun anew, where
     --out holds a cache to replace) is run by rank 0 once every rank holds its target, the
-    others waiting: a target that does not load leaves that cache as it was."""
+    others waiting: a target that does not load, or a stop signal before then, leaves that
+    cache as it was."""
     setup_logging(info.rank, verbose=job.verbose)
-    from transformers import AutoTokenizer
-
     if info.device.type == "cpu":
         # Respects OMP_NUM_THREADS; several CPU ranks share the cores.
         torch.set_num_threads(max(1, torch.get_num_threads() // info.world_size))
@@ -51,10 +54,34 @@ def rank_main(info: RankInfo, job: Job, prepare: Callable[[], object] | None = N
     if sharded and info.world_size == 1:
         one_rank_group(info)
     mine, writes = _my_units(info, job)
+    stop = StopRequest().install(STOPPING_ONCE_LOADED)
+    try:
+        _load_and_extract(info, job, prepare, stop, mine, writes, sharded=sharded)
+    finally:
+        stop.restore()
+
+
+def _load_and_extract(
+    info: RankInfo,
+    job: Job,
+    prepare: Callable[[], object] | None,
+    stop: StopRequest,
+    mine: tuple[int, ...],
+    writes: bool,
+    *,
+    sharded: bool,
+) -> None:
+    """`rank_main`'s work, with the stop signals going to `stop`: a signal while the target
+    loads stops every rank once all have loaded, before --out is prepared; one after, between
+    parts."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(job.target)
     read = reader_reading_ahead(job, tokenizer, mine)
-    model = _loaded(info, job, sharded=sharded, replaces=prepare is not None)
-    _prepared(info, job, prepare)
+    replaces = prepare is not None
+    model = _loaded(info, job, stop, sharded=sharded, replaces=replaces)
+    _prepared(info, job, prepare, stop)
+    stop.what = "finishing the parts in progress, then stopping"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if job.store == "int4" and info.device.type == "cuda" and job.compile != "none":
         # Before the target's start-up probe, which counts the graphs made after it as
@@ -95,7 +122,6 @@ def rank_main(info: RankInfo, job: Job, prepare: Callable[[], object] | None = N
         counters.listener = bar.refresh
     threads = writer_threads(job, info)
     clock = ForwardClock(capture.body)  # after LayerCapture's mask probe
-    stop = StopRequest().install("finishing the parts in progress, then stopping")
     lockstep = LockStep(group, stop) if sharded else None
     switch_interval = sys.getswitchinterval()
     try:
@@ -151,7 +177,6 @@ def rank_main(info: RankInfo, job: Job, prepare: Callable[[], object] | None = N
         clock.close()
         capture.close()
         counters.close()
-        stop.restore()
         if bar is not None:
             bar.close()
     if lockstep is not None:
@@ -170,12 +195,16 @@ def rank_main(info: RankInfo, job: Job, prepare: Callable[[], object] | None = N
         )
 
 
-def _loaded(info: RankInfo, job: Job, *, sharded: bool, replaces: bool) -> torch.nn.Module:
+def _loaded(
+    info: RankInfo, job: Job, stop: StopRequest, *, sharded: bool, replaces: bool
+) -> torch.nn.Module:
     """This rank's target, once every rank holds its own: a failure on any (memory, damaged
     weights, an unsupported model) raises TargetLoadFailed on every rank with the first failing
-    rank's message. A sharded target is loaded by its ranks together, through collectives of
-    transformers' own, so a rank that fails there raises at once: the others, waiting in a
-    collective it never joins, are ended by the launcher and never agree that all loaded."""
+    rank's message, and a signal on any while they loaded Stopped. A sharded target is loaded
+    by its ranks together, through collectives of transformers' own, so a rank that fails there
+    raises at once: the others, waiting in a collective it never joins, are ended by the
+    launcher and never agree that all loaded. A second signal in a process started by hand
+    (KeyboardInterrupt) ends the load at once."""
     model, failure = None, None
     try:
         model = load_target(
@@ -184,32 +213,68 @@ def _loaded(info: RankInfo, job: Job, *, sharded: bool, replaces: bool) -> torch
             last_layer=max(job.layer_ids),
             sharding=engine_kwargs(job.layout) if sharded else None,
         )
+    except KeyboardInterrupt:
+        raise load_stop(job, "at once by a second signal", replaces=replaces) from None
     except Exception as e:  # whatever it is, the other ranks must hear of it
         log.debug("rank %d: the target did not load", info.rank, exc_info=True)
         failure = load_failure(job.target, info.device, e)
-    failures = [failure] if sharded and failure else all_gather_objects(failure)
-    failures = [f for f in failures if f is not None]
+    report = (failure, stop.signal_name)
+    ranks = [report] if sharded and failure else all_gather_objects(report)
+    failures = [f for f, _ in ranks if f is not None]
     if failures:
         many = f" ({len(failures)} of {info.world_size} ranks)" if info.world_size > 1 else ""
         kept = f"; the cache in --out {job.out} was not touched" if replaces else ""
         raise TargetLoadFailed(f"{failures[0]}{many}{kept}")
+    signals = [s for _, s in ranks if s is not None]
+    if signals:
+        raise load_stop(job, f"by {signals[0]}", replaces=replaces)
     return model
 
 
-def _prepared(info: RankInfo, job: Job, prepare: Callable[[], object] | None) -> None:
-    """`prepare` run by rank 0 while the other ranks wait; its failure raised on every rank."""
-    failure = None
+def load_stop(job: Job, how: str, *, replaces: bool) -> Stopped:
+    """The stop of a signal (`how`: which, or a second one) that came while the target loaded,
+    or since, before --out was prepared: no part extracted, --out as the run found it (or, for
+    a new cache, begun with no part)."""
+    committed = job.num_units - len(job.units)
+    if replaces:
+        kept, then = f"the cache in --out {job.out} was not touched", "start it"
+    elif committed:
+        kept, then = f"the parts committed before ({committed}) are kept in {job.out}", "resume"
+    else:
+        kept, then = f"no part was written to {job.out}", "start it"
+    return Stopped(
+        f"stopped {how} while the target loaded, before any part: {kept}; rerun the same "
+        f"command to {then}."
+    )
+
+
+def _prepared(
+    info: RankInfo, job: Job, prepare: Callable[[], object] | None, stop: StopRequest
+) -> None:
+    """`prepare` run by rank 0 while the other ranks wait, unless a signal reached it since
+    all loaded (the cache to replace then stays); its failure or that stop raised on every
+    rank."""
+    outcome: StopRun | None = None
     if info.is_main and prepare is not None:
-        try:
-            prepare()
-        except (TargetError, OSError) as e:  # `target/` or --out that cannot be written
-            failure = str(e) if isinstance(e, TargetError) else os_error_text(e, job.out)
-        except Exception as e:
-            log.exception("rank 0: preparing %s failed", job.out)
-            failure = f"{job.out}: it could not be prepared ({type(e).__name__}: {e})"
-    failure = broadcast_object(failure)
-    if failure is not None:
-        raise StopRun(failure)
+        if stop.requested:
+            outcome = load_stop(job, f"by {stop.signal_name}", replaces=True)
+        else:
+            outcome = _prepare(job, prepare)
+    outcome = broadcast_object(outcome)
+    if outcome is not None:
+        raise outcome
+
+
+def _prepare(job: Job, prepare: Callable[[], object]) -> StopRun | None:
+    """`prepare` run; why it failed, for every rank (None where it did not)."""
+    try:
+        prepare()
+    except (TargetError, OSError) as e:  # `target/` or --out that cannot be written
+        return StopRun(str(e) if isinstance(e, TargetError) else os_error_text(e, job.out))
+    except Exception as e:
+        log.exception("rank 0: preparing %s failed", job.out)
+        return StopRun(f"{job.out}: it could not be prepared ({type(e).__name__}: {e})")
+    return None
 
 
 def _my_units(info: RankInfo, job: Job) -> tuple[tuple[int, ...], bool]:

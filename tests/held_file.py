@@ -14,7 +14,7 @@ import select
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -56,10 +56,13 @@ def held_file(path: Path) -> Iterator[Callable[[float], None]]:
         os.close(wake_w)
 
 
-def interrupted_at_open(module: str, args: list[str], path: Path) -> subprocess.CompletedProcess:
+def interrupted_at_open(
+    module: str, args: list[str], path: Path, *, said: Sequence[str] = (), again: bool = False
+) -> subprocess.CompletedProcess:
     """`python -m module args` (of this project, on one intra-op thread) run until it opens
-    `path`, sent SIGINT while that `open()` waits, then let go on to its end: its exit code and
-    output."""
+    `path`, sent SIGINT while that `open()` waits, held there until its standard error has
+    said each of `said` (one line each, in any order), then with `again` sent SIGINT a second
+    time, then let go on to its end: its exit code and output."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with held_file(path) as opened:
         proc = subprocess.Popen(
@@ -72,10 +75,28 @@ def interrupted_at_open(module: str, args: list[str], path: Path) -> subprocess.
         )
         try:
             opened(timeout=120)
+            proc.send_signal(signal.SIGINT)
+            seen = _lines_saying(proc, said)
         except BaseException as e:
             proc.kill()
             e.add_note(f"python -m {module} said:\n{proc.communicate()[1][-3000:]}")
             raise
-        proc.send_signal(signal.SIGINT)
+        if again:
+            proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=300)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, seen + stderr)
+
+
+def _lines_saying(proc: subprocess.Popen, said: Sequence[str]) -> str:
+    """The standard error of `proc`, read line by line (the pipe blocks: no sleeping) until a
+    line held each of `said`, one line each."""
+    left, seen = list(said), []
+    while left:
+        line = proc.stderr.readline()
+        if not line:
+            raise AssertionError(f"the process ended before it said {left}:\n{''.join(seen)}")
+        seen.append(line)
+        hit = next((s for s in left if s in line), None)
+        if hit is not None:
+            left.remove(hit)
+    return "".join(seen)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import shutil
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 
 from extract.config import ExtractConfig
 from extract.run import ExtractError, run
-from shared.manifest import read_manifest
+from shared.manifest import drop_parts, read_manifest, update_manifest
 from shared.progress import read_counters
 from shared.stopping import StopRun
 from tests.held_file import interrupted_at_open
@@ -212,21 +213,68 @@ def test_a_target_that_loads_on_no_rank_of_two_leaves_the_cache_to_overwrite(
     assert _files(out)["manifest.json"] != before["manifest.json"]
 
 
+LOADING = "stopping once the target has loaded, before any part (again: at once)"
+
+
+def _interrupted(out: Path, tiny: Path, data: Path, more: list[str], **how) -> list[str]:
+    """`python -m extract` of a copy of `tiny` stopped as `interrupted_at_open` says (while it
+    loads the target, which planning does not): the last two lines it printed, after checking
+    that the second gives the command to resume."""
+    target = out.parent / "target"
+    shutil.copytree(tiny, target)
+    args = ["--target", str(target), "--data", str(data), "--out", str(out), *more]
+    done = interrupted_at_open("extract", args, target / "generation_config.json", **how)
+    assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr, done.stderr
+    said = done.stderr.strip().splitlines()[-2:]
+    assert said[1] == "resume: " + shlex.join(["python", "-m", "extract", *args]), said
+    return said
+
+
 def test_ctrl_c_while_the_target_loads_leaves_the_cache_to_overwrite(
     tiny_qwen3, data_file, previous, tmp_path
 ):
     """SIGINT sent while the process is held inside the target's load (where transformers opens
-    generation_config.json, which planning does not read): it stops with a message and the
-    resume command, before it clears the cache that --overwrite would replace."""
+    generation_config.json, which planning does not read): once the load ends it stops with a
+    message and the resume command, before it clears the cache that --overwrite would replace."""
     out = tmp_path / "c"
     shutil.copytree(previous, out)
     before = _files(out)
-    target = tmp_path / "target"
-    shutil.copytree(tiny_qwen3, target)
-    args = ["--target", str(target), "--data", str(data_file), "--out", str(out), "--gpus", "cpu"]
-    args += ["--layers", "0,2", "--rows-per-part", "2", "--overwrite"]
-    done = interrupted_at_open("extract", args, target / "generation_config.json")
-    assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr, done.stderr
-    said = done.stderr.strip().splitlines()
-    assert said[-2].startswith("Error: stopped") and said[-1].startswith("resume: python -m ")
+    more = ["--gpus", "cpu", "--layers", "0,2", "--rows-per-part", "2", "--overwrite"]
+    said = _interrupted(out, tiny_qwen3, data_file, more, said=[f"SIGINT: {LOADING}"])
+    assert said[0] == (
+        "Error: stopped by SIGINT while the target loaded, before any part: the cache in --out "
+        f"{out} was not touched; rerun the same command to start it."
+    )
     assert _files(out) == before
+
+
+def test_a_second_ctrl_c_while_the_target_loads_stops_it_at_once(tiny_qwen3, data_file, tmp_path):
+    """The second SIGINT ends the load where it is: a new cache holds no part."""
+    out = tmp_path / "c"
+    more = ["--gpus", "cpu", "--layers", "0,2", "--rows-per-part", "2"]
+    said = _interrupted(out, tiny_qwen3, data_file, more, said=[f"SIGINT: {LOADING}"], again=True)
+    assert said[0] == (
+        "Error: stopped at once by a second signal while the target loaded, before any part: no "
+        f"part was written to {out}; rerun the same command to start it."
+    )
+    assert read_manifest(out).parts == ()
+
+
+@pytest.mark.slow
+def test_a_stop_of_two_ranks_while_they_load_keeps_the_parts_of_the_cache_it_resumes(
+    tiny_qwen3, data_file, previous, tmp_path
+):
+    """SIGINT to the launcher of --gpus cpu:2, held until both ranks have its SIGTERM: each says
+    that it stops once loaded, all stop with one message, and the part committed before stays."""
+    out = tmp_path / "c"
+    shutil.copytree(previous, out)
+    first, second = read_manifest(out).parts
+    shutil.rmtree(out / second.name)  # a resume with one part to do
+    update_manifest(out, lambda m: drop_parts(m, {second.name}))
+    more = ["--gpus", "cpu:2", "--layers", "0,1", "--rows-per-part", "2", "--writer-threads", "1"]
+    said = _interrupted(out, tiny_qwen3, data_file, more, said=[f"SIGTERM: {LOADING}"] * 2)
+    assert said[0] == (
+        "Error: stopped by SIGTERM while the target loaded, before any part: the parts committed "
+        f"before (1) are kept in {out}; rerun the same command to resume."
+    )
+    assert read_manifest(out).parts == (first,)
