@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from extract.regen.config import RegenError
+from extract.regen.local import prepared_or_stopped
 from extract.regen.state import PROGRESS_DIR, parts_dir
 from shared.progress import read_counters
+from shared.stopping import Stopped
 from tests.held_file import interrupted_at_open
 from tests.test_regenerate import regen, write_chats
 
@@ -113,22 +115,43 @@ def test_one_rank_of_two_that_cannot_load_stops_both_and_leaves_the_output(
     assert _files(out)[out.name] != before[out.name]
 
 
+@pytest.mark.parametrize(
+    "again, said",
+    [
+        (False, "stopped by SIGINT while the target loaded, before any chunk"),
+        (True, "stopped at once by a second signal while the target loaded, before any chunk"),
+    ],
+)
 def test_ctrl_c_while_the_target_loads_leaves_the_output_to_overwrite(
-    tiny_qwen3, data_file, previous, tmp_path
+    tiny_qwen3, data_file, previous, tmp_path, again, said
 ):
     """SIGINT sent while the process is held inside the target's load (where transformers opens
-    generation_config.json, which planning does not read): the run stops with one message once
-    the load ends, before it prepares the output."""
+    generation_config.json, which planning does not read): it says that it stops once the load
+    ends (no chunk is in progress) and does, with one message, before it prepares the output;
+    a second SIGINT ends the load at once."""
     out = _copy(previous, tmp_path)
     before = _files(out)
     target = tmp_path / "target"
     shutil.copytree(tiny_qwen3, target)
     args = ["--target", str(target), "--data", str(data_file), "--out", str(out), "--gpus", "cpu"]
     args += ["--max-rows", "4", "--overwrite"]  # its other --max-new-tokens: a run to replace
-    done = interrupted_at_open("extract.regen", args, target / "generation_config.json")
+    first = "SIGINT: stopping once the target has loaded, before any chunk (again: at once)"
+    held = target / "generation_config.json"
+    done = interrupted_at_open("extract.regen", args, held, said=[first], again=again)
     assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        "Error: stopped by SIGINT while the target loaded, before any chunk. The output was not "
-        "touched: run the same command to start it."
+        f"Error: {said}. The output was not touched: run the same command to start it."
     )
     assert _files(out) == before
+
+
+def test_a_signal_after_the_ranks_loaded_stops_them_before_the_output_is_prepared():
+    """Rank 0 looks at its stop flag before it prepares the output (under --overwrite: replaces
+    it): a signal that came after the ranks agreed that all had loaded stops them as one during
+    the load does, the output not prepared; without one, the output is prepared."""
+    prepared = []
+    stop = prepared_or_stopped("SIGTERM", lambda: prepared.append("replaced"))
+    assert isinstance(stop, Stopped) and prepared == []
+    assert str(stop) == "stopped by SIGTERM while the target loaded, before any chunk"
+    assert prepared_or_stopped(None, lambda: prepared.append("replaced")) is None
+    assert prepared == ["replaced"]

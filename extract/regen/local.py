@@ -7,15 +7,17 @@ Nothing is written before every rank holds its target: what is to do is read fro
 it is (`extract.regen.driver.to_do`), the ranks with chunks load the target, all ranks agree
 that all of them loaded (a failure on any, or a signal while they loaded, stops every rank with
 one message), and only then does rank 0 prepare the output (under --overwrite: replace it) while
-the others wait. An output with nothing to do is resumed without loading the target.
+the others wait, unless a signal reached it since (then every rank stops with that message). An
+output with nothing to do is resumed without loading the target.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -61,6 +63,11 @@ class TargetNotLoaded(StopRun):
 class OutputNotPrepared(StopRun):
     """Rank 0 could not prepare the output (a file there that cannot be removed, say): raised
     on every rank."""
+
+
+# What the first stop signal starts, in words: before the output is prepared, and after.
+STOPPING_BEFORE_ANY_CHUNK = "stopping once the target has loaded, before any chunk (again: at once)"
+STOPPING_AFTER_THE_CHUNK = "finishing the chunk in progress, then stopping (again: at once)"
 
 
 def generate(
@@ -126,10 +133,11 @@ def rank_main(
         # Share the cores the process may use (OMP_NUM_THREADS, or all) among the CPU ranks:
         # oversubscribed intra-op threads spin and run ~10x slower.
         torch.set_num_threads(max(1, torch.get_num_threads() // info.world_size))
-    stop = StopRequest().install("finishing the chunk in progress, then stopping (again: at once)")
+    stop = StopRequest().install(STOPPING_BEFORE_ANY_CHUNK)
     try:
         gen = _loaded(info, job, mine, stop, cfg)
-        job = _prepared(info, cfg, settings, config, job)
+        job = _prepared(info, cfg, settings, config, job, stop)
+        stop.what = STOPPING_AFTER_THE_CHUNK
         with full_disk_stops(job.parts, rerun=DISK_FULL_RERUN):  # a rank's: passed on as such
             done = _regenerate(info, job, mine, gen, stop) if gen is not None else 0
     finally:
@@ -148,11 +156,16 @@ def _loaded(
     """This rank's target (None where it has no chunk), once all ranks have loaded theirs: a
     failure on any (memory, damaged weights, an unsupported model, a missing device) raises
     TargetNotLoaded on every rank with the first failing rank's message, and a signal while
-    they loaded Stopped, before the output is touched."""
+    they loaded Stopped, before the output is touched. A second signal in a process started
+    by hand (KeyboardInterrupt) ends the load at once."""
     gen, failure = None, None
     if mine:
         try:
             gen = _generator(job, info)
+        except KeyboardInterrupt:
+            raise Stopped(
+                "stopped at once by a second signal while the target loaded, before any chunk"
+            ) from None
         except Exception as e:  # whatever it is, the other ranks must hear of it
             log.debug("rank %d: the target did not load", info.rank, exc_info=True)
             failure = load_failure(job.target, info.device, e)
@@ -163,24 +176,50 @@ def _loaded(
         raise TargetNotLoaded(f"{failures[0]}{many}; --out {cfg.out} was not touched")
     signals = [s for _, s in ranks if s is not None]
     if signals:
-        raise Stopped(f"stopped by {signals[0]} while the target loaded, before any chunk")
+        raise load_stop(signals[0])
     return gen
 
 
+def load_stop(signal_name: str) -> Stopped:
+    """The stop of a signal that came while the target loaded, or since, before the output
+    was prepared: no chunk begun, the output as the run found it.
+
+    >>> print(load_stop("SIGTERM"))
+    stopped by SIGTERM while the target loaded, before any chunk
+    """
+    return Stopped(f"stopped by {signal_name} while the target loaded, before any chunk")
+
+
+def prepared_or_stopped(signal_name: str | None, prepare: Callable[[], Job]) -> Job | StopRun:
+    """What rank 0 hands the other ranks once all loaded: the stop of a signal that reached it
+    (`signal_name`, None for none) with `prepare` not run, so that an output --overwrite would
+    replace stays; else the job `prepare` returns, or why it could not prepare the output."""
+    if signal_name is not None:
+        return load_stop(signal_name)
+    try:
+        return prepare()
+    except RegenError as e:  # a spawned rank passes on a StopRun only
+        return OutputNotPrepared(str(e))
+    except StopRun as e:  # DiskFull
+        return e
+
+
 def _prepared(
-    info: RankInfo, cfg: RegenConfig, settings: dict[str, Any], config: dict[str, Any], job: Job
+    info: RankInfo,
+    cfg: RegenConfig,
+    settings: dict[str, Any],
+    config: dict[str, Any],
+    job: Job,
+    stop: StopRequest,
 ) -> Job:
     """The output prepared or resumed by rank 0 (`extract.regen.driver.prepare`) while the
-    other ranks wait; its refusal raised on every rank."""
+    other ranks wait, unless a signal reached it first; its refusal or stop raised on every
+    rank."""
     prepared: Job | StopRun | None = None
     if info.is_main:
         where = str(info.device) if info.world_size == 1 else f"{info.world_size} ranks"
-        try:
-            prepared = prepare(cfg, settings, config, job, where=where)
-        except RegenError as e:  # a spawned rank passes on a StopRun only
-            prepared = OutputNotPrepared(str(e))
-        except StopRun as e:  # DiskFull
-            prepared = e
+        how = functools.partial(prepare, cfg, settings, config, job, where=where)
+        prepared = prepared_or_stopped(stop.signal_name, how)
     prepared = broadcast_object(prepared)
     if isinstance(prepared, StopRun):
         raise prepared
