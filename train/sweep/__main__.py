@@ -6,10 +6,10 @@ Options this command does not know are `python -m train` options, the same for e
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import shlex
-import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,18 +70,96 @@ def main(
 ) -> None:
     """Train every variant of a grid with several seeds on one cache, then report tau with
     standard errors (report.md, report.json, tau.png, curves.png in the sweep folder)."""
-    from shared.dist import parse_gpus
-    from shared.fsio import atomic_write_json, unwritable_reason
+    from shared.fsio import atomic_write_json
     from shared.lock import LockHeld, output_lock
     from shared.logs import setup_logging
-    from train.sweep.jobs import check_names
+    from shared.stopping import resume_command
     from train.sweep.report import REPORT_MD, write_report
 
     setup_logging(0)
-    command = shlex.join(["python", "-m", "train.sweep", *sys.argv[1:]])
+    command = resume_command("train.sweep")
+    train_args = list(ctx.args)
+    with said_when_stopped(command) as doing:
+        doing("checking the grid, before any run started")
+        grid, jobs, devices = prepare(
+            data, out, vary, seeds=seeds, gpus=gpus, train_args=train_args
+        )
+        try:
+            with output_lock(out, "python -m train.sweep"):
+                take_folder(out, jobs, data=data, train_args=train_args)
+                record = {"command": command, "grid": grid, "seeds": seeds, "train_args": ctx.args}
+                record["data"] = str(data.resolve())
+                atomic_write_json(out / SWEEP_FILE, record)
+                doing("checking which runs to run (the finished ones are kept)")
+                outcome = run_all(jobs, out=out, devices=devices)
+                if outcome.stopped_by:
+                    unfinished = [*(j for j, _ in outcome.failed), *outcome.not_started]
+                    lines = ", ".join(f"{j.variant.name} seed {j.seed}" for j in unfinished)
+                    raise click.ClickException(
+                        f"stopped by {outcome.stopped_by}; not finished: {lines} (logs in "
+                        f"{out / 'logs'})\nresume: {command}"
+                    )
+                doing(
+                    "writing the report (each of its files is the old one or the new one, "
+                    "whole; the finished runs are kept)"
+                )
+                done, failed = settle(jobs, outcome, out)
+                write_report(out, done, command, not_finished=failed)  # none done: the failures
+        except LockHeld as e:
+            raise click.ClickException(str(e)) from None
+        except OSError as e:  # the sweep's own files: a full disk, a folder where a file goes
+            raise click.ClickException(
+                f"--out {out}: cannot write {e.filename or out} ({e.strerror or e}); once there "
+                f"is room, the same command goes on (the finished runs are kept): {command}"
+            ) from None
+        if done:
+            click.echo((out / REPORT_MD).read_text().split("\n## Every run")[0])
+    if failed:
+        lines = ", ".join(f"{j.variant.name} seed {j.seed}" for j, _ in failed)
+        raise click.ClickException(
+            "\n".join(
+                [
+                    f"runs failed; not finished: {lines} (logs in {out / 'logs'})",
+                    *(f"  {j.variant.name} seed {j.seed}: {why}" for j, why in failed),
+                    ("the report covers the finished runs; " if done else "")
+                    + "once their cause is fixed, the same command runs what is not finished "
+                    f"(the finished runs are kept): {command}",
+                ]
+            )
+        )
+
+
+@contextlib.contextmanager
+def said_when_stopped(command: str) -> Iterator[Callable[[str], None]]:
+    """A Ctrl-C outside the runs (Python's KeyboardInterrupt: the sweep handles the stop
+    signals itself only while runs are running, `jobs.run_jobs`) as a ClickException naming
+    what the sweep was doing, the last words given to the `doing(...)` this yields, and the
+    command that goes on: the sweep's files are written atomically, none is left half done."""
+    said = ["starting"]
+    try:
+        yield said.append
+    except KeyboardInterrupt:
+        raise click.ClickException(f"stopped while {said[-1]}\nresume: {command}") from None
+
+
+def prepare(
+    data: Path,
+    out: Path,
+    vary: tuple[str, ...],
+    *,
+    seeds: int,
+    gpus: str | None,
+    train_args: list[str],
+) -> tuple[list[tuple[str, list[str]]], list[Job], list[str]]:
+    """(the grid, its runs, the device of each slot) once the grid and the options are
+    checked, the cache is there and the sweep folder is made; a ClickException where not."""
+    from shared.dist import parse_gpus
+    from shared.fsio import unwritable_reason
+    from train.sweep.jobs import check_names
+
     try:
         grid = parse_vary(vary)
-        jobs = plan_jobs(data=data, out=out, grid=grid, seeds=seeds, train_args=list(ctx.args))
+        jobs = plan_jobs(data=data, out=out, grid=grid, seeds=seeds, train_args=train_args)
         check_names(jobs, out)
         spec = parse_gpus(gpus)
     except (GridError, ValueError) as e:
@@ -97,44 +175,7 @@ def main(
         raise click.ClickException(
             f"--out {out}: cannot make {e.filename or out} ({e.strerror or e})"
         ) from None
-    try:
-        with output_lock(out, "python -m train.sweep"):
-            take_folder(out, jobs, data=data, train_args=list(ctx.args))
-            record = {"command": command, "grid": grid, "seeds": seeds, "train_args": ctx.args}
-            record["data"] = str(data.resolve())
-            atomic_write_json(out / SWEEP_FILE, record)
-            outcome = run_all(jobs, out=out, devices=devices)
-            if outcome.stopped_by:
-                unfinished = [*(j for j, _ in outcome.failed), *outcome.not_started]
-                lines = ", ".join(f"{j.variant.name} seed {j.seed}" for j in unfinished)
-                raise click.ClickException(
-                    f"stopped by {outcome.stopped_by}; not finished: {lines} (logs in "
-                    f"{out / 'logs'})\nresume: {command}"
-                )
-            done, failed = settle(jobs, outcome, out)
-            write_report(out, done, command, not_finished=failed)  # none done: the failures
-    except LockHeld as e:
-        raise click.ClickException(str(e)) from None
-    except OSError as e:  # the sweep's own files: a full disk, a folder where a file goes
-        raise click.ClickException(
-            f"--out {out}: cannot write {e.filename or out} ({e.strerror or e}); once there is "
-            f"room, the same command goes on (the finished runs are kept): {command}"
-        ) from None
-    if done:
-        click.echo((out / REPORT_MD).read_text().split("\n## Every run")[0])
-    if failed:
-        lines = ", ".join(f"{j.variant.name} seed {j.seed}" for j, _ in failed)
-        raise click.ClickException(
-            "\n".join(
-                [
-                    f"runs failed; not finished: {lines} (logs in {out / 'logs'})",
-                    *(f"  {j.variant.name} seed {j.seed}: {why}" for j, why in failed),
-                    ("the report covers the finished runs; " if done else "")
-                    + "once their cause is fixed, the same command runs what is not finished "
-                    f"(the finished runs are kept): {command}",
-                ]
-            )
-        )
+    return grid, jobs, devices
 
 
 def await_cache(jobs: list[Job]) -> None:
