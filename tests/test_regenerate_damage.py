@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import os
 import subprocess
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -167,12 +168,27 @@ def undeletable(folder: Path) -> Iterator[Path]:
         yield disk / "kept"
 
 
+def _listed_after(folder: Path, name: str) -> str:
+    """A name for a new folder in `folder` that the file system lists after `name` (removing
+    entries in listing order reaches `name` first): the first of a few that does, else any."""
+    candidates = [f"old-{i}" for i in range(16)]
+    for c in candidates:
+        (folder / c).mkdir()
+    listed = os.listdir(folder)
+    after = [c for c in listed[listed.index(name) :] if c in candidates]
+    for c in candidates:
+        (folder / c).rmdir()
+    return (after or candidates)[0]
+
+
 @pytest.mark.parametrize("gpus", ["cpu", pytest.param("cpu:2", marks=pytest.mark.slow)])
-def test_an_old_output_that_cannot_be_removed_is_one_message(
+def test_an_old_output_that_cannot_be_removed_is_one_message_and_a_rerun_replaces_it(
     tiny_qwen3, tmp_path, monkeypatch, gpus
 ):
     """--overwrite of an output whose folder holds a file that cannot be removed: one message
-    naming it, from this process or from rank 0 of --gpus cpu:2 (which prepares the output)."""
+    naming it, from this process or from rank 0 of --gpus cpu:2 (which prepares the output).
+    The state file, which marks the folder as this command's, goes last: once the file can be
+    removed, the same command replaces what is left."""
     from click.testing import CliRunner
 
     from extract.regen.__main__ import main
@@ -181,9 +197,16 @@ def test_an_old_output_that_cannot_be_removed_is_one_message(
     data = write_chats(tmp_path / "chats.jsonl")
     out = tmp_path / "o.jsonl"
     regen(out, tiny_qwen3, data, max_rows=4, max_new_tokens=2)
-    with undeletable(parts_dir(out) / "old") as stuck:
-        args = ["--target", str(tiny_qwen3), "--data", str(data), "--out", str(out)]
-        args += ["--gpus", gpus, "--max-rows", "4", "--max-new-tokens", "4", "--overwrite"]
+    parts = parts_dir(out)
+    args = ["--target", str(tiny_qwen3), "--data", str(data), "--out", str(out)]
+    args += ["--gpus", gpus, "--max-rows", "4", "--max-new-tokens", "4", "--overwrite"]
+    with undeletable(parts / _listed_after(parts, STATE)) as stuck:
         result = CliRunner().invoke(main, args)
+        assert (parts / STATE).is_file()
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert result.output.strip().splitlines()[-1] == f"Error: {stuck}: Read-only file system"
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    fresh = tmp_path / "fresh.jsonl"
+    regen(fresh, tiny_qwen3, data, max_rows=4, max_new_tokens=4)
+    assert out.read_bytes() == fresh.read_bytes() and not stuck.parent.exists()

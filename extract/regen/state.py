@@ -237,9 +237,11 @@ def init_output(
     if resume is None:
         parts.mkdir(parents=True, exist_ok=True)
         for old in parts.iterdir():  # all but the lock this run holds (`shared.lock`)
-            if old.name != LOCK_FILE:
+            if old.name not in (LOCK_FILE, STATE):
                 remove_path(old)
         out.unlink(missing_ok=True)  # an output never outlives its state
+        # The old state, which marks the folder as this command's, is replaced last: a removal
+        # that fails part-way (a file that cannot be removed) leaves what --overwrite replaces.
         write_state(parts, RegenState(settings=settings, config=config))
     else:
         update_state(parts, lambda s: dataclasses.replace(s, config=config, failed={}))
