@@ -44,16 +44,15 @@ def main(**kwargs) -> None:
         manifest = run(cfg, started=begin)
     except Stopped as e:
         raise click.ClickException(f"{e}\nresume: {resume_command('extract')}") from None
-    except KeyboardInterrupt:  # during planning, or a second Ctrl-C
+    except KeyboardInterrupt:  # during planning, or before or after a rank (which says more)
         if not started:
             raise click.ClickException(
                 f"stopped while planning, before extraction began: no part of {cfg.out} was "
                 "written in this run"
             ) from None
         raise click.ClickException(
-            "stopped at once: the part in progress was dropped; the parts whose forwards had "
-            "run are committed and kept"
-            f"\nresume: {resume_command('extract')}"
+            f"stopped at once: no part was left half-written; the parts committed in {cfg.out} "
+            f"are kept\nresume: {resume_command('extract')}"
         ) from None
     except (ExtractError, StopRun) as e:
         raise click.ClickException(str(e)) from None

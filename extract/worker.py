@@ -21,6 +21,7 @@ from extract.lockstep import LockStep, agree_max, cpu_group
 from extract.packing import chunk_size
 from extract.parallel import describe_engine, engine_kwargs
 from extract.pipeline import PartPipeline
+from extract.stops import Reached, load_stop, stopped_at_once
 from extract.target import TargetError, load_failure, load_target
 from extract.units import reader_reading_ahead, run_units
 from shared.dist import RankInfo, all_gather_objects, broadcast_object, one_rank_group
@@ -55,8 +56,17 @@ def rank_main(info: RankInfo, job: Job, prepare: Callable[[], object] | None = N
         one_rank_group(info)
     mine, writes = _my_units(info, job)
     stop = StopRequest().install(STOPPING_ONCE_LOADED)
+    reached = Reached()
     try:
-        _load_and_extract(info, job, prepare, stop, mine, writes, sharded=sharded)
+        _load_and_extract(info, job, prepare, stop, mine, writes, sharded=sharded, reached=reached)
+    except KeyboardInterrupt:  # a second signal in a process started by hand: where it was
+        raise stopped_at_once(
+            job.out,
+            reached.stage,
+            replaces=prepare is not None,
+            before=_committed_before(job),
+            now=reached.committed,
+        ) from None
     finally:
         stop.restore()
 
@@ -70,17 +80,20 @@ def _load_and_extract(
     writes: bool,
     *,
     sharded: bool,
+    reached: Reached,
 ) -> None:
     """`rank_main`'s work, with the stop signals going to `stop`: a signal while the target
     loads stops every rank once all have loaded, before --out is prepared; one after, between
-    parts."""
+    parts. `reached` follows how far it got."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(job.target)
     read = reader_reading_ahead(job, tokenizer, mine)
     replaces = prepare is not None
     model = _loaded(info, job, stop, sharded=sharded, replaces=replaces)
+    reached.stage = "preparing" if replaces else "loaded"
     _prepared(info, job, prepare, stop)
+    reached.stage = "prepared"
     stop.what = "finishing the parts in progress, then stopping"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if job.store == "int4" and info.device.type == "cuda" and job.compile != "none":
@@ -109,7 +122,7 @@ def _load_and_extract(
     )
     capture = LayerCapture(model, job.layer_ids, pad_id=pad, layout=layout, sharded=sharded)
     log.info("rank %d: the target runs %s", info.rank, capture.layout.describe())
-    counters = RankCounters(job.progress_dir, info.rank)
+    counters = reached.counters = RankCounters(job.progress_dir, info.rank)
     bar = None
     if job.draw_bar and info.is_main:
         bar = SummedBar(
@@ -145,6 +158,7 @@ def _load_and_extract(
             sys.getswitchinterval() * 1e3,
         )
         start = time.perf_counter()
+        reached.stage = "extracting"
         with disk_full_message(job):
             try:
                 done = run_units(
@@ -203,8 +217,7 @@ def _loaded(
     rank's message, and a signal on any while they loaded Stopped. A sharded target is loaded
     by its ranks together, through collectives of transformers' own, so a rank that fails there
     raises at once: the others, waiting in a collective it never joins, are ended by the
-    launcher and never agree that all loaded. A second signal in a process started by hand
-    (KeyboardInterrupt) ends the load at once."""
+    launcher and never agree that all loaded."""
     model, failure = None, None
     try:
         model = load_target(
@@ -213,8 +226,6 @@ def _loaded(
             last_layer=max(job.layer_ids),
             sharding=engine_kwargs(job.layout) if sharded else None,
         )
-    except KeyboardInterrupt:
-        raise load_stop(job, "at once by a second signal", replaces=replaces) from None
     except Exception as e:  # whatever it is, the other ranks must hear of it
         log.debug("rank %d: the target did not load", info.rank, exc_info=True)
         failure = load_failure(job.target, info.device, e)
@@ -227,25 +238,14 @@ def _loaded(
         raise TargetLoadFailed(f"{failures[0]}{many}{kept}")
     signals = [s for _, s in ranks if s is not None]
     if signals:
-        raise load_stop(job, f"by {signals[0]}", replaces=replaces)
+        how = f"by {signals[0]}"
+        raise load_stop(job.out, how, replaces=replaces, before=_committed_before(job))
     return model
 
 
-def load_stop(job: Job, how: str, *, replaces: bool) -> Stopped:
-    """The stop of a signal (`how`: which, or a second one) that came while the target loaded,
-    or since, before --out was prepared: no part extracted, --out as the run found it (or, for
-    a new cache, begun with no part)."""
-    committed = job.num_units - len(job.units)
-    if replaces:
-        kept, then = f"the cache in --out {job.out} was not touched", "start it"
-    elif committed:
-        kept, then = f"the parts committed before ({committed}) are kept in {job.out}", "resume"
-    else:
-        kept, then = f"no part was written to {job.out}", "start it"
-    return Stopped(
-        f"stopped {how} while the target loaded, before any part: {kept}; rerun the same "
-        f"command to {then}."
-    )
+def _committed_before(job: Job) -> int:
+    """The parts of the cache committed before this run."""
+    return job.num_units - len(job.units)
 
 
 def _prepared(
@@ -257,7 +257,7 @@ def _prepared(
     outcome: StopRun | None = None
     if info.is_main and prepare is not None:
         if stop.requested:
-            outcome = load_stop(job, f"by {stop.signal_name}", replaces=True)
+            outcome = load_stop(job.out, f"by {stop.signal_name}", replaces=True, before=0)
         else:
             outcome = _prepare(job, prepare)
     outcome = broadcast_object(outcome)

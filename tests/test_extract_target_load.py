@@ -15,9 +15,10 @@ import torch
 
 from extract.config import ExtractConfig
 from extract.run import ExtractError, run
+from extract.stops import stopped_at_once
 from shared.manifest import drop_parts, read_manifest, update_manifest
 from shared.progress import read_counters
-from shared.stopping import StopRun
+from shared.stopping import Stopped, StopRun
 from tests.held_file import interrupted_at_open
 from tests.test_extract import chat
 from tests.test_regenerate_target_load import LAYER_WEIGHT, damaged_target
@@ -258,6 +259,41 @@ def test_a_second_ctrl_c_while_the_target_loads_stops_it_at_once(tiny_qwen3, dat
         f"part was written to {out}; rerun the same command to start it."
     )
     assert read_manifest(out).parts == ()
+
+
+NOT_TOUCHED = "the cache in --out c was not touched; rerun the same command to start it."
+NO_PART = "no part was written to c; rerun the same command to start it."
+RESUME = "are kept in c; rerun the same command to resume."
+
+
+@pytest.mark.parametrize(
+    "stage, replaces, before, now, said",
+    [
+        ("loading", True, 0, 0, f"while the target loaded, before any part: {NOT_TOUCHED}"),
+        ("loaded", True, 0, 0, f"after the target loaded, before any part: {NOT_TOUCHED}"),
+        ("loaded", False, 0, 0, f"after the target loaded, before any part: {NO_PART}"),
+        ("loaded", False, 2, 0, f"after the target loaded, before any part: the parts committed "
+         f"before (2) {RESUME}"),
+        ("preparing", True, 0, 0, "while --out was prepared, before any part: the cache in "
+         "--out c may be partly removed; rerun the same command to start it."),
+        ("prepared", True, 0, 0, f"after the target loaded, before any part: {NO_PART}"),
+        ("prepared", False, 2, 0, f"after the target loaded, before any part: the parts "
+         f"committed before (2) {RESUME}"),
+        ("extracting", True, 0, 0, f"while extracting, no part left half-written: {NO_PART}"),
+        ("extracting", True, 0, 3, "while extracting, no part left half-written: the parts "
+         f"committed in this run (3) {RESUME}"),
+        ("extracting", False, 2, 1, "while extracting, no part left half-written: the parts "
+         f"committed before (2) and in this run (1) {RESUME}"),
+    ],
+)  # fmt: skip
+def test_a_second_ctrl_c_says_what_the_rank_had_reached(stage, replaces, before, now, said):
+    """A second signal in a process started by hand stops it wherever it is: its message says
+    how far the rank had got, so what --out holds (no part is in progress before the rank
+    extracts; the cache it replaces is untouched until rank 0 prepares --out, and empty after)
+    and whether the same command resumes."""
+    stop = stopped_at_once(Path("c"), stage, replaces=replaces, before=before, now=now)
+    assert isinstance(stop, Stopped)
+    assert str(stop) == f"stopped at once by a second signal {said}"
 
 
 @pytest.mark.slow
