@@ -233,6 +233,25 @@ def holder_running(info: dict[str, Any]) -> bool | None:
     return pid_alive(info.get("pid"))
 
 
+def holding_pid(folder: Path) -> int | None:
+    """The pid of the live process of this host that holds `folder`'s lock; None where none
+    does (no lock file, a stale one, one of another host, which cannot be checked from here).
+    Looks as `refuse_if_held` does: a moment's flock, taken only where the lock is free."""
+    path = Path(folder) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        info = _read(fd)
+        if _try_flock(fd):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+    finally:
+        os.close(fd)
+    return info["pid"] if holder_running(info) else None
+
+
 def release(folder: Path, fd: int) -> None:
     """Remove the lock file if it is still ours, then drop the flock."""
     path = Path(folder) / LOCK_FILE

@@ -1,15 +1,20 @@
 """Ctrl-C to python -m train.sweep outside its runs (while it checks the grid, while it writes
 its report): one message saying what it was doing and the command that goes on, no traceback,
-no file left half written."""
+no file left half written. A rerun while a stopped sweep's run still holds its folder waits
+for it."""
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
 
 from shared.fsio import is_atomic_tmp
 from tests.cachegen import write_cache
-from tests.held_file import interrupted_at_open
+from tests.held_file import ROOT, interrupted_at_open
 from train.sweep.__main__ import main
 
 TRAIN = [
@@ -63,3 +68,65 @@ def test_ctrl_c_while_the_report_is_written(tmp_path, monkeypatch):
     assert "2 runs: 2 finished already, 0 to run" in done.stderr
     result = CliRunner().invoke(main, sweep_args(cache, out))
     assert result.exit_code == 0 and "| optimizer=muon | 1 |" in result.output, result.output
+
+
+HOLD_LOCK = """
+import sys
+from shared.lock import output_lock
+with output_lock(sys.argv[1], "python -m train"):
+    print("held", flush=True)
+    sys.stdin.read()  # until the test closes its end
+"""
+
+
+@contextlib.contextmanager
+def waiting_sweep(tmp_path):
+    """A sweep of one run started while a child process holds that run's folder lock (as an
+    earlier sweep's run, still saving its checkpoint after that sweep was killed, does), read
+    until it says that it waits for it (or starts the run): (the sweep, its standard error so
+    far, the run folder). The child lets the lock go when the block ends."""
+    cache = write_cache(tmp_path / "cache", num_parts=3, samples_per_part=4)
+    out = tmp_path / "sweep"
+    args = ["--data", str(cache), "--out", str(out), "--vary", "optimizer=adamw", "--seeds", "1"]
+    folder = out / "runs" / "optimizer=adamw" / "seed-0"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    hold = [sys.executable, "-c", HOLD_LOCK, str(folder)]
+    earlier = subprocess.Popen(hold, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert earlier.stdout.readline() == b"held\n"
+        cmd = [sys.executable, "-m", "train.sweep", *args, "--gpus", "cpu", *TRAIN]
+        sweep = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+        waiting = f"waiting for the earlier run of optimizer=adamw seed 0 (pid {earlier.pid})"
+        said = []
+        for line in sweep.stderr:  # blocks until it says more: no sleeping
+            said.append(line)
+            if waiting in line or "starting optimizer=adamw" in line:
+                break
+        assert waiting in said[-1], "".join(said)
+        yield sweep, said, folder
+    finally:
+        earlier.stdin.close()
+        earlier.wait()
+
+
+def test_a_rerun_waits_for_the_earlier_run_that_holds_its_folder(tmp_path):
+    """The run is started once the earlier process has let its folder go, and finishes
+    (train would have refused the folder)."""
+    with waiting_sweep(tmp_path) as (sweep, said, folder):
+        pass
+    rest = sweep.stderr.read()
+    assert sweep.wait() == 0, "".join(said) + rest
+    assert "finished optimizer=adamw seed 0 (1 of 1 ended, 0 left)" in rest
+    assert (folder / "export" / "model.safetensors").is_file()
+
+
+def test_a_stop_signal_ends_the_wait_for_an_earlier_run(tmp_path):
+    """SIGTERM while the sweep waits: it stops at once, the run not started, with the command
+    that goes on, while the earlier process still holds the folder."""
+    with waiting_sweep(tmp_path) as (sweep, said, folder):
+        sweep.send_signal(signal.SIGTERM)
+        rest = sweep.stderr.read()
+        assert sweep.wait() == 1, "".join(said) + rest
+        assert (folder / ".lock").is_file()
+    assert "stopped by SIGTERM; not finished: optimizer=adamw seed 0" in rest
+    assert "resume: python -m train.sweep --data" in rest and "starting" not in rest

@@ -8,11 +8,14 @@ its newest checkpoint (train refuses, with a message, a folder holding another r
 Children run in their own session, so a Ctrl-C or SIGTERM reaches the sweep alone: it passes
 SIGTERM on once to every running child (each saves a checkpoint at its next log step and stops)
 and starts no more; a second signal is passed on again (they stop at once). A child also gets
-SIGTERM when the sweep dies without a word (`kill -9`: the kernel's parent-death signal).
+SIGTERM when the sweep dies without a word (`kill -9`: the kernel's parent-death signal), and
+may still be saving its checkpoint when the sweep is run again: a run folder whose lock a live
+process holds is started once that process has ended (train would refuse the folder).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -24,6 +27,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.lock import holding_pid
 from shared.stopping import STOP_SIGNALS, die_with_parent
 from train.sweep.grid import GridError, Job
 
@@ -125,6 +129,8 @@ def run_jobs(
     total, ended = len(todo), 0
     free, running = list(devices), {}  # pid -> (job, device, Popen)
     told: set[int] = set()  # the children passed SIGTERM since the last stop signal
+    wake_r, wake_w = os.pipe()  # a stop signal ends a wait for an earlier run (`_await_end`)
+    os.set_blocking(wake_w, False)
 
     def pass_on() -> None:
         for pid, (_, _, proc) in running.items():
@@ -137,11 +143,17 @@ def run_jobs(
         log.warning("%s: passing SIGTERM to the running runs; no new ones", outcome.stopped_by)
         told.clear()  # a second signal is passed on again: the runs stop at once
         pass_on()
+        with contextlib.suppress(BlockingIOError):
+            os.write(wake_w, b"x")
 
     previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     try:
         while todo or running:
             while todo and free and outcome.stopped_by is None:
+                holder = holding_pid(todo[0].folder)
+                if holder is not None:
+                    _await_end(todo[0], holder, wake_r)
+                    continue
                 job, device = todo.pop(0), free.pop(0)
                 proc = _start(job, device, out, f"{total - len(todo)} of {total}")
                 running[proc.pid] = (job, device, proc)
@@ -164,6 +176,8 @@ def run_jobs(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        os.close(wake_r)
+        os.close(wake_w)
     outcome.not_started = todo
     return outcome
 
@@ -178,6 +192,22 @@ def _next_exit(running: dict[int, tuple[Job, str, subprocess.Popen]]) -> int:
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _await_end(job: Job, pid: int, wake: int) -> None:
+    """Wait until process `pid`, which holds the lock of `job`'s run folder, has ended (an
+    earlier sweep's run of it saving its checkpoint after that sweep was stopped or killed), or
+    a stop signal came (`wake` readable)."""
+    what = f"{job.variant.name} seed {job.seed}"
+    log.info("waiting for the earlier run of %s (pid %d) to stop", what, pid)
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # ended already
+        return
+    try:
+        select.select([fd, wake], [], [])
+    finally:
+        os.close(fd)
 
 
 def _log_end(job: Job, code: int, path: Path, *, ok: bool, stopped: bool, count: str) -> None:
