@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
@@ -115,3 +116,16 @@ def test_a_record_without_a_weights_sample_is_compared_by_its_content_hash(
     assert other_target(recorded, tiny_qwen3) is None
     what, was, now = other_target(recorded, finetune)
     assert what == "content hash" and was == recorded["revision"] and now != was
+
+
+def test_a_target_without_safetensors_files_is_not_called_another_target(
+    tmp_path, tiny_qwen3, trained_for_tiny
+):
+    """The tiny target's own weights saved as pytorch_model.bin: no safetensors file to sample
+    (extraction reads only those), so no hash to compare, and no warning that it is another."""
+    folder = shutil.copytree(tiny_qwen3, tmp_path / "as_bin")
+    torch.save(load_file(str(folder / "model.safetensors")), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    recorded = named_target(trained_for_tiny / "config.json")
+    assert other_target(recorded, folder) is None
+    assert other_target({**recorded, "weights_sample": None}, folder) is None

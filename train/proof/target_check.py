@@ -17,7 +17,9 @@ from train.export_load import recorded_target
 
 def other_target(recorded: dict[str, Any] | None, target: Path) -> tuple[str, str, str] | None:
     """(what is compared, the recorded hash, `target`'s) where the target folder is not the one
-    recorded; None where it is, where nothing is recorded, or where `target` is no folder.
+    recorded; None where it is, where nothing is recorded, or where `target` is no folder or
+    holds no safetensors files (its weights in another format: nothing to compare, as
+    extraction reads safetensors only).
 
     Compared by `weights_sample`, which reads 1 MiB of each weight file whatever its size and
     tells two checkpoints of one shape apart. `revision` (`content_hash`) reads only the headers
@@ -27,7 +29,8 @@ def other_target(recorded: dict[str, Any] | None, target: Path) -> tuple[str, st
     """
     if not recorded or not target.is_dir():
         return None
-    files = safetensors_files(target)
+    if not (files := safetensors_files(target)):
+        return None
     if recorded.get("weights_sample"):
         return _differ("weights", recorded["weights_sample"], weights_sample(files))
     if recorded.get("revision") and (target / "config.json").is_file():
