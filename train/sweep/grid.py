@@ -22,7 +22,7 @@ from train.config import TrainConfig
 from train.follow_start import never_a_cache
 
 RUNS_DIR = "runs"
-SWEEP_FILE = "sweep.json"  # the record of the command that made the folder
+SWEEP_FILE = "sweep.json"  # its runs' train options and cache, and the last command run there
 # Set by the sweep for every run, or deciding the held-out rows and the budget: never varied.
 FIXED = frozenset(
     {"data", "out", "seed", "gpus", "resume", "stop_after_steps", "follow"}
