@@ -1,20 +1,23 @@
 """The local route of `python -m extract.regen` loads the target before it touches --out: a
 target whose weights do not load (on one process or on any of several), or Ctrl-C while it
 loads, is named, and an output that --overwrite would replace stays byte for byte as it was; one
-that loads replaces it."""
+that loads replaces it. A second Ctrl-C while that output is removed says it may be partly
+removed."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 
 from extract.regen.config import RegenError
 from extract.regen.local import prepared_or_stopped
-from extract.regen.state import PROGRESS_DIR, parts_dir
+from extract.regen.state import PROGRESS_DIR, STATE, parts_dir
 from shared.progress import read_counters
 from shared.stopping import Stopped
 from tests.held_file import interrupted_at_open
@@ -155,3 +158,29 @@ def test_a_signal_after_the_ranks_loaded_stops_them_before_the_output_is_prepare
     assert str(stop) == "stopped by SIGTERM while the target loaded, before any chunk"
     assert prepared_or_stopped(None, lambda: prepared.append("replaced")) is None
     assert prepared == ["replaced"]
+
+
+def test_a_second_ctrl_c_while_the_old_output_is_removed_says_it_may_be_partly_removed(
+    tiny_qwen3, data_file, previous, tmp_path, monkeypatch
+):
+    """Two SIGINTs as --overwrite removes the first chunk file of another run's output: the run
+    stops at once saying that output may be partly removed (not that it was left untouched);
+    its state file, replaced last, is still the old one, and the same command replaces it."""
+    out = _copy(previous, tmp_path)
+    old_state = (parts_dir(out) / STATE).read_bytes()
+    unlink = Path.unlink
+
+    def interrupted(path: Path, missing_ok: bool = False) -> None:
+        if path.name.startswith("chunk-"):
+            monkeypatch.setattr(Path, "unlink", unlink)
+            os.kill(os.getpid(), signal.SIGINT)  # stop once the target has loaded
+            os.kill(os.getpid(), signal.SIGINT)  # again: at once
+        unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", interrupted)
+    said = f"stopped at once while the old output in --out {out} was removed, before any chunk"
+    with pytest.raises(RegenError, match=re.escape(f"{said}: it may be partly removed; run")):
+        regen(out, tiny_qwen3, data_file, max_rows=4, overwrite=True)
+    assert (parts_dir(out) / STATE).read_bytes() == old_state
+    state = regen(out, tiny_qwen3, data_file, max_rows=4, overwrite=True)
+    assert state.merged_rows == 4 and state.settings["max_new_tokens"] != 2

@@ -34,12 +34,14 @@ from extract.regen.report import RowBar
 from extract.regen.state import (
     DISK_FULL_RERUN,
     PROGRESS_DIR,
+    STATE,
     Job,
     RegenState,
     commit_chunk,
     existing_state,
     finish_output,
     init_output,
+    parts_dir,
     update_state,
 )
 from extract.regen.turns import Conversation, Prompter
@@ -208,17 +210,37 @@ def prepare(
 ) -> Job:
     """The output prepared or resumed (journals of committed chunks dropped): `job` with its
     pending chunks. A full disk raises DiskFull; any other file-system error (an old file that
-    cannot be removed) RegenError naming the file."""
+    cannot be removed) RegenError naming the file, and a stop at once while an old output is
+    removed RegenError saying so (`_begun`)."""
     try:
         with full_disk_stops(job.parts, rerun=DISK_FULL_RERUN):
             resume = existing_state(cfg.out, settings, overwrite=cfg.overwrite)
-            state = init_output(cfg.out, settings, config, resume)
+            state = _begun(cfg.out, settings, config, resume)
             drop_committed(job.parts, state.chunks)
     except OSError as e:
         raise RegenError(os_error_text(e, job.parts)) from None
     job = dataclasses.replace(job, chunks=job.pending(state))
     log.info("%s: %d of %d chunks to do on %s", cfg.out, len(job.chunks), job.num_chunks, where)
     return job
+
+
+def _begun(
+    out: Path, settings: dict[str, Any], config: dict[str, Any], resume: RegenState | None
+) -> RegenState:
+    """`init_output`; a stop at once (KeyboardInterrupt: a second Ctrl-C, or the first where
+    no handler waits for it) while it replaces an old output raised as RegenError saying that
+    this output may be partly removed: its state file, replaced last, is still the old one, so
+    the same command replaces what is left."""
+    replaces = resume is None and (parts_dir(out) / STATE).is_file()
+    try:
+        return init_output(out, settings, config, resume)
+    except KeyboardInterrupt:
+        if not replaces:
+            raise
+        raise RegenError(
+            f"stopped at once while the old output in --out {out} was removed, before any "
+            "chunk: it may be partly removed; run the same command to replace what is left"
+        ) from None
 
 
 def to_do(cfg: RegenConfig, settings: dict[str, Any], job: Job) -> tuple[int, ...]:

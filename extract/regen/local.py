@@ -61,8 +61,8 @@ class TargetNotLoaded(StopRun):
 
 
 class OutputNotPrepared(StopRun):
-    """Rank 0 could not prepare the output (a file there that cannot be removed, say): raised
-    on every rank."""
+    """Rank 0 could not prepare the output (a file there that cannot be removed, say, or a
+    second signal while it removed an old one): raised on every rank."""
 
 
 # What the first stop signal starts, in words: before the output is prepared, and after.
