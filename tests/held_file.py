@@ -72,6 +72,7 @@ def interrupted_at_open(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=_ctrl_c_as_at_a_terminal,
         )
         try:
             opened(timeout=120)
@@ -85,6 +86,13 @@ def interrupted_at_open(
             proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=300)
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, seen + stderr)
+
+
+def _ctrl_c_as_at_a_terminal() -> None:
+    """SIGINT back to its default in the child, which Python then turns into KeyboardInterrupt as
+    at a terminal: a test run in the background of a non-interactive shell (as CI may be) has it
+    ignored, and a child inherits that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _lines_saying(proc: subprocess.Popen, said: Sequence[str]) -> str:
