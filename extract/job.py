@@ -47,11 +47,7 @@ class Job:
     # rank. `layout_record`: what each part made under it records (None for one model per rank).
     layout: Layout | None = None
     layout_record: str | None = None
-
-    @property
-    def num_units(self) -> int:
-        """All the units of the cache, those committed before included."""
-        return -(-self.total_rows // self.rows_per_part)
+    done_before: int = 0  # units of the cache committed before this run (a resume's)
 
     def unit_rows(self, unit: int) -> range:
         first = unit * self.rows_per_part

@@ -279,6 +279,7 @@ def _run_locked(
         rows_per_part=cfg.rows_per_part,
         total_rows=planned.total_rows,
         units=pending,
+        done_before=planned.num_units - len(pending),
         writer_threads=cfg.writer_threads,
         switch_interval_s=cfg.switch_interval_ms / 1e3,
         staging_buffers=cfg.staging_buffers,

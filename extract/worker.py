@@ -64,7 +64,7 @@ def rank_main(info: RankInfo, job: Job, prepare: Callable[[], object] | None = N
             job.out,
             reached.stage,
             replaces=prepare is not None,
-            before=_committed_before(job),
+            before=job.done_before,
             now=reached.committed,
         ) from None
     finally:
@@ -239,13 +239,8 @@ def _loaded(
     signals = [s for _, s in ranks if s is not None]
     if signals:
         how = f"by {signals[0]}"
-        raise load_stop(job.out, how, replaces=replaces, before=_committed_before(job))
+        raise load_stop(job.out, how, replaces=replaces, before=job.done_before)
     return model
-
-
-def _committed_before(job: Job) -> int:
-    """The parts of the cache committed before this run."""
-    return job.num_units - len(job.units)
 
 
 def _prepared(
