@@ -1,21 +1,30 @@
 """What a rank's stop by a signal tells the user: how far the rank had got, and so what --out
-holds now (untouched, begun with no part, or the parts committed kept for a resume)."""
+holds now (untouched, begun with no part, or the parts committed kept for a resume); and the
+output prepared by rank 0 once every rank holds its target, unless a signal came first (as
+`python -m extract.regen` prepares its own)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
+from shared.dist import broadcast_object
 from shared.progress import RankCounters
-from shared.stopping import Stopped
+from shared.stopping import Stopped, StopRun
+
+T = TypeVar("T")
 
 # How far a rank got, in order: loading its target; loaded (the others may still load);
 # preparing --out (rank 0 clears the cache to replace and begins it anew, the others wait);
 # prepared (compiling, probing: no part begun); extracting (a part in progress).
 STAGES = ("loading", "loaded", "preparing", "prepared", "extracting")
 
+WHILE_LOADING = "while the target loaded, before any part"
+BEFORE_PREPARING = "after the target loaded, before --out was prepared"
 _WHEN = {
-    "loading": "while the target loaded, before any part",
+    "loading": WHILE_LOADING,
     "loaded": "after the target loaded, before any part",
     "preparing": "while --out was prepared, before any part",
     "prepared": "after the target loaded, before any part",
@@ -60,12 +69,55 @@ def kept_text(out: Path, *, touched: bool, replaces: bool, before: int, now: int
     return f"{kept}; rerun the same command to {then}"
 
 
-def load_stop(out: Path, how: str, *, replaces: bool, before: int) -> Stopped:
-    """The stop of a signal (`how`: which) that came while the target loaded, or since, before
-    --out was prepared: no part extracted, --out as the run found it (or, for a new cache,
-    begun with no part); `before`: the parts committed before this run."""
+def stopped_while_loading(out: Path, signal_name: str, *, replaces: bool, before: int) -> Stopped:
+    """The stop of a signal that came while the target loaded (on any rank): no part extracted,
+    --out as the run found it (or, for a new cache, begun with no part); `before`: the parts
+    committed before this run."""
     kept = kept_text(out, touched=False, replaces=replaces, before=before, now=0)
-    return Stopped(f"stopped {how} while the target loaded, before any part: {kept}.")
+    return Stopped(f"stopped by {signal_name} {WHILE_LOADING}: {kept}.")
+
+
+def stopped_before_preparing(out: Path, signal_name: str) -> Stopped:
+    """The stop of a signal that reached rank 0 after every rank loaded the target, before it
+    prepared --out (cleared the cache to replace and began it anew): that cache untouched.
+
+    >>> str(stopped_before_preparing(Path("c"), "SIGTERM"))[:72]
+    'stopped by SIGTERM after the target loaded, before --out was prepared: t'
+    """
+    kept = kept_text(out, touched=False, replaces=True, before=0, now=0)
+    return Stopped(f"stopped by {signal_name} {BEFORE_PREPARING}: {kept}.")
+
+
+def prepared_unless_stopped(
+    is_main: bool,
+    prepare: Callable[[], T] | None,
+    *,
+    signal_name: str | None,
+    stopped: Callable[[str], StopRun],
+) -> T | None:
+    """What rank 0 hands every rank once all hold their target (each rank calls this; the
+    others wait in it): `prepare()` run by rank 0 alone, unless a stop signal reached it first
+    (`signal_name`, None for none), then `stopped(signal_name)` raised on every rank with
+    `prepare` not run, so that an output the run would replace stays. What `prepare` returns is
+    returned on every rank, the StopRun it raises (why it could not prepare the output) raised
+    on every rank. `prepare` None: nothing to prepare, None on every rank.
+
+    >>> prepared_unless_stopped(True, lambda: "begun", signal_name=None, stopped=Stopped)
+    'begun'
+    """
+    outcome = None
+    if is_main and prepare is not None:
+        if signal_name is not None:
+            outcome = stopped(signal_name)
+        else:
+            try:
+                outcome = prepare()
+            except StopRun as e:
+                outcome = e
+    outcome = broadcast_object(outcome)
+    if isinstance(outcome, StopRun):
+        raise outcome
+    return outcome
 
 
 def stopped_at_once(out: Path, stage: str, *, replaces: bool, before: int, now: int) -> Stopped:

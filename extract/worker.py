@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,10 +22,16 @@ from extract.lockstep import LockStep, agree_max, cpu_group
 from extract.packing import chunk_size
 from extract.parallel import describe_engine, engine_kwargs
 from extract.pipeline import PartPipeline
-from extract.stops import Reached, load_stop, stopped_at_once
+from extract.stops import (
+    Reached,
+    prepared_unless_stopped,
+    stopped_at_once,
+    stopped_before_preparing,
+    stopped_while_loading,
+)
 from extract.target import TargetError, load_failure, load_target
 from extract.units import reader_reading_ahead, run_units
-from shared.dist import RankInfo, all_gather_objects, broadcast_object, one_rank_group
+from shared.dist import RankInfo, all_gather_objects, one_rank_group
 from shared.fsio import os_error_text
 from shared.int4 import prepare_encoder
 from shared.logs import setup_logging
@@ -238,8 +245,7 @@ def _loaded(
         raise TargetLoadFailed(f"{failures[0]}{many}{kept}")
     signals = [s for _, s in ranks if s is not None]
     if signals:
-        how = f"by {signals[0]}"
-        raise load_stop(job.out, how, replaces=replaces, before=job.done_before)
+        raise stopped_while_loading(job.out, signals[0], replaces=replaces, before=job.done_before)
     return model
 
 
@@ -249,27 +255,23 @@ def _prepared(
     """`prepare` run by rank 0 while the other ranks wait, unless a signal reached it since
     all loaded (the cache to replace then stays); its failure or that stop raised on every
     rank."""
-    outcome: StopRun | None = None
-    if info.is_main and prepare is not None:
-        if stop.requested:
-            outcome = load_stop(job.out, f"by {stop.signal_name}", replaces=True, before=0)
-        else:
-            outcome = _prepare(job, prepare)
-    outcome = broadcast_object(outcome)
-    if outcome is not None:
-        raise outcome
+    prepared_unless_stopped(
+        info.is_main,
+        functools.partial(_prepare_or_say_why, job.out, prepare) if prepare is not None else None,
+        signal_name=stop.signal_name,
+        stopped=functools.partial(stopped_before_preparing, job.out),
+    )
 
 
-def _prepare(job: Job, prepare: Callable[[], object]) -> StopRun | None:
-    """`prepare` run; why it failed, for every rank (None where it did not)."""
+def _prepare_or_say_why(out: Path, prepare: Callable[[], object]) -> None:
+    """`prepare` run; where it fails, a StopRun saying why (which every rank can raise)."""
     try:
         prepare()
     except (TargetError, OSError) as e:  # `target/` or --out that cannot be written
-        return StopRun(str(e) if isinstance(e, TargetError) else os_error_text(e, job.out))
+        raise StopRun(str(e) if isinstance(e, TargetError) else os_error_text(e, out)) from None
     except Exception as e:
-        log.exception("rank 0: preparing %s failed", job.out)
-        return StopRun(f"{job.out}: it could not be prepared ({type(e).__name__}: {e})")
-    return None
+        log.exception("rank 0: preparing %s failed", out)
+        raise StopRun(f"{out}: it could not be prepared ({type(e).__name__}: {e})") from None
 
 
 def _my_units(info: RankInfo, job: Job) -> tuple[tuple[int, ...], bool]:

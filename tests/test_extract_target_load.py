@@ -15,7 +15,7 @@ import torch
 
 from extract.config import ExtractConfig
 from extract.run import ExtractError, run
-from extract.stops import stopped_at_once
+from extract.stops import prepared_unless_stopped, stopped_at_once, stopped_before_preparing
 from shared.manifest import drop_parts, read_manifest, update_manifest
 from shared.progress import read_counters
 from shared.stopping import Stopped, StopRun
@@ -294,6 +294,36 @@ def test_a_second_ctrl_c_says_what_the_rank_had_reached(stage, replaces, before,
     stop = stopped_at_once(Path("c"), stage, replaces=replaces, before=before, now=now)
     assert isinstance(stop, Stopped)
     assert str(stop) == f"stopped at once by a second signal {said}"
+
+
+def test_a_signal_after_the_ranks_loaded_stops_them_before_out_is_prepared():
+    """Rank 0 looks at its stop flag before it clears the cache to replace: a signal that came
+    after the ranks agreed that all had loaded stops them with that cache untouched, saying
+    when it came; without one, --out is prepared, and a failure to prepare it is raised (on
+    every rank) as it came. With nothing to prepare (no cache to replace), nothing stops."""
+    prepared = []
+
+    def prepare() -> None:
+        prepared.append("cleared")
+
+    def stopped(name: str) -> Stopped:
+        return stopped_before_preparing(Path("c"), name)
+
+    with pytest.raises(Stopped) as stop:
+        prepared_unless_stopped(True, prepare, signal_name="SIGTERM", stopped=stopped)
+    assert prepared == []
+    assert str(stop.value) == (
+        f"stopped by SIGTERM after the target loaded, before --out was prepared: {NOT_TOUCHED}"
+    )
+    assert prepared_unless_stopped(True, None, signal_name="SIGTERM", stopped=stopped) is None
+    assert prepared_unless_stopped(True, prepare, signal_name=None, stopped=stopped) is None
+    assert prepared == ["cleared"]
+
+    def fails() -> None:
+        raise StopRun("c: it could not be prepared")
+
+    with pytest.raises(StopRun, match="^c: it could not be prepared$"):
+        prepared_unless_stopped(True, fails, signal_name=None, stopped=stopped)
 
 
 @pytest.mark.slow
