@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from extract.regen.config import RegenError
-from extract.regen.local import prepared_or_stopped
 from extract.regen.state import PROGRESS_DIR, STATE, parts_dir
+from extract.regen.stops import BEFORE_PREPARING, stopped_before_any_chunk
+from extract.stops import prepared_unless_stopped
 from shared.progress import read_counters
 from shared.stopping import Stopped
 from tests.held_file import interrupted_at_open
@@ -150,13 +151,26 @@ def test_ctrl_c_while_the_target_loads_leaves_the_output_to_overwrite(
 
 def test_a_signal_after_the_ranks_loaded_stops_them_before_the_output_is_prepared():
     """Rank 0 looks at its stop flag before it prepares the output (under --overwrite: replaces
-    it): a signal that came after the ranks agreed that all had loaded stops them as one during
-    the load does, the output not prepared; without one, the output is prepared."""
+    it): a signal that came after the ranks agreed that all had loaded stops them, the output
+    not prepared, saying when it came; without one, the output is prepared."""
     prepared = []
-    stop = prepared_or_stopped("SIGTERM", lambda: prepared.append("replaced"))
-    assert isinstance(stop, Stopped) and prepared == []
-    assert str(stop) == "stopped by SIGTERM while the target loaded, before any chunk"
-    assert prepared_or_stopped(None, lambda: prepared.append("replaced")) is None
+
+    def prepare() -> str:
+        prepared.append("replaced")
+        return "prepared job"
+
+    def stopped(name: str) -> Stopped:
+        return stopped_before_any_chunk(f"by {name}", BEFORE_PREPARING)
+
+    with pytest.raises(Stopped) as stop:
+        prepared_unless_stopped(True, prepare, signal_name="SIGTERM", stopped=stopped)
+    assert prepared == []
+    assert str(stop.value) == (
+        "stopped by SIGTERM after the target loaded, before --out was prepared"
+    )
+    assert prepared_unless_stopped(True, prepare, signal_name=None, stopped=stopped) == (
+        "prepared job"
+    )
     assert prepared == ["replaced"]
 
 

@@ -13,18 +13,16 @@ output with nothing to do is resumed without loading the target.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from extract.data import Rejected
 from extract.regen.config import Chat, RegenConfig, RegenError, iter_chats
-from extract.regen.driver import RegenStopped, prepare, to_do
+from extract.regen.driver import prepare, to_do
 from extract.regen.generation import BatchGenerator, regenerate_chats
 from extract.regen.report import RowBar
 from extract.regen.state import (
@@ -32,12 +30,17 @@ from extract.regen.state import (
     PROGRESS_DIR,
     Job,
     RegenState,
-    StateError,
     commit_chunk,
     finish_output,
     read_state,
-    settings_mismatches,
 )
+from extract.regen.stops import (
+    BEFORE_PREPARING,
+    WHILE_LOADING,
+    stopped_before_any_chunk,
+    stops_said,
+)
+from extract.stops import prepared_unless_stopped
 from extract.target import load_failure
 from shared.dist import (
     DeviceSpec,
@@ -163,9 +166,7 @@ def _loaded(
         try:
             gen = _generator(job, info)
         except KeyboardInterrupt:
-            raise Stopped(
-                "stopped at once by a second signal while the target loaded, before any chunk"
-            ) from None
+            raise stopped_before_any_chunk("at once by a second signal", WHILE_LOADING) from None
         except Exception as e:  # whatever it is, the other ranks must hear of it
             log.debug("rank %d: the target did not load", info.rank, exc_info=True)
             failure = load_failure(job.target, info.device, e)
@@ -176,32 +177,8 @@ def _loaded(
         raise TargetNotLoaded(f"{failures[0]}{many}; --out {cfg.out} was not touched")
     signals = [s for _, s in ranks if s is not None]
     if signals:
-        raise load_stop(signals[0])
+        raise stopped_before_any_chunk(f"by {signals[0]}", WHILE_LOADING)
     return gen
-
-
-def load_stop(signal_name: str) -> Stopped:
-    """The stop of a signal that came while the target loaded, or since, before the output
-    was prepared: no chunk begun, the output as the run found it.
-
-    >>> print(load_stop("SIGTERM"))
-    stopped by SIGTERM while the target loaded, before any chunk
-    """
-    return Stopped(f"stopped by {signal_name} while the target loaded, before any chunk")
-
-
-def prepared_or_stopped(signal_name: str | None, prepare: Callable[[], Job]) -> Job | StopRun:
-    """What rank 0 hands the other ranks once all loaded: the stop of a signal that reached it
-    (`signal_name`, None for none) with `prepare` not run, so that an output --overwrite would
-    replace stays; else the job `prepare` returns, or why it could not prepare the output."""
-    if signal_name is not None:
-        return load_stop(signal_name)
-    try:
-        return prepare()
-    except RegenError as e:  # a spawned rank passes on a StopRun only
-        return OutputNotPrepared(str(e))
-    except StopRun as e:  # DiskFull
-        return e
 
 
 def _prepared(
@@ -213,17 +190,26 @@ def _prepared(
     stop: StopRequest,
 ) -> Job:
     """The output prepared or resumed by rank 0 (`extract.regen.driver.prepare`) while the
-    other ranks wait, unless a signal reached it first; its refusal or stop raised on every
-    rank."""
-    prepared: Job | StopRun | None = None
-    if info.is_main:
-        where = str(info.device) if info.world_size == 1 else f"{info.world_size} ranks"
-        how = functools.partial(prepare, cfg, settings, config, job, where=where)
-        prepared = prepared_or_stopped(stop.signal_name, how)
-    prepared = broadcast_object(prepared)
-    if isinstance(prepared, StopRun):
-        raise prepared
-    return prepared
+    other ranks wait, unless a signal reached it since all loaded (the output it would replace
+    then stays); its refusal or that stop raised on every rank."""
+    where = str(info.device) if info.world_size == 1 else f"{info.world_size} ranks"
+    return prepared_unless_stopped(
+        info.is_main,
+        functools.partial(_prepare_or_say_why, cfg, settings, config, job, where=where),
+        signal_name=stop.signal_name,
+        stopped=lambda name: stopped_before_any_chunk(f"by {name}", BEFORE_PREPARING),
+    )
+
+
+def _prepare_or_say_why(
+    cfg: RegenConfig, settings: dict[str, Any], config: dict[str, Any], job: Job, *, where: str
+) -> Job:
+    """`prepare`; its refusal raised as OutputNotPrepared (a spawned rank passes on a StopRun
+    only), a full disk as DiskFull."""
+    try:
+        return prepare(cfg, settings, config, job, where=where)
+    except RegenError as e:
+        raise OutputNotPrepared(str(e)) from None
 
 
 def _regenerate(
@@ -275,28 +261,3 @@ def _generator(job: Job, info: RankInfo) -> BatchGenerator:
     layers = int(text_config(read_config(job.target))["num_hidden_layers"])
     model = load_target(job.target, device=info.device, last_layer=layers - 1)
     return BatchGenerator(model, prompter, sampling=job.sampling)
-
-
-@contextlib.contextmanager
-def stops_said(job: Job, settings: dict[str, Any]) -> Iterator[None]:
-    """A stop of the ranks (Stopped, or KeyboardInterrupt: a second Ctrl-C) as RegenStopped,
-    saying what the run kept and how to resume it, or that it stopped before it prepared the
-    output (its state is not this run's)."""
-    try:
-        yield
-    except (Stopped, KeyboardInterrupt) as e:
-        why = str(e) if isinstance(e, Stopped) else "stopped at once (its chunk dropped)"
-        try:
-            state = read_state(job.parts)
-        except StateError:
-            state = None
-        if state is None or settings_mismatches(state.settings, settings):
-            raise RegenStopped(
-                f"{why}. The output was not touched: run the same command to start it."
-            ) from None
-        left = job.pending(state)
-        rows = sum(len(job.chunk_rows(c)) for c in left)
-        raise RegenStopped(
-            f"{why}. The committed chunks are kept in {job.parts}; {len(left)} chunks ({rows:,} "
-            "rows) are still to do: run the same command to resume."
-        ) from None

@@ -1,0 +1,54 @@
+"""What a stop of `python -m extract.regen` tells the user where it comes before the run's own
+handling of it: when it came (`stopped_before_any_chunk`), then what the output holds and how
+to go on (`stops_said`). The local route's ranks load the target, then rank 0 prepares
+--out."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from extract.regen.driver import RegenStopped
+from extract.regen.state import Job, StateError, read_state, settings_mismatches
+from shared.stopping import Stopped
+
+# When a stop came, in words (`stopped_before_any_chunk`).
+WHILE_LOADING = "while the target loaded, before any chunk"
+BEFORE_PREPARING = "after the target loaded, before --out was prepared"
+
+
+def stopped_before_any_chunk(how: str, when: str) -> Stopped:
+    """The stop of a signal (`how`: "by SIGTERM", "at once by ...") that came `when` (one of
+    the phrases above), no chunk begun: its first words, to which `stops_said` adds what the
+    output holds.
+
+    >>> print(stopped_before_any_chunk("by SIGTERM", BEFORE_PREPARING))
+    stopped by SIGTERM after the target loaded, before --out was prepared
+    """
+    return Stopped(f"stopped {how} {when}")
+
+
+@contextlib.contextmanager
+def stops_said(job: Job, settings: dict[str, Any]) -> Iterator[None]:
+    """A stop (Stopped, or KeyboardInterrupt: a second Ctrl-C) as RegenStopped, saying what the
+    run kept and how to resume it, or that it stopped before it prepared the output (its state
+    is not this run's)."""
+    try:
+        yield
+    except (Stopped, KeyboardInterrupt) as e:
+        why = str(e) if isinstance(e, Stopped) else "stopped at once (its chunk dropped)"
+        try:
+            state = read_state(job.parts)
+        except StateError:
+            state = None
+        if state is None or settings_mismatches(state.settings, settings):
+            raise RegenStopped(
+                f"{why}. The output was not touched: run the same command to start it."
+            ) from None
+        left = job.pending(state)
+        rows = sum(len(job.chunk_rows(c)) for c in left)
+        raise RegenStopped(
+            f"{why}. The committed chunks are kept in {job.parts}; {len(left)} chunks ({rows:,} "
+            "rows) are still to do: run the same command to resume."
+        ) from None
