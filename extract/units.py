@@ -12,12 +12,15 @@ from extract.job import Job
 from extract.pipeline import PartPipeline
 from shared.stopping import StopRequest
 
+# A unit's rows read and tokenized: those kept, and those rejected.
+Reader = Callable[[int], tuple[list[Tokenized], list[Rejected]]]
+
 
 def run_units(
     pipeline: PartPipeline,
     units: Sequence[int],
     *,
-    read: Callable[[int], tuple[list[Tokenized], list[Rejected]]],
+    read: Reader,
     after_part: Callable[[], None] | None = None,
     stop: StopRequest | None = None,
 ) -> int:
@@ -59,7 +62,7 @@ def reader_reading_ahead(
     job: Job,
     tokenizer,
     units: Sequence[int],  # noqa: ANN001
-) -> Callable[[int], tuple[list[Tokenized], list[Rejected]]]:
+) -> Reader:
     """`_read_unit` for this rank's `units`, the first one's rows already being read and
     tokenized on a thread while the target loads: the first forward would otherwise wait for
     them after the load, with the device idle (the timed run starts after the load)."""
