@@ -7,7 +7,8 @@ one again. Here, with a fake of vLLM's engine (its `add_request`, `step` and shu
 vLLM: a turn that outgrows --max-length rejects its row mid-conversation, turns vLLM aborts or fails
 never become rows, vLLM raising stops the run with a message and a resumable output, and vLLM is
 shut down however the run ends (a full disk as the output is prepared, or an old file there that
-cannot be removed, included). Without vLLM, the option is a message; a vLLM that is not importable
+cannot be removed, included), and Ctrl-C as vLLM starts is one message saying what the output
+holds. Without vLLM, the option is a message; a vLLM that is not importable
 or refuses to start leaves an output that --overwrite would replace byte for byte as it was, and a
 complete output is resumed without starting one.
 """
@@ -30,7 +31,7 @@ import pytest
 import extract.regen.engine
 from extract.regen.config import RegenConfig, RegenError
 from extract.regen.regenerate import run
-from extract.regen.state import parts_dir, read_state
+from extract.regen.state import STATE, parts_dir, read_state
 from tests.test_extract_safety import small_disk
 from tests.test_regenerate_damage import undeletable
 from tests.test_regenerate_server import _finished_rows
@@ -466,3 +467,43 @@ def test_vllm_is_shut_down_when_an_old_output_cannot_be_removed(
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert result.output.strip().splitlines()[-1] == f"Error: {stuck}: Read-only file system"
     assert engine.engine_core.shutdowns == 1 and engine.requests == []
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_ctrl_c_while_vllm_loads_says_what_it_did_and_what_the_output_holds(
+    demo, fake_vllm, monkeypatch, tmp_path, resumed
+):
+    """Ctrl-C as vLLM starts (before the run's own handler waits for it) stops the run at once
+    with one message: when it came, and what the output holds: nothing of this run, or the
+    chunks of the run it resumes."""
+    from click.testing import CliRunner
+
+    from extract.regen.__main__ import main
+
+    out = tmp_path / "o.jsonl"
+    if resumed:  # a run stopped after its first conversations
+        fake_vllm(signal_at=2)
+        with pytest.raises(RegenError, match="stopped by a signal"):
+            _fake_run(demo, out)
+    monkeypatch.setattr(extract.regen.engine, "load_engine", LOAD_ENGINE)  # vLLM's, below
+    _vllm_cpu(monkeypatch, lambda **options: os.kill(os.getpid(), signal.SIGINT))
+    target, data = demo
+    args = ["--engine", "vllm", "--gpus", "cpu", "--target", str(target), "--data", str(data)]
+    args += ["--out", str(out), "--max-rows", "12", "--rows-per-chunk", "4"]
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal
+    try:
+        result = CliRunner().invoke(main, [*args, "--concurrency", "3"])
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    said = result.output.strip().splitlines()[-1]
+    when = "Error: stopped at once by SIGINT while vLLM loaded the target, before any chunk. "
+    if resumed:
+        assert re.fullmatch(
+            re.escape(f"{when}The committed chunks are kept in {parts_dir(out)}; ")
+            + r"[123] chunks \([\d,]+ rows\) are still to do: run the same command to resume\.",
+            said,
+        ), said
+    else:
+        assert said == f"{when}The output was not touched: run the same command to start it."
+        assert not (parts_dir(out) / STATE).exists()

@@ -1,7 +1,7 @@
 """What a stop of `python -m extract.regen` tells the user where it comes before the run's own
 handling of it: when it came (`stopped_before_any_chunk`), then what the output holds and how
-to go on (`stops_said`). The local route's ranks load the target, then rank 0 prepares
---out."""
+to go on (`stops_said`). The local route's ranks load the target, then rank 0 prepares --out;
+`--engine vllm` starts vLLM, then prepares --out, then reads the tokenizer."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ from shared.stopping import Stopped
 # When a stop came, in words (`stopped_before_any_chunk`).
 WHILE_LOADING = "while the target loaded, before any chunk"
 BEFORE_PREPARING = "after the target loaded, before --out was prepared"
+WHILE_VLLM_LOADS = "while vLLM loaded the target, before any chunk"
+WHILE_PREPARING = "while --out was prepared, before any chunk"
+AFTER_PREPARING = "after --out was prepared, before any chunk"
 
 
 def stopped_before_any_chunk(how: str, when: str) -> Stopped:
@@ -27,6 +30,16 @@ def stopped_before_any_chunk(how: str, when: str) -> Stopped:
     stopped by SIGTERM after the target loaded, before --out was prepared
     """
     return Stopped(f"stopped {how} {when}")
+
+
+@contextlib.contextmanager
+def ctrl_c_stops(when: str) -> Iterator[None]:
+    """Ctrl-C in the block (KeyboardInterrupt: where no handler of the run's own waits for
+    SIGINT, it stops the run at once) as the Stopped saying it came `when`."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise stopped_before_any_chunk("at once by SIGINT", when) from None
 
 
 @contextlib.contextmanager
