@@ -182,25 +182,38 @@ def _gone(info: dict[str, Any]) -> str:
     return "no longer running"
 
 
+def _look(path: Path) -> tuple[dict[str, Any], bool] | None:
+    """(the record in lock file `path`, whether a process holds its flock), taking nothing: a
+    moment's flock, let go at once, only where the lock is free; None where there is no lock
+    file, or none this process could read."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        info = _read(fd)
+        free = _try_flock(fd)
+        if free:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        return info, not free
+    finally:
+        os.close(fd)
+
+
 def refuse_if_held(folder: Path) -> None:
     """Raise LockHeld, as `acquire` would, when a live process holds `folder`'s lock; take and
     change nothing. A command line calls it before its slow imports, so a second run on a busy
     folder is refused at once; `acquire` still decides (a stale lock passes here and is taken
     over there, with its warning)."""
     path = Path(folder) / LOCK_FILE
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # no lock, or none this process could read: `acquire` will tell
+    looked = _look(path)
+    if looked is None:  # no lock, or none this process could read: `acquire` will tell
         return
-    try:
-        info = _read(fd)
-        if not _try_flock(fd):
-            raise _busy(info, path)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        if info.get("host") not in (None, socket.gethostname()):
-            raise _unchecked(info, path)
-    finally:
-        os.close(fd)
+    info, held = looked
+    if held:
+        raise _busy(info, path)
+    if info.get("host") not in (None, socket.gethostname()):
+        raise _unchecked(info, path)
 
 
 def _inode(path: Path) -> int | None:
@@ -236,20 +249,11 @@ def holder_running(info: dict[str, Any]) -> bool | None:
 def holding_pid(folder: Path) -> int | None:
     """The pid of the live process of this host that holds `folder`'s lock; None where none
     does (no lock file, a stale one, one of another host, which cannot be checked from here).
-    Looks as `refuse_if_held` does: a moment's flock, taken only where the lock is free."""
-    path = Path(folder) / LOCK_FILE
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+    Looks as `refuse_if_held` does (`_look`)."""
+    looked = _look(Path(folder) / LOCK_FILE)
+    if looked is None or not looked[1] or not holder_running(looked[0]):
         return None
-    try:
-        info = _read(fd)
-        if _try_flock(fd):
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return None
-    finally:
-        os.close(fd)
-    return info["pid"] if holder_running(info) else None
+    return looked[0]["pid"]
 
 
 def release(folder: Path, fd: int) -> None:
