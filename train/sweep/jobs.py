@@ -81,7 +81,7 @@ def check_names(jobs: list[Job], out: Path) -> None:
     """GridError for a variant whose run folder or log, named after its values, is a name
     longer than a file system takes: found here, not as a failed write once runs started."""
     for job in jobs:
-        name = max(job.folder.parent.name, log_path(out, job).name, key=len)
+        name = log_path(out, job).name  # VARIANT.seed-S.log: longer than the folder VARIANT
         if len(name.encode()) > NAME_MAX:
             raise GridError(
                 f"variant {job.variant.name[:80]}...: its run folder and log are named after "
