@@ -5,9 +5,12 @@ for it."""
 
 import contextlib
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -79,12 +82,62 @@ with output_lock(sys.argv[1], "python -m train"):
 """
 
 
+class Said:
+    """A process's standard error, read line by line by a thread, so that a test waits for a
+    line with a bound: a process that falls silent fails the test, with what it said, instead
+    of hanging the suite."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.lines: list[str] = []
+        self.ended = False
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, args=(proc.stderr,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self._queue.put(line)
+        self._queue.put(None)  # the end of its output
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def _next(self, deadline: float, waiting_for: str) -> str | None:
+        """Its next line, None at the end of its output; AssertionError after `deadline`."""
+        try:
+            line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"{waiting_for}: timed out; it said:\n{self.text}") from None
+        if line is None:
+            self.ended = True
+        else:
+            self.lines.append(line)
+        return line
+
+    def until(self, *texts: str, timeout: float = 300) -> str:
+        """The first line, from here on, that holds one of `texts`; AssertionError, with what
+        the process said, where its output ends or `timeout` seconds pass first."""
+        deadline = time.monotonic() + timeout
+        while not self.ended:
+            line = self._next(deadline, f"waiting for a line saying {texts}")
+            if line is not None and any(t in line for t in texts):
+                return line
+        raise AssertionError(f"it ended without a line saying {texts}; it said:\n{self.text}")
+
+    def rest(self, timeout: float = 300) -> str:
+        """All it said, once its output has ended (within `timeout` seconds)."""
+        deadline = time.monotonic() + timeout
+        while not self.ended:
+            self._next(deadline, "waiting for the end of its output")
+        return self.text
+
+
 @contextlib.contextmanager
 def waiting_sweep(tmp_path):
     """A sweep of one run started while a child process holds that run's folder lock (as an
     earlier sweep's run, still saving its checkpoint after that sweep was killed, does), read
-    until it says that it waits for it (or starts the run): (the sweep, its standard error so
-    far, the run folder). The child lets the lock go when the block ends."""
+    until it says that it waits for it: (the sweep, what it says, the run folder, a function
+    that makes the child let the lock go). The block's end lets it go and ends the sweep."""
     cache = write_cache(tmp_path / "cache", num_parts=3, samples_per_part=4)
     out = tmp_path / "sweep"
     args = ["--data", str(cache), "--out", str(out), "--vary", "optimizer=adamw", "--seeds", "1"]
@@ -92,41 +145,46 @@ def waiting_sweep(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     hold = [sys.executable, "-c", HOLD_LOCK, str(folder)]
     earlier = subprocess.Popen(hold, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def release() -> None:
+        earlier.stdin.close()
+        earlier.wait()
+
+    sweep = None
     try:
         assert earlier.stdout.readline() == b"held\n"
         cmd = [sys.executable, "-m", "train.sweep", *args, "--gpus", "cpu", *TRAIN]
         sweep = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+        said = Said(sweep)
         waiting = f"waiting for the earlier run of optimizer=adamw seed 0 (pid {earlier.pid})"
-        said = []
-        for line in sweep.stderr:  # blocks until it says more: no sleeping
-            said.append(line)
-            if waiting in line or "starting optimizer=adamw" in line:
-                break
-        assert waiting in said[-1], "".join(said)
-        yield sweep, said, folder
+        line = said.until(waiting, "starting optimizer=adamw")
+        assert waiting in line, f"it started the run while its folder was held:\n{said.text}"
+        yield sweep, said, folder, release
     finally:
-        earlier.stdin.close()
-        earlier.wait()
+        if not earlier.stdin.closed:
+            release()
+        if sweep is not None and sweep.poll() is None:  # the block failed: end it
+            sweep.kill()
+            sweep.wait()
 
 
 def test_a_rerun_waits_for_the_earlier_run_that_holds_its_folder(tmp_path):
     """The run is started once the earlier process has let its folder go, and finishes
     (train would have refused the folder)."""
-    with waiting_sweep(tmp_path) as (sweep, said, folder):
-        pass
-    rest = sweep.stderr.read()
-    assert sweep.wait() == 0, "".join(said) + rest
-    assert "finished optimizer=adamw seed 0 (1 of 1 ended, 0 left)" in rest
-    assert (folder / "export" / "model.safetensors").is_file()
+    with waiting_sweep(tmp_path) as (sweep, said, folder, release):
+        release()
+        said.until("finished optimizer=adamw seed 0 (1 of 1 ended, 0 left)")
+        assert sweep.wait(timeout=300) == 0, said.rest()
+        assert (folder / "export" / "model.safetensors").is_file()
 
 
 def test_a_stop_signal_ends_the_wait_for_an_earlier_run(tmp_path):
     """SIGTERM while the sweep waits: it stops at once, the run not started, with the command
     that goes on, while the earlier process still holds the folder."""
-    with waiting_sweep(tmp_path) as (sweep, said, folder):
+    with waiting_sweep(tmp_path) as (sweep, said, folder, _):
         sweep.send_signal(signal.SIGTERM)
-        rest = sweep.stderr.read()
-        assert sweep.wait() == 1, "".join(said) + rest
+        assert sweep.wait(timeout=300) == 1, said.rest()
+        rest = said.rest()
         assert (folder / ".lock").is_file()
     assert "stopped by SIGTERM; not finished: optimizer=adamw seed 0" in rest
     assert "resume: python -m train.sweep --data" in rest and "starting" not in rest
