@@ -246,14 +246,14 @@ def holder_running(info: dict[str, Any]) -> bool | None:
     return pid_alive(info.get("pid"))
 
 
-def holding_pid(folder: Path) -> int | None:
-    """The pid of the live process of this host that holds `folder`'s lock; None where none
-    does (no lock file, a stale one, one of another host, which cannot be checked from here).
-    Looks as `refuse_if_held` does (`_look`)."""
+def live_holder(folder: Path) -> dict[str, Any] | None:
+    """The record (pid, host, started, command) of the live process of this host that holds
+    `folder`'s lock; None where none does (no lock file, a stale one, one of another host,
+    which cannot be checked from here). Looks as `refuse_if_held` does (`_look`)."""
     looked = _look(Path(folder) / LOCK_FILE)
     if looked is None or not looked[1] or not holder_running(looked[0]):
         return None
-    return looked[0]["pid"]
+    return looked[0]
 
 
 def release(folder: Path, fd: int) -> None:

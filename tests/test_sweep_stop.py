@@ -1,7 +1,7 @@
 """Ctrl-C to python -m train.sweep outside its runs (while it checks the grid, while it writes
 its report): one message saying what it was doing and the command that goes on, no traceback,
 no file left half written. A rerun while a stopped sweep's run still holds its folder waits
-for it."""
+for it, while its other runs go on."""
 
 import contextlib
 import os
@@ -73,10 +73,11 @@ def test_ctrl_c_while_the_report_is_written(tmp_path, monkeypatch):
     assert result.exit_code == 0 and "| optimizer=muon | 1 |" in result.output, result.output
 
 
+HOLDER = "python -m train --out (the test's holder)"  # the command its lock file names
 HOLD_LOCK = """
 import sys
 from shared.lock import output_lock
-with output_lock(sys.argv[1], "python -m train"):
+with output_lock(sys.argv[1], sys.argv[2]):
     print("held", flush=True)
     sys.stdin.read()  # until the test closes its end
 """
@@ -133,17 +134,18 @@ class Said:
 
 
 @contextlib.contextmanager
-def waiting_sweep(tmp_path):
-    """A sweep of one run started while a child process holds that run's folder lock (as an
-    earlier sweep's run, still saving its checkpoint after that sweep was killed, does), read
-    until it says that it waits for it: (the sweep, what it says, the run folder, a function
-    that makes the child let the lock go). The block's end lets it go and ends the sweep."""
+def waiting_sweep(tmp_path, optimizers="adamw"):
+    """A sweep of a run for each of `optimizers`, on one slot, started while a child process
+    holds the first run's folder lock (as an earlier sweep's run, still saving its checkpoint
+    after that sweep was killed, does), read until it says that it waits for it: (the sweep,
+    what it says, the run folder, a function that makes the child let the lock go). The block's
+    end lets it go and ends the sweep."""
     cache = write_cache(tmp_path / "cache", num_parts=3, samples_per_part=4)
     out = tmp_path / "sweep"
-    args = ["--data", str(cache), "--out", str(out), "--vary", "optimizer=adamw", "--seeds", "1"]
+    args = ["--data", str(cache), "--out", str(out), "--vary", f"optimizer={optimizers}"]
     folder = out / "runs" / "optimizer=adamw" / "seed-0"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    hold = [sys.executable, "-c", HOLD_LOCK, str(folder)]
+    hold = [sys.executable, "-c", HOLD_LOCK, str(folder), HOLDER]
     earlier = subprocess.Popen(hold, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
     def release() -> None:
@@ -153,10 +155,10 @@ def waiting_sweep(tmp_path):
     sweep = None
     try:
         assert earlier.stdout.readline() == b"held\n"
-        cmd = [sys.executable, "-m", "train.sweep", *args, "--gpus", "cpu", *TRAIN]
+        cmd = [sys.executable, "-m", "train.sweep", *args, "--seeds", "1", "--gpus", "cpu", *TRAIN]
         sweep = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
         said = Said(sweep)
-        waiting = f"waiting for the earlier run of optimizer=adamw seed 0 (pid {earlier.pid})"
+        waiting = f"waiting for pid {earlier.pid} ({HOLDER}) holding {folder}"
         line = said.until(waiting, "starting optimizer=adamw")
         assert waiting in line, f"it started the run while its folder was held:\n{said.text}"
         yield sweep, said, folder, release
@@ -176,6 +178,23 @@ def test_a_rerun_waits_for_the_earlier_run_that_holds_its_folder(tmp_path):
         said.until("finished optimizer=adamw seed 0 (1 of 1 ended, 0 left)")
         assert sweep.wait(timeout=300) == 0, said.rest()
         assert (folder / "export" / "model.safetensors").is_file()
+
+
+def test_the_other_runs_go_on_while_an_earlier_run_holds_a_folder(tmp_path):
+    """Of two runs on one slot, the first one's folder held: the second is started meanwhile,
+    and its end is counted; the first is started once its folder is let go. The wait is said
+    once."""
+    with waiting_sweep(tmp_path, "adamw,muon") as (sweep, said, folder, release):
+        said.until("finished optimizer=muon seed 0 (1 of 2 ended, 1 left)")
+        release()
+        said.until("finished optimizer=adamw seed 0 (2 of 2 ended, 0 left)")
+        assert sweep.wait(timeout=300) == 0, said.rest()
+    started = [line for line in said.lines if "starting " in line]
+    assert len(started) == 2, said.text
+    assert "starting optimizer=muon seed 0 (1 of 2) on cpu" in started[0], said.text
+    assert "starting optimizer=adamw seed 0 (2 of 2) on cpu" in started[1], said.text
+    assert said.text.count("waiting for pid") == 1, said.text
+    assert (folder / "export" / "model.safetensors").is_file()
 
 
 def test_a_stop_signal_ends_the_wait_for_an_earlier_run(tmp_path):

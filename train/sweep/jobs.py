@@ -10,7 +10,8 @@ SIGTERM on once to every running child (each saves a checkpoint at its next log 
 and starts no more; a second signal is passed on again (they stop at once). A child also gets
 SIGTERM when the sweep dies without a word (`kill -9`: the kernel's parent-death signal), and
 may still be saving its checkpoint when the sweep is run again: a run folder whose lock a live
-process holds is started once that process has ended (train would refuse the folder).
+process holds is started once that process has ended (train would refuse the folder), while
+the other runs go on.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.lock import holding_pid
+from shared.lock import live_holder
 from shared.stopping import STOP_SIGNALS, die_with_parent
 from train.sweep.grid import GridError, Job
 
@@ -121,15 +122,17 @@ def run_jobs(
 ) -> Outcome:
     """Run the unfinished jobs and those in `redo` in order, one per device slot at a time (a
     device may appear more than once: that many at once on it). Each child's output goes to
-    `logs/`."""
+    `logs/`. A run whose folder a live process holds waits for it (`_startable`); the others go
+    on meanwhile."""
     outcome = Outcome(skipped=[j for j in jobs if finished(j) and j not in redo])
     todo = [j for j in jobs if not finished(j) or j in redo]
     runs = f"{len(jobs)} run" + "s" * (len(jobs) != 1)
     log.info("%s: %d finished already, %d to run", runs, len(outcome.skipped), len(todo))
     total, ended = len(todo), 0
     free, running = list(devices), {}  # pid -> (job, device, Popen)
+    held: dict[Job, int] = {}  # the runs whose folder a live process holds -> its pid
     told: set[int] = set()  # the children passed SIGTERM since the last stop signal
-    wake_r, wake_w = os.pipe()  # a stop signal ends a wait for an earlier run (`_await_end`)
+    wake_r, wake_w = os.pipe()  # a stop signal ends a wait for holders alone (`_next_event`)
     os.set_blocking(wake_w, False)
 
     def pass_on() -> None:
@@ -149,19 +152,19 @@ def run_jobs(
     previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     try:
         while todo or running:
-            while todo and free and outcome.stopped_by is None:
-                holder = holding_pid(todo[0].folder)
-                if holder is not None:
-                    _await_end(todo[0], holder, wake_r)
-                    continue
-                job, device = todo.pop(0), free.pop(0)
+            while free and outcome.stopped_by is None and (job := _startable(todo, held)):
+                todo.remove(job)
+                device = free.pop(0)
                 proc = _start(job, device, out, f"{total - len(todo)} of {total}")
                 running[proc.pid] = (job, device, proc)
                 if outcome.stopped_by is not None:  # a signal came while it was starting
                     pass_on()
-            if not running:
+            if not running and (not held or outcome.stopped_by is not None):
                 break
-            pid = _next_exit(running)
+            pid = _next_event(running, held.values(), wake_r)
+            if pid not in running:  # a holder ended (its runs may start), or a stop signal
+                held = {j: p for j, p in held.items() if p != pid}
+                continue
             job, device, proc = running.pop(pid)
             code = proc.wait()
             free.append(device)
@@ -182,32 +185,47 @@ def run_jobs(
     return outcome
 
 
-def _next_exit(running: dict[int, tuple[Job, str, subprocess.Popen]]) -> int:
-    """The pid of a running child that has exited, waiting for one (pidfds: no other child of
-    this process is reaped, and a signal to the sweep is handled while it waits)."""
-    fds = {os.pidfd_open(pid): pid for pid in running}
+def _startable(todo: list[Job], held: dict[Job, int]) -> Job | None:
+    """The first run of `todo` whose folder no live process holds (train would refuse it). A
+    run found held is said once and added to `held` with its holder's pid: skipped until
+    that process has ended (`run_jobs` then drops it there)."""
+    for job in todo:
+        if job in held:
+            continue
+        holder = live_holder(job.folder)
+        if holder is None:
+            return job
+        held[job] = holder["pid"]
+        log.info(
+            "waiting for pid %d (%s) holding %s: %s seed %d starts once it has ended",
+            holder["pid"], holder.get("command", "?"), job.folder, job.variant.name, job.seed,
+        )  # fmt: skip
+    return None
+
+
+def _next_event(
+    running: dict[int, tuple[Job, str, subprocess.Popen]], holders: Collection[int], wake: int
+) -> int | None:
+    """The pid of a running child that has exited or of a holder (`_startable`) that has
+    ended, waiting for one; None where a stop signal came (`wake` readable). It waits on
+    pidfds: no other child of this process is reaped, and a signal is handled meanwhile."""
+    for pid, (_, _, proc) in running.items():
+        if proc.returncode is not None:  # reaped already (`Popen.send_signal` polls)
+            return pid
+    fds: dict[int, int] = {}
     try:
-        ready, _, _ = select.select(list(fds), [], [])
-        return fds[ready[0]]
+        for pid in {*running, *holders}:
+            try:
+                fds[os.pidfd_open(pid)] = pid
+            except ProcessLookupError:  # ended already
+                return pid
+        ready, _, _ = select.select([*fds, wake], [], [])
+        if wake in ready:
+            os.read(wake, 64)  # the signals' bytes: `run_jobs` reads the outcome
+        return next((fds[fd] for fd in ready if fd in fds), None)
     finally:
         for fd in fds:
             os.close(fd)
-
-
-def _await_end(job: Job, pid: int, wake: int) -> None:
-    """Wait until process `pid`, which holds the lock of `job`'s run folder, has ended (an
-    earlier sweep's run of it saving its checkpoint after that sweep was stopped or killed), or
-    a stop signal came (`wake` readable)."""
-    what = f"{job.variant.name} seed {job.seed}"
-    log.info("waiting for the earlier run of %s (pid %d) to stop", what, pid)
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:  # ended already
-        return
-    try:
-        select.select([fd, wake], [], [])
-    finally:
-        os.close(fd)
 
 
 def _log_end(job: Job, code: int, path: Path, *, ok: bool, stopped: bool, count: str) -> None:
