@@ -6,18 +6,20 @@ for it, while its other runs go on."""
 import contextlib
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from shared.fsio import is_atomic_tmp
 from tests.cachegen import write_cache
-from tests.held_file import ROOT, interrupted_at_open
+from tests.held_file import ROOT, held_file, interrupted_at_open
 from train.sweep.__main__ import main
 
 TRAIN = [
@@ -207,3 +209,49 @@ def test_a_stop_signal_ends_the_wait_for_an_earlier_run(tmp_path):
         assert (folder / ".lock").is_file()
     assert "stopped by SIGTERM; not finished: optimizer=adamw seed 0" in rest
     assert "resume: python -m train.sweep --data" in rest and "starting" not in rest
+
+
+def only_child(pid: int) -> int:
+    """The pid of the one process whose parent is `pid` (from /proc)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):  # a process that ended meanwhile
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:  # its ppid
+                children.append(int(stat.parent.name))
+    assert len(children) == 1, f"pid {pid} has the children {children}"
+    return children[0]
+
+
+def test_a_run_that_failed_on_its_own_before_a_stop_signal_is_not_said_stopped(tmp_path):
+    """A run killed from outside (the out-of-memory killer, say) just before the sweep gets
+    SIGTERM, its end not yet seen (the sweep is held by SIGSTOP meanwhile): the sweep never
+    passed it the signal, so it is said to have ended with its status, not to have been
+    stopped."""
+    cache = write_cache(tmp_path / "cache", num_parts=3, samples_per_part=4)
+    out = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "train.sweep", *sweep_args(cache, out)]
+    with held_file(
+        cache / "part-000000" / "zarr.json"
+    ) as opened:  # the runs read it, not the sweep
+        sweep = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+        said = Said(sweep)
+        try:
+            opened(timeout=300)  # the first run reads its data
+            run = only_child(sweep.pid)
+            os.kill(sweep.pid, signal.SIGSTOP)
+            ended = os.pidfd_open(run)
+            os.kill(run, signal.SIGKILL)
+            assert select.select([ended], [], [], 60)[0], f"pid {run} still runs after SIGKILL"
+            os.close(ended)
+            os.kill(sweep.pid, signal.SIGTERM)
+            os.kill(sweep.pid, signal.SIGCONT)
+            assert sweep.wait(timeout=300) == 1, said.rest()
+        finally:
+            if sweep.poll() is None:
+                sweep.kill()
+                sweep.wait()
+    rest = said.rest()
+    assert "optimizer=adamw seed 0 ended with status -9 before its export" in rest, rest
+    assert "stopped before its export" not in rest, rest
+    assert "stopped by SIGTERM; not finished: optimizer=adamw seed 0, optimizer=muon" in rest

@@ -132,13 +132,15 @@ def run_jobs(
     free, running = list(devices), {}  # pid -> (job, device, Popen)
     held: dict[Job, int] = {}  # the runs whose folder a live process holds -> its pid
     told: set[int] = set()  # the children passed SIGTERM since the last stop signal
+    sent: set[int] = set()  # every child passed SIGTERM: its end is said to be a stop
     wake_r, wake_w = os.pipe()  # a stop signal ends a wait for holders alone (`_next_event`)
     os.set_blocking(wake_w, False)
 
     def pass_on() -> None:
         for pid, (_, _, proc) in running.items():
-            if pid not in told:
+            if pid not in told and proc.poll() is None:  # not one that ended on its own
                 told.add(pid)
+                sent.add(pid)
                 proc.send_signal(signal.SIGTERM)
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -174,8 +176,7 @@ def run_jobs(
             else:
                 outcome.failed.append((job, code))
             count = f"{ended} of {total} ended, {total - ended} left"
-            stopped = outcome.stopped_by is not None
-            _log_end(job, code, log_path(out, job), ok=ok, stopped=stopped, count=count)
+            _log_end(job, code, log_path(out, job), ok=ok, stopped=pid in sent, count=count)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -229,8 +230,9 @@ def _next_event(
 
 
 def _log_end(job: Job, code: int, path: Path, *, ok: bool, stopped: bool, count: str) -> None:
-    """The line a run's end is logged with: finished, stopped by the sweep's stop signal
-    (resumed by the same command), or failed; `count`: how many ended, how many are left."""
+    """The line a run's end is logged with: finished, stopped by the stop signal the sweep
+    passed it (resumed by the same command), or failed; `count`: how many ended, how many are
+    left."""
     what = f"{job.variant.name} seed {job.seed}"
     if ok:
         log.info("finished %s (%s)", what, count)
