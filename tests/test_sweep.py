@@ -323,8 +323,8 @@ def test_the_same_train_options_in_another_order_are_the_same_sweep(cache, swept
 
 
 def test_a_run_killed_by_a_signal_is_said_so(cache, tmp_path):
-    from train.sweep.__main__ import settle
     from train.sweep.jobs import Outcome
+    from train.sweep.run import settle
 
     jobs = jobs_of(cache, tmp_path)
     done, failed = settle(jobs, Outcome(failed=[(jobs[1], -9), (jobs[0], 1)]), tmp_path)

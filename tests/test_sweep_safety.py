@@ -8,9 +8,10 @@ import pytest
 from click.testing import CliRunner
 
 from tests.cachegen import write_cache
-from train.sweep.__main__ import main, settle
+from train.sweep.__main__ import main
 from train.sweep.grid import GridError, parse_vary, plan_jobs
 from train.sweep.jobs import Outcome, check_names, command, log_path
+from train.sweep.run import settle
 
 TRAIN = [
     "--drafter-layers", "1", "--block-size", "4", "--num-anchors", "8", "--batch-tokens", "512",
