@@ -24,3 +24,18 @@ def test_a_data_folder_no_extraction_writes_stops_the_sweep_before_any_run(tmp_p
         main, [*args, "--seeds", "1", "--gpus", "cpu", *TRAIN, "--no-follow"]
     )
     assert result.exit_code == 1 and "no run was started" in result.output, result.output
+
+
+def test_an_out_of_other_files_is_refused_before_the_wait_for_the_cache(tmp_path, monkeypatch):
+    """A --out that holds files no sweep writes is refused first: not after the wait for an
+    extraction to start writing --data (up to 10 minutes), and not with that wait's end."""
+    monkeypatch.setattr("train.follow_start.START_WAIT_S", 0.0)  # the wait's end, now
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "todo.txt").write_text("x")
+    args = ["--data", str(tmp_path / "shards"), "--out", str(out), "--vary", "lr=1e-3,3e-3"]
+    result = CliRunner().invoke(main, [*args, "--seeds", "1", "--gpus", "cpu", *TRAIN])
+    assert result.exit_code == 1, result.output
+    assert f"--out {out}: holds files but no sweep (todo.txt)" in result.output
+    assert "waiting for an extraction" not in result.output, result.output
+    assert sorted(p.name for p in out.iterdir()) == ["todo.txt"]

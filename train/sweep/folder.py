@@ -25,14 +25,31 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def make_folder(out: Path) -> None:
-    """Make the sweep folder (and those above it); a ClickException naming the path at fault
-    where it cannot be made or written."""
+def check_folder(out: Path, *, data: Path, train_args: list[str]) -> None:
+    """A ClickException where the sweep folder cannot take this command's runs: it cannot be
+    made or written, its record names other train options or another cache, or it holds other
+    files than a sweep's. Changes nothing: said before any wait (`take_folder` looks again
+    under the folder's lock)."""
     from shared.fsio import unwritable_reason
 
     problem = unwritable_reason(out)
     if problem:
         raise click.ClickException(f"--out {out}: {problem}")
+    try:
+        record = read_record(out)
+        check_same_sweep(record, data=data, train_args=train_args)
+    except GridError as e:
+        raise click.ClickException(f"{out}: {e}") from None
+    if record is None and out.is_dir() and (names := foreign(out)):
+        raise click.ClickException(
+            f"--out {out}: holds files but no sweep ({_some(names)}): give a new or empty "
+            "folder, or a sweep's folder to go on with it"
+        )
+
+
+def make_folder(out: Path) -> None:
+    """Make the sweep folder (and those above it); a ClickException naming the path at fault
+    where it cannot be made."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # e.g. --out /proc/x as root: mkdir fails although "writable"
@@ -42,19 +59,9 @@ def make_folder(out: Path) -> None:
 
 
 def take_folder(out: Path, jobs: list[Job], *, data: Path, train_args: list[str]) -> None:
-    """Check that the sweep folder can take this command's runs (a ClickException where its
-    record names other train options or another cache, or where it holds other files than a
-    sweep's), and log the runs it holds that this command leaves out."""
-    try:
-        record = read_record(out)
-        check_same_sweep(record, data=data, train_args=train_args)
-    except GridError as e:
-        raise click.ClickException(f"{out}: {e}") from None
-    if record is None and (names := foreign(out)):
-        raise click.ClickException(
-            f"--out {out}: holds files but no sweep ({_some(names)}): give a new or empty "
-            "folder, or a sweep's folder to go on with it"
-        )
+    """`check_folder` once more, under the folder's lock (another sweep may have taken it
+    since), and log the runs the folder holds that this command leaves out."""
+    check_folder(out, data=data, train_args=train_args)
     if others := runs_outside(out, jobs):
         log.info(
             "%s also holds %d run%s of other variants or seeds than this command's (%s): "

@@ -1,6 +1,7 @@
-"""A sweep from its checked options to its report: the grid planned and checked, the cache
-waited for, the sweep folder taken under its lock, the runs run (`jobs`), the report written
-(`report`). Every problem is a ClickException: one message, and the command that goes on."""
+"""A sweep from its checked options to its report: the grid planned and checked, the sweep
+folder checked (`folder`), the cache waited for, the folder taken under its lock, the runs run
+(`jobs`), the report written (`report`). Every problem is a ClickException: one message, and
+the command that goes on."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from train.sweep.folder import make_folder, take_folder
+from train.sweep.folder import check_folder, make_folder, take_folder
 from train.sweep.grid import SWEEP_FILE, GridError, check, parse_vary, plan_jobs
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ def run(
         grid, jobs, devices = plan_sweep(
             data, out, vary, seeds=seeds, gpus=gpus, train_args=train_args
         )
+        check_folder(out, data=data, train_args=train_args)  # before the wait for the cache
         await_cache(jobs)
         make_folder(out)
         try:
