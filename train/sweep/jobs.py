@@ -168,15 +168,10 @@ def run_jobs(
                 held = {j: p for j, p in held.items() if p != pid}
                 continue
             job, device, proc = running.pop(pid)
-            code = proc.wait()
             free.append(device)
-            ok, ended = code == 0 and finished(job), ended + 1
-            if ok:
-                outcome.done.append(job)
-            else:
-                outcome.failed.append((job, code))
+            ended += 1
             count = f"{ended} of {total} ended, {total - ended} left"
-            _log_end(job, code, log_path(out, job), ok=ok, stopped=pid in sent, count=count)
+            _ended(outcome, job, proc.wait(), out, stopped=pid in sent, count=count)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -229,14 +224,17 @@ def _next_event(
             os.close(fd)
 
 
-def _log_end(job: Job, code: int, path: Path, *, ok: bool, stopped: bool, count: str) -> None:
-    """The line a run's end is logged with: finished, stopped by the stop signal the sweep
-    passed it (resumed by the same command), or failed; `count`: how many ended, how many are
-    left."""
-    what = f"{job.variant.name} seed {job.seed}"
-    if ok:
+def _ended(outcome: Outcome, job: Job, code: int, out: Path, *, stopped: bool, count: str) -> None:
+    """Add the run that ended with status `code` to `outcome`, and log it: finished, stopped by
+    the stop signal the sweep passed it (resumed by the same command), or failed; `count`: how
+    many ended, how many are left."""
+    what, path = f"{job.variant.name} seed {job.seed}", log_path(out, job)
+    if code == 0 and finished(job):
+        outcome.done.append(job)
         log.info("finished %s (%s)", what, count)
-    elif stopped:
+        return
+    outcome.failed.append((job, code))
+    if stopped:
         log.warning(
             "%s stopped before its export (status %d): see %s (%s)", what, code, path, count
         )
