@@ -8,6 +8,7 @@ from pathlib import Path
 from extract.data import RowIndex
 from extract.parallel import Layout
 from shared.dist import RankInfo, processes_on_this_host, usable_cpus
+from shared.progress import SummedBar
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,18 @@ class Job:
     @property
     def pending_rows(self) -> int:
         return sum(len(self.unit_rows(u)) for u in self.units)
+
+    def bar(self, earlier: frozenset = frozenset()) -> SummedBar:
+        """The bar of every rank's rows this run (`earlier`: counter files to leave out, those an
+        earlier run left where rank 0 has yet to clear them)."""
+        return SummedBar(
+            self.progress_dir,
+            total=self.pending_rows,
+            unit_key="done_rows",
+            desc="extract",
+            expected_tokens=self.expected_tokens,
+            earlier=earlier,
+        )
 
 
 # Default writer threads per process. More is slower, not faster: each writer thread takes the

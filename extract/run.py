@@ -52,7 +52,7 @@ from shared.manifest import (
     write_manifest,
 )
 from shared.manifest_checks import identity_mismatches
-from shared.progress import SummedBar, counter_files
+from shared.progress import counter_files
 from shared.ranks import usable_cpus
 from shared.target_files import target_checksums, target_problems
 
@@ -324,14 +324,8 @@ def _run_locked(
         _init_output(cfg, planned, resume)
     bar = None
     if spawned:
-        bar = SummedBar(
-            job.progress_dir,
-            total=job.pending_rows,
-            unit_key="done_rows",
-            desc="extract",
-            expected_tokens=job.expected_tokens,
-            earlier=counter_files(job.progress_dir),  # a cache to replace: rank 0 clears them
-        )
+        # a cache to replace: rank 0 clears the counter files of the run that made it
+        bar = job.bar(earlier=counter_files(job.progress_dir))
     try:
         monitor = bar.refresh if bar else None
         launch(rank_main, (job, prepare), spec, monitor=monitor, timeout=timeout)

@@ -260,13 +260,7 @@ def _summed_bar(rank: _Rank, counters: RankCounters) -> SummedBar | None:
     job = rank.job
     if not (job.draw_bar and rank.info.is_main):
         return None
-    bar = SummedBar(
-        job.progress_dir,
-        total=job.pending_rows,
-        unit_key="done_rows",
-        desc="extract",
-        expected_tokens=job.expected_tokens,
-    )
+    bar = job.bar()
     counters.listener = bar.refresh
     return bar
 
