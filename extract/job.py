@@ -8,6 +8,7 @@ from pathlib import Path
 from extract.data import RowIndex
 from extract.parallel import Layout
 from shared.dist import RankInfo, processes_on_this_host, usable_cpus
+from shared.manifest import unit_rows
 from shared.progress import SummedBar
 
 
@@ -51,8 +52,7 @@ class Job:
     done_before: int = 0  # units of the cache committed before this run (a resume's)
 
     def unit_rows(self, unit: int) -> range:
-        first = unit * self.rows_per_part
-        return range(first, min(first + self.rows_per_part, self.total_rows))
+        return unit_rows(unit, rows_per_part=self.rows_per_part, total_rows=self.total_rows)
 
     @property
     def pending_rows(self) -> int:

@@ -157,6 +157,16 @@ class PartRecord:
         )
 
 
+def unit_rows(unit: int, *, rows_per_part: int, total_rows: int) -> range:
+    """The rows of `unit` (one part's): `rows_per_part` of them, the last unit's fewer.
+
+    >>> unit_rows(1, rows_per_part=4, total_rows=10), unit_rows(2, rows_per_part=4, total_rows=10)
+    (range(4, 8), range(8, 10))
+    """
+    first = unit * rows_per_part
+    return range(first, min(first + rows_per_part, total_rows))
+
+
 @dataclass(frozen=True, kw_only=True)
 class Manifest:
     format_version: int = FORMAT_VERSION
@@ -184,8 +194,7 @@ class Manifest:
         return -(-self.total_rows // self.rows_per_part) if self.total_rows else 0
 
     def unit_rows(self, unit: int) -> range:
-        start = unit * self.rows_per_part
-        return range(start, min(start + self.rows_per_part, self.total_rows))
+        return unit_rows(unit, rows_per_part=self.rows_per_part, total_rows=self.total_rows)
 
     def done_units(self) -> set[int]:
         return {p.unit for p in self.parts}
