@@ -186,9 +186,10 @@ def test_an_old_output_that_cannot_be_removed_is_one_message_and_a_rerun_replace
     tiny_qwen3, tmp_path, monkeypatch, gpus
 ):
     """--overwrite of an output whose folder holds a file that cannot be removed: one message
-    naming it, from this process or from rank 0 of --gpus cpu:2 (which prepares the output).
-    The state file, which marks the folder as this command's, goes last: once the file can be
-    removed, the same command replaces what is left."""
+    naming it and saying that the old output may be partly removed, from this process or from
+    rank 0 of --gpus cpu:2 (which prepares the output). The state file, which marks the folder
+    as this command's, goes last: once the file can be removed, the same command replaces what
+    is left, as the message says."""
     from click.testing import CliRunner
 
     from extract.regen.__main__ import main
@@ -204,7 +205,10 @@ def test_an_old_output_that_cannot_be_removed_is_one_message_and_a_rerun_replace
         result = CliRunner().invoke(main, args)
         assert (parts / STATE).is_file()
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
-    assert result.output.strip().splitlines()[-1] == f"Error: {stuck}: Read-only file system"
+    assert result.output.strip().splitlines()[-1] == (
+        f"Error: {stuck}: Read-only file system. The old output in --out {out} may be partly "
+        "removed: once that file can be removed, the same command replaces what is left"
+    )
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     fresh = tmp_path / "fresh.jsonl"

@@ -465,7 +465,10 @@ def test_vllm_is_shut_down_when_an_old_output_cannot_be_removed(
         args += ["--out", str(out), "--max-rows", "12", "--rows-per-chunk", "4", "--overwrite"]
         result = CliRunner().invoke(main, args)
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
-    assert result.output.strip().splitlines()[-1] == f"Error: {stuck}: Read-only file system"
+    assert result.output.strip().splitlines()[-1] == (
+        f"Error: {stuck}: Read-only file system. The old output in --out {out} may be partly "
+        "removed: once that file can be removed, the same command replaces what is left"
+    )
     assert engine.engine_core.shutdowns == 1 and engine.requests == []
 
 

@@ -16,6 +16,7 @@ run asks for it again; a failure that stops the run ends the handing out of rows
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import logging
 import signal
@@ -210,8 +211,8 @@ def prepare(
 ) -> Job:
     """The output prepared or resumed (journals of committed chunks dropped): `job` with its
     pending chunks. A full disk raises DiskFull; any other file-system error (an old file that
-    cannot be removed) RegenError naming the file, and a stop at once while an old output is
-    removed RegenError saying so (`_begun`)."""
+    cannot be removed) RegenError naming the file, and saying what is left of an old output
+    that was being removed then, as a stop at once while it was removed does (`_begun`)."""
     try:
         with full_disk_stops(job.parts, rerun=DISK_FULL_RERUN):
             resume = existing_state(cfg.out, settings, overwrite=cfg.overwrite)
@@ -228,9 +229,10 @@ def _begun(
     out: Path, settings: dict[str, Any], config: dict[str, Any], resume: RegenState | None
 ) -> RegenState:
     """`init_output`; a stop at once (KeyboardInterrupt: a second Ctrl-C, or the first where
-    no handler waits for it) while it replaces an old output raised as RegenError saying that
-    this output may be partly removed: its state file, replaced last, is still the old one, so
-    the same command replaces what is left."""
+    no handler waits for it) or a file that cannot be removed (any file-system error but a full
+    disk) while it replaces an old output raised as RegenError saying that this output may be
+    partly removed: its state file, replaced last, is still the old one, so the same command
+    replaces what is left."""
     replaces = resume is None and (parts_dir(out) / STATE).is_file()
     try:
         return init_output(out, settings, config, resume)
@@ -240,6 +242,13 @@ def _begun(
         raise RegenError(
             f"stopped at once while the old output in --out {out} was removed, before any "
             "chunk: it may be partly removed; run the same command to replace what is left"
+        ) from None
+    except OSError as e:
+        if not replaces or e.errno in (errno.ENOSPC, errno.EDQUOT):  # DiskFull says those
+            raise
+        raise RegenError(
+            f"{os_error_text(e, parts_dir(out))}. The old output in --out {out} may be partly "
+            "removed: once that file can be removed, the same command replaces what is left"
         ) from None
 
 
