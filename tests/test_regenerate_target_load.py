@@ -2,7 +2,7 @@
 target whose weights do not load (on one process or on any of several), or Ctrl-C while it
 loads, is named, and an output that --overwrite would replace stays byte for byte as it was; one
 that loads replaces it. A second Ctrl-C while that output is removed says it may be partly
-removed."""
+removed, and one while a new output is begun says so."""
 
 from __future__ import annotations
 
@@ -198,3 +198,30 @@ def test_a_second_ctrl_c_while_the_old_output_is_removed_says_it_may_be_partly_r
     assert (parts_dir(out) / STATE).read_bytes() == old_state
     state = regen(out, tiny_qwen3, data_file, max_rows=4, overwrite=True)
     assert state.merged_rows == 4 and state.settings["max_new_tokens"] != 2
+
+
+def test_a_second_ctrl_c_while_a_new_output_is_begun_says_when_it_came(
+    tiny_qwen3, data_file, tmp_path, monkeypatch
+):
+    """Two SIGINTs as a fresh output is begun (no old one to replace): the run stops at once
+    saying that it came while --out was prepared (no chunk had begun, so none was dropped);
+    the same command then starts it."""
+    out = tmp_path / "o.jsonl"
+    unlink = Path.unlink
+
+    def interrupted(path: Path, missing_ok: bool = False) -> None:
+        if path == out:  # a stale OUT removed before the state is written
+            monkeypatch.setattr(Path, "unlink", unlink)
+            os.kill(os.getpid(), signal.SIGINT)  # stop once the target has loaded
+            os.kill(os.getpid(), signal.SIGINT)  # again: at once
+        unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", interrupted)
+    said = (
+        "stopped at once by a second signal while --out was prepared, before any chunk. The "
+        "output was not touched: run the same command to start it."
+    )
+    with pytest.raises(RegenError) as stop:
+        regen(out, tiny_qwen3, data_file, max_rows=4)
+    assert str(stop.value) == said
+    assert regen(out, tiny_qwen3, data_file, max_rows=4).merged_rows == 4

@@ -37,6 +37,7 @@ from extract.regen.state import (
 from extract.regen.stops import (
     BEFORE_PREPARING,
     WHILE_LOADING,
+    WHILE_PREPARING,
     stopped_before_any_chunk,
     stops_said,
 )
@@ -205,11 +206,15 @@ def _prepare_or_say_why(
     cfg: RegenConfig, settings: dict[str, Any], config: dict[str, Any], job: Job, *, where: str
 ) -> Job:
     """`prepare`; its refusal raised as OutputNotPrepared (a spawned rank passes on a StopRun
-    only), a full disk as DiskFull."""
+    only), a full disk as DiskFull, and a second signal in a process started by hand
+    (KeyboardInterrupt; one while an old output is removed is a refusal) as Stopped saying
+    that it came while the output was prepared."""
     try:
         return prepare(cfg, settings, config, job, where=where)
     except RegenError as e:
         raise OutputNotPrepared(str(e)) from None
+    except KeyboardInterrupt:
+        raise stopped_before_any_chunk("at once by a second signal", WHILE_PREPARING) from None
 
 
 def _regenerate(
