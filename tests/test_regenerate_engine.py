@@ -7,8 +7,8 @@ one again. Here, with a fake of vLLM's engine (its `add_request`, `step` and shu
 vLLM: a turn that outgrows --max-length rejects its row mid-conversation, turns vLLM aborts or fails
 never become rows, vLLM raising stops the run with a message and a resumable output, and vLLM is
 shut down however the run ends (a full disk as the output is prepared, or an old file there that
-cannot be removed, included), and Ctrl-C as vLLM starts is one message saying what the output
-holds. Without vLLM, the option is a message; a vLLM that is not importable
+cannot be removed, included), and Ctrl-C or SIGTERM as vLLM starts is one message saying what
+the output holds. Without vLLM, the option is a message; a vLLM that is not importable
 or refuses to start leaves an output that --overwrite would replace byte for byte as it was, and a
 complete output is resumed without starting one.
 """
@@ -472,13 +472,23 @@ def test_vllm_is_shut_down_when_an_old_output_cannot_be_removed(
     assert engine.engine_core.shutdowns == 1 and engine.requests == []
 
 
+class EndedWithoutAWord(BaseException):
+    """What stands in here for a signal's default action, which would end the test's process:
+    the process ended without a message."""
+
+
+def _ended(signum: int, _frame: object) -> None:
+    raise EndedWithoutAWord(signal.Signals(signum).name)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
 @pytest.mark.parametrize("resumed", [False, True])
-def test_ctrl_c_while_vllm_loads_says_what_it_did_and_what_the_output_holds(
-    demo, fake_vllm, monkeypatch, tmp_path, resumed
+def test_a_signal_while_vllm_loads_says_what_it_did_and_what_the_output_holds(
+    demo, fake_vllm, monkeypatch, tmp_path, resumed, sig
 ):
-    """Ctrl-C as vLLM starts (before the run's own handler waits for it) stops the run at once
-    with one message: when it came, and what the output holds: nothing of this run, or the
-    chunks of the run it resumes."""
+    """Ctrl-C, or SIGTERM (a job scheduler's), as vLLM starts (before the run's own handler
+    waits for either) stops the run at once with one message: which signal came and when, and
+    what the output holds: nothing of this run, or the chunks of the run it resumes."""
     from click.testing import CliRunner
 
     from extract.regen.__main__ import main
@@ -489,18 +499,21 @@ def test_ctrl_c_while_vllm_loads_says_what_it_did_and_what_the_output_holds(
         with pytest.raises(RegenError, match="stopped by a signal"):
             _fake_run(demo, out)
     monkeypatch.setattr(extract.regen.engine, "load_engine", LOAD_ENGINE)  # vLLM's, below
-    _vllm_cpu(monkeypatch, lambda **options: os.kill(os.getpid(), signal.SIGINT))
+    _vllm_cpu(monkeypatch, lambda **options: os.kill(os.getpid(), sig))
     target, data = demo
     args = ["--engine", "vllm", "--gpus", "cpu", "--target", str(target), "--data", str(data)]
     args += ["--out", str(out), "--max-rows", "12", "--rows-per-chunk", "4"]
-    handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal
+    # As at a terminal; SIGTERM's default action (this process ended) as an exception.
+    at_start = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: _ended}
+    handlers = {s: signal.signal(s, handler) for s, handler in at_start.items()}
     try:
         result = CliRunner().invoke(main, [*args, "--concurrency", "3"])
     finally:
-        signal.signal(signal.SIGINT, handler)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     said = result.output.strip().splitlines()[-1]
-    when = "Error: stopped at once by SIGINT while vLLM loaded the target, before any chunk. "
+    when = f"Error: stopped at once by {sig.name} while vLLM loaded the target, before any chunk. "
     if resumed:
         assert re.fullmatch(
             re.escape(f"{when}The committed chunks are kept in {parts_dir(out)}; ")

@@ -9,8 +9,8 @@ seed (`extract.regen.driver.turn_seed`): the same rows whatever the order, and a
 Finished conversations go to their chunk's journal (`extract.regen.driver`): resumable after a
 crash; on a CPU, Ctrl-C finishes the conversations in flight (on GPUs it also reaches vLLM's own
 processes, which abort their requests: the run stops, and those conversations are asked
-again); before the first is asked (vLLM starting, the output being prepared), Ctrl-C stops the
-run at once with one message saying so and what the output holds. Float32 on a CPU and
+again); before the first is asked (vLLM starting, the output being prepared), Ctrl-C or SIGTERM
+stops the run at once with one message saying so and what the output holds. Float32 on a CPU and
 bfloat16 on GPUs, as the Hugging Face route. However the run ends once vLLM started (the output
 not prepared, vLLM failing, a signal, or done), vLLM is shut down before the output is merged
 or the message said.
@@ -47,7 +47,7 @@ from extract.regen.stops import (
     AFTER_PREPARING,
     WHILE_PREPARING,
     WHILE_VLLM_LOADS,
-    ctrl_c_stops,
+    signals_stop,
     stops_said,
 )
 from extract.regen.turns import Conversation, Prompter, end_turn, target_eos
@@ -302,14 +302,14 @@ def generate(
     """The --engine vllm run: start vLLM where rows are pending, then prepare or resume the
     output (so a vLLM that cannot start leaves an output that --overwrite would replace as it
     was), generate its pending rows, shut vLLM down (also where any of that failed), merge.
-    Ctrl-C before the rows are handed out stops the run at once, saying what it was doing and
-    what the output holds."""
+    Ctrl-C or SIGTERM before the rows are handed out stops the run at once, saying what it was
+    doing and what the output holds."""
     where = f"vLLM ({spec.label})"
     if not to_do(cfg, settings, job):  # complete: no engine to start
         job = prepare(cfg, settings, config, job, where=where)
         return finish_output(cfg.out, job, regenerated=False)
     with stops_said(job, settings):
-        with ctrl_c_stops(WHILE_VLLM_LOADS):
+        with signals_stop(WHILE_VLLM_LOADS):
             engine, sampling_params = load_engine(
                 job.target,
                 spec,
@@ -319,9 +319,9 @@ def generate(
                 concurrency=cfg.in_flight,
             )
         with shut_down_after(engine):
-            with ctrl_c_stops(WHILE_PREPARING):
+            with signals_stop(WHILE_PREPARING):
                 job = prepare(cfg, settings, config, job, where=where)
-            with ctrl_c_stops(AFTER_PREPARING):
+            with signals_stop(AFTER_PREPARING):
                 loop = _loop(job, engine, sampling_params)
             done = run_engine(job, loop, concurrency=cfg.in_flight)
     return conclude(cfg.out, job, done, "--engine vllm")

@@ -6,6 +6,8 @@ to go on (`stops_said`). The local route's ranks load the target, then rank 0 pr
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,13 +35,28 @@ def stopped_before_any_chunk(how: str, when: str) -> Stopped:
 
 
 @contextlib.contextmanager
-def ctrl_c_stops(when: str) -> Iterator[None]:
-    """Ctrl-C in the block (KeyboardInterrupt: where no handler of the run's own waits for
-    SIGINT, it stops the run at once) as the Stopped saying it came `when`."""
+def signals_stop(when: str) -> Iterator[None]:
+    """Ctrl-C or SIGTERM in the block (no handler of the run's own waits for either: SIGINT
+    raises KeyboardInterrupt, and SIGTERM, a job scheduler's, would end the process without a
+    word) stops the run at once, as the Stopped saying which came `when`. SIGTERM is made to
+    raise KeyboardInterrupt in the block (main thread only), so that it ends what runs there
+    as Ctrl-C does."""
+    came: list[str] = []
+
+    def on_sigterm(_signum: int, _frame: object) -> None:
+        came.append("SIGTERM")
+        raise KeyboardInterrupt
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main else None
     try:
         yield
     except KeyboardInterrupt:
-        raise stopped_before_any_chunk("at once by SIGINT", when) from None
+        name = came[0] if came else "SIGINT"
+        raise stopped_before_any_chunk(f"at once by {name}", when) from None
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
