@@ -30,6 +30,7 @@ def main(**kwargs) -> None:
     except LockHeld as e:
         raise click.ClickException(str(e)) from None
     from extract.run import ExtractError, run
+    from extract.stops import stopped_while_planning
     from extract.summary import format_summary
     from shared.stopping import Stopped, StopRun, resume_command
 
@@ -46,10 +47,7 @@ def main(**kwargs) -> None:
         raise click.ClickException(f"{e}\nresume: {resume_command('extract')}") from None
     except KeyboardInterrupt:  # during planning, or before or after a rank (which says more)
         if not started:
-            raise click.ClickException(
-                f"stopped while planning, before extraction began: no part of {cfg.out} was "
-                "written in this run"
-            ) from None
+            raise click.ClickException(stopped_while_planning(cfg.out, "extraction")) from None
         raise click.ClickException(
             f"stopped at once: no part was left half-written; the parts committed in {cfg.out} "
             f"are kept\nresume: {resume_command('extract')}"

@@ -69,6 +69,16 @@ def kept_text(out: Path, *, touched: bool, replaces: bool, before: int, now: int
     return f"{kept}; rerun the same command to {then}"
 
 
+def stopped_while_planning(out: Path, work: str) -> str:
+    """What a stop at once while the run was planned says: `work` ("extraction", say) not
+    begun, nothing written to --out `out`.
+
+    >>> stopped_while_planning(Path("c"), "extraction")
+    'stopped while planning, before extraction began: no part of c was written in this run'
+    """
+    return f"stopped while planning, before {work} began: no part of {out} was written in this run"
+
+
 def stopped_while_loading(out: Path, signal_name: str, *, replaces: bool, before: int) -> Stopped:
     """The stop of a signal that came while the target loaded (on any rank): no part extracted,
     --out as the run found it (or, for a new cache, begun with no part); `before`: the parts
