@@ -2,7 +2,8 @@
 target whose weights do not load (on one process or on any of several), or Ctrl-C while it
 loads, is named, and an output that --overwrite would replace stays byte for byte as it was; one
 that loads replaces it. A second Ctrl-C while that output is removed says it may be partly
-removed, and one while a new output is begun says so."""
+removed, and one while a new output is begun says so. Ctrl-C while the run is still planned
+(either route) says that nothing was written."""
 
 from __future__ import annotations
 
@@ -225,3 +226,23 @@ def test_a_second_ctrl_c_while_a_new_output_is_begun_says_when_it_came(
         regen(out, tiny_qwen3, data_file, max_rows=4)
     assert str(stop.value) == said
     assert regen(out, tiny_qwen3, data_file, max_rows=4).merged_rows == 4
+
+
+@pytest.mark.parametrize("route", [[], ["--engine", "vllm"]], ids=["local", "vllm"])
+def test_ctrl_c_while_the_run_is_planned_says_nothing_was_written(
+    tiny_qwen3, data_file, tmp_path, route
+):
+    """SIGINT while the run is planned (held where the tokenizer is first read, the rows already
+    indexed, before the target or vLLM loads), on either route: one line saying so, as
+    `python -m extract` says it, and no output."""
+    out = tmp_path / "o.jsonl"
+    target = tmp_path / "target"
+    shutil.copytree(tiny_qwen3, target)
+    args = ["--target", str(target), "--data", str(data_file), "--out", str(out), "--gpus", "cpu"]
+    done = interrupted_at_open("extract.regen", [*args, *route], target / "tokenizer_config.json")
+    assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"Error: stopped while planning, before regeneration began: no part of {out} was "
+        "written in this run"
+    )
+    assert not out.exists() and not (parts_dir(out) / STATE).exists()

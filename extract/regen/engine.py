@@ -47,6 +47,7 @@ from extract.regen.stops import (
     AFTER_PREPARING,
     WHILE_PREPARING,
     WHILE_VLLM_LOADS,
+    ctrl_c_while_planning,
     signals_stop,
     stops_said,
 )
@@ -305,7 +306,9 @@ def generate(
     Ctrl-C or SIGTERM before the rows are handed out stops the run at once, saying what it was
     doing and what the output holds."""
     where = f"vLLM ({spec.label})"
-    if not to_do(cfg, settings, job):  # complete: no engine to start
+    with ctrl_c_while_planning(cfg.out):
+        pending = to_do(cfg, settings, job)
+    if not pending:  # complete: no engine to start
         job = prepare(cfg, settings, config, job, where=where)
         return finish_output(cfg.out, job, regenerated=False)
     with stops_said(job, settings):

@@ -38,6 +38,7 @@ from extract.regen.stops import (
     BEFORE_PREPARING,
     WHILE_LOADING,
     WHILE_PREPARING,
+    ctrl_c_while_planning,
     stopped_before_any_chunk,
     stops_said,
 )
@@ -84,7 +85,8 @@ def generate(
                 launch(_torchrun_entry, (cfg, settings, config, job), spec)
             return read_state(job.parts)
         spawned = spec.nprocs > 1
-        job = dataclasses.replace(job, chunks=to_do(cfg, settings, job), draw_bar=not spawned)
+        with ctrl_c_while_planning(cfg.out):
+            job = dataclasses.replace(job, chunks=to_do(cfg, settings, job), draw_bar=not spawned)
         if not job.chunks:  # complete: no target to load
             job = prepare(cfg, settings, config, job, where=str(spec))
             return finish_output(cfg.out, job, regenerated=False)

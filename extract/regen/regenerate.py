@@ -31,6 +31,7 @@ from extract.data import RowIndex
 from extract.regen import local
 from extract.regen.config import RegenConfig, RegenError
 from extract.regen.state import Job, RegenState, existing_state, parts_dir
+from extract.regen.stops import ctrl_c_while_planning
 from extract.regen.turns import THINKING_KWARGS
 from shared.cli import to_json
 from shared.dist import DeviceSpec, parse_gpus, under_torchrun
@@ -130,7 +131,24 @@ def _plan(cfg: RegenConfig, spec: DeviceSpec, rows: tuple[RowIndex, int]) -> _Pl
 def run(cfg: RegenConfig) -> RegenState:
     """Regenerate the assistant turns described by `cfg`; returns the final state. What needs
     no target (--data, --out, --gpus) is checked before the target is materialized, and all
-    that needs no server before a --server is contacted."""
+    that needs no server before a --server is contacted. Ctrl-C while it is planned (the rows
+    indexed, the target's settings read) stops it saying that nothing was written."""
+    with ctrl_c_while_planning(cfg.out):
+        cfg, spec, plan = _planned(cfg)
+    if cfg.server is not None:
+        return _served(cfg, plan)
+    if cfg.engine == "vllm":
+        from extract.regen.engine import generate
+
+        if cfg.gpus is None and spec.kind == "cuda":  # tensor parallel only where asked for
+            spec = DeviceSpec("cuda", spec.devices[:1])
+        return generate(cfg, plan.settings, plan.config, plan.job, spec)
+    return local.generate(cfg, plan.settings, plan.config, plan.job, spec)
+
+
+def _planned(cfg: RegenConfig) -> tuple[RegenConfig, DeviceSpec, _Plan]:
+    """`cfg` with its --data (the demo's where none is given) and its target's folder, its
+    devices and its plan."""
     from extract.target import TargetError
 
     if not cfg.data:  # the embedded demo, as in `python -m extract`
@@ -143,18 +161,9 @@ def run(cfg: RegenConfig) -> RegenState:
         spec = parse_gpus(cfg.gpus)
         rows = _rows(cfg)
         cfg = dataclasses.replace(cfg, target=_target(cfg.target))
-        plan = _plan(cfg, spec, rows)
+        return cfg, spec, _plan(cfg, spec, rows)
     except (TargetError, ValueError) as e:  # ModelError and SourceError are ValueErrors
         raise RegenError(str(e)) from None
-    if cfg.server is not None:
-        return _served(cfg, plan)
-    if cfg.engine == "vllm":
-        from extract.regen.engine import generate
-
-        if cfg.gpus is None and spec.kind == "cuda":  # tensor parallel only where asked for
-            spec = DeviceSpec("cuda", spec.devices[:1])
-        return generate(cfg, plan.settings, plan.config, plan.job, spec)
-    return local.generate(cfg, plan.settings, plan.config, plan.job, spec)
 
 
 def _target(target: str | None) -> str:

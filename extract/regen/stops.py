@@ -1,7 +1,8 @@
 """What a stop of `python -m extract.regen` tells the user where it comes before the run's own
-handling of it: when it came (`stopped_before_any_chunk`), then what the output holds and how
-to go on (`stops_said`). The local route's ranks load the target, then rank 0 prepares --out;
-`--engine vllm` starts vLLM, then prepares --out, then reads the tokenizer."""
+handling of it: that it came while the run was planned, nothing written
+(`ctrl_c_while_planning`); or when it came (`stopped_before_any_chunk`), then what the output
+holds and how to go on (`stops_said`). The local route's ranks load the target, then rank 0
+prepares --out; `--engine vllm` starts vLLM, then prepares --out, then reads the tokenizer."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import contextlib
 import signal
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from extract.regen.driver import RegenStopped
 from extract.regen.state import Job, StateError, read_state, settings_mismatches
+from extract.stops import stopped_while_planning
 from shared.stopping import Stopped
 
 # When a stop came, in words (`stopped_before_any_chunk`).
@@ -32,6 +35,16 @@ def stopped_before_any_chunk(how: str, when: str) -> Stopped:
     stopped by SIGTERM after the target loaded, before --out was prepared
     """
     return Stopped(f"stopped {how} {when}")
+
+
+@contextlib.contextmanager
+def ctrl_c_while_planning(out: Path) -> Iterator[None]:
+    """Ctrl-C in the block, where the run is planned (nothing written yet; no handler of the
+    run's own waits for SIGINT), as RegenStopped saying so, as `python -m extract` says it."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise RegenStopped(stopped_while_planning(out, "regeneration")) from None
 
 
 @contextlib.contextmanager
