@@ -16,6 +16,7 @@ pipes reach end-of-file).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -26,7 +27,7 @@ import shlex
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from shared.lock import pid_alive
 from shared.oom import oom_kills, process_started
@@ -45,6 +46,27 @@ class StopRun(RuntimeError):
 
 class Stopped(StopRun):
     """Stopped by a signal at a consistent point; the same command resumes."""
+
+
+class Terminated(BaseException):
+    """SIGTERM raised where it came (`sigterm_raises`), as Python raises KeyboardInterrupt on
+    SIGINT: a BaseException, so that no `except Exception` takes it for a failure."""
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises Terminated in the block (main thread only), where its default action
+    would end the process at once without a word; the handler before is restored after. A
+    handler installed within the block (`StopRequest.install`) takes it while it is in place."""
+
+    def terminated(_signum: int, _frame: object) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def resume_command(stage: str) -> str:

@@ -57,12 +57,18 @@ def held_file(path: Path) -> Iterator[Callable[[float], None]]:
 
 
 def interrupted_at_open(
-    module: str, args: list[str], path: Path, *, said: Sequence[str] = (), again: bool = False
+    module: str,
+    args: list[str],
+    path: Path,
+    *,
+    said: Sequence[str] = (),
+    again: bool = False,
+    sig: int = signal.SIGINT,
 ) -> subprocess.CompletedProcess:
     """`python -m module args` (of this project, on one intra-op thread) run until it opens
-    `path`, sent SIGINT while that `open()` waits, held there until its standard error has
-    said each of `said` (one line each, in any order), then with `again` sent SIGINT a second
-    time, then let go on to its end: its exit code and output."""
+    `path`, sent `sig` (Ctrl-C's SIGINT unless told) while that `open()` waits, held there
+    until its standard error has said each of `said` (one line each, in any order), then with
+    `again` sent `sig` a second time, then let go on to its end: its exit code and output."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with held_file(path) as opened:
         proc = subprocess.Popen(
@@ -76,14 +82,14 @@ def interrupted_at_open(
         )
         try:
             opened(timeout=120)
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(sig)
             seen = _lines_saying(proc, said)
         except BaseException as e:
             proc.kill()
             e.add_note(f"python -m {module} said:\n{proc.communicate()[1][-3000:]}")
             raise
         if again:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=300)
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, seen + stderr)
 

@@ -1,7 +1,7 @@
-"""Ctrl-C to python -m train.sweep outside its runs (while it checks the grid, while it writes
-its report): one message saying what it was doing and the command that goes on, no traceback,
-no file left half written. A rerun while a stopped sweep's run still holds its folder waits
-for it, while its other runs go on."""
+"""Ctrl-C or SIGTERM (a job scheduler's) to python -m train.sweep outside its runs (while it
+checks the grid, while it writes its report): one message saying what it was doing and the
+command that goes on, no traceback, no file left half written. A rerun while a stopped sweep's
+run still holds its folder waits for it, while its other runs go on."""
 
 import contextlib
 import os
@@ -34,31 +34,38 @@ def sweep_args(cache, out):
             "1", "--gpus", "cpu", *TRAIN]  # fmt: skip
 
 
-def stopped_while(done) -> str:
-    """What the interrupted sweep said it was doing; it said no more than that and how to go
-    on."""
-    assert done.returncode == 1, done.stderr
+STOPS = [signal.SIGINT, signal.SIGTERM]
+STOPPED = {signal.SIGINT: "stopped while ", signal.SIGTERM: "stopped by SIGTERM while "}
+
+
+def stopped_while(done, sig) -> str:
+    """What the sweep stopped by `sig` said it was doing; it said no more than that and how to
+    go on, and exited with an error's status (not killed by the signal)."""
+    assert done.returncode == 1, (done.returncode, done.stderr)
     assert "Traceback" not in done.stdout + done.stderr, done.stderr
     said = done.stderr.strip().splitlines()
     assert said[-1].startswith("resume: python -m train.sweep --data "), done.stderr
-    assert said[-2].startswith("Error: stopped while "), done.stderr
-    return said[-2].removeprefix("Error: stopped while ")
+    assert said[-2].startswith(f"Error: {STOPPED[sig]}"), done.stderr
+    return said[-2].removeprefix(f"Error: {STOPPED[sig]}")
 
 
-def test_ctrl_c_while_the_grid_is_checked(tmp_path):
-    """SIGINT while the sweep reads the cache's manifest to check each variant against it (the
-    first time it opens it): stopped before any run, the sweep folder not made."""
+@pytest.mark.parametrize("sig", STOPS, ids=lambda s: s.name)
+def test_a_stop_while_the_grid_is_checked(tmp_path, sig):
+    """A stop signal while the sweep reads the cache's manifest to check each variant against
+    it (the first time it opens it): stopped before any run, the sweep folder not made."""
     cache = write_cache(tmp_path / "cache", num_parts=3, samples_per_part=4)
     out = tmp_path / "sweep"
-    done = interrupted_at_open("train.sweep", sweep_args(cache, out), cache / "manifest.json")
-    assert stopped_while(done) == "checking the grid, before any run started"
+    manifest = cache / "manifest.json"
+    done = interrupted_at_open("train.sweep", sweep_args(cache, out), manifest, sig=sig)
+    assert stopped_while(done, sig) == "checking the grid, before any run started"
     assert not out.exists()
 
 
-def test_ctrl_c_while_the_report_is_written(tmp_path, monkeypatch):
-    """SIGINT while the sweep of finished runs writes its plots (where matplotlib, imported
-    for them, reads its settings file): no file is left half written, and the same command
-    writes the report."""
+@pytest.mark.parametrize("sig", STOPS, ids=lambda s: s.name)
+def test_a_stop_while_the_report_is_written(tmp_path, monkeypatch, sig):
+    """A stop signal while the sweep of finished runs writes its plots (where matplotlib,
+    imported for them, reads its settings file): no file is left half written, and the same
+    command writes the report."""
     pytest.importorskip("matplotlib")
     cache = write_cache(tmp_path / "cache", num_parts=3, samples_per_part=4)
     out = tmp_path / "sweep"
@@ -67,8 +74,8 @@ def test_ctrl_c_while_the_report_is_written(tmp_path, monkeypatch):
     settings = tmp_path / "matplotlibrc"
     settings.write_text("backend: Agg\n")
     monkeypatch.setenv("MATPLOTLIBRC", str(settings))
-    done = interrupted_at_open("train.sweep", sweep_args(cache, out), settings)
-    assert stopped_while(done).startswith("writing the report"), done.stderr
+    done = interrupted_at_open("train.sweep", sweep_args(cache, out), settings, sig=sig)
+    assert stopped_while(done, sig).startswith("writing the report"), done.stderr
     assert [n for n in os.listdir(out) if is_atomic_tmp(n)] == []
     assert "2 runs: 2 finished already, 0 to run" in done.stderr
     result = CliRunner().invoke(main, sweep_args(cache, out))

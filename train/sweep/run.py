@@ -103,15 +103,23 @@ def _failed(failed: list[tuple[Job, str]], out: Path, command: str, *, any_done:
 
 @contextlib.contextmanager
 def said_when_stopped(command: str) -> Iterator[Callable[[str], None]]:
-    """A Ctrl-C outside the runs (Python's KeyboardInterrupt: the sweep handles the stop
-    signals itself only while runs are running, `jobs.run_jobs`) as a ClickException naming
-    what the sweep was doing, the last words given to the `doing(...)` this yields, and the
-    command that goes on: the sweep's files are written atomically, none is left half done."""
+    """A Ctrl-C or SIGTERM outside the runs (Python's KeyboardInterrupt, and
+    `shared.stopping.Terminated`: the sweep handles the stop signals itself only while runs
+    are running, `jobs.run_jobs`) as a ClickException naming what the sweep was doing, the
+    last words given to the `doing(...)` this yields, and the command that goes on: the
+    sweep's files are written atomically, none is left half done."""
+    from shared.stopping import Terminated, sigterm_raises
+
     said = ["starting"]
     try:
-        yield said.append
+        with sigterm_raises():
+            yield said.append
     except KeyboardInterrupt:
         raise click.ClickException(f"stopped while {said[-1]}\nresume: {command}") from None
+    except Terminated:
+        raise click.ClickException(
+            f"stopped by SIGTERM while {said[-1]}\nresume: {command}"
+        ) from None
 
 
 def plan_sweep(
