@@ -54,6 +54,7 @@ from shared.manifest import (
 from shared.manifest_checks import identity_mismatches
 from shared.progress import counter_files
 from shared.ranks import usable_cpus
+from shared.stopping import resume_command
 from shared.target_files import target_checksums, target_problems
 
 log = logging.getLogger(__name__)
@@ -222,7 +223,7 @@ def run(
             config={**planned.config, "parallel": str(layout), "engine": describe_engine(layout)},
         )
     try:
-        with output_lock(cfg.out, "python -m extract", enabled=takes_output_lock()):
+        with output_lock(cfg.out, resume_command("extract"), enabled=takes_output_lock()):
             manifest = _run_locked(cfg, spec, planned, index, estimate, layout, started)
             if _kept_nothing(manifest):
                 # Committed parts without a single sample: nothing worth keeping or resuming.

@@ -41,6 +41,7 @@ from shared.manifest import (
     update_manifest,
 )
 from shared.ranks import usable_cpus
+from shared.stopping import resume_command
 
 if TYPE_CHECKING:  # torch and the cache's readers are imported where they are used: `--help`
     import torch  # and a missing cache answer at once
@@ -247,7 +248,7 @@ def repair_manifest(cache: Path, problems: list[str]) -> str:
         m = drop_parts(m, names)
         return dataclasses.replace(m, complete=False) if target_damaged else m
 
-    with output_lock(cache, "python -m extract.verify --repair"):
+    with output_lock(cache, resume_command("extract.verify")):
         manifest = update_manifest(cache, change)
     parts = f"{len(names)} damaged part{'s' * (len(names) != 1)}"
     done = f"dropped {parts} from the manifest" if names else ""

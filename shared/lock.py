@@ -1,6 +1,8 @@
 """An exclusive lock on an output folder: one extract or train process tree writes it at a time.
 
-`<folder>/.lock` names its holder (pid, host, start time, command). It is made as a private file
+`<folder>/.lock` names its holder (pid, host, start time, and its command line as its user typed
+it, `shared.stopping.resume_command`, so that a refusal says which run holds the folder; the
+line is shortened past COMMAND_CHARS characters). It is made as a private file
 that is flocked and then hard-linked into place: link(2) fails if the name exists, atomically
 also on NFS, so of two processes only one gets it. The holder keeps an flock(2) on it for its
 whole life; the kernel drops that lock when the process dies, even by `kill -9`.
@@ -21,6 +23,7 @@ import fcntl
 import json
 import logging
 import os
+import shlex
 import socket
 import sys
 import time
@@ -33,24 +36,43 @@ from shared.oom import oom_kills
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
+COMMAND_CHARS = 500  # of the holder's command line kept in its lock file; a refusal quotes it
 
 
 class LockHeld(RuntimeError):
     """Another process holds the output folder; the message names it."""
 
 
-def _holder_text(info: dict[str, Any], path: Path) -> str:
+def shortened(command: str, most: int = COMMAND_CHARS) -> str:
+    """`command` as a lock file keeps it: where longer than `most` characters, the words that
+    fit, then how many characters are left out.
+
+    >>> shortened("python -m train --data /cache --out /runs/a", most=30)
+    'python -m train --data /cache ... (14 more characters)'
+    """
+    if len(command) <= most:
+        return command
+    head = command[: most + 1].rsplit(" ", 1)[0][:most]
+    return f"{head} ... ({len(command) - len(head)} more characters)"
+
+
+def _holder_text(info: dict[str, Any]) -> str:
+    """'pid N on host H (started T)'."""
     started = info.get("started")
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if started else "?"
-    return (
-        f"pid {info.get('pid', '?')} on host {info.get('host', '?')}, started {when}"
-        f" ({info.get('command', '?')})"
-    )
+    return f"pid {info.get('pid', '?')} on host {info.get('host', '?')} (started {when})"
+
+
+def _running(info: dict[str, Any]) -> str:
+    """', running:' and the holder's command on a line of its own; '.' where the lock names
+    none."""
+    command = info.get("command")
+    return f", running:\n  {command}" if command else "."
 
 
 def _busy(info: dict[str, Any], path: Path) -> LockHeld:
     return LockHeld(
-        f"{path.parent} is in use by {_holder_text(info, path)}.\n"
+        f"{path.parent} is in use by {_holder_text(info)}{_running(info)}\n"
         "Wait for it to finish, or use another output folder."
     )
 
@@ -58,8 +80,8 @@ def _busy(info: dict[str, Any], path: Path) -> LockHeld:
 def _unchecked(info: dict[str, Any], path: Path) -> LockHeld:
     """A lock of another host: its flock is not always visible here."""
     return LockHeld(
-        f"{path.parent} is locked by {_holder_text(info, path)}, which this host cannot check. "
-        f"If that process is gone, delete {path} and run again."
+        f"{path.parent} is locked by {_holder_text(info)}{_running(info)}\n"
+        f"This host cannot check that process: if it is gone, delete {path} and run again."
     )
 
 
@@ -94,12 +116,12 @@ def _try_flock(fd: int) -> bool:
     return True
 
 
-def _own_record(what: str) -> dict[str, Any]:
+def _own_record(command: str) -> dict[str, Any]:
     return {
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "started": time.time(),
-        "command": what or " ".join(sys.argv),
+        "command": shortened(command or shlex.join(sys.argv)),
     }
 
 
@@ -118,13 +140,14 @@ def _make_private(folder: Path, record: dict[str, Any]) -> tuple[int, Path]:
     return fd, tmp
 
 
-def acquire(folder: Path, what: str = "") -> int:
-    """Take the lock of `folder` (created if missing); return its fd, to pass to `release`.
-    Raises LockHeld naming the holder."""
+def acquire(folder: Path, command: str = "") -> int:
+    """Take the lock of `folder` (created if missing) for `command`, this process's command
+    line as its user typed it (default: sys.argv as it is); return its fd, to pass to
+    `release`. Raises LockHeld naming the holder and its command."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE
-    record = _own_record(what)
+    record = _own_record(command)
     fd, tmp = _make_private(folder, record)
     try:
         for _ in range(100):  # a holder releasing at the same time: look again
@@ -164,8 +187,9 @@ def _take_over_stale(path: Path, tmp: Path, record: dict[str, Any]) -> bool:
             raise _unchecked(info, path)
         state = _gone(info) if not pid_alive(info.get("pid")) else "not holding it"
         log.warning(
-            "taking over the stale lock %s of %s (%s)", path, _holder_text(info, path), state
-        )
+            "taking over the stale lock %s of %s, %s; its command: %s",
+            path, _holder_text(info), state, info.get("command", "?"),
+        )  # fmt: skip
         os.replace(tmp, path)
         return True
     finally:
@@ -267,15 +291,16 @@ def release(folder: Path, fd: int) -> None:
 
 
 @contextlib.contextmanager
-def output_lock(folder: Path, what: str = "", *, enabled: bool = True) -> Iterator[None]:
-    """Hold the lock of `folder` for the block (a no-op when not `enabled`: ranks that share
-    their launcher's lock). A folder that did not exist and is still empty is removed after."""
+def output_lock(folder: Path, command: str = "", *, enabled: bool = True) -> Iterator[None]:
+    """Hold the lock of `folder` for the block, for `command` (`acquire`); a no-op when not
+    `enabled` (ranks that share their launcher's lock). A folder that did not exist and is
+    still empty is removed after."""
     if not enabled:
         yield
         return
     folder = Path(folder)
     created = not folder.exists()
-    fd = acquire(folder, what)
+    fd = acquire(folder, command)
     try:
         yield
     except BaseException:

@@ -1,9 +1,11 @@
-"""The output folder lock: one holder, its name in the refusal, stale locks taken over."""
+"""The output folder lock: one holder, named in the refusal by its pid and its command line,
+stale locks taken over."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -12,8 +14,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from shared.lock import LOCK_FILE, LockHeld, acquire, output_lock, release
+from shared.lock import COMMAND_CHARS, LOCK_FILE, LockHeld, acquire, output_lock, release
 from tests.cachegen import write_cache
+from tests.held_file import held_file
 
 ROOT = Path(__file__).resolve().parents[1]
 HOLD = (
@@ -55,6 +58,7 @@ def test_lock_of_a_killed_holder_is_taken_over(tmp_path, caplog):
     assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == proc.pid
     fd = acquire(tmp_path)
     assert "stale lock" in caplog.text and str(proc.pid) in caplog.text
+    assert "its command: holder test" in caplog.text
     assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
     release(tmp_path, fd)
     assert not (tmp_path / LOCK_FILE).exists()
@@ -64,8 +68,25 @@ def test_lock_of_a_killed_holder_is_taken_over(tmp_path, caplog):
 def test_lock_from_another_host_is_refused_with_what_to_do(tmp_path):
     record = {"pid": 1, "host": "elsewhere", "started": 0, "command": "python -m train"}
     (tmp_path / LOCK_FILE).write_text(json.dumps(record))
-    with pytest.raises(LockHeld, match="elsewhere.*delete"):
+    with pytest.raises(LockHeld, match="(?s)elsewhere.*python -m train.*delete"):
         acquire(tmp_path)
+
+
+def test_a_long_command_line_is_kept_shortened(tmp_path):
+    """A holder's command line of 100,000 characters (a long list of files, say) is kept cut
+    to its first words: the lock file stays one a refusal reads in full, naming the holder."""
+    command = "python -m extract --data " + " ".join(f"/data/file-{i}.jsonl" for i in range(5000))
+    fd = acquire(tmp_path, command)
+    try:
+        with pytest.raises(LockHeld) as e:
+            acquire(tmp_path)
+    finally:
+        release(tmp_path, fd)
+    said = str(e.value)
+    assert f"pid {os.getpid()}" in said, said
+    cut = said.split("running:\n  ")[1].split("\n")[0]
+    assert cut.startswith("python -m extract --data /data/file-0.jsonl /data/file-1.jsonl"), cut
+    assert cut.endswith(" more characters)") and len(cut) < COMMAND_CHARS + 40, cut
 
 
 def test_a_new_folder_left_empty_is_removed(tmp_path):
@@ -85,14 +106,48 @@ def test_extract_and_train_refuse_a_locked_output(tmp_path, tiny_qwen3):
             extract_main, ["--out", str(out), "--target", str(tiny_qwen3), "--gpus", "cpu"]
         )
         assert r.exit_code == 1 and f"pid {proc.pid}" in r.output, r.output
+        assert "running:\n  holder test\n" in r.output, r.output
         cache = write_cache(tmp_path / "cache", num_parts=2)
         args = ["--data", str(cache), "--out", str(out), "--gpus", "cpu", "--workers", "0"]
         r = CliRunner().invoke(train_main, args)
         assert r.exit_code == 1 and f"pid {proc.pid}" in r.output, r.output
+        assert "running:\n  holder test\n" in r.output, r.output
         assert sorted(os.listdir(out)) == [LOCK_FILE]
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)
+
+
+def test_a_folder_held_by_a_train_run_is_refused_with_its_command_line(tmp_path, tiny_qwen3):
+    """`python -m train` holds its --out while it reads the cache (held at its first read of a
+    hidden-state chunk, after it took the lock): a second train or an extraction on that
+    folder is refused naming that run's command line, its options too, as it was typed."""
+    from extract.__main__ import main as extract_main
+    from train.__main__ import main as train_main
+
+    cache = write_cache(tmp_path / "cache", num_parts=2)
+    out = tmp_path / "run"
+    args = ["--data", str(cache), "--out", str(out), "--gpus", "cpu", "--workers", "0"]
+    args += ["--steps", "2", "--log-every", "2"]
+    chunk = min((cache / "part-000000" / "hidden").glob("c.*"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with held_file(chunk) as opened:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "train", *args], cwd=ROOT, env=env, stderr=subprocess.PIPE
+        )
+        try:
+            opened(timeout=120)
+            again = CliRunner().invoke(train_main, args)
+            extract = CliRunner().invoke(
+                extract_main, ["--out", str(out), "--target", str(tiny_qwen3)]
+            )
+        finally:
+            run.kill()
+            run.wait(timeout=30)
+    typed = shlex.join(["python", "-m", "train", *args])
+    for r in (again, extract):
+        assert r.exit_code == 1 and f"{out} is in use by pid {run.pid} on host " in r.output
+        assert f"running:\n  {typed}\nWait for it to finish" in r.output, r.output
 
 
 # Runs a command line's main in a fresh interpreter, then says whether the slow stacks were

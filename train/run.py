@@ -27,6 +27,7 @@ from shared.manifest import (
     refuse_inside_cache,
     repair_commands,
 )
+from shared.stopping import resume_command
 from train.cache_fit import MAX_LENGTH_PROBLEM, OPTION_PROBLEM, fit_cache
 from train.config import TrainConfig
 from train.data.follow import CacheView, changed_parts, read_view
@@ -85,7 +86,7 @@ def run(cfg: TrainConfig) -> Path:
         if problems:
             raise RunError("--init-from does not fit the drafter:\n  - " + "\n  - ".join(problems))
     try:
-        with output_lock(cfg.out, "python -m train", enabled=takes_output_lock()):
+        with output_lock(cfg.out, resume_command("train"), enabled=takes_output_lock()):
             estimate = saved.get("rows_estimate") if saved else None
             return _run_locked(cfg, prep, manifest, spec, estimate)
     except LockHeld as e:

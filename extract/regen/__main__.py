@@ -38,15 +38,14 @@ def main(more_data: tuple[Path, ...], **kwargs: Any) -> None:
     from shared.lock import LockHeld, output_lock
     from shared.ranks import takes_output_lock
     from shared.space import full_disk_stops
-    from shared.stopping import StopRun
+    from shared.stopping import StopRun, resume_command
 
     problem = unwritable_reason(parts_dir(cfg.out))
     if problem:
         raise click.ClickException(f"--out {cfg.out}: {problem}")
     try:  # one run at a time on an output: its lock lives in OUT.parts (rank 0's, torchrun's)
-        lock = output_lock(
-            parts_dir(cfg.out), "python -m extract.regen", enabled=takes_output_lock()
-        )
+        command = resume_command("extract.regen")
+        lock = output_lock(parts_dir(cfg.out), command, enabled=takes_output_lock())
         with contextlib.ExitStack() as held:
             try:
                 held.enter_context(lock)

@@ -49,7 +49,7 @@ def run(
         await_cache(jobs)
         make_folder(out)
         try:
-            with output_lock(out, "python -m train.sweep"):
+            with output_lock(out, command):
                 take_folder(out, jobs, data=data, train_args=train_args)
                 record = {"command": command, "grid": grid, "seeds": seeds}
                 record |= {"train_args": train_args, "data": str(data.resolve())}
