@@ -167,9 +167,10 @@ def waiting_sweep(tmp_path, optimizers="adamw"):
         cmd = [sys.executable, "-m", "train.sweep", *args, "--seeds", "1", "--gpus", "cpu", *TRAIN]
         sweep = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
         said = Said(sweep)
-        waiting = f"waiting for pid {earlier.pid} ({HOLDER}) holding {folder}"
+        waiting = f"waiting for pid {earlier.pid} holding {folder}: optimizer=adamw seed 0 "
         line = said.until(waiting, "starting optimizer=adamw")
         assert waiting in line, f"it started the run while its folder was held:\n{said.text}"
+        assert line.rstrip().endswith(f"once it has ended; its command: {HOLDER}"), line
         yield sweep, said, folder, release
     finally:
         if not earlier.stdin.closed:

@@ -193,8 +193,8 @@ def _startable(todo: list[Job], held: dict[Job, int]) -> Job | None:
             return job
         held[job] = holder["pid"]
         log.info(
-            "waiting for pid %d (%s) holding %s: %s seed %d starts once it has ended",
-            holder["pid"], holder.get("command", "?"), job.folder, job.variant.name, job.seed,
+            "waiting for pid %d holding %s: %s seed %d starts once it has ended; its command: %s",
+            holder["pid"], job.folder, job.variant.name, job.seed, holder.get("command", "?"),
         )  # fmt: skip
     return None
 
