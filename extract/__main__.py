@@ -32,7 +32,7 @@ def main(**kwargs) -> None:
     from extract.run import ExtractError, run
     from extract.stops import stopped_while_planning
     from extract.summary import format_summary
-    from shared.stopping import Stopped, StopRun, resume_command
+    from shared.stopping import Stopped, StopRun, Terminated, resume_command, sigterm_raises
 
     started: list[float] = []  # when planning ended and extracting began
     units: set[int] = set()  # the parts this run extracts
@@ -42,15 +42,19 @@ def main(**kwargs) -> None:
         units.update(pending)
 
     try:
-        manifest = run(cfg, started=begin)
+        with sigterm_raises():  # until the run's own handlers take SIGTERM (and after them)
+            manifest = run(cfg, started=begin)
     except Stopped as e:
         raise click.ClickException(f"{e}\nresume: {resume_command('extract')}") from None
-    except KeyboardInterrupt:  # during planning, or before or after a rank (which says more)
+    except (KeyboardInterrupt, Terminated) as e:  # planning, or before or after a rank
+        name = "SIGTERM" if isinstance(e, Terminated) else None
         if not started:
-            raise click.ClickException(stopped_while_planning(cfg.out, "extraction")) from None
+            said = stopped_while_planning(cfg.out, "extraction", name)
+            raise click.ClickException(said) from None
+        how = f" by {name}" if name else ""
         raise click.ClickException(
-            f"stopped at once: no part was left half-written; the parts committed in {cfg.out} "
-            f"are kept\nresume: {resume_command('extract')}"
+            f"stopped at once{how}: no part was left half-written; the parts committed in "
+            f"{cfg.out} are kept\nresume: {resume_command('extract')}"
         ) from None
     except (ExtractError, StopRun) as e:
         raise click.ClickException(str(e)) from None

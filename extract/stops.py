@@ -69,14 +69,20 @@ def kept_text(out: Path, *, touched: bool, replaces: bool, before: int, now: int
     return f"{kept}; rerun the same command to {then}"
 
 
-def stopped_while_planning(out: Path, work: str) -> str:
+def stopped_while_planning(out: Path, work: str, signal_name: str | None = None) -> str:
     """What a stop at once while the run was planned says: `work` ("extraction", say) not
-    begun, nothing written to --out `out`.
+    begun, nothing written to --out `out`; `signal_name` where it was not Ctrl-C (SIGTERM).
 
     >>> stopped_while_planning(Path("c"), "extraction")
     'stopped while planning, before extraction began: no part of c was written in this run'
+    >>> stopped_while_planning(Path("c"), "extraction", "SIGTERM")[:36]
+    'stopped by SIGTERM while planning, b'
     """
-    return f"stopped while planning, before {work} began: no part of {out} was written in this run"
+    how = f" by {signal_name}" if signal_name else ""
+    return (
+        f"stopped{how} while planning, before {work} began: no part of {out} was written in this "
+        "run"
+    )
 
 
 def stopped_while_loading(out: Path, signal_name: str, *, replaces: bool, before: int) -> Stopped:

@@ -8,6 +8,7 @@ import json
 import logging
 import shlex
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -259,6 +260,26 @@ def test_a_second_ctrl_c_while_the_target_loads_stops_it_at_once(tiny_qwen3, dat
         f"part was written to {out}; rerun the same command to start it."
     )
     assert read_manifest(out).parts == ()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_stop_while_the_run_is_planned_says_nothing_was_written(
+    tiny_qwen3, data_file, tmp_path, sig
+):
+    """Ctrl-C or SIGTERM (a job scheduler's) while the run is planned (held where the target's
+    tokenizer is read, before --out is locked or the target loads): one line saying so, naming
+    SIGTERM, with an error's exit status, and --out not made."""
+    out, target = tmp_path / "c", tmp_path / "target"
+    shutil.copytree(tiny_qwen3, target)
+    args = ["--target", str(target), "--data", str(data_file), "--out", str(out), "--gpus", "cpu"]
+    done = interrupted_at_open("extract", args, target / "tokenizer_config.json", sig=sig)
+    assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr, done.stderr
+    how = " by SIGTERM" if sig == signal.SIGTERM else ""
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"Error: stopped{how} while planning, before extraction began: no part of {out} was "
+        "written in this run"
+    )
+    assert not out.exists()
 
 
 NOT_TOUCHED = "the cache in --out c was not touched; rerun the same command to start it."
