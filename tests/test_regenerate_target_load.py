@@ -228,21 +228,24 @@ def test_a_second_ctrl_c_while_a_new_output_is_begun_says_when_it_came(
     assert regen(out, tiny_qwen3, data_file, max_rows=4).merged_rows == 4
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
 @pytest.mark.parametrize("route", [[], ["--engine", "vllm"]], ids=["local", "vllm"])
-def test_ctrl_c_while_the_run_is_planned_says_nothing_was_written(
-    tiny_qwen3, data_file, tmp_path, route
+def test_a_stop_while_the_run_is_planned_says_nothing_was_written(
+    tiny_qwen3, data_file, tmp_path, route, sig
 ):
-    """SIGINT while the run is planned (held where the tokenizer is first read, the rows already
-    indexed, before the target or vLLM loads), on either route: one line saying so, as
-    `python -m extract` says it, and no output."""
+    """Ctrl-C or SIGTERM while the run is planned (held where the tokenizer is first read, the
+    rows already indexed, before the target or vLLM loads), on either route: one line saying
+    so (naming SIGTERM), as `python -m extract` says it, and no output."""
     out = tmp_path / "o.jsonl"
     target = tmp_path / "target"
     shutil.copytree(tiny_qwen3, target)
     args = ["--target", str(target), "--data", str(data_file), "--out", str(out), "--gpus", "cpu"]
-    done = interrupted_at_open("extract.regen", [*args, *route], target / "tokenizer_config.json")
+    held = target / "tokenizer_config.json"
+    done = interrupted_at_open("extract.regen", [*args, *route], held, sig=sig)
     assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr, done.stderr
+    how = " by SIGTERM" if sig == signal.SIGTERM else ""
     assert done.stderr.strip().splitlines()[-1] == (
-        f"Error: stopped while planning, before regeneration began: no part of {out} was "
+        f"Error: stopped{how} while planning, before regeneration began: no part of {out} was "
         "written in this run"
     )
     assert not out.exists() and not (parts_dir(out) / STATE).exists()

@@ -47,8 +47,8 @@ from extract.regen.stops import (
     AFTER_PREPARING,
     WHILE_PREPARING,
     WHILE_VLLM_LOADS,
-    ctrl_c_while_planning,
     signals_stop,
+    stop_while_planning,
     stops_said,
 )
 from extract.regen.turns import Conversation, Prompter, end_turn, target_eos
@@ -306,7 +306,7 @@ def generate(
     Ctrl-C or SIGTERM before the rows are handed out stops the run at once, saying what it was
     doing and what the output holds."""
     where = f"vLLM ({spec.label})"
-    with ctrl_c_while_planning(cfg.out):
+    with stop_while_planning(cfg.out):
         pending = to_do(cfg, settings, job)
     if not pending:  # complete: no engine to start
         job = prepare(cfg, settings, config, job, where=where)

@@ -38,7 +38,7 @@ from extract.regen.stops import (
     BEFORE_PREPARING,
     WHILE_LOADING,
     WHILE_PREPARING,
-    ctrl_c_while_planning,
+    stop_while_planning,
     stopped_before_any_chunk,
     stops_said,
 )
@@ -85,7 +85,7 @@ def generate(
                 launch(_torchrun_entry, (cfg, settings, config, job), spec)
             return read_state(job.parts)
         spawned = spec.nprocs > 1
-        with ctrl_c_while_planning(cfg.out):
+        with stop_while_planning(cfg.out):
             job = dataclasses.replace(job, chunks=to_do(cfg, settings, job), draw_bar=not spawned)
         if not job.chunks:  # complete: no target to load
             job = prepare(cfg, settings, config, job, where=str(spec))

@@ -31,7 +31,7 @@ from extract.data import RowIndex
 from extract.regen import local
 from extract.regen.config import RegenConfig, RegenError
 from extract.regen.state import Job, RegenState, existing_state, parts_dir
-from extract.regen.stops import ctrl_c_while_planning
+from extract.regen.stops import stop_while_planning
 from extract.regen.turns import THINKING_KWARGS
 from shared.cli import to_json
 from shared.dist import DeviceSpec, parse_gpus, under_torchrun
@@ -131,9 +131,9 @@ def _plan(cfg: RegenConfig, spec: DeviceSpec, rows: tuple[RowIndex, int]) -> _Pl
 def run(cfg: RegenConfig) -> RegenState:
     """Regenerate the assistant turns described by `cfg`; returns the final state. What needs
     no target (--data, --out, --gpus) is checked before the target is materialized, and all
-    that needs no server before a --server is contacted. Ctrl-C while it is planned (the rows
-    indexed, the target's settings read) stops it saying that nothing was written."""
-    with ctrl_c_while_planning(cfg.out):
+    that needs no server before a --server is contacted. Ctrl-C or SIGTERM while it is planned
+    (the rows indexed, the target's settings read) stops it saying that nothing was written."""
+    with stop_while_planning(cfg.out):
         cfg, spec, plan = _planned(cfg)
     if cfg.server is not None:
         return _served(cfg, plan)

@@ -1,6 +1,6 @@
 """What a stop of `python -m extract.regen` tells the user where it comes before the run's own
 handling of it: that it came while the run was planned, nothing written
-(`ctrl_c_while_planning`); or when it came (`stopped_before_any_chunk`), then what the output
+(`stop_while_planning`); or when it came (`stopped_before_any_chunk`), then what the output
 holds and how to go on (`stops_said`). The local route's ranks load the target, then rank 0
 prepares --out; `--engine vllm` starts vLLM, then prepares --out, then reads the tokenizer."""
 
@@ -16,7 +16,7 @@ from typing import Any
 from extract.regen.driver import RegenStopped
 from extract.regen.state import Job, StateError, read_state, settings_mismatches
 from extract.stops import stopped_while_planning
-from shared.stopping import Stopped
+from shared.stopping import Stopped, Terminated, sigterm_raises
 
 # When a stop came, in words (`stopped_before_any_chunk`).
 WHILE_LOADING = "while the target loaded, before any chunk"
@@ -38,13 +38,17 @@ def stopped_before_any_chunk(how: str, when: str) -> Stopped:
 
 
 @contextlib.contextmanager
-def ctrl_c_while_planning(out: Path) -> Iterator[None]:
-    """Ctrl-C in the block, where the run is planned (nothing written yet; no handler of the
-    run's own waits for SIGINT), as RegenStopped saying so, as `python -m extract` says it."""
+def stop_while_planning(out: Path) -> Iterator[None]:
+    """Ctrl-C or SIGTERM in the block, where the run is planned (nothing written yet; no
+    handler of the run's own waits for either), as RegenStopped saying so, as `python -m
+    extract` says it."""
     try:
-        yield
+        with sigterm_raises():
+            yield
     except KeyboardInterrupt:
         raise RegenStopped(stopped_while_planning(out, "regeneration")) from None
+    except Terminated:
+        raise RegenStopped(stopped_while_planning(out, "regeneration", "SIGTERM")) from None
 
 
 @contextlib.contextmanager
