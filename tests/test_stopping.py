@@ -6,6 +6,7 @@ import json
 import os
 import re
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,7 +17,9 @@ import pytest
 from shared.manifest import read_manifest
 from shared.oom import kernel_log
 from tests.cachegen import write_cache
+from tests.held_file import interrupted_at_open
 from train.checkpoint import list_checkpoints
+from train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -204,6 +207,25 @@ def test_sigterm_checkpoints_train_at_the_step_reached(tmp_path, gpus):
     logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().split("\n")
               if line]  # fmt: skip
     assert logged[-1] == steps[0]  # the step it stopped at has its record, which a resume keeps
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_stop_while_train_is_planned_says_nothing_was_saved(tmp_path, sig):
+    """Ctrl-C or SIGTERM (a job scheduler's) while the run is planned (held where it first reads
+    the cache's manifest, before any handler of its own is installed): one message naming
+    SIGTERM, with an error's exit status, and the run folder not made."""
+    cache = write_cache(tmp_path / "cache", num_parts=3, samples_per_part=4)
+    out = tmp_path / "run"
+    args = train_args(cache, out, "--steps", "2")
+    done = interrupted_at_open("train", args[1:], cache / "manifest.json", sig=sig)
+    assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr, done.stderr
+    how = " by SIGTERM" if sig == signal.SIGTERM else ""
+    assert done.stderr.strip().splitlines()[-2:] == [
+        f"Error: stopped at once{how}: no checkpoint of this run was saved (--checkpoint-every "
+        f"{TrainConfig.checkpoint_every})",
+        "resume: " + shlex.join(["python", "-m", *args]),
+    ]
+    assert not out.exists()
 
 
 def test_one_process_stops_train_at_the_next_step_not_the_next_log_step(tmp_path):

@@ -32,15 +32,16 @@ def main(**kwargs: object) -> None:
     except LockHeld as e:
         raise click.ClickException(str(e)) from None
     from shared.manifest import CacheMismatch, read_manifest
-    from shared.stopping import Stopped, StopRun, resume_command
+    from shared.stopping import Stopped, StopRun, Terminated, resume_command, sigterm_raises
     from train.run import RunError, run
     from train.summary import format_summary, shipped_prompts
 
     try:
-        out = run(cfg)
+        with sigterm_raises():  # until the run's own handlers take SIGTERM (and after them)
+            out = run(cfg)
     except Stopped as e:
         raise click.ClickException(f"{e}\nresume: {resume_command('train')}") from None
-    except KeyboardInterrupt:  # a second Ctrl-C, or one before the run began
+    except (KeyboardInterrupt, Terminated) as e:  # a second Ctrl-C; either, before the run began
         from train.checkpoint import list_checkpoints
 
         found = list_checkpoints(cfg.out)
@@ -50,8 +51,9 @@ def main(**kwargs: object) -> None:
             if found
             else f"no checkpoint of this run was saved (--checkpoint-every {cfg.checkpoint_every})"
         )
+        how = " by SIGTERM" if isinstance(e, Terminated) else ""
         raise click.ClickException(
-            f"stopped at once: {kept}\nresume: {resume_command('train')}"
+            f"stopped at once{how}: {kept}\nresume: {resume_command('train')}"
         ) from None
     except (CacheMismatch, RunError, StopRun) as e:
         raise click.ClickException(str(e)) from None
