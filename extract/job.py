@@ -8,8 +8,8 @@ from pathlib import Path
 from extract.data import RowIndex
 from extract.parallel import Layout
 from shared.dist import RankInfo, processes_on_this_host, usable_cpus
-from shared.manifest import unit_rows
 from shared.progress import SummedBar
+from shared.rows import unit_rows
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any
 from shared.format import FORMAT_VERSION
 from shared.fsio import atomic_write_json, file_lock, within
 from shared.json_types import wrong_types
+from shared.rows import unit_rows
 
 MANIFEST = "manifest.json"
 LAYER_CONVENTION = (
@@ -155,16 +156,6 @@ class PartRecord:
             checksum=stats.checksum,
             layout=layout,
         )
-
-
-def unit_rows(unit: int, *, rows_per_part: int, total_rows: int) -> range:
-    """The rows of `unit` (one part's): `rows_per_part` of them, the last unit's fewer.
-
-    >>> unit_rows(1, rows_per_part=4, total_rows=10), unit_rows(2, rows_per_part=4, total_rows=10)
-    (range(4, 8), range(8, 10))
-    """
-    first = unit * rows_per_part
-    return range(first, min(first + rows_per_part, total_rows))
 
 
 @dataclass(frozen=True, kw_only=True)

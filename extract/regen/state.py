@@ -37,6 +37,7 @@ from shared.fsio import (
     remove_path,
 )
 from shared.lock import LOCK_FILE
+from shared.rows import unit_rows
 
 log = logging.getLogger(__name__)
 
@@ -189,11 +190,6 @@ def settings_mismatches(old: dict, new: dict, unknown: Collection[str] = ()) -> 
     ]
 
 
-def chunk_rows(chunk: int, *, rows_per_chunk: int, total_rows: int) -> range:
-    first = chunk * rows_per_chunk
-    return range(first, min(first + rows_per_chunk, total_rows))
-
-
 def existing_state(
     out: Path, settings: dict[str, Any], *, overwrite: bool, unknown: Collection[str] = ()
 ) -> RegenState | None:
@@ -259,7 +255,7 @@ def pending_chunks(
 
     def done(chunk: int) -> bool:
         record = state.chunks.get(chunk)
-        rows = chunk_rows(chunk, rows_per_chunk=rows_per_chunk, total_rows=total_rows)
+        rows = unit_rows(chunk, rows_per_part=rows_per_chunk, total_rows=total_rows)
         if record is None or (record.first_row, record.end_row) != (rows.start, rows.stop):
             return False
         path = parts / record.name
@@ -304,7 +300,7 @@ class Job:
         return -(-self.total_rows // self.rows_per_chunk)
 
     def chunk_rows(self, chunk: int) -> range:
-        return chunk_rows(chunk, rows_per_chunk=self.rows_per_chunk, total_rows=self.total_rows)
+        return unit_rows(chunk, rows_per_part=self.rows_per_chunk, total_rows=self.total_rows)
 
     def prompter(self, tokenizer: Any) -> Prompter:
         """The job's turns as prompts for `tokenizer` (template options, length limits)."""
