@@ -148,6 +148,9 @@ VARIANTS: dict[str, tuple[dict, int, bool]] = {
     # Inductor's prologue fusion off (`extract.packed.INDUCTOR_OPTIONS`): by default it fuses the
     # query's norm and rotary embedding into flex_attention's kernel
     "compiled+noprologue": DEFAULT,
+    # the queries, keys and values copied by an operation Inductor cannot fuse into the kernel
+    # (`extract.packed_attention.FLEX_INPUTS_APART`)
+    "compiled+apart": DEFAULT,
 }
 
 
@@ -199,6 +202,7 @@ def measure(body, rows: list[np.ndarray], mode: str, *, batch_tokens: int, max_l
     else:
         pa.FLEX_OPTIONS, pa.MASK_BLOCK, pa.MASK_FULL_BLOCKS = VARIANTS[mode.split("@")[0]]
         packed.INDUCTOR_OPTIONS = {"prologue_fusion": False} if "noprologue" in mode else {}
+        pa.FLEX_INPUTS_APART = "+apart" in mode
         torch._dynamo.reset()  # each variant compiles afresh
         chunk = chunk_size(batch_tokens, max_length)
         layout = choose_layout(

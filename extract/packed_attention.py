@@ -35,6 +35,10 @@ PACKED_ATTENTION = "dflash_packed"
 MASK_FULL_BLOCKS = True
 MASK_BLOCK = CHUNK_MULTIPLE
 FLEX_OPTIONS: dict = {}
+# Whether the queries, keys and values reach flex_attention through an operation Inductor cannot
+# fuse into its kernel (`bench/forward_modes.py`'s `compiled+apart`): by default Inductor may
+# fuse the norms and rotary embedding that make them into the attention kernel's loads.
+FLEX_INPUTS_APART = False
 _Q_BLOCKS = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
@@ -153,6 +157,17 @@ def grouped_attention(
     return out[None]
 
 
+@torch.library.custom_op("dflash::kept_apart", mutates_args=())
+def kept_apart(x: torch.Tensor) -> torch.Tensor:
+    """A copy of `x` that compiled code cannot fuse with what made `x` or what reads it."""
+    return x.clone()
+
+
+@kept_apart.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 @functools.cache
 def _compiled_flex() -> Callable:
     """flex_attention compiled once per process, for packed rows run outside a compiled layer
@@ -182,6 +197,8 @@ def packed_attention(
         return grouped_attention(query, key, value, groups, scaling), None
     if isinstance(attention_mask, BlockMask):
         flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
+        if FLEX_INPUTS_APART:
+            query, key, value = kept_apart(query), kept_apart(key), kept_apart(value)
         out = flex(
             query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa,
             kernel_options=FLEX_OPTIONS or None,
