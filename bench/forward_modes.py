@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from e2e_inputs import long_tailed_lengths  # noqa: E402
 
-import extract.packed as packed  # noqa: E402
 import extract.packed_attention as pa  # noqa: E402
 from extract.batching import length_order  # noqa: E402
 from extract.capture import DeviceInputs  # noqa: E402
@@ -145,12 +144,9 @@ VARIANTS: dict[str, tuple[dict, int, bool]] = {
     "compiled+tma": ({"USE_TMA": True}, 128, True),
     "compiled+b64": (_B64, 128, True),
     "compiled+mask64": (_B64, 64, True),
-    # Inductor's prologue fusion off (`extract.packed.INDUCTOR_OPTIONS`): by default it fuses the
-    # query's norm and rotary embedding into flex_attention's kernel
-    "compiled+noprologue": DEFAULT,
-    # the queries, keys and values copied by an operation Inductor cannot fuse into the kernel
-    # (`extract.packed_attention.FLEX_INPUTS_APART`)
-    "compiled+apart": DEFAULT,
+    # the queries laid out head by head, so that flex_attention's output is too and is copied
+    # token by token for the output projection (`extract.packed_attention.QUERY_TOKEN_MAJOR` off)
+    "compiled+headmajor": DEFAULT,
 }
 
 
@@ -201,8 +197,7 @@ def measure(body, rows: list[np.ndarray], mode: str, *, batch_tokens: int, max_l
         layout = PaddedLayout(body, pad_id=0)
     else:
         pa.FLEX_OPTIONS, pa.MASK_BLOCK, pa.MASK_FULL_BLOCKS = VARIANTS[mode.split("@")[0]]
-        packed.INDUCTOR_OPTIONS = {"prologue_fusion": False} if "noprologue" in mode else {}
-        pa.FLEX_INPUTS_APART = "+apart" in mode
+        pa.QUERY_TOKEN_MAJOR = "+headmajor" not in mode
         torch._dynamo.reset()  # each variant compiles afresh
         chunk = chunk_size(batch_tokens, max_length)
         layout = choose_layout(

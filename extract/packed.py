@@ -46,9 +46,6 @@ PACKABLE_LAYER_TYPES = frozenset({"full_attention", "linear_attention"})
 # tests' reference). GPU_ATTENTION is what `--attention auto` runs on a GPU ("sdpa" elsewhere).
 ATTENTION_KINDS = ("flex", "sdpa", "dense")
 GPU_ATTENTION = "flex"
-# Inductor's options for the compiled layers (torch.compile's `options`; with the "inductor"
-# backend only): `bench/forward_modes.py`'s variants set them to measure one against the default.
-INDUCTOR_OPTIONS: dict = {}
 
 
 def packed_support(body: nn.Module, device: torch.device) -> str | None:
@@ -130,10 +127,7 @@ class PackedLayout:
                     lambda layer=layer, inner=inner: setattr(layer, "linear_attn", inner)
                 )
             if self.compiled:
-                options = INDUCTOR_OPTIONS if backend == "inductor" and INDUCTOR_OPTIONS else None
-                layer.forward = torch.compile(
-                    layer.forward, dynamic=False, backend=backend, options=options
-                )
+                layer.forward = torch.compile(layer.forward, dynamic=False, backend=backend)
                 self._undo.append(lambda layer=layer: vars(layer).pop("forward", None))
 
     def uninstall(self) -> None:

@@ -35,10 +35,11 @@ PACKED_ATTENTION = "dflash_packed"
 MASK_FULL_BLOCKS = True
 MASK_BLOCK = CHUNK_MULTIPLE
 FLEX_OPTIONS: dict = {}
-# Whether the queries, keys and values reach flex_attention through an operation Inductor cannot
-# fuse into its kernel (`bench/forward_modes.py`'s `compiled+apart`): by default Inductor may
-# fuse the norms and rotary embedding that make them into the attention kernel's loads.
-FLEX_INPUTS_APART = False
+# Inside compiled layers the queries reach flex_attention laid out token by token ([B, N, H, D]
+# in memory, as the projection made them), so that its output, laid out as its query, is already
+# the [B, N, H, D] the output projection reads: head by head, Inductor copies the whole output
+# once more per layer. `bench/forward_modes.py`'s `compiled+headmajor` measures the other way.
+QUERY_TOKEN_MAJOR = True
 _Q_BLOCKS = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
@@ -157,17 +158,6 @@ def grouped_attention(
     return out[None]
 
 
-@torch.library.custom_op("dflash::kept_apart", mutates_args=())
-def kept_apart(x: torch.Tensor) -> torch.Tensor:
-    """A copy of `x` that compiled code cannot fuse with what made `x` or what reads it."""
-    return x.clone()
-
-
-@kept_apart.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
 @functools.cache
 def _compiled_flex() -> Callable:
     """flex_attention compiled once per process, for packed rows run outside a compiled layer
@@ -197,8 +187,8 @@ def packed_attention(
         return grouped_attention(query, key, value, groups, scaling), None
     if isinstance(attention_mask, BlockMask):
         flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
-        if FLEX_INPUTS_APART:
-            query, key, value = kept_apart(query), kept_apart(key), kept_apart(value)
+        if QUERY_TOKEN_MAJOR and torch.compiler.is_compiling():
+            query = query.transpose(1, 2).contiguous().transpose(1, 2)
         out = flex(
             query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa,
             kernel_options=FLEX_OPTIONS or None,

@@ -99,6 +99,26 @@ def test_document_block_mask_equals_the_brute_force_mask(block, full_blocks):
         torch.testing.assert_close(flex, sdpa, atol=1e-4, rtol=1e-4)
 
 
+def test_compiled_flex_with_queries_laid_out_token_by_token_equals_the_dense_mask():
+    """Inside compiled code the queries reach flex_attention laid out [B, N, H, D] (so that its
+    output is laid out as the output projection reads it): the same attention as the dense
+    mask's."""
+    lengths = [50, 100, 30, 60]
+    p = packed_inputs([np.zeros(k) for k in lengths], chunk_tokens=256, pad_id=0)
+    doc = torch.from_numpy(p.doc_ids).long()
+    mask = document_block_mask(doc, document_mask_mod(doc), block_size=128, full_blocks=True)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 256, 16, generator=g) for n in (4, 2, 2))
+    ref, _ = packed_attention(None, q, k, v, dense_document_mask(doc))
+
+    def layer(q, k, v):  # noqa: ANN001, ANN202
+        out, _ = packed_attention(None, q * 2.0, k, v, mask)
+        return out.view(1, 256, -1)
+
+    got = torch.compile(layer, dynamic=False)(q / 2.0, k, v)
+    torch.testing.assert_close(got, ref.reshape(1, 256, -1), atol=1e-5, rtol=1e-5)
+
+
 def _per_row(model, rows, layer_ids, device) -> list[torch.Tensor]:
     cap = LayerCapture(model, layer_ids, own_masks=True)
     try:
