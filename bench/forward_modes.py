@@ -144,9 +144,9 @@ VARIANTS: dict[str, tuple[dict, int, bool]] = {
     "compiled+tma": ({"USE_TMA": True}, 128, True),
     "compiled+b64": (_B64, 128, True),
     "compiled+mask64": (_B64, 64, True),
-    # the queries laid out head by head, so that flex_attention's output is too and is copied
-    # token by token for the output projection (`extract.packed_attention.QUERY_TOKEN_MAJOR` off)
-    "compiled+headmajor": DEFAULT,
+    # the queries laid out token by token, so that flex_attention's output is too and needs no
+    # copy for the output projection (`extract.packed_attention.QUERY_TOKEN_MAJOR`)
+    "compiled+tokenmajor": DEFAULT,
 }
 
 
@@ -197,7 +197,7 @@ def measure(body, rows: list[np.ndarray], mode: str, *, batch_tokens: int, max_l
         layout = PaddedLayout(body, pad_id=0)
     else:
         pa.FLEX_OPTIONS, pa.MASK_BLOCK, pa.MASK_FULL_BLOCKS = VARIANTS[mode.split("@")[0]]
-        pa.QUERY_TOKEN_MAJOR = "+headmajor" not in mode
+        pa.QUERY_TOKEN_MAJOR = "+tokenmajor" in mode
         torch._dynamo.reset()  # each variant compiles afresh
         chunk = chunk_size(batch_tokens, max_length)
         layout = choose_layout(

@@ -35,11 +35,12 @@ PACKED_ATTENTION = "dflash_packed"
 MASK_FULL_BLOCKS = True
 MASK_BLOCK = CHUNK_MULTIPLE
 FLEX_OPTIONS: dict = {}
-# Inside compiled layers the queries reach flex_attention laid out token by token ([B, N, H, D]
-# in memory, as the projection made them), so that its output, laid out as its query, is already
-# the [B, N, H, D] the output projection reads: head by head, Inductor copies the whole output
-# once more per layer. `bench/forward_modes.py`'s `compiled+headmajor` measures the other way.
-QUERY_TOKEN_MAJOR = True
+# Whether, inside compiled layers, the queries reach flex_attention laid out token by token
+# ([B, N, H, D] in memory) rather than head by head: its output is laid out as its query, and
+# head by head Inductor copies the whole output once more per layer for the output projection
+# (`triton_poi_fused_mm_t_transpose_view` in a profile, 0.8% of the 8B forward's kernel time on
+# an H100). Not yet measured on a GPU: `bench/forward_modes.py`'s `compiled+tokenmajor`.
+QUERY_TOKEN_MAJOR = False
 _Q_BLOCKS = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 

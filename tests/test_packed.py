@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
+import extract.packed_attention as pa
 from extract.capture import LayerCapture
 from extract.layouts import Sharded, choose_layout, compiled_graphs
 from extract.packed_attention import (
@@ -99,10 +100,12 @@ def test_document_block_mask_equals_the_brute_force_mask(block, full_blocks):
         torch.testing.assert_close(flex, sdpa, atol=1e-4, rtol=1e-4)
 
 
-def test_compiled_flex_with_queries_laid_out_token_by_token_equals_the_dense_mask():
-    """Inside compiled code the queries reach flex_attention laid out [B, N, H, D] (so that its
-    output is laid out as the output projection reads it): the same attention as the dense
-    mask's."""
+@pytest.mark.parametrize("token_major", [False, True])
+def test_compiled_flex_equals_the_dense_mask(monkeypatch, token_major):
+    """flex_attention inside compiled code, its queries laid out token by token
+    (`QUERY_TOKEN_MAJOR`) or head by head: the same attention as the dense mask's."""
+    monkeypatch.setattr(pa, "QUERY_TOKEN_MAJOR", token_major)
+    torch._dynamo.reset()
     lengths = [50, 100, 30, 60]
     p = packed_inputs([np.zeros(k) for k in lengths], chunk_tokens=256, pad_id=0)
     doc = torch.from_numpy(p.doc_ids).long()
