@@ -219,3 +219,23 @@ def test_a_lock_that_cannot_be_written_leaves_no_file(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True)
     assert done.stderr.decode().startswith("OSError"), done.stderr.decode()
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("command", "state"),
+    [
+        ("python -m extract --out /c --data d.jsonl", "an extraction is writing it (pid"),
+        ("python -m extract.verify /c --repair", "no extraction is running on it"),
+        ("python -m train --data /c --follow", "no extraction is running on it"),
+    ],
+)
+def test_a_follower_tells_an_extraction_from_other_holders_of_the_cache(tmp_path, command, state):
+    """A run following the cache names an extraction only where the lock's holder is one:
+    `extract.verify --repair` holding it for a moment is not an extraction writing it."""
+    from train.data.follow import extraction_state
+
+    fd = acquire(tmp_path, command)
+    try:
+        assert extraction_state(tmp_path).startswith(state)
+    finally:
+        release(tmp_path, fd)

@@ -144,10 +144,21 @@ class ManifestWatch:
             time.sleep(min(POLL_S, max(0.0, end - time.monotonic())))
 
 
+def is_extraction(command: str) -> bool:
+    """Whether a lock's command line is an extraction's (`python -m extract ...`), not another
+    stage of the package holding the cache for a moment (`extract.verify --repair`).
+
+    >>> is_extraction("python -m extract --out /c"), is_extraction("python -m extract.verify /c")
+    (True, False)
+    """
+    words = command.split()
+    return any(a == "-m" and b == "extract" for a, b in zip(words, words[1:], strict=False))
+
+
 def extraction_state(cache: Path) -> str:
     """Whether an extraction runs on `cache`, in words, from the lock it holds there."""
     info = read_holder(cache)
-    if not info or "extract" not in str(info.get("command", "")):
+    if not info or not is_extraction(str(info.get("command", ""))):
         return "no extraction is running on it"
     running = holder_running(info)
     who = f"pid {info.get('pid')} on {info.get('host')}"
