@@ -42,11 +42,12 @@ from extract.regen.driver import (
     to_do,
     turn_seed,
 )
-from extract.regen.state import Job, RegenState, finish_output
+from extract.regen.state import Job, RegenState
 from extract.regen.stops import (
     AFTER_PREPARING,
     WHILE_PREPARING,
     WHILE_VLLM_LOADS,
+    resumed_complete,
     signals_stop,
     stop_while_planning,
     stops_said,
@@ -309,8 +310,7 @@ def generate(
     with stop_while_planning(cfg.out):
         pending = to_do(cfg, settings, job)
     if not pending:  # complete: no engine to start
-        job = prepare(cfg, settings, config, job, where=where)
-        return finish_output(cfg.out, job, regenerated=False)
+        return resumed_complete(cfg, settings, config, job, where=where)
     with stops_said(job, settings):
         with signals_stop(WHILE_VLLM_LOADS):
             engine, sampling_params = load_engine(

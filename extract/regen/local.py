@@ -38,6 +38,7 @@ from extract.regen.stops import (
     BEFORE_PREPARING,
     WHILE_LOADING,
     WHILE_PREPARING,
+    resumed_complete,
     stop_while_planning,
     stopped_before_any_chunk,
     stops_said,
@@ -88,8 +89,7 @@ def generate(
         with stop_while_planning(cfg.out):
             job = dataclasses.replace(job, chunks=to_do(cfg, settings, job), draw_bar=not spawned)
         if not job.chunks:  # complete: no target to load
-            job = prepare(cfg, settings, config, job, where=str(spec))
-            return finish_output(cfg.out, job, regenerated=False)
+            return resumed_complete(cfg, settings, config, job, where=str(spec))
         bar = None
         if spawned:  # the earlier run's counters stay until rank 0 prepares the output
             folder = job.parts / PROGRESS_DIR

@@ -33,10 +33,12 @@ from extract.regen.driver import (
     prepare,
     restore,
     signals_to,
+    to_do,
 )
 from extract.regen.llamacpp import PATH, slot_context
 from extract.regen.remote import Server, converse
-from extract.regen.state import Job, RegenState, finish_output
+from extract.regen.state import Job, RegenState
+from extract.regen.stops import resumed_complete, stop_while_planning
 from extract.regen.turns import target_eos
 
 log = logging.getLogger(__name__)
@@ -148,9 +150,11 @@ def serve(
     """The --server run: prepare or resume the output, request its pending rows, merge."""
     from transformers import AutoTokenizer
 
+    with stop_while_planning(cfg.out):
+        pending = to_do(cfg, settings, job)
+    if not pending:  # complete: nothing to ask for
+        return resumed_complete(cfg, settings, config, job, where=cfg.server)
     job = prepare(cfg, settings, config, job, where=cfg.server)
-    if not job.chunks:
-        return finish_output(cfg.out, job, regenerated=False)
     tokenizer = AutoTokenizer.from_pretrained(job.target)
     prompter = job.prompter(tokenizer)
     eos = frozenset(target_eos(job.target, tokenizer))

@@ -2,7 +2,9 @@
 handling of it: that it came while the run was planned, nothing written
 (`stop_while_planning`); or when it came (`stopped_before_any_chunk`), then what the output
 holds and how to go on (`stops_said`). The local route's ranks load the target, then rank 0
-prepares --out; `--engine vllm` starts vLLM, then prepares --out, then reads the tokenizer."""
+prepares --out; `--engine vllm` starts vLLM, then prepares --out, then reads the tokenizer. An
+output whose chunks are all done is resumed on every route without any of that
+(`resumed_complete`)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from extract.regen.driver import RegenStopped
-from extract.regen.state import Job, StateError, read_state, settings_mismatches
+from extract.regen.config import RegenConfig
+from extract.regen.driver import RegenStopped, prepare
+from extract.regen.state import (
+    Job,
+    RegenState,
+    StateError,
+    finish_output,
+    read_state,
+    settings_mismatches,
+)
 from extract.stops import stopped_while_planning
 from shared.stopping import Stopped, Terminated, sigterm_raises
 
@@ -24,6 +34,7 @@ BEFORE_PREPARING = "after the target loaded, before --out was prepared"
 WHILE_VLLM_LOADS = "while vLLM loaded the target, before any chunk"
 WHILE_PREPARING = "while --out was prepared, before any chunk"
 AFTER_PREPARING = "after --out was prepared, before any chunk"
+WHILE_FINISHING = "while the complete output was resumed"
 
 
 def stopped_before_any_chunk(how: str, when: str) -> Stopped:
@@ -80,7 +91,7 @@ def signals_stop(when: str) -> Iterator[None]:
 def stops_said(job: Job, settings: dict[str, Any]) -> Iterator[None]:
     """A stop (Stopped, or KeyboardInterrupt: a second Ctrl-C) as RegenStopped, saying what the
     run kept and how to resume it, or that it stopped before it prepared the output (its state
-    is not this run's)."""
+    is not this run's), or that every chunk is committed."""
     try:
         yield
     except (Stopped, KeyboardInterrupt) as e:
@@ -94,8 +105,24 @@ def stops_said(job: Job, settings: dict[str, Any]) -> Iterator[None]:
                 f"{why}. The output was not touched: run the same command to start it."
             ) from None
         left = job.pending(state)
+        if not left:
+            raise RegenStopped(
+                f"{why}. Every chunk is committed in {job.parts}: run the same command to finish "
+                "the output."
+            ) from None
         rows = sum(len(job.chunk_rows(c)) for c in left)
         raise RegenStopped(
             f"{why}. The committed chunks are kept in {job.parts}; {len(left)} chunks ({rows:,} "
             "rows) are still to do: run the same command to resume."
         ) from None
+
+
+def resumed_complete(
+    cfg: RegenConfig, settings: dict[str, Any], config: dict[str, Any], job: Job, *, where: str
+) -> RegenState:
+    """An output whose chunks are all done, resumed (nothing to generate): its state updated,
+    then OUT merged where it is not their merge already. Ctrl-C or SIGTERM there stops it at
+    once, saying that every chunk is kept."""
+    with stops_said(job, settings), signals_stop(WHILE_FINISHING):
+        job = prepare(cfg, settings, config, job, where=where)
+        return finish_output(cfg.out, job, regenerated=False)
