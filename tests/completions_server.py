@@ -18,6 +18,9 @@ generated ids in `tokens` when asked with `return_tokens`, `stop_type`; `truncat
 slot's context ends the answer; its 400 "exceeds the available context size" for a prompt
 longer than that; `answer_cap`, its -n, ends every answer at that length), and a 404 on
 `/v1/completions`, so a client that does not switch fails.
+
+`hold_models=True` holds the first contact: the model list (`/v1/models`) sets `reached`, then
+waits for `release` (dropped if the server stopped meanwhile).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class CompletionsServer:
         llamacpp: bool = False,
         slot_context: int = 4096,
         answer_cap: int | None = None,
+        hold_models: bool = False,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -54,6 +58,7 @@ class CompletionsServer:
         self.models = models
         self.llamacpp, self.slot_context = llamacpp, slot_context
         self.answer_cap = answer_cap  # llama-server's -n: no answer longer
+        self.hold_models = hold_models
         self.paths: list[str] = []  # every completion request's path
         self.cut = 0  # llama.cpp answers the slot's context cut (truncated)
         self.requests: list[dict[str, Any]] = []  # every completion request's body
@@ -150,6 +155,9 @@ def _handler(server: CompletionsServer) -> type[BaseHTTPRequestHandler]:
             self.close_connection = True
 
         def do_GET(self) -> None:
+            if server.hold_models:
+                server.reached.set()
+                server.release.wait()
             if server.stopped.is_set():
                 return self._drop()
             if server.llamacpp:

@@ -74,6 +74,8 @@ class OutputNotPrepared(StopRun):
 # What the first stop signal starts, in words: before the output is prepared, and after.
 STOPPING_BEFORE_ANY_CHUNK = "stopping once the target has loaded, before any chunk (again: at once)"
 STOPPING_AFTER_THE_CHUNK = "finishing the chunk in progress, then stopping (again: at once)"
+# What a second signal says (a rank started by hand raises KeyboardInterrupt on it).
+AT_ONCE = "stopped at once (its chunk dropped)"
 
 
 def generate(
@@ -82,7 +84,7 @@ def generate(
     """The local run on `spec` (or torchrun's ranks): the pending chunks regenerated, merged."""
     try:
         if under_torchrun():
-            with stops_said(job, settings):
+            with stops_said(job, settings, at_once=AT_ONCE):
                 launch(_torchrun_entry, (cfg, settings, config, job), spec)
             return read_state(job.parts)
         spawned = spec.nprocs > 1
@@ -95,7 +97,7 @@ def generate(
             folder = job.parts / PROGRESS_DIR
             bar = RowBar(folder, total=job.pending_rows, earlier=counter_files(folder))
         try:
-            with stops_said(job, settings):
+            with stops_said(job, settings, at_once=AT_ONCE):
                 args = (cfg, settings, config, job)
                 launch(rank_main, args, spec, monitor=bar.refresh if bar else None)
         finally:

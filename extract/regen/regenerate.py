@@ -31,7 +31,7 @@ from extract.data import RowIndex
 from extract.regen import local
 from extract.regen.config import RegenConfig, RegenError
 from extract.regen.state import Job, RegenState, existing_state, parts_dir
-from extract.regen.stops import stop_while_planning
+from extract.regen.stops import WHILE_CONTACTING, signals_stop, stop_while_planning, stops_said
 from extract.regen.turns import THINKING_KWARGS
 from shared.cli import to_json
 from shared.dist import DeviceSpec, parse_gpus, under_torchrun
@@ -132,18 +132,21 @@ def run(cfg: RegenConfig) -> RegenState:
     """Regenerate the assistant turns described by `cfg`; returns the final state. What needs
     no target (--data, --out, --gpus) is checked before the target is materialized, and all
     that needs no server before a --server is contacted. Ctrl-C or SIGTERM while it is planned
-    (the rows indexed, the target's settings read) stops it saying that nothing was written."""
+    (the rows indexed, the target's settings read) stops it saying that nothing was written;
+    after that, where no handler of its route's own takes them (between them, or as the output
+    is merged), saying what the output holds."""
     with stop_while_planning(cfg.out):
         cfg, spec, plan = _planned(cfg)
-    if cfg.server is not None:
-        return _served(cfg, plan)
-    if cfg.engine == "vllm":
-        from extract.regen.engine import generate
+    with stops_said(plan.job, plan.settings, unknown=_server_decides(cfg)):
+        if cfg.server is not None:
+            return _served(cfg, plan)
+        if cfg.engine == "vllm":
+            from extract.regen.engine import generate
 
-        if cfg.gpus is None and spec.kind == "cuda":  # tensor parallel only where asked for
-            spec = DeviceSpec("cuda", spec.devices[:1])
-        return generate(cfg, plan.settings, plan.config, plan.job, spec)
-    return local.generate(cfg, plan.settings, plan.config, plan.job, spec)
+            if cfg.gpus is None and spec.kind == "cuda":  # tensor parallel only where asked for
+                spec = DeviceSpec("cuda", spec.devices[:1])
+            return generate(cfg, plan.settings, plan.config, plan.job, spec)
+        return local.generate(cfg, plan.settings, plan.config, plan.job, spec)
 
 
 def _planned(cfg: RegenConfig) -> tuple[RegenConfig, DeviceSpec, _Plan]:
@@ -178,15 +181,27 @@ def _target(target: str | None) -> str:
     return resolve_target(target)
 
 
+def _server_decides(cfg: RegenConfig) -> frozenset[str]:
+    """The settings that a --server run learns from its server: its model, and its context
+    length where --max-length is not given; none on the other routes."""
+    if cfg.server is None:
+        return frozenset()
+    return frozenset({"server_model"} if cfg.max_length else {"server_model", "max_length"})
+
+
 def _served(cfg: RegenConfig, plan: _Plan) -> RegenState:
     """The --server route: --out refused before the server is contacted wherever the settings
     known without it already differ from its own, then the server's model and context length
-    completing the plan."""
+    completing the plan. Ctrl-C or SIGTERM while the output's state is read says, as where it
+    is planned, that nothing was written; while the server is first contacted, that the run
+    stopped then and what the output holds."""
     from extract.regen.served import connect, serve
 
-    decided = {"server_model"} if cfg.max_length else {"server_model", "max_length"}
-    existing_state(cfg.out, plan.settings, overwrite=cfg.overwrite, unknown=decided)
-    client, (model, length) = connect(cfg)
+    decided = _server_decides(cfg)
+    with stop_while_planning(cfg.out):
+        existing_state(cfg.out, plan.settings, overwrite=cfg.overwrite, unknown=decided)
+    with signals_stop(WHILE_CONTACTING):
+        client, (model, length) = connect(cfg)
     max_length = cfg.max_length or length or plan.job.max_length
     settings = {**plan.settings, "max_length": max_length, "server_model": model}
     config = {**plan.config, "max_length": max_length}

@@ -7,7 +7,8 @@ Ctrl-C finishes the conversations in flight). A conversation that fails through 
 (`extract.regen.client`) is counted by reason and left out: its chunk stays pending and the next
 run requests it again. A server that no longer accepts connections, that refuses requests of
 this form (a 4xx) or that answers another model's token ids stops the run with a message; what
-is done is kept.
+is done is kept. Before the first conversation (the output prepared, the tokenizer read),
+Ctrl-C or SIGTERM stops the run at once with one message saying so and what the output holds.
 """
 
 from __future__ import annotations
@@ -38,7 +39,14 @@ from extract.regen.driver import (
 from extract.regen.llamacpp import PATH, slot_context
 from extract.regen.remote import Server, converse
 from extract.regen.state import Job, RegenState
-from extract.regen.stops import resumed_complete, stop_while_planning
+from extract.regen.stops import (
+    AFTER_PREPARING,
+    WHILE_PREPARING,
+    resumed_complete,
+    signals_stop,
+    stop_while_planning,
+    stops_said,
+)
 from extract.regen.turns import target_eos
 
 log = logging.getLogger(__name__)
@@ -147,18 +155,18 @@ def serve(
     job: Job,
     client: ServerClient,
 ) -> RegenState:
-    """The --server run: prepare or resume the output, request its pending rows, merge."""
-    from transformers import AutoTokenizer
-
+    """The --server run: prepare or resume the output, request its pending rows, merge. Ctrl-C
+    or SIGTERM before the rows are handed out stops the run at once, saying what it was doing
+    and what the output holds."""
     with stop_while_planning(cfg.out):
         pending = to_do(cfg, settings, job)
     if not pending:  # complete: nothing to ask for
         return resumed_complete(cfg, settings, config, job, where=cfg.server)
-    job = prepare(cfg, settings, config, job, where=cfg.server)
-    tokenizer = AutoTokenizer.from_pretrained(job.target)
-    prompter = job.prompter(tokenizer)
-    eos = frozenset(target_eos(job.target, tokenizer))
-    server = Server(client, settings["server_model"], prompter, eos, cfg.sampling, cfg.seed)
+    with stops_said(job, settings):
+        with signals_stop(WHILE_PREPARING):
+            job = prepare(cfg, settings, config, job, where=cfg.server)
+        with signals_stop(AFTER_PREPARING):
+            server = _server(job, settings["server_model"], client, cfg)
     done = run_served(job, server, concurrency=cfg.in_flight)
     if done.from_text:
         log.warning(
@@ -169,6 +177,17 @@ def serve(
         )
     hint = _hint(done.stopped, job.target) if done.stopped else ""
     return conclude(cfg.out, job, done, f"--server {cfg.server}", hint)
+
+
+def _server(job: Job, model: str, client: ServerClient, cfg: RegenConfig) -> Server:
+    """What the conversations ask `model` through `client` with: the target's tokenizer, chat
+    template and eos, and the run's sampling."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(job.target)
+    prompter = job.prompter(tokenizer)
+    eos = frozenset(target_eos(job.target, tokenizer))
+    return Server(client, model, prompter, eos, cfg.sampling, cfg.seed)
 
 
 def _hint(stopped: str, target: str) -> str:

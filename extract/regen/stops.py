@@ -2,16 +2,16 @@
 handling of it: that it came while the run was planned, nothing written
 (`stop_while_planning`); or when it came (`stopped_before_any_chunk`), then what the output
 holds and how to go on (`stops_said`). The local route's ranks load the target, then rank 0
-prepares --out; `--engine vllm` starts vLLM, then prepares --out, then reads the tokenizer. An
-output whose chunks are all done is resumed on every route without any of that
-(`resumed_complete`)."""
+prepares --out; `--engine vllm` starts vLLM, then prepares --out, then reads the tokenizer;
+`--server` contacts the server, then prepares --out, then reads the tokenizer. An output whose
+chunks are all done is resumed on every route without any of that (`resumed_complete`)."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ BEFORE_PREPARING = "after the target loaded, before --out was prepared"
 WHILE_VLLM_LOADS = "while vLLM loaded the target, before any chunk"
 WHILE_PREPARING = "while --out was prepared, before any chunk"
 AFTER_PREPARING = "after --out was prepared, before any chunk"
+WHILE_CONTACTING = "while the server was first contacted, before any chunk"
 WHILE_FINISHING = "while the complete output was resumed"
 
 
@@ -88,19 +89,32 @@ def signals_stop(when: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def stops_said(job: Job, settings: dict[str, Any]) -> Iterator[None]:
-    """A stop (Stopped, or KeyboardInterrupt: a second Ctrl-C) as RegenStopped, saying what the
-    run kept and how to resume it, or that it stopped before it prepared the output (its state
-    is not this run's), or that every chunk is committed."""
+def stops_said(
+    job: Job,
+    settings: dict[str, Any],
+    *,
+    unknown: Collection[str] = (),
+    at_once: str = "stopped at once by SIGINT",
+) -> Iterator[None]:
+    """A stop in the block as RegenStopped saying what the run kept and how to resume it, or
+    that it stopped before it prepared the output (its state is not this run's), or that every
+    chunk is committed. The stop: a Stopped (its message says when), or Ctrl-C or SIGTERM that
+    no handler of the run's own took (SIGTERM raises in the block, `sigterm_raises`), said as
+    `at_once` and "stopped at once by SIGTERM". `unknown`: keys of `settings` not known yet (a
+    server's), left out where the output's settings are compared with them."""
     try:
-        yield
-    except (Stopped, KeyboardInterrupt) as e:
-        why = str(e) if isinstance(e, Stopped) else "stopped at once (its chunk dropped)"
+        with sigterm_raises():
+            yield
+    except (Stopped, KeyboardInterrupt, Terminated) as e:
+        if isinstance(e, Stopped):
+            why = str(e)
+        else:
+            why = "stopped at once by SIGTERM" if isinstance(e, Terminated) else at_once
         try:
             state = read_state(job.parts)
         except StateError:
             state = None
-        if state is None or settings_mismatches(state.settings, settings):
+        if state is None or settings_mismatches(state.settings, settings, unknown):
             raise RegenStopped(
                 f"{why}. The output was not touched: run the same command to start it."
             ) from None
