@@ -1,7 +1,8 @@
 """`python -m extract.regen` stopped by Ctrl-C or SIGTERM where no handler of the run's own waits
-for either: while the --server route reads the output's state or first contacts the server,
-while an output whose chunks are all done is resumed, and as the output is merged. Each is one
-message, exit status 1: when it came, what the output holds, and what to run.
+for either: while it takes the output's lock, while the --server route reads the output's state
+or first contacts the server, while an output whose chunks are all done is resumed, and as the
+output is merged. Each is one message, exit status 1: when it came, what the output holds, and
+what to run.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from extract.regen.state import STATE, parts_dir
+from shared.lock import LOCK_FILE
 from tests.completions_server import CompletionsServer
 from tests.held_file import interrupted_at_open
 from tests.test_regenerate import MAX_LENGTH, MAX_NEW, ROWS_PER_CHUNK, regen, write_chats
@@ -71,6 +73,21 @@ def _planning(out: Path, sig: int) -> str:
         f"Error: stopped{how} while planning, before regeneration began: no part of {out} was "
         "written in this run"
     )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_stop_while_the_output_lock_is_taken_says_nothing_was_written(
+    tiny_qwen3, data_file, tmp_path, sig
+):
+    """Held where the run opens a stale lock to take it over, before anything is planned."""
+    out = tmp_path / "o.jsonl"
+    parts_dir(out).mkdir()
+    stale = parts_dir(out) / LOCK_FILE
+    stale.write_text("{}\n")  # its holder is gone: the run opens it to take it over
+    args = _args(tiny_qwen3, data_file, out, "--gpus", "cpu")
+    done = interrupted_at_open("extract.regen", args, stale, sig=sig)
+    assert _said(done) == _planning(out, sig)
+    assert not out.exists() and not (parts_dir(out) / STATE).exists()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)

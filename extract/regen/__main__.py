@@ -34,6 +34,7 @@ def main(more_data: tuple[Path, ...], **kwargs: Any) -> None:
     from extract.regen.regenerate import run
     from extract.regen.report import format_summary, nothing_kept_error
     from extract.regen.state import DISK_FULL_RERUN, parts_dir
+    from extract.regen.stops import stop_while_planning
     from shared.fsio import unwritable_reason
     from shared.lock import LockHeld, output_lock
     from shared.ranks import takes_output_lock
@@ -46,7 +47,10 @@ def main(more_data: tuple[Path, ...], **kwargs: Any) -> None:
     try:  # one run at a time on an output: its lock lives in OUT.parts (rank 0's, torchrun's)
         command = resume_command("extract.regen")
         lock = output_lock(parts_dir(cfg.out), command, enabled=takes_output_lock())
-        with contextlib.ExitStack() as held:
+        # Ctrl-C or SIGTERM before the run's own stops take them (as the lock is taken, say):
+        # said as while the run is planned, nothing of --out written (SIGTERM's default would
+        # end the process without a word).
+        with stop_while_planning(cfg.out), contextlib.ExitStack() as held:
             try:
                 held.enter_context(lock)
             except OSError as e:  # e.g. --out /proc/x as root: mkdir fails although "writable"
