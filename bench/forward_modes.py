@@ -144,10 +144,14 @@ VARIANTS: dict[str, tuple[dict, int, bool]] = {
     "compiled+tma": ({"USE_TMA": True}, 128, True),
     "compiled+b64": (_B64, 128, True),
     "compiled+mask64": (_B64, 64, True),
-    # the queries laid out token by token, so that flex_attention's output is too and needs no
-    # copy for the output projection (`extract.packed_attention.QUERY_TOKEN_MAJOR`)
-    "compiled+tokenmajor": DEFAULT,
+    # flex_attention through flash-attention 4's CuTeDSL kernels (Inductor's FLASH backend; needs
+    # the flash-attn-4 package, which the product does not install)
+    "compiled+fa4": ({"BACKEND": "FLASH"}, 128, True),
 }
+# A variant's name followed by "+tokenmajor" (e.g. `compiled+tokenmajor`): the queries laid out
+# token by token, so that flex_attention's output is too and needs no copy before the output
+# projection (`extract.packed_attention.QUERY_TOKEN_MAJOR`).
+TOKEN_MAJOR = "+tokenmajor"
 
 
 def kernel_split(fn) -> dict[str, Any]:  # noqa: ANN001
@@ -165,10 +169,10 @@ def kernel_split(fn) -> dict[str, Any]:  # noqa: ANN001
         if t <= 0:
             continue
         n = e.key.lower()
-        if any(k in n for k in ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90_")):
-            kind = "matmul"
-        elif "flex" in n or "attention" in n or "fmha" in n:
+        if any(k in n for k in ("flex", "attention", "fmha", "flash")):  # before CUTLASS's names
             kind = "attention"
+        elif any(k in n for k in ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90_")):
+            kind = "matmul"
         elif any(k in n for k in ("chunk", "recurrent", "l2norm", "cumsum", "solve_tril", "conv")):
             kind = "linear attention"
         elif "memcpy" in n or "memset" in n:
@@ -196,8 +200,10 @@ def measure(body, rows: list[np.ndarray], mode: str, *, batch_tokens: int, max_l
     if mode == "eager":
         layout = PaddedLayout(body, pad_id=0)
     else:
-        pa.FLEX_OPTIONS, pa.MASK_BLOCK, pa.MASK_FULL_BLOCKS = VARIANTS[mode.split("@")[0]]
-        pa.QUERY_TOKEN_MAJOR = "+tokenmajor" in mode
+        name = mode.split("@")[0]
+        pa.QUERY_TOKEN_MAJOR = name.endswith(TOKEN_MAJOR)
+        name = name.removesuffix(TOKEN_MAJOR)
+        pa.FLEX_OPTIONS, pa.MASK_BLOCK, pa.MASK_FULL_BLOCKS = VARIANTS[name]
         torch._dynamo.reset()  # each variant compiles afresh
         chunk = chunk_size(batch_tokens, max_length)
         layout = choose_layout(
@@ -209,7 +215,7 @@ def measure(body, rows: list[np.ndarray], mode: str, *, batch_tokens: int, max_l
             attention=attention,
         )
         if layout.name != "packed":
-            raise SystemExit("the compiled forward fell back to padded batches: see the log")
+            raise RuntimeError("the compiled forward fell back to padded batches: see the log")
     setup_s = time.perf_counter() - start
     figures = timed_passes(body, layout, parts, batch_tokens, device)
     if layout.name == "packed":
@@ -236,7 +242,8 @@ def main() -> None:
     p.add_argument(
         "--modes",
         default="eager,compiled",
-        help="eager, compiled or a variant of VARIANTS; MODE@N: packed rows of N tokens",
+        help="eager, compiled or a variant of VARIANTS, each optionally +tokenmajor; MODE@N: "
+        "packed rows of N tokens",
     )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--profile", action="store_true", help="also split 3 forwards' kernel time")
@@ -276,11 +283,16 @@ def main() -> None:
     print(f"{flops / 1e12:,.1f} TFLOP by count, {out['attention_flops_share']:.1%} of it attention")
     reference: dict = {}  # (eager?, row size) -> the first such mode's output states
     for mode in args.modes.split(","):
-        r = measure(
-            body, rows, mode, max_length=3072,
-            batch_tokens=int(mode.split("@")[1]) if "@" in mode else args.batch_tokens,
-            attention=args.attention,
-        )  # fmt: skip
+        try:
+            r = measure(
+                body, rows, mode, max_length=3072,
+                batch_tokens=int(mode.split("@")[1]) if "@" in mode else args.batch_tokens,
+                attention=args.attention,
+            )  # fmt: skip
+        except Exception as e:  # a variant this machine cannot run: said, the others go on
+            print(f"{mode}: failed: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            out[mode] = {"error": f"{type(e).__name__}: {e}"}
+            continue
         r["mfu"] = flops / r["seconds"] / (ceiling * 1e12)
         states = r.pop("_states")
         key = (mode == "eager", tuple(mode.split("@")[1:]))
@@ -306,7 +318,7 @@ def main() -> None:
                 print(f"    {share:6.1%}  {name}")
     if "eager" in out:
         for mode in out:
-            if mode.startswith("compiled"):
+            if mode.startswith("compiled") and "tok_s" in out[mode]:
                 print(f"{mode} / eager: {out[mode]['tok_s'] / out['eager']['tok_s']:.3f}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))

@@ -46,6 +46,7 @@ CANDIDATES = [
     {"ROWS_GUARANTEED_SAFE": True, "BLOCKS_ARE_CONTIGUOUS": True},
     {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "USE_TMA": True},
     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "USE_TMA": True},
+    {"BACKEND": "FLASH"},  # flash-attention 4's CuTeDSL kernels (the flash-attn-4 package)
 ]
 # Over a BlockMask without full blocks, whose key blocks are one run per query block (what
 # BLOCKS_ARE_CONTIGUOUS needs; with full blocks a sample's partial blocks need not be adjacent).
@@ -123,7 +124,16 @@ def main() -> None:
             fn = lambda o=opts, m=m: flex(q, k, v, block_mask=m, enable_gqa=True, kernel_options=o)  # noqa: E731
             results.append((f"flex {tag}{opts}", timed(fn), fn()))
         except Exception as e:  # a configuration the kernel rejects
-            print(f"flex {tag}{opts}: {type(e).__name__}: {str(e)[:120]}")
+            print(f"flex {tag}{opts}: {type(e).__name__}: {str(e)[:600]}")
+    # The same through flash-attention 4 with the inputs laid out token by token ([B, N, H, D]
+    # in memory, as a model's projections make them and as its kernels read them).
+    q_t, k_t, v_t = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    try:
+        o = {"BACKEND": "FLASH"}
+        fn = lambda: flex(q_t, k_t, v_t, block_mask=mask, enable_gqa=True, kernel_options=o)  # noqa: E731
+        results.append((f"flex {o}, token-major inputs", timed(fn), fn()))
+    except Exception as e:
+        print(f"flex FLASH, token-major inputs: {type(e).__name__}: {str(e)[:600]}")
     qt, kt, vt = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))  # [T, H, D]
 
     # aten's FlashAttention-2 and cuDNN's varlen kernels (cuDNN's is the one nested tensors
