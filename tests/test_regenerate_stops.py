@@ -197,3 +197,20 @@ def test_a_stop_as_the_output_is_merged_says_every_chunk_is_kept(
     asked = len(server.requests)
     assert regen(out, tiny_qwen3, data_file, server=server.url, **FAST).merged_rows == 14
     assert len(server.requests) == asked
+
+
+def test_a_ctrl_c_as_rank_0_merges_under_torchrun_is_said_as_a_first_one(
+    tiny_qwen3, data_file, tmp_path, monkeypatch
+):
+    """Held where rank 0 of a torchrun run (one rank here), its chunks all done and its own
+    handlers gone, merges them: said as a Ctrl-C, not as a second one that dropped a chunk."""
+    out = tmp_path / "o.jsonl"
+    regen(out, tiny_qwen3, data_file, max_rows=4)
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    args = _args(tiny_qwen3, data_file, out, "--gpus", "cpu")
+    done = interrupted_at_open("extract.regen", args, parts_dir(out) / "chunk-000000.jsonl")
+    assert _said(done) == (
+        f"Error: stopped at once by SIGINT. Every chunk is committed in {parts_dir(out)}: run "
+        "the same command to finish the output."
+    )

@@ -124,8 +124,9 @@ def _torchrun_entry(
         raise pending
     job = rank_main(info, cfg, settings, config, dataclasses.replace(job, chunks=pending))
     barrier()
-    if info.is_main:
-        finish_output(cfg.out, job, regenerated=bool(job.chunks))
+    if info.is_main:  # the ranks' handlers gone: a Ctrl-C here is a first one, no chunk dropped
+        with stops_said(job, settings):
+            finish_output(cfg.out, job, regenerated=bool(job.chunks))
     barrier()  # every rank returns the final state
 
 
