@@ -154,6 +154,26 @@ def test_a_stop_while_the_server_is_first_contacted_says_what_the_output_holds(
     assert _files(out) == before
 
 
+def test_a_stop_while_a_served_run_prepares_its_output_says_what_it_holds(
+    serve, tiny_qwen3, data_file, tmp_path
+):
+    """Held where the --server run, the server contacted, records its options in the output it
+    resumes (the state's lock opened): at once, saying so and that its chunks are kept."""
+    server = serve()
+    out = tmp_path / "o.jsonl"
+    regen(out, tiny_qwen3, data_file, server=server.url, max_rows=4, **FAST)
+    before = _files(out)
+    args = _args(tiny_qwen3, data_file, out, "--server", server.url)
+    sig = signal.SIGTERM
+    done = interrupted_at_open("extract.regen", args, parts_dir(out) / STATE_LOCK, sig=sig)
+    assert _said(done) == (
+        "Error: stopped at once by SIGTERM while --out was prepared, before any chunk. The "
+        f"committed chunks are kept in {parts_dir(out)}; 3 chunks (10 rows) are still to do: "
+        "run the same command to resume."
+    )
+    assert _files(out) == before
+
+
 @pytest.mark.parametrize(
     "route, sig", [("server", signal.SIGINT), ("local", signal.SIGTERM)], ids=["server", "local"]
 )
