@@ -69,6 +69,26 @@ def sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """The block runs to its end through Ctrl-C and SIGTERM (work that must not be cut off half
+    way, such as an engine's shutdown); a signal that came meanwhile is raised again after it,
+    to the handler before (a second signal's message, or SIGTERM's default). Main thread only:
+    elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    previous = {s: signal.signal(s, lambda n, _f: came.append(n)) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(came):
+            signal.raise_signal(s)
+
+
 def resume_command(stage: str) -> str:
     """The command line that resumes this run: the same one."""
     return shlex.join(["python", "-m", stage, *sys.argv[1:]])

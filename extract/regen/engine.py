@@ -54,6 +54,7 @@ from extract.regen.stops import (
 )
 from extract.regen.turns import Conversation, Prompter, end_turn, target_eos
 from shared.dist import DeviceSpec
+from shared.stopping import signals_deferred
 
 log = logging.getLogger(__name__)
 
@@ -164,12 +165,14 @@ def load_engine(
 def shut_down_after(engine: Any) -> Iterator[None]:
     """The block, then vLLM's `engine` shut down however the block ends (its processes ended,
     their GPU memory released), rather than left to the end of the process. A shutdown that
-    fails is logged: the block's own outcome (its error, or the run's) is what is said."""
+    fails is logged: the block's own outcome (its error, or the run's) is what is said; Ctrl-C or
+    SIGTERM during the shutdown is said after it."""
     try:
         yield
     finally:
         try:  # the engine core client's: LLMEngine has no shutdown of its own (vLLM 0.32)
-            engine.engine_core.shutdown()
+            with signals_deferred():  # a signal meanwhile is said once vLLM is down
+                engine.engine_core.shutdown()
         except Exception:  # noqa: BLE001 (vLLM's)
             log.warning("vLLM did not shut down cleanly", exc_info=True)
 
