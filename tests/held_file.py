@@ -78,7 +78,7 @@ def interrupted_at_open(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=_ctrl_c_as_at_a_terminal,
+            preexec_fn=ctrl_c_as_at_a_terminal,
         )
         try:
             opened(timeout=120)
@@ -94,7 +94,7 @@ def interrupted_at_open(
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, seen + stderr)
 
 
-def _ctrl_c_as_at_a_terminal() -> None:
+def ctrl_c_as_at_a_terminal() -> None:
     """SIGINT back to its default in the child, which Python then turns into KeyboardInterrupt as
     at a terminal: a test run in the background of a non-interactive shell (as CI may be) has it
     ignored, and a child inherits that."""

@@ -18,12 +18,11 @@ import pytest
 from extract.regen.state import STATE, parts_dir
 from shared.lock import LOCK_FILE
 from tests.completions_server import CompletionsServer
-from tests.held_file import interrupted_at_open
+from tests.held_file import ROOT, ctrl_c_as_at_a_terminal, interrupted_at_open
 from tests.test_regenerate import MAX_LENGTH, MAX_NEW, ROWS_PER_CHUNK, regen, write_chats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(gpus=None, concurrency=3, retries=1, retry_wait=0.0)
 STATE_LOCK = ".state.lock"  # opened first where the state is updated (`update_state`)
 
@@ -106,10 +105,6 @@ def test_a_stop_while_a_served_run_reads_its_state_says_nothing_was_written(
     assert _files(out) == before
 
 
-def _ctrl_c_as_at_a_terminal() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a background shell's children ignore it
-
-
 @pytest.mark.parametrize(
     "sig, resumed", [(signal.SIGINT, False), (signal.SIGTERM, True)], ids=["fresh", "resumed"]
 )
@@ -131,7 +126,7 @@ def test_a_stop_while_the_server_is_first_contacted_says_what_the_output_holds(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_ctrl_c_as_at_a_terminal,
+        preexec_fn=ctrl_c_as_at_a_terminal,
     )
     try:
         assert held.reached.wait(timeout=120), "the run never asked for the model list"
