@@ -250,7 +250,7 @@ def main() -> None:
     p.add_argument(
         "--attention",
         default=None,
-        choices=("flex", "sdpa"),
+        choices=("flex", "flash", "sdpa"),
         help="the compiled mode's attention kernel (extract's --attention; default: its auto)",
     )
     args = p.parse_args()

@@ -78,10 +78,11 @@ class ExtractConfig:
     )
     attention: str = option(
         "auto",
-        help="Packed rows' attention kernel: flex (flex_attention, compiled into the layers) or "
-        "sdpa (each row's samples as padded batches: cuDNN or FlashAttention); auto: flex on "
-        "GPUs, sdpa on CPUs.",
-        choices=("auto", "flex", "sdpa"),
+        help="Packed rows' attention kernel: flex (flex_attention, compiled into the layers), "
+        "flash (the same through flash-attention 4's kernels: pip install flash-attn-4; Hopper "
+        "and Blackwell GPUs) or sdpa (each row's samples as padded batches: cuDNN or "
+        "FlashAttention); auto: flex on GPUs, sdpa on CPUs.",
+        choices=("auto", "flex", "flash", "sdpa"),
     )
     packing: str = option(
         "auto",
@@ -156,6 +157,12 @@ class ExtractConfig:
                 f"--attention {self.attention} has no effect with --packing off (it is packed "
                 "rows' kernel): drop one of them"
             )
+        if self.attention == "flash":
+            from extract.packed_attention import flash_unavailable
+
+            why = flash_unavailable()
+            if why is not None:
+                raise ValueError(f"--attention flash: {why}; or use --attention flex")
         if self.compile == "layers" and self.packing == "off":
             raise ValueError(
                 "--compile layers needs packed rows (one static shape): drop --packing off, or "

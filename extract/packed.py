@@ -41,10 +41,12 @@ log = logging.getLogger(__name__)
 
 PACKABLE_LAYER_TYPES = frozenset({"full_attention", "linear_attention"})
 # The attention kernel of packed rows (`--attention`): "flex" (flex_attention with the document
-# BlockMask, inside the compiled layers), "sdpa" (each row's samples as padded batches through
-# sdpa: cuDNN's kernel on an H200, outside the graphs), "dense" (sdpa with an [N, N] mask: the
-# tests' reference). GPU_ATTENTION is what `--attention auto` runs on a GPU ("sdpa" elsewhere).
-ATTENTION_KINDS = ("flex", "sdpa", "dense")
+# BlockMask, inside the compiled layers), "flash" (the same through flash-attention 4's kernels,
+# flex_attention's FLASH backend, where the flash-attn-4 package is installed), "sdpa" (each
+# row's samples as padded batches through sdpa: cuDNN's kernel on an H200, outside the graphs),
+# "dense" (sdpa with an [N, N] mask: the tests' reference). GPU_ATTENTION is what `--attention
+# auto` runs on a GPU ("sdpa" elsewhere).
+ATTENTION_KINDS = ("flex", "flash", "sdpa", "dense")
 GPU_ATTENTION = "flex"
 
 
@@ -137,12 +139,14 @@ class PackedLayout:
 
     @property
     def flex(self) -> bool:
-        return self.attention == "flex"
+        return self.attention in ("flex", "flash")
 
     def describe(self) -> str:
-        attention = {"flex": "flex_attention", "sdpa": "sdpa per group of samples"}.get(
-            self.attention, "sdpa, dense mask"
-        )
+        attention = {
+            "flex": "flex_attention",
+            "flash": "flex_attention through flash-attention 4",
+            "sdpa": "sdpa per group of samples",
+        }.get(self.attention, "sdpa, dense mask")
         layers = "compiled" if self.compiled else "eager"
         sizes = ", ".join(f"{n:,}" for n in self.sizes[1:])
         return (
@@ -188,8 +192,10 @@ class PackedLayout:
         if self.attention == "sdpa":
             self.groups.groups = [tuple(on_device[i : i + 3]) for i in range(0, len(on_device), 3)]
             kwargs["sample_groups"], mask = self.groups, None
-        elif self.attention == "flex":
+        elif self.flex:
             mask = document_block_mask(self.docs[size], self.mask_mods[size])
+            if self.attention == "flash":
+                kwargs["flash"] = True
         else:
             mask = dense_document_mask(self.docs[size])
         if self.types is not None:

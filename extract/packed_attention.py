@@ -159,6 +159,28 @@ def grouped_attention(
     return out[None]
 
 
+# `--attention flash`: flex_attention through flash-attention 4's CuTeDSL kernels (Inductor's FLASH
+# backend, where the flash-attn-4 package is installed), on NVIDIA Hopper and Blackwell GPUs.
+FLASH_OPTIONS = {"BACKEND": "FLASH"}
+
+
+def flash_unavailable() -> str | None:
+    """None where `--attention flash` can run here (flash-attention 4 installed, a GPU seen),
+    else why not and what to do. A GPU too old for its kernels fails the layout's probe, which
+    then says so and runs padded batches."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("flash_attn.cute") is not None
+    except ImportError:  # no flash_attn package at all
+        found = False
+    if not found:
+        return "flash-attention 4's kernels are not installed (pip install flash-attn-4)"
+    if not torch.cuda.is_available():
+        return "it runs on NVIDIA GPUs (Hopper, Blackwell) and none is seen here"
+    return None
+
+
 @functools.cache
 def _compiled_flex() -> Callable:
     """flex_attention compiled once per process, for packed rows run outside a compiled layer
@@ -179,7 +201,8 @@ def packed_attention(
     """transformers' attention-function signature: q [B, Hq, N, D], k/v [B, Hkv, N, D] ->
     ([B, N, Hq, D], None). The mask is a BlockMask (flex) or a boolean tensor (sdpa); or the
     model's forward was given `sample_groups` (a SampleGroups, passed down to here by
-    transformers with the other keyword arguments) and the mask is None."""
+    transformers with the other keyword arguments) and the mask is None. `flash=True` among
+    those keyword arguments: flex_attention's FLASH backend (`--attention flash`)."""
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         raise ValueError("packed rows support plain causal attention only")
     gqa = query.shape[1] != key.shape[1]
@@ -190,9 +213,10 @@ def packed_attention(
         flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
         if QUERY_TOKEN_MAJOR and torch.compiler.is_compiling():
             query = query.transpose(1, 2).contiguous().transpose(1, 2)
+        options = FLEX_OPTIONS | (FLASH_OPTIONS if kwargs.get("flash") else {})
         out = flex(
             query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa,
-            kernel_options=FLEX_OPTIONS or None,
+            kernel_options=options or None,
         )  # fmt: skip
     else:
         out = F.scaled_dot_product_attention(

@@ -288,6 +288,7 @@ def test_clear_errors_before_any_work(tmp_path, qwen3, data_file):
         (["--target", str(qwen3), "--gpus", "0-"], "--gpus"),
         (["--target", str(qwen3), "--attention", "flex"], "--attention flex has no effect: the"),
         (["--attention", "sdpa", "--packing", "off"], "has no effect with --packing off"),
+        (["--attention", "flash"], "--attention flash: flash-attention 4's kernels are not"),
     ]
     for args, needle in cases:
         r = _cli("--out", str(out), "--data", str(data_file), *args)

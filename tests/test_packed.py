@@ -308,11 +308,13 @@ def test_cli_packed_cache_equals_the_padded_one(tmp_path, tiny_qwen35, data_file
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", "llama"])
-@pytest.mark.parametrize("attention", ["flex", "sdpa"])
+@pytest.mark.parametrize("attention", ["flex", "flash", "sdpa"])
 def test_compiled_packed_rows_on_cuda_match_rows_alone(targets, kind, attention):
-    """The product's default on a GPU: compiled layers (Inductor), the attention by flex or by
-    sdpa over sample groups, and on the hybrid flash-linear-attention's varlen kernels; bf16
-    against each row alone."""
+    """The product's default on a GPU: compiled layers (Inductor), the attention by flex (or
+    through flash-attention 4, where installed) or by sdpa over sample groups, and on the hybrid
+    flash-linear-attention's varlen kernels; bf16 against each row alone."""
+    if attention == "flash" and pa.flash_unavailable():
+        pytest.skip(f"--attention flash: {pa.flash_unavailable()}")
     cuda = torch.device("cuda")
     model = load_target(str(targets[kind]), device=cuda, last_layer=7 if kind != "llama" else 3)
     layers = [1, 3]
