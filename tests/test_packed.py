@@ -208,6 +208,25 @@ def test_packed_rows_equal_each_row_alone_in_fp32(targets, kind, attention):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_flash_rows_reach_the_attention_as_flex_rows_do(targets, kind, monkeypatch):
+    """`--attention flash` asks each attention call for flex_attention's FLASH backend through
+    the model's own forward (a keyword its layers pass down, dense and hybrid targets alike);
+    with the backend's options left out (flash-attention 4 runs on GPUs only) its rows give each
+    row's states as flex's do."""
+    monkeypatch.setattr(pa, "FLASH_OPTIONS", {})
+    model = load_target(str(targets[kind]), device=torch.device("cpu"), last_layer=3)
+    cpu = torch.device("cpu")
+    ref = _per_row(model, ROWS, [0, 3], cpu)
+    got, layout = _packed(model, ROWS, [0, 3], cpu, compile_layers=False, attention="flash")
+    assert layout.name == "packed" and layout.attention == "flash"
+    with torch.inference_mode():
+        kwargs, _ = layout.inputs(ROWS[:2], lambda *a: list(a))
+    assert kwargs["flash"] is True
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize(
     ("kind", "attention"), [("qwen3", "dense"), ("qwen3_5", "dense"), ("qwen3", "sdpa")]
 )
