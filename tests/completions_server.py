@@ -21,6 +21,8 @@ longer than that; `answer_cap`, its -n, ends every answer at that length), and a
 
 `hold_models=True` holds the first contact: the model list (`/v1/models`) sets `reached`, then
 waits for `release` (dropped if the server stopped meanwhile).
+
+`servers(target)` gives a function that starts servers on the target, all stopped on leaving.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from __future__ import annotations
 import json
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -134,6 +137,22 @@ class CompletionsServer:
         if body.get("return_tokens"):
             native["tokens"] = new
         return 200, native
+
+
+@contextmanager
+def servers(target: Path) -> Iterator[Callable[..., CompletionsServer]]:
+    """A function that starts completions servers on `target`; all are stopped on leaving."""
+    started: list[CompletionsServer] = []
+
+    def start(**kwargs: Any) -> CompletionsServer:
+        started.append(CompletionsServer(target, **kwargs))
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.stop()
 
 
 def _handler(server: CompletionsServer) -> type[BaseHTTPRequestHandler]:

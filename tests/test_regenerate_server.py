@@ -26,7 +26,7 @@ from extract.regen.journal import OpenChunk, journal_path
 from extract.regen.report import format_summary
 from extract.regen.served import connect
 from extract.regen.state import parts_dir, read_state
-from tests.completions_server import CompletionsServer
+from tests.completions_server import servers
 from tests.test_regenerate import (
     MAX_LENGTH,
     MAX_NEW,
@@ -64,15 +64,8 @@ def full(target, data_file, tmp_path_factory) -> Path:
 @pytest.fixture()
 def serve(target):
     """Start completions servers on the target; all are stopped after the test."""
-    started = []
-
-    def start(**kwargs) -> CompletionsServer:
-        started.append(CompletionsServer(target, **kwargs))
-        return started[-1]
-
-    yield start
-    for server in started:
-        server.stop()
+    with servers(target) as start:
+        yield start
 
 
 def _turns(local: Path) -> dict[int, int]:

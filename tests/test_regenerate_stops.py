@@ -17,7 +17,7 @@ import pytest
 
 from extract.regen.state import STATE, parts_dir
 from shared.lock import LOCK_FILE
-from tests.completions_server import CompletionsServer
+from tests.completions_server import servers
 from tests.held_file import ROOT, ctrl_c_as_at_a_terminal, interrupted_at_open
 from tests.test_regenerate import MAX_LENGTH, MAX_NEW, ROWS_PER_CHUNK, regen, write_chats
 
@@ -35,15 +35,8 @@ def data_file(tmp_path_factory) -> Path:
 @pytest.fixture()
 def serve(tiny_qwen3):
     """Start completions servers on the tiny target; all are stopped after the test."""
-    started = []
-
-    def start(**kwargs) -> CompletionsServer:
-        started.append(CompletionsServer(tiny_qwen3, **kwargs))
-        return started[-1]
-
-    yield start
-    for server in started:
-        server.stop()
+    with servers(tiny_qwen3) as start:
+        yield start
 
 
 def _args(target: Path, data: Path, out: Path, *more: str) -> list[str]:
