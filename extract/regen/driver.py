@@ -30,17 +30,16 @@ from typing import Any
 
 from extract.data import Rejected
 from extract.regen.config import Chat, RegenConfig, RegenError, iter_chats
+from extract.regen.job import Job, finish_output
 from extract.regen.journal import OpenChunk, drop_committed
 from extract.regen.report import RowBar
 from extract.regen.state import (
     DISK_FULL_RERUN,
     PROGRESS_DIR,
     STATE,
-    Job,
     RegenState,
     commit_chunk,
     existing_state,
-    finish_output,
     init_output,
     parts_dir,
     update_state,

@@ -42,7 +42,8 @@ from extract.regen.driver import (
     to_do,
     turn_seed,
 )
-from extract.regen.state import Job, RegenState
+from extract.regen.job import Job
+from extract.regen.state import RegenState
 from extract.regen.stops import (
     AFTER_PREPARING,
     WHILE_PREPARING,

@@ -24,16 +24,9 @@ from extract.data import Rejected
 from extract.regen.config import Chat, RegenConfig, RegenError, iter_chats
 from extract.regen.driver import prepare, to_do
 from extract.regen.generation import BatchGenerator, regenerate_chats
+from extract.regen.job import Job, finish_output
 from extract.regen.report import RowBar
-from extract.regen.state import (
-    DISK_FULL_RERUN,
-    PROGRESS_DIR,
-    Job,
-    RegenState,
-    commit_chunk,
-    finish_output,
-    read_state,
-)
+from extract.regen.state import DISK_FULL_RERUN, PROGRESS_DIR, RegenState, commit_chunk, read_state
 from extract.regen.stops import (
     BEFORE_PREPARING,
     WHILE_LOADING,

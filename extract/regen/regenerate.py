@@ -30,7 +30,8 @@ from typing import Any
 from extract.data import RowIndex
 from extract.regen import local
 from extract.regen.config import RegenConfig, RegenError
-from extract.regen.state import Job, RegenState, existing_state, parts_dir
+from extract.regen.job import Job
+from extract.regen.state import RegenState, existing_state, parts_dir
 from extract.regen.stops import WHILE_CONTACTING, signals_stop, stop_while_planning, stops_said
 from extract.regen.turns import THINKING_KWARGS
 from shared.cli import to_json

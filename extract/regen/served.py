@@ -36,9 +36,10 @@ from extract.regen.driver import (
     signals_to,
     to_do,
 )
+from extract.regen.job import Job
 from extract.regen.llamacpp import PATH, slot_context
 from extract.regen.remote import Server, converse
-from extract.regen.state import Job, RegenState
+from extract.regen.state import RegenState
 from extract.regen.stops import (
     AFTER_PREPARING,
     WHILE_PREPARING,

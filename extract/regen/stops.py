@@ -17,14 +17,8 @@ from typing import Any
 
 from extract.regen.config import RegenConfig
 from extract.regen.driver import RegenStopped, prepare
-from extract.regen.state import (
-    Job,
-    RegenState,
-    StateError,
-    finish_output,
-    read_state,
-    settings_mismatches,
-)
+from extract.regen.job import Job, finish_output
+from extract.regen.state import RegenState, StateError, read_state, settings_mismatches
 from extract.stops import stopped_while_planning
 from shared.stopping import Stopped, Terminated, sigterm_raises
 
