@@ -44,12 +44,14 @@ sys.path.insert(0, str(ROOT))
 from e2e_forwards import forward_mfu, in_child, plain_forwards  # noqa: E402
 from e2e_inputs import long_tailed_lengths, write_rows, write_target  # noqa: E402
 from e2e_report import (  # noqa: E402
+    disk_bound,
     extraction_figures,
     host_cpu,
     print_table,
     ratio_text,
     training_figures,
 )
+from shard_write import disk_rate  # noqa: E402
 
 
 def verify_summary(log: Path) -> str:
@@ -186,6 +188,13 @@ def main() -> None:
         "extract.verify of its cache",
     )
     p.add_argument(
+        "--disk-gb",
+        type=float,
+        default=8.0,
+        help="first measure the cache's disk with this many GB of shard files written as "
+        "extraction writes them (0: skip); the table sets extraction beside the rate it allows",
+    )
+    p.add_argument(
         "--no-plain-forwards",
         dest="plain_forwards",
         action="store_false",
@@ -239,6 +248,9 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
     py = sys.executable
     times: dict[str, float] = {}
     t = time.perf_counter()
+    disk = disk_rate(work, args.disk_gb)
+    times["disk"] = time.perf_counter() - t
+    t = time.perf_counter()
     target = args.target_dir
     cfg = in_child(write_target, args.shape, target, args.target_layers, device.type)
     times["target"] = time.perf_counter() - t
@@ -290,6 +302,7 @@ def benchmark(args: argparse.Namespace, work: Path) -> None:
         "extract_variants": variants,
         "stored_bytes_per_token": sum(r["nbytes"] for r in manifest["parts"]) / tokens,
     }
+    result["disk"] = disk and disk_bound(disk, result["stored_bytes_per_token"], plain_tok_s)
     if args.until != "extract":
         result["verify"] = verified
     if args.until != "train":

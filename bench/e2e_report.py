@@ -251,6 +251,23 @@ def variant_cell(r: dict[str, Any], v: dict[str, Any]) -> str:
     )
 
 
+def disk_bound(disk: dict[str, Any], bytes_per_token: float, plain_tok_s: float) -> dict:
+    """`disk` (`e2e_gpu.disk_rate`) with the extraction rate it allows at the cache's stored
+    bytes per token, and that rate against the eager plain forward (nan without one)."""
+    tok_s = disk["gb_s"] * 1e9 / bytes_per_token
+    return {**disk, "bound_tok_s": tok_s, "bound_ratio": tok_s / plain_tok_s}
+
+
+def disk_cell(disk: dict[str, Any] | None) -> str:
+    if disk is None:
+        return "not measured (--disk-gb 0, or too little free space)"
+    return (
+        f"{disk['gb_s']:.2f} GB/s ({disk['gb']:.1f} GB of shard files in {disk['threads']} "
+        f"threads, synced): at most {disk['bound_tok_s']:,.0f} tok/s at the stored bytes/token "
+        f"= {ratio_text(disk['bound_ratio'])} x eager"
+    )
+
+
 def ratio_text(ratio: float) -> str:
     """A ratio to the eager plain forward; n/a where the run had none (--no-plain-forwards)."""
     return "n/a" if math.isnan(ratio) else f"{ratio:.3f}"
@@ -309,6 +326,7 @@ def print_table(r: dict[str, Any]) -> None:
         *((f"  with {v['options']}", variant_cell(r, v)) for v in r["extract_variants"]),
         ("stored bytes/token", f"{r['stored_bytes_per_token']:,.0f}"),
         ("the cache's file system", r.get("extract_filesystem") or "not logged"),
+        ("its disk, measured first", disk_cell(r.get("disk"))),
     ]
     if "verify" in r:
         rows.append(("verify", r["verify"]))

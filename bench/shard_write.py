@@ -26,11 +26,13 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shared.diskqueue import DEFAULT_THREADS  # noqa: E402
 from shared.fsio import filesystem_type  # noqa: E402
 from shared.writeback import sync_tree  # noqa: E402
 from shared.zarr_part import write_buffers  # noqa: E402
@@ -48,6 +50,15 @@ def write_file(root: str, i: int, pieces: list[bytes], flat: bool) -> float:
         os.mkdir(folder)
     write_buffers(f"{root}/{key}", pieces)
     return time.perf_counter() - start
+
+
+def shard_pieces(file_mb: float) -> list[bytes]:
+    """One shard file's incompressible bytes of `file_mb` MB, in the pieces `write_buffers`
+    gets: per layer a few frames and a checksum, then the index (16 pieces)."""
+    size = int(file_mb * 1e6)
+    data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
+    cuts = np.linspace(0, size, 17).astype(int)
+    return [data[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
 def run(dir_: Path, threads: int, files: int, pieces: list[bytes], flat: bool) -> dict:
@@ -73,6 +84,25 @@ def run(dir_: Path, threads: int, files: int, pieces: list[bytes], flat: bool) -
     }
 
 
+def disk_rate(work: Path, gb: float) -> dict[str, Any] | None:
+    """The cache's disk, before anything else is written: `gb` GB of incompressible 1.7 MB shard
+    files (an 8B target's) written as the disk queue writes them (its default thread count, the
+    files' writeback started as written, one syncfs at the end). None where skipped (`gb` 0,
+    or under twice that free)."""
+    free = shutil.disk_usage(work).free
+    if gb <= 0 or free < 2 * gb * 1e9:
+        if gb > 0:
+            print(f"disk not measured: {free / 1e9:.1f} GB free under {work}", flush=True)
+        return None
+    pieces = shard_pieces(1.7)
+    files = max(1, int(gb * 1e9 // sum(map(len, pieces))))
+    r = run(work, DEFAULT_THREADS, files, pieces, flat=True)
+    disk = {"gb": files * sum(map(len, pieces)) / 1e9, "threads": DEFAULT_THREADS}
+    disk["gb_s"] = r["GB_s_synced"]
+    print(f"disk {disk['gb_s']:.2f} GB/s ({disk['gb']:.1f} GB of shard files, synced)", flush=True)
+    return disk
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("dir", type=Path)
@@ -88,12 +118,8 @@ def main() -> None:
     args = p.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     print(f"{args.dir}: {filesystem_type(args.dir) or 'file system unknown'}", flush=True)
-    size = int(args.file_mb * 1e6)
-    data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
-    # A shard file's pieces: per layer a few frames and a checksum, then the index (16 pieces).
-    cuts = np.linspace(0, size, 17).astype(int)
-    pieces = [data[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
-    files = max(1, int(args.gb * 1e9 // size))
+    pieces = shard_pieces(args.file_mb)
+    files = max(1, int(args.gb * 1e9 // sum(map(len, pieces))))
     out = []
     for threads in [int(t) for t in args.threads.split(",")]:
         for layout in args.layouts.split(","):

@@ -57,3 +57,20 @@ def test_the_report_finds_an_extractions_figures_in_its_log(
     assert len(manifest.parts) == 3
     assert end["last_commit"].startswith(f"{manifest.parts[-1].name}'s commit took ")
     assert end["last_commit"] in end_cell(end)
+
+
+def test_the_disk_measured_first_leaves_nothing_and_bounds_extraction_by_the_bytes_per_token(
+    tmp_path,
+):
+    from e2e_report import disk_bound, disk_cell
+    from shard_write import disk_rate
+
+    assert disk_rate(tmp_path, 0) is None
+    disk = disk_rate(tmp_path, 0.02)
+    assert list(tmp_path.iterdir()) == []  # its files are gone once measured
+    assert disk is not None and disk["gb"] == pytest.approx(0.02, rel=0.1) and disk["gb_s"] > 0
+    bound = disk_bound(disk, bytes_per_token=2e4, plain_tok_s=1e4)
+    # Twice the bytes per token halve the extraction rate the disk allows.
+    assert disk_bound(disk, 4e4, 1e4)["bound_tok_s"] == pytest.approx(bound["bound_tok_s"] / 2)
+    assert bound["bound_ratio"] == pytest.approx(bound["bound_tok_s"] / 1e4)
+    assert f"{bound['bound_ratio']:.3f} x eager" in disk_cell(bound)
