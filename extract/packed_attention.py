@@ -165,17 +165,19 @@ FLASH_OPTIONS = {"BACKEND": "FLASH"}
 
 
 def flash_unavailable() -> str | None:
-    """None where `--attention flash` can run here (flash-attention 4 installed, a GPU seen),
-    else why not and what to do. A GPU too old for its kernels fails the layout's probe, which
-    then says so and runs padded batches."""
-    import importlib.util
-
+    """None where `--attention flash` can run here (flash-attention 4 imports, a GPU seen), else
+    why not and what to do. The package is imported, not only found: its kernels need CUTLASS's
+    CuTeDSL (nvidia-cutlass-dsl), which an install without its dependencies lacks. A GPU too old
+    for its kernels fails the layout's probe, which then says so and runs padded batches."""
     try:
-        found = importlib.util.find_spec("flash_attn.cute") is not None
-    except ImportError:  # no flash_attn package at all
-        found = False
-    if not found:
-        return "flash-attention 4's kernels are not installed (pip install flash-attn-4)"
+        import flash_attn.cute  # noqa: F401
+    except ImportError as e:
+        if e.name in ("flash_attn", "flash_attn.cute"):
+            return "flash-attention 4's kernels are not installed (pip install flash-attn-4)"
+        return (
+            f"flash-attention 4 is installed but does not import ({type(e).__name__}: {e}): "
+            "install flash-attn-4 again with its dependencies (nvidia-cutlass-dsl among them)"
+        )
     if not torch.cuda.is_available():
         return "it runs on NVIDIA GPUs (Hopper, Blackwell) and none is seen here"
     return None

@@ -279,6 +279,29 @@ def _cli(*args: str):
     return CliRunner().invoke(main, list(args))
 
 
+def test_attention_flash_names_a_flash_attention_that_does_not_import(
+    tmp_path, qwen3, data_file, monkeypatch
+):
+    """flash-attn-4 installed without CUTLASS's CuTeDSL (`pip install --no-deps`): refused before
+    any work, naming the import's error, not found as installed and failed in every layer."""
+    cute = tmp_path / "site" / "flash_attn" / "cute"
+    cute.mkdir(parents=True)
+    (cute.parent / "__init__.py").write_text("")
+    (cute / "__init__.py").write_text("import cutlass.cute as cute\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    for name in ("flash_attn", "flash_attn.cute"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    out = tmp_path / "out"
+    r = _cli("--out", str(out), "--data", str(data_file), "--target", str(qwen3),
+             "--attention", "flash")  # fmt: skip
+    sys.modules.pop("flash_attn", None)  # the stand-in's package, imported before its failure
+    assert r.exit_code != 0 and isinstance(r.exception, SystemExit), r.output
+    said = " ".join(r.output.split())
+    assert "flash-attention 4 is installed but does not import" in said
+    assert "No module named 'cutlass'" in said and "nvidia-cutlass-dsl" in said
+    assert not out.exists()
+
+
 def test_clear_errors_before_any_work(tmp_path, qwen3, data_file):
     out = tmp_path / "out"
     cases = [
