@@ -148,10 +148,6 @@ VARIANTS: dict[str, tuple[dict, int, bool]] = {
     # the flash-attn-4 package, which the product does not install)
     "compiled+fa4": ({"BACKEND": "FLASH"}, 128, True),
 }
-# A variant's name followed by "+tokenmajor" (e.g. `compiled+tokenmajor`): the queries laid out
-# token by token, so that flex_attention's output is too and needs no copy before the output
-# projection (`extract.packed_attention.QUERY_TOKEN_MAJOR`).
-TOKEN_MAJOR = "+tokenmajor"
 
 
 def kernel_split(fn) -> dict[str, Any]:  # noqa: ANN001
@@ -201,8 +197,6 @@ def measure(body, rows: list[np.ndarray], mode: str, *, batch_tokens: int, max_l
         layout = PaddedLayout(body, pad_id=0)
     else:
         name = mode.split("@")[0]
-        pa.QUERY_TOKEN_MAJOR = name.endswith(TOKEN_MAJOR)
-        name = name.removesuffix(TOKEN_MAJOR)
         pa.FLEX_OPTIONS, pa.MASK_BLOCK, pa.MASK_FULL_BLOCKS = VARIANTS[name]
         torch._dynamo.reset()  # each variant compiles afresh
         chunk = chunk_size(batch_tokens, max_length)
@@ -242,7 +236,7 @@ def main() -> None:
     p.add_argument(
         "--modes",
         default="eager,compiled",
-        help="eager, compiled or a variant of VARIANTS, each optionally +tokenmajor; MODE@N: "
+        help="eager, compiled or a variant of VARIANTS; MODE@N: "
         "packed rows of N tokens",
     )
     p.add_argument("--json", type=Path, default=None)

@@ -35,12 +35,6 @@ PACKED_ATTENTION = "dflash_packed"
 MASK_FULL_BLOCKS = True
 MASK_BLOCK = CHUNK_MULTIPLE
 FLEX_OPTIONS: dict = {}
-# Whether, inside compiled layers, the queries reach flex_attention laid out token by token
-# ([B, N, H, D] in memory) rather than head by head: its output is laid out as its query, and
-# head by head Inductor copies the whole output once more per layer for the output projection
-# (`triton_poi_fused_mm_t_transpose_view` in a profile, 0.8% of the 8B forward's kernel time on
-# an H100). Not yet measured on a GPU: `bench/forward_modes.py`'s `compiled+tokenmajor`.
-QUERY_TOKEN_MAJOR = False
 _Q_BLOCKS = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
@@ -213,8 +207,6 @@ def packed_attention(
         return grouped_attention(query, key, value, groups, scaling), None
     if isinstance(attention_mask, BlockMask):
         flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
-        if QUERY_TOKEN_MAJOR and torch.compiler.is_compiling():
-            query = query.transpose(1, 2).contiguous().transpose(1, 2)
         options = FLEX_OPTIONS | (FLASH_OPTIONS if kwargs.get("flash") else {})
         out = flex(
             query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa,

@@ -100,11 +100,8 @@ def test_document_block_mask_equals_the_brute_force_mask(block, full_blocks):
         torch.testing.assert_close(flex, sdpa, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("token_major", [False, True])
-def test_compiled_flex_equals_the_dense_mask(monkeypatch, token_major):
-    """flex_attention inside compiled code, its queries laid out token by token
-    (`QUERY_TOKEN_MAJOR`) or head by head: the same attention as the dense mask's."""
-    monkeypatch.setattr(pa, "QUERY_TOKEN_MAJOR", token_major)
+def test_compiled_flex_equals_the_dense_mask():
+    """flex_attention inside compiled code: the same attention as the dense mask's."""
     torch._dynamo.reset()
     lengths = [50, 100, 30, 60]
     p = packed_inputs([np.zeros(k) for k in lengths], chunk_tokens=256, pad_id=0)
