@@ -25,6 +25,7 @@ class RankClocks:
     tokens: int  # the tokens the rank's forwards ran: none, and no wait was for its writes
     disk_waited_s: float | None = None  # writer threads waiting for the disk queue; None: none
     store: str = "bf16"  # what the rank stores: the remedy names only smaller stores
+    written: int = 0  # bytes the disk queue wrote (0: not counted, webdataset)
 
 
 def limit_warning(c: RankClocks) -> str | None:
@@ -41,13 +42,30 @@ def limit_warning(c: RankClocks) -> str | None:
     if c.disk_waited_s is not None and c.disk_waited_s > 0.5 * waited:
         return (
             f"the disk limited this rank: the device waited {share} of the time while the "
-            f"writer threads waited for the disk under {c.out}. A faster disk for --out"
-            f"{smaller_stores(c.store)} would let it run at its own speed."
+            f"writer threads waited for the disk under {c.out}{disk_rates(c)}. A faster disk for "
+            f"--out{smaller_stores(c.store)} would let it run at its own speed."
         )
     return (
         f"compression and writing limited this rank: the device waited {share} of the time "
         f"for the {c.writer_threads} writer threads. More cores per GPU (--writer-threads)"
         f"{smaller_stores(c.store)} would let it run at its own speed."
+    )
+
+
+def disk_rates(c: RankClocks) -> str:
+    """What the disk took against what the forwards made, for the disk's warning: the bytes
+    over the rank's time, and over its time less the device's waits (a floor of what a disk
+    must take for the forwards to run unhindered).
+
+    >>> disk_rates(RankClocks(50, 20, 8, "x", tokens=9, written=30_000_000_000))
+    ' (it took 30.0 GB in 50 s, 0.60 GB/s; the forwards made 1.00 GB/s without their waits)'
+    """
+    if c.written <= 0 or c.wall_s <= c.staging_waited_s:
+        return ""
+    took, made = c.written / c.wall_s, c.written / (c.wall_s - c.staging_waited_s)
+    return (
+        f" (it took {c.written / 1e9:.1f} GB in {c.wall_s:.0f} s, {took / 1e9:.2f} GB/s; "
+        f"the forwards made {made / 1e9:.2f} GB/s without their waits)"
     )
 
 

@@ -286,6 +286,7 @@ class PartPipeline:
             tokens=self.counters.counts["tokens"],
             disk_waited_s=None if disk is None else disk.waited_s,
             store=self.job.store,
+            written=0 if disk is None else disk.written,
         )
         warning = limit_warning(clocks)
         if warning is not None:

@@ -34,6 +34,10 @@ def test_the_device_waiting_for_writers_that_wait_for_the_disk_names_the_disk():
     w = limit_warning(clocks(staging_waited_s=30.0, disk_waited_s=20.0))
     assert w is not None and w.startswith("the disk limited this rank")
     assert "30%" in w and "shards" in w and "--store fp8" in w
+    assert "GB/s" not in w  # no bytes counted: no rates
+    # 35 GB in the 100 s: 0.35 GB/s taken; the forwards ran 70 s of them, making 0.50 GB/s.
+    w = limit_warning(clocks(staging_waited_s=30.0, disk_waited_s=20.0, written=35 * 10**9))
+    assert "shards (it took 35.0 GB in 100 s, 0.35 GB/s; the forwards made 0.50 GB/s" in w
 
 
 def test_the_device_waiting_for_busy_writers_names_compression():
