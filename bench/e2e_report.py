@@ -252,7 +252,7 @@ def variant_cell(r: dict[str, Any], v: dict[str, Any]) -> str:
 
 
 def disk_bound(disk: dict[str, Any], bytes_per_token: float, plain_tok_s: float) -> dict:
-    """`disk` (`e2e_gpu.disk_rate`) with the extraction rate it allows at the cache's stored
+    """`disk` (`shard_write.disk_rate`) with the extraction rate it allows at the cache's stored
     bytes per token, and that rate against the eager plain forward (nan without one)."""
     tok_s = disk["gb_s"] * 1e9 / bytes_per_token
     return {**disk, "bound_tok_s": tok_s, "bound_ratio": tok_s / plain_tok_s}

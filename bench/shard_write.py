@@ -95,10 +95,10 @@ def disk_rate(work: Path, gb: float) -> dict[str, Any] | None:
             print(f"disk not measured: {free / 1e9:.1f} GB free under {work}", flush=True)
         return None
     pieces = shard_pieces(1.7)
-    files = max(1, int(gb * 1e9 // sum(map(len, pieces))))
+    size = sum(map(len, pieces))
+    files = max(1, int(gb * 1e9 // size))
     r = run(work, DEFAULT_THREADS, files, pieces, flat=True)
-    disk = {"gb": files * sum(map(len, pieces)) / 1e9, "threads": DEFAULT_THREADS}
-    disk["gb_s"] = r["GB_s_synced"]
+    disk = {"gb": files * size / 1e9, "threads": DEFAULT_THREADS, "gb_s": r["GB_s_synced"]}
     print(f"disk {disk['gb_s']:.2f} GB/s ({disk['gb']:.1f} GB of shard files, synced)", flush=True)
     return disk
 
