@@ -236,8 +236,7 @@ def main() -> None:
     p.add_argument(
         "--modes",
         default="eager,compiled",
-        help="eager, compiled or a variant of VARIANTS; MODE@N: "
-        "packed rows of N tokens",
+        help="eager, compiled or a variant of VARIANTS; MODE@N: packed rows of N tokens",
     )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--profile", action="store_true", help="also split 3 forwards' kernel time")
