@@ -81,6 +81,8 @@ def test_the_holdout_of_a_prefix_is_the_prefix_of_the_holdout():
     held_parts = [3, 10, 16]  # evenly_spaced(20, 3)
     cases = [
         (dict(fraction=0.1, parts=0), -(-total // 10)),  # every 10th sample from the first
+        (dict(fraction=0.3, parts=0), -(-total * 3 // 10)),  # the fraction, not 1 in round(1/f)
+        (dict(fraction=0.7, parts=0), -(-total * 7 // 10)),  # not every sample (round(1/f) = 1)
         (dict(fraction=0.0, parts=3), sum(len(lengths[p]) for p in held_parts)),
         (dict(fraction=0.0, parts=0), 0),
     ]

@@ -91,6 +91,7 @@ def test_options_that_cannot_work_name_their_flag(cache, tmp_path):
         (["--layer-types", "nope"], "--layer-types: unknown"),
         (["--mask-token-id", "-1"], "--mask-token-id: must be >= 0"),
         (["--layer-types", "full", "--sliding-window", "64"], "--sliding-window: has no effect"),
+        (["--target-layers", "1,1"], "--target-layers: names a layer twice (1,1)"),
     ]:
         r = CliRunner().invoke(main, base + args)
         assert r.exit_code == 2 and needle in r.output, (args, r.output)
@@ -108,6 +109,7 @@ def test_a_drafter_shape_the_options_cannot_make_names_them_not_the_cache(cache,
         ),
         (["--drafter-head-dim", "7"], "head_dim must be even for RoPE, got 7 (set by "),
         (["--mask-token-id", "999999"], "(set by --mask-token-id)"),
+        (["--drafter-type", "dspark", "--is-causal", "true"], "(set by --is-causal)"),
     ]:
         r = CliRunner().invoke(main, base + args)
         assert r.exit_code == 1, (args, r.output)

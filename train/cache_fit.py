@@ -193,6 +193,7 @@ _OPTIONS = {
     "selector_top_k": ("--selector-top-k", "selector_top_k"),
     "final_logit_softcapping": ("--final-logit-softcapping", "final_logit_softcapping"),
     "markov_rank": ("--markov-rank", "markov_rank"),
+    "is_causal": ("--is-causal", "is_causal"),
 }
 OPTION_PROBLEM = "the drafter options make no drafter: "
 MAX_LENGTH_PROBLEM = "--max-length "  # the command's to fix, as OPTION_PROBLEM's

@@ -341,6 +341,11 @@ class TrainConfig:
             _check(value is None or value in allowed, name, f"must be one of {allowed}")
         ids = parse_ints(self.target_layers, "target_layers")
         _check(ids is None or len(ids) > 0, "target_layers", "must name at least one layer")
+        _check(
+            ids is None or len(set(ids)) == len(ids),
+            "target_layers",
+            f"names a layer twice ({self.target_layers}): give each layer once",
+        )
         types = parse_layer_types(self.layer_types, self.drafter_layers)
         if "sliding_attention" in types and self.sliding_window is None:
             raise ValueError("sliding_window: required when a drafter layer slides")

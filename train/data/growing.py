@@ -21,6 +21,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 from train.data.plan import SampleRef, epoch_samples, evenly_spaced, mix_seed, pack_rows
 
@@ -106,14 +107,29 @@ def interleaved_rows(num_rows: int, *, rank: int, world_size: int, workers: int)
     return [range(rank + world_size * w, stop, step) for w in range(workers)]
 
 
+def held_out(i: int, fraction: float) -> bool:
+    """Whether sample `i` (in unit order) is held out while following: the samples where
+    ceil(i * fraction) steps up, so that of the first n samples ceil(n * fraction) are held out
+    whatever n is: every 1/fraction-th from the first where that is whole. The fraction is
+    taken as the decimal it was written as, so no rounding moves a step.
+
+    >>> [i for i in range(10) if held_out(i, 0.25)], [i for i in range(10) if held_out(i, 0.7)]
+    ([0, 4, 8], [0, 1, 2, 4, 5, 7, 8])
+    >>> sum(held_out(i, 0.3) for i in range(1000)), sum(held_out(i, 0.0) for i in range(1000))
+    (300, 0)
+    """
+    q = Fraction(repr(fraction))
+    return -(-(i + 1) * q.numerator // q.denominator) > -(-i * q.numerator // q.denominator)
+
+
 def growing_holdout(
     lengths: Sequence[Sequence[int]], *, fraction: float, parts: int, num_units: int
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
     """(train, eval) length tables of a cache still being written, by rules that do not depend
     on its final size: with `parts` > 0 the parts of `parts` units evenly spaced over the
-    `num_units` the extraction writes; otherwise every round(1 / fraction)-th sample in unit
-    order from the first (none when `fraction` is 0). Held-out samples have length 0 in the
-    train table, the others 0 in the eval table.
+    `num_units` the extraction writes; otherwise `fraction` of the samples in unit order, spread
+    evenly from the first (`held_out`). Held-out samples have length 0 in the train table, the
+    others 0 in the eval table.
 
     >>> growing_holdout([[5, 6], [7, 8, 9]], fraction=0.5, parts=0, num_units=4)
     (((0, 6), (0, 8, 0)), ((5, 0), (7, 0, 9)))
@@ -122,10 +138,9 @@ def growing_holdout(
         units = set(evenly_spaced(num_units, parts))
         held = [[p in units] * len(ls) for p, ls in enumerate(lengths)]
     else:
-        stride = max(1, round(1 / fraction)) if fraction > 0 else 0
         first, held = 0, []
         for ls in lengths:
-            held.append([stride > 0 and (first + n) % stride == 0 for n in range(len(ls))])
+            held.append([held_out(first + n, fraction) for n in range(len(ls))])
             first += len(ls)
     train = tuple(
         tuple(0 if h else int(x) for x, h in zip(ls, hs, strict=True))
