@@ -84,11 +84,12 @@ def test_loss_decreases_and_export_is_written(cache, tmp_path):
     assert saved["train"]["target_layers"] == "0,1,3"
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_killed_run_resumes_bitwise(cache, tmp_path, workers):
-    """Interrupted at step 7 (last checkpoint at 5, mid-epoch 2) then resumed == uninterrupted."""
+@pytest.mark.parametrize(("workers", "log_every"), [(0, 1), (2, 4)])
+def test_killed_run_resumes_bitwise(cache, tmp_path, workers, log_every):
+    """Interrupted at step 7 (last checkpoint at 5, mid-epoch 2) then resumed == uninterrupted,
+    its metrics too: a checkpoint's step ends a logging window, so both log the same windows."""
     kw = dict(steps=12, checkpoint_every=5, keep_checkpoints=2, target_layers="3,0")
-    kw["workers"] = workers
+    kw.update(workers=workers, log_every=log_every)
     whole = tmp_path / "whole"
     run(tiny(cache, whole, **kw))
     broken = tmp_path / "broken"
@@ -106,7 +107,9 @@ def test_killed_run_resumes_bitwise(cache, tmp_path, workers):
     ):
         assert torch.equal(s["exp_avg_sq"], t["exp_avg_sq"])
     assert [s for s, _ in list_checkpoints(broken)] == [10, 12]  # keeps the newest 2
-    assert [r["step"] for r in records(broken)] == list(range(1, 13))  # rewound to step 5
+    logged = [1, 4, 5, 8, 10, 12] if log_every == 4 else list(range(1, 13))
+    assert [r["step"] for r in records(broken)] == logged  # rewound to step 5
+    assert [r["step"] for r in records(whole)] == logged
     assert [r["loss"] for r in records(broken)] == [r["loss"] for r in records(whole)]
 
 

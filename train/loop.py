@@ -126,6 +126,7 @@ class Trainer:
         # (start, feed.waited at the start): the logging window and its data wait.
         self.window = (time.perf_counter(), 0.0)
         self.first_step_s: float | None = None
+        self.logged = 0  # the last step with a train record: its window ends there
 
     # --- state ---------------------------------------------------------------------------
 
@@ -133,6 +134,10 @@ class Trainer:
         restore_run_state(self)
 
     def save(self) -> None:
+        """A checkpoint of this step, its logging window closed first (a record of this step),
+        so that a run resumed from it logs the windows an unbroken run logs."""
+        if self.logged < self.step:
+            self._log()
         save_run_state(self)
 
     # --- the loop ------------------------------------------------------------------------
@@ -189,6 +194,7 @@ class Trainer:
 
     def fit(self) -> None:
         self.restore()
+        self.logged = self.step
         # A follower's loader comes with its first catch_up; a finished run reads no data.
         if self.follow is None and self.step < self.total:
             self.prepare()
@@ -206,7 +212,9 @@ class Trainer:
                     self.catch_up()
                     self.first_step() if first else self.train_step()
                     bar.update(1)
-                    if self._after_step(bar, log_now=first):  # the first step: its own window
+                    # A run's first step: its own window (a resumed run's is not: its windows
+                    # are an unbroken run's)
+                    if self._after_step(bar, log_now=first and self.restored is None):
                         return
                     first = False
         finally:
@@ -246,7 +254,7 @@ class Trainer:
         last = step == self.total
         if self.follow is not None:
             self.follow.after_step(step, self.loader_state)
-        if step % cfg.log_every == 0 or last or log_now:
+        if step % cfg.log_every == 0 or last or log_now or step % cfg.checkpoint_every == 0:
             record = self._log()
             bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}")
         # Not finite, or a stop requested: after the step's record (a resume keeps it), before
@@ -333,6 +341,7 @@ class Trainer:
         if self.first_step_s is not None:
             record["first_step_s"], self.first_step_s = self.first_step_s, None
         self.writer.write(record)
+        self.logged = self.step
         log.debug("step %d: %s", self.step, record)
         self.window = (time.perf_counter(), self.feed.waited)
         return record
