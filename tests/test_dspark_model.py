@@ -13,7 +13,7 @@ from train.drafters.anchors import sample_anchors
 from train.drafters.dflash import DFlashDrafter, init_drafter_weights
 from train.drafters.dspark import DSparkDrafter, init_dspark_weights
 from train.drafters.dspark_loss import DSparkLoss
-from train.export import check_tensors, export_drafter, export_keys
+from train.export import check_tensors, export_bytes, export_drafter, export_keys
 from train.export_load import load_export
 from train.step import anchored_loss
 
@@ -135,6 +135,8 @@ def test_export_checks_the_dense_format_and_round_trips(tmp_path):
     with pytest.raises(ValueError, match="markov_w2"):
         check_tensors(state, cfg)
     out = export_drafter(drafter, cfg, tmp_path / "export", heads=heads)
+    written = (out / "model.safetensors").stat().st_size  # the heads' 2 x 300 x 64 bf16 with them
+    assert 0 < written - export_bytes(drafter, cfg, heads) < 1 << 16  # the header's bytes
     config = json.loads((out / "config.json").read_text())
     for key, value in {
         "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "num_hidden_layers": 2,

@@ -282,6 +282,17 @@ def refuse_foreign_out(out: Path) -> None:
         )
 
 
+def export_bytes(
+    drafter: DFlashDrafter, cfg: DrafterConfig, heads: tuple[torch.Tensor, ...] | None = None
+) -> int:
+    """The bytes of the weights `export_drafter` writes (bf16): the drafter's exported tensors,
+    and a DSpark export's embedding and lm_head (`heads`) with them."""
+    state = dict(drafter.state_dict())
+    if cfg.drafter_type == "dspark" and heads is not None:
+        state.update(zip(HEAD_KEYS, heads, strict=True))
+    return sum(2 * state[key].nelement() for key in export_keys(cfg) if key in state)
+
+
 def export_if_room(
     drafter: DFlashDrafter,
     cfg: DrafterConfig,
@@ -293,7 +304,7 @@ def export_if_room(
     """Export when the last checkpoint did not fit on the disk: the export (bf16 weights, no
     optimizer state) is several times smaller. Returns a sentence saying whether it was
     written; raises any error that is not a full disk."""
-    need = sum(2 * p.nelement() for p in drafter.state_dict().values()) + (1 << 20)
+    need = export_bytes(drafter, cfg, heads) + (1 << 20)
     try:
         out = export_drafter(drafter, cfg, out_dir, heads=heads, target=target)
     except (OSError, SafetensorError) as e:
