@@ -14,6 +14,7 @@ from pathlib import Path
 
 from shared.cache import is_own_entry
 from shared.fsio import remove_path, within
+from shared.target_files import EMBED_FILE, TARGET_DIR
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +32,26 @@ def entries(out: Path) -> list[str]:
     return sorted(p.name for p in Path(out).iterdir()) if Path(out).is_dir() else []
 
 
+def is_ours(out: Path, name: str) -> bool:
+    """Whether entry `name` of `out` is one this tool wrote: by its name (`is_own_entry`), and
+    a `target` folder (or the `target.old` a replacement of it leaves) only where it holds what
+    extraction writes there, the embedding file and config.json: a user's folder of that name
+    (a build folder, a model passed as --target) is never taken for it."""
+    if name in (TARGET_DIR, f"{TARGET_DIR}.old"):
+        folder = Path(out) / name
+        return (folder / EMBED_FILE).is_file() and (folder / "config.json").is_file()
+    return is_own_entry(name)
+
+
 def foreign_entries(out: Path) -> list[str]:
     """Names in `out` that this tool did not write."""
-    return [n for n in entries(out) if not is_own_entry(n)]
+    return [n for n in entries(out) if not is_ours(out, n)]
 
 
 def only_leftovers(out: Path) -> bool:
     """True when `out` holds nothing but what an interrupted start leaves (no manifest, no
     committed part): the same command may clear it."""
-    return all(_LEFTOVER.match(n) for n in entries(out))
+    return all(_LEFTOVER.match(n) and is_ours(out, n) for n in entries(out))
 
 
 def part_entries(out: Path) -> list[str]:
@@ -71,7 +83,7 @@ def protected_reason(out: Path, inputs: Iterable[Path]) -> str | None:
 
 def to_clear(out: Path) -> list[str]:
     """This tool's entries in `out` that `clear_cache` deletes (not its output lock)."""
-    return [n for n in entries(out) if is_own_entry(n) and not n.startswith(".lock")]
+    return [n for n in entries(out) if is_ours(out, n) and not n.startswith(".lock")]
 
 
 def clear_cache(out: Path) -> None:

@@ -112,6 +112,34 @@ def test_overwrite_replaces_only_a_cache_and_leftovers_do_not_block(
     assert read_manifest(fresh).complete
 
 
+def test_a_folder_named_target_that_extraction_did_not_write_is_never_deleted(
+    tmp_path, tiny_qwen3, data_file
+):
+    """`target/` is a name the cache uses; a user's folder of that name (the model itself, a
+    build folder) is not taken for the cache's, with or without --overwrite."""
+    out = tmp_path / "o"
+    shutil.copytree(tiny_qwen3, out / "target")
+    before = sorted(p.name for p in (out / "target").iterdir())
+    for overwrite in (False, True):
+        with pytest.raises(ExtractError, match="target"):
+            extract(out, out / "target", data_file, max_rows=4, overwrite=overwrite)
+        assert sorted(p.name for p in (out / "target").iterdir()) == before
+    build = tmp_path / "b"
+    (build / "target").mkdir(parents=True)
+    (build / "target" / "build-output.txt").write_text("keep me")
+    for overwrite in (False, True):
+        with pytest.raises(ExtractError, match="did not write: target"):
+            extract(build, tiny_qwen3, data_file, max_rows=4, overwrite=overwrite)
+    assert (build / "target" / "build-output.txt").read_text() == "keep me"
+    # The cache's own target/ of a start that stopped before its manifest: cleared, as before
+    cache = tmp_path / "c"
+    extract(cache, tiny_qwen3, data_file, max_rows=4)
+    for p in cache.iterdir():
+        if p.name not in ("target", "extract_config.json"):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    assert extract(cache, tiny_qwen3, data_file, max_rows=4).complete
+
+
 def _cli(*args: str):
     from click.testing import CliRunner
 
