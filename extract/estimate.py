@@ -146,21 +146,25 @@ def estimate_cache(
     )
 
 
-def check_space(out: Path, estimate: CacheEstimate, *, rows: int) -> str:
+def check_space(out: Path, estimate: CacheEstimate, *, rows: int, freed: int = 0) -> str:
     """A sentence on the space `rows` of the estimate need and the disk has; SpaceError when
-    they do not fit."""
+    they do not fit. `freed`: the bytes of what the run deletes before it writes (the cache an
+    --overwrite replaces), counted as free."""
     need = round(estimate.nbytes * rows / max(estimate.rows, 1))
-    free = free_bytes(out)
+    free = free_bytes(out) + freed
     fs = filesystem_type(out)
     line = f"{size_text(need)} to write, {size_text(free)} free on the disk holding {out}"
+    line += f" ({size_text(freed)} of it in what this run replaces)" if freed else ""
     line += f" (file system: {fs})" if fs else ""
     if need > free:
         fp8 = STORED_FRACTION["fp8"] / STORED_FRACTION["bf16"]
         smaller = f", store fp8 (--store fp8: about {fp8:.2f} of the size)"
         smaller = smaller if estimate.store == "bf16" else ""
+        replaced = f", counting the {size_text(freed)} this run replaces" if freed else ""
         raise SpaceError(
             f"--out {out}: the cache needs about {size_text(need)} and its disk has "
-            f"{size_text(free)} free (the estimate: {estimate.describe()}).\nFree space there, "
+            f"{size_text(free)} free{replaced} (the estimate: {estimate.describe()}).\nFree "
+            "space there, "
             f"choose another --out, extract fewer rows (--max-rows){smaller}"
             ", or pass --no-space-check to start anyway (a full disk then stops it, keeping the "
             "parts committed by then)"

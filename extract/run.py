@@ -54,6 +54,7 @@ from shared.manifest import (
 from shared.manifest_checks import identity_mismatches
 from shared.progress import counter_files
 from shared.ranks import usable_cpus
+from shared.space import used_bytes
 from shared.stopping import resume_command
 from shared.target_files import target_checksums, target_problems
 
@@ -262,7 +263,9 @@ def _run_locked(
     pending_rows = sum(len(planned.unit_rows(u)) for u in pending)
     log.info("estimate: %s", estimate.describe())
     if cfg.space_check and pending:
-        log.info("space: %s", check_space(cfg.out, estimate, rows=pending_rows))
+        # A fresh start deletes this tool's entries in --out (an --overwrite's old cache) first
+        freed = sum(used_bytes(cfg.out / n) for n in to_clear(cfg.out)) if resume is None else 0
+        log.info("space: %s", check_space(cfg.out, estimate, rows=pending_rows, freed=freed))
     spawned = spec.nprocs > 1 and not under_torchrun()
     job = Job(
         out=cfg.out,

@@ -29,6 +29,21 @@ def free_bytes(path: Path | str) -> int:
     return shutil.disk_usage(probe).free
 
 
+def used_bytes(path: Path | str) -> int:
+    """The disk space that deleting `path` (a file, or a folder with all under it) gives back:
+    its blocks, each file counted once however many names it has; 0 for what is gone."""
+    seen, total = set(), 0
+    for entry in [Path(path), *(Path(path).rglob("*") if Path(path).is_dir() else ())]:
+        try:
+            st = entry.lstat()
+        except OSError:
+            continue  # removed meanwhile
+        if (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
+    return total
+
+
 def size_text(nbytes: float) -> str:
     """
     >>> size_text(19_600_000), size_text(3.4e9), size_text(512)

@@ -78,6 +78,9 @@ def test_a_disk_too_small_is_refused_before_any_write(tmp_path, tiny_qwen3, monk
     assert not out.exists()
     r = cli(*base, "--no-space-check")  # goes on: this disk has the room the figure hid
     assert r.exit_code == 0 and read_manifest(out).complete, r.output
+    # An --overwrite deletes the old cache first: its bytes count as free
+    r = cli(*base, "--overwrite", "--layers", "1")
+    assert r.exit_code == 0 and read_manifest(out).layer_ids == (1,), r.output
 
 
 def test_the_time_estimate_comes_from_the_measured_rate(tmp_path, monkeypatch, caplog):
