@@ -233,15 +233,16 @@ def public_modes(root: Path) -> None:
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
-    """Rename a finished folder `tmp` to `final`, replacing an older `final` if one exists."""
+    """Rename a finished folder `tmp` to `final`, replacing an older `final` if one exists (a
+    `final.old` left by a kill between this function's two renames goes too)."""
+    old = final.with_name(final.name + ".old")
     if final.exists():
-        old = final.with_name(final.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
         os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
     fsync_dir(final.parent)
 
 

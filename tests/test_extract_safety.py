@@ -252,6 +252,23 @@ def test_temporary_files_of_killed_writes_are_removed_by_the_next_run(
     assert _checksums(cache) == before
 
 
+def test_a_kill_inside_a_parts_replacement_leaves_nothing_behind(tmp_path, tiny_qwen3, data_file):
+    """A part committed but not recorded is written again on resume, replacing it; a kill
+    between the replacement's two renames leaves `part-N.old` and no `part-N`: the resumed
+    run's commit of that unit removes it."""
+    import dataclasses
+
+    from shared.manifest import write_manifest
+
+    cache = tmp_path / "c"
+    extract(cache, tiny_qwen3, data_file)
+    before, full = _checksums(cache), read_manifest(cache)
+    write_manifest(cache, dataclasses.replace(full, parts=full.parts[1:]))  # unit 0 unrecorded
+    (cache / "part-000000").rename(cache / "part-000000.old")
+    assert extract(cache, tiny_qwen3, data_file).complete
+    assert not (cache / "part-000000.old").exists() and _checksums(cache) == before
+
+
 def test_a_failed_atomic_write_leaves_no_temporary_file(tmp_path):
     from shared.fsio import atomic_write_bytes, replace_file_bytes
 
