@@ -219,10 +219,25 @@ def materialize(name: str, *, source: Path | None = None, cache_dir: Path | None
 
 
 def resolve_target(target: str, cache_dir: Path | None = None) -> str:
-    """`target`, or the folder of a named target (materialized here on first use)."""
-    if target not in REAL_TARGETS:
+    """`target` when it is a path; the folder of a named target (materialized here on first
+    use); a hub id's snapshot in the local Hugging Face cache; else `target` as given (which
+    `extract.target.read_config` then refuses, naming it)."""
+    if target in REAL_TARGETS:
+        return str(materialize(target, cache_dir=cache_dir))
+    if Path(target).exists():
         return target
-    return str(materialize(target, cache_dir=cache_dir))
+    return cached_snapshot(target) or target
+
+
+def cached_snapshot(repo_id: str) -> str | None:
+    """The folder of hub id `repo_id`'s snapshot in the local Hugging Face cache (HF_HOME,
+    HF_HUB_CACHE), None when none is cached or `repo_id` is no hub id: nothing is downloaded."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except (OSError, ValueError):  # not cached (LocalEntryNotFoundError), not an id
+        return None
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -56,21 +56,28 @@ def resolve_target(cfg: ExtractConfig) -> str:
     return str(tiny_target())
 
 
+def _rule_fits(num_target_layers: int, n: int) -> bool:
+    """Whether the DFlash rule gives `n` distinct ids of the target's layers.
+
+    >>> _rule_fits(36, 5), _rule_fits(4, 2), _rule_fits(2, 2), _rule_fits(2, 1)
+    (True, False, False, True)
+    """
+    ids = build_target_layer_ids(num_target_layers, n)
+    return len(set(ids)) == n and all(0 <= i < num_target_layers for i in ids)
+
+
 def _layer_ids(cfg: ExtractConfig, num_target_layers: int) -> tuple[int, ...]:
     """The ids to capture, ascending: SGLang and vLLM collect a drafter's target states in layer
     order whatever its `target_layer_ids` say, so the cache (and every drafter trained on it)
     keeps that order too."""
     ids = cfg.layer_ids or tuple(build_target_layer_ids(num_target_layers, cfg.num_layers))
-    if cfg.layer_ids is None and len(set(ids)) < len(ids):
-        fits = max(
-            n
-            for n in range(1, num_target_layers + 1)
-            if len(set(build_target_layer_ids(num_target_layers, n))) == n
-        )
+    if cfg.layer_ids is None and not _rule_fits(num_target_layers, cfg.num_layers):
+        fits = max(n for n in range(1, num_target_layers + 1) if _rule_fits(num_target_layers, n))
         raise ExtractError(
             f"--num-layers {cfg.num_layers}: the target has {num_target_layers} decoder layers, "
-            f"and the DFlash rule gives repeated ids {list(ids)}; use --num-layers {fits} or "
-            "less, or name the ids with --layers"
+            f"and the DFlash rule gives ids {list(ids)}, repeated or out of range (ids "
+            f"0..{num_target_layers - 1}); use --num-layers {fits}{' or less' * (fits > 1)}, or "
+            "name the ids with --layers"
         )
     bad = [i for i in ids if not 0 <= i < num_target_layers]
     if bad:

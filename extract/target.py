@@ -63,7 +63,9 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
 def read_config(target: str) -> dict[str, Any]:
     path = Path(target)
     if not (path / "config.json").is_file():
-        hint = "it is not a folder" if not path.is_dir() else "it has no config.json"
+        hint = "it has no config.json"
+        if not path.is_dir():
+            hint = "it is not a folder, nor a hub id in the local Hugging Face cache"
         raise TargetError(
             f"--target {target!r}: {hint}; give a local Hugging Face model folder "
             "(download it first: this tool never fetches models)"

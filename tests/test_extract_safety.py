@@ -140,6 +140,25 @@ def test_a_folder_named_target_that_extraction_did_not_write_is_never_deleted(
     assert extract(cache, tiny_qwen3, data_file, max_rows=4).complete
 
 
+def test_a_hub_id_is_read_from_the_local_hugging_face_cache(
+    tmp_path, tiny_qwen3, data_file, monkeypatch
+):
+    """`--target ORG/NAME` takes the snapshot in the local Hugging Face cache (never a
+    download); the manifest records the snapshot's folder. An id not cached is named."""
+    import huggingface_hub.constants
+
+    hub = tmp_path / "hub"
+    snapshot = hub / "models--org--tiny" / "snapshots" / "abc123"
+    shutil.copytree(tiny_qwen3, snapshot)
+    (hub / "models--org--tiny" / "refs").mkdir()
+    (hub / "models--org--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    m = extract(tmp_path / "c", "org/tiny", data_file, max_rows=4)
+    assert m.complete and Path(m.target.path) == snapshot
+    with pytest.raises(ExtractError, match="'org/other': it is not a folder, nor a hub id in the"):
+        extract(tmp_path / "d", "org/other", data_file, max_rows=4)
+
+
 def _cli(*args: str):
     from click.testing import CliRunner
 

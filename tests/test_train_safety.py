@@ -123,6 +123,7 @@ def test_extract_refuses_more_layers_than_the_target_has(tmp_path, tiny_qwen3):
     args = ["--out", str(tmp_path / "c"), "--target", str(tiny_qwen3), "--num-layers", "20"]
     r = CliRunner().invoke(extract_main, args)
     assert r.exit_code == 1 and "--num-layers 20" in r.output and "--layers" in r.output
+    assert "use --num-layers 5 or less" in r.output  # the most the rule gives distinct
     assert not (tmp_path / "c").exists()
 
 
