@@ -150,8 +150,11 @@ class ExtractConfig:
             if value is not None and value < low:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag}: {value} is too small (at least {low})")
-        if not self.switch_interval_ms > 0:
-            raise ValueError(f"--switch-interval-ms: {self.switch_interval_ms} must be above 0")
+        if not 0 < self.switch_interval_ms <= 1000:  # inf and nan too (Python takes inf as 0)
+            raise ValueError(
+                f"--switch-interval-ms: {self.switch_interval_ms} must be above 0 and at most "
+                "1000 (Python's own is 5)"
+            )
         if self.attention != "auto" and self.packing == "off":
             raise ValueError(
                 f"--attention {self.attention} has no effect with --packing off (it is packed "

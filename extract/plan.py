@@ -120,6 +120,10 @@ def plan_manifest(cfg: ExtractConfig) -> tuple[Manifest, RowIndex, CacheEstimate
     check_model_type(target, config)
     files = cfg.data or default_data()
     _check_data(files)
+    # Recorded absolute: the manifest's commands (resume, repair) and verify's re-run of the
+    # target work from any folder
+    files = tuple(Path(f).absolute() for f in files)
+    target = str(Path(target).absolute())
     layer_ids = _layer_ids(cfg, int(text_config(config)["num_hidden_layers"]))
     check_layer_weights(Path(target), max(layer_ids))
     context = text_config(config).get("max_position_embeddings")

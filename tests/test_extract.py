@@ -150,8 +150,9 @@ def test_switch_interval_applies_while_extracting_then_is_restored(
     extract(tmp_path / "cache", qwen3, data_file, max_rows=4, switch_interval_ms=0.5)
     assert "GIL switch interval 0.5 ms" in capfd.readouterr().err
     assert sys.getswitchinterval() == before
-    with pytest.raises(ValueError, match="--switch-interval-ms"):
-        ExtractConfig(out=tmp_path / "x", switch_interval_ms=0)
+    for bad in (0, float("inf"), float("nan"), 5000):
+        with pytest.raises(ValueError, match="--switch-interval-ms"):
+            ExtractConfig(out=tmp_path / "x", switch_interval_ms=bad)
 
 
 def test_the_staging_buffers_change_no_stored_bit(tmp_path, qwen3, data_file, capfd):

@@ -159,6 +159,16 @@ def test_a_hub_id_is_read_from_the_local_hugging_face_cache(
         extract(tmp_path / "d", "org/other", data_file, max_rows=4)
 
 
+def test_relative_inputs_are_recorded_absolute(tmp_path, tiny_qwen3, data_file, monkeypatch):
+    """The manifest's resume command and verify's re-run of the target work from any folder."""
+    shutil.copytree(tiny_qwen3, tmp_path / "model")
+    shutil.copy(data_file, tmp_path / "rows.jsonl")
+    monkeypatch.chdir(tmp_path)
+    m = extract(tmp_path / "c", Path("model"), Path("rows.jsonl"), max_rows=4)
+    assert m.target.path == str(tmp_path / "model")
+    assert [s.path for s in m.sources] == [str(tmp_path / "rows.jsonl")]
+
+
 def _cli(*args: str):
     from click.testing import CliRunner
 
