@@ -333,10 +333,10 @@ def unfinished(cache: Path, manifest: Manifest) -> list[str]:
             else f"its lock names {who}, which cannot be checked from here: once that has "
             f"finished, {todo}"
         )
-    return [
-        f"the cache is incomplete ({manifest.num_units - len(unlisted)}/{manifest.num_units} "
-        f"parts listed{said}; not listed: {', '.join(names)}): {todo}"
-    ]
+    listed = f"{manifest.num_units - len(unlisted)}/{manifest.num_units} parts listed"
+    if not unlisted:  # every part there, the end not recorded (or target/ to write again)
+        return [f"the cache is incomplete ({listed}, the cache not marked complete): {todo}"]
+    return [f"the cache is incomplete ({listed}{said}; not listed: {', '.join(names)}): {todo}"]
 
 
 MAX_NAMED = 5  # parts named in a message; the rest counted

@@ -164,6 +164,8 @@ class ZarrPartWriter(PartWriter):
             chunks=chunks,
             compressors=zarr_compressors(data.dtype.itemsize),
             fill_value=0,
+            # Every chunk a file, zeros too: a missing one is then damage, never zeros
+            config={"write_empty_chunks": True},
         )
         if data.size:
             arr[...] = data
@@ -182,6 +184,7 @@ class ZarrPartWriter(PartWriter):
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
             chunk_rows=CHUNK_ROWS,
+            every_chunk_written=True,  # `missing_chunks` may count the small arrays' chunks
             **self.store_attrs(),
         )
         try:
@@ -201,6 +204,24 @@ class ZarrPartWriter(PartWriter):
 
     def _known_files(self) -> dict[str, tuple[int, int]]:
         return self._written_files
+
+
+SMALL_ARRAYS = ("offsets", "lengths", "sample_index", "input_ids", "loss_mask", "scale")
+
+
+def missing_chunks(group: zarr.Group, attrs: dict) -> list[str]:
+    """The small arrays of a part that miss chunk files, each said with its count: zarr reads
+    a missing chunk as zeros, without an error. Parts written before every chunk was written
+    (no `every_chunk_written`) left all-zero chunks out, so theirs are not counted."""
+    if not attrs.get("every_chunk_written"):
+        return []
+    out = []
+    for name in SMALL_ARRAYS:
+        if name in group:
+            arr = group[name]
+            if arr.nchunks_initialized != arr.nchunks:
+                out.append(f"{name} has {arr.nchunks_initialized} of {arr.nchunks} chunks")
+    return out
 
 
 class ZarrPartReader(PartReader):
@@ -224,6 +245,10 @@ class ZarrPartReader(PartReader):
         )
         self.offsets = group["offsets"][...]
         self._hidden = group["hidden"]
+        problems = missing_chunks(group, attrs)
+        problems += layout_problems(self.offsets, self.lengths, self._hidden.shape[0])
+        if problems:  # a reader would return zeros or other samples' rows, silently
+            raise ValueError(f"{path}: {'; '.join(problems)}: the part is damaged")
         # Our own shard layout is read directly (`ShardFiles`): several times less CPU a token
         # than through zarr; any other layout through zarr.
         inner = inner_codec(Path(path, "hidden", "zarr.json"), self.num_layers, self.width)
@@ -289,7 +314,7 @@ def verify_zarr(path: Path, threads: int = 1) -> list[str]:
     if [K, H] != [attrs.get("num_layers"), width]:
         problems.append(f"hidden shape {hidden.shape} disagrees with the group attributes")
     small = {}
-    for name in ["offsets", "lengths", "sample_index", "input_ids", "loss_mask", "scale"]:
+    for name in SMALL_ARRAYS:
         if name == "scale" and attrs.get("store") != "fp8":
             continue
         try:
@@ -298,9 +323,12 @@ def verify_zarr(path: Path, threads: int = 1) -> list[str]:
             problems.append(f"{name}: missing")
         except Exception as e:
             problems.append(f"{name}: {type(e).__name__}: {e}")
+    problems += missing_chunks(group, attrs)
     N = len(small.get("lengths", ()))
     shapes = dict(sample_index=(N,), input_ids=(T,), loss_mask=(T,), scale=(T, K))
     for name, want in shapes.items():
+        if name == "sample_index" and "lengths" not in small:
+            continue  # its count unknown: `lengths` is said missing or unreadable
         if name in small and small[name].shape != want:
             problems.append(f"{name} shape {small[name].shape} != {want}")
     if "offsets" in small and "lengths" in small:

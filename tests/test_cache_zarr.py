@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -225,3 +226,21 @@ def test_a_missing_shard_is_an_error_not_zeros(part):
     reader.read(0)
     with pytest.raises(FileNotFoundError):
         reader.read(1)
+
+
+@pytest.mark.parametrize("name", ["input_ids", "loss_mask", "offsets", "sample_index", "scale"])
+def test_a_small_arrays_missing_chunk_is_damage_not_zeros(tmp_path, name):
+    """zarr reads a missing chunk file as zeros: every chunk is written, zeros too (a loss
+    mask of zeros here), so that opening the part refuses a missing one and verify names it."""
+    records = [replace(r, loss_mask=np.zeros_like(r.loss_mask)) for r in make_records()]
+    write_part(tmp_path, 0, records, fmt="zarr", store="fp8")
+    path = tmp_path / "part-000000"
+    reader = open_part(path)  # every chunk there, zeros too
+    for n, record in enumerate(records):
+        assert_matches(reader.read(n), record, store="fp8")
+    for chunk in (path / name / "c").rglob("*"):
+        if chunk.is_file():
+            chunk.unlink()
+    with pytest.raises(ValueError, match=f"{name} has 0 of 1 chunks.*: the part is damaged"):
+        open_part(path)
+    assert f"{name} has 0 of 1 chunks" in verify_part(path)

@@ -357,3 +357,23 @@ def test_a_worker_the_kernel_killed_is_one_message_saying_what_to_change(tmp_pat
 
     if kernel_log() is not None:  # where the kernel's log is read, a kill -9 is told apart
         assert "not by the kernel's out-of-memory killer" in str(e.value)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_int4_part_whose_scheme_differs_from_the_manifests_is_refused(tmp_path, fmt):
+    """A part's attributes are outside what the reader checks: a seed changed by one bit would
+    decode other states without an error, so the catalog compares each part's scheme."""
+    cache = write_cache(tmp_path / "c", num_parts=2, samples_per_part=2, fmt=fmt, store="int4")
+    manifest = read_manifest(cache)
+    assert load_catalog(cache, manifest)[1] == []
+    name = manifest.parts[1].name
+    if fmt == "zarr":
+        attrs = cache / name / "zarr.json"
+        attrs.write_text(attrs.read_text().replace('"seed": 0', '"seed": 1'))
+    else:
+        tar = (cache / name).read_bytes()
+        (cache / name).write_bytes(tar.replace(b'"seed": 0', b'"seed": 1'))
+    parts, problems = load_catalog(cache, manifest)
+    assert [Path(p.path).name for p in parts] == [manifest.parts[0].name]
+    (problem,) = problems
+    assert problem.startswith(f"part {name}: its int4 scheme {{") and "'seed': 1" in problem

@@ -31,6 +31,7 @@ from shared.cache import Sample, open_part
 from shared.codec import dequantize_fp8
 from shared.int4 import decode_int4
 from shared.manifest import CacheMismatch, Manifest, PartRecord, read_manifest, repair_commands
+from shared.part import PartReader
 from shared.stopping import StopRun, loader_worker_init, worker_died
 from train.data.batch import Batch
 from train.data.growing import GrowingRows, interleaved_rows
@@ -77,8 +78,24 @@ def load_catalog(
                 f"{found[2]}; the manifest says {manifest.store}, {expect_layers}, {expect_hidden}"
             )
             continue
+        if problem := scheme_problem(reader, record, manifest):
+            problems.append(f"part {record.name}: {problem}")
+            continue
         parts.append(PartInfo(str(path), tuple(int(n) for n in reader.lengths)))
     return parts, problems
+
+
+def scheme_problem(reader: PartReader, record: PartRecord, manifest: Manifest) -> str | None:
+    """How an int4 part's own record of its scheme differs from the manifest's (the part's
+    attributes are outside its checksum's reach at reading: a changed seed decodes other
+    states without an error); None when they agree, or nothing is recorded to compare."""
+    if reader.scheme is None:
+        return None
+    want = (record.codec or manifest.codec).get("int4")
+    found = {k: v for k, v in reader.scheme.to_dict().items() if k != "hidden"}
+    if want is None or found == want:
+        return None
+    return f"its int4 scheme {found} is not the manifest's {want}: the part is damaged"
 
 
 class CacheReadError(StopRun):
