@@ -227,12 +227,15 @@ def test_regenerate_progress_counts_failed_rows_apart(tmp_path, caplog, monkeypa
 
 def test_train_summary_counts_the_steps_a_stopped_run_reached(tmp_path):
     """A run stopped between log steps (a signal, --stop-after-steps) saves a checkpoint where
-    it stops: the summary's steps are that checkpoint's, not the last log step's."""
+    it stops, and its record of that step first: the summary's steps are that checkpoint's;
+    where the newest checkpoint is past the last record (a run of a version that did not log
+    at checkpoints), it says so."""
     from click.testing import CliRunner
 
     from tests.cachegen import write_cache
     from tests.test_sweep import TRAIN
     from train.__main__ import main
+    from train.summary import format_summary
 
     cache = write_cache(tmp_path / "cache", num_parts=3, samples_per_part=6)
     at = TRAIN.index("--checkpoint-every")
@@ -241,5 +244,12 @@ def test_train_summary_counts_the_steps_a_stopped_run_reached(tmp_path):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     steps = next(line for line in result.output.splitlines() if line.startswith("steps"))
-    assert steps.split(None, 1)[1] == "3 (the newest checkpoint; last logged at 2)"
+    assert steps.split(None, 1)[1] == "3"
     assert "none (stopped before the end)" in result.output
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert records[-1]["step"] == 3
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records[:-1]))  # as before
+    summary = format_summary(tmp_path / "run", export=tmp_path / "run" / "export", seconds=1.0)
+    steps = next(line for line in summary.splitlines() if line.startswith("steps"))
+    assert steps.split(None, 1)[1].startswith("3 (the newest checkpoint; last logged at ")

@@ -35,7 +35,8 @@ def _fig(value: float | None, spec: str) -> str:
 
 def _steps(out: Path, train: dict[str, Any] | None) -> str:
     """The step the run reached: its last log step, or its newest checkpoint where that is later
-    (a run stopped between log steps saves one where it stops)."""
+    (a run stopped between log steps saves one where it stops, with a record of its step since
+    checkpoints end logging windows; runs of earlier versions saved none)."""
     from train.checkpoint import checkpoint_problem, list_checkpoints
 
     logged = train["step"] if train else 0
