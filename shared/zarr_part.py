@@ -209,19 +209,17 @@ class ZarrPartWriter(PartWriter):
 SMALL_ARRAYS = ("offsets", "lengths", "sample_index", "input_ids", "loss_mask", "scale")
 
 
-def missing_chunks(group: zarr.Group, attrs: dict) -> list[str]:
-    """The small arrays of a part that miss chunk files, each said with its count: zarr reads
-    a missing chunk as zeros, without an error. Parts written before every chunk was written
-    (no `every_chunk_written`) left all-zero chunks out, so theirs are not counted."""
+def missing_chunks(arrays: dict[str, zarr.Array], attrs: dict) -> list[str]:
+    """The small arrays of a part (`arrays`, as opened) that miss chunk files, each said with
+    its count: zarr reads a missing chunk as zeros, without an error. Parts written before every
+    chunk was written (no `every_chunk_written`) left all-zero chunks out: not counted."""
     if not attrs.get("every_chunk_written"):
         return []
-    out = []
-    for name in SMALL_ARRAYS:
-        if name in group:
-            arr = group[name]
-            if arr.nchunks_initialized != arr.nchunks:
-                out.append(f"{name} has {arr.nchunks_initialized} of {arr.nchunks} chunks")
-    return out
+    return [
+        f"{name} has {arr.nchunks_initialized} of {arr.nchunks} chunks"
+        for name, arr in arrays.items()
+        if arr.nchunks_initialized != arr.nchunks
+    ]
 
 
 class ZarrPartReader(PartReader):
@@ -234,18 +232,20 @@ class ZarrPartReader(PartReader):
             raise ValueError(
                 f"{path}: format_version {attrs.get('format_version')}, expected {FORMAT_VERSION}"
             )
+        names = [n for n in SMALL_ARRAYS if n != "scale" or attrs.get("store") == "fp8"]
+        arrays = {name: group[name] for name in names}
         super().__init__(
             path,
             store=attrs["store"],
             num_layers=int(attrs["num_layers"]),
             hidden_size=int(attrs["hidden_size"]),
-            lengths=group["lengths"][...],
-            sample_indices=group["sample_index"][...],
+            lengths=arrays["lengths"][...],
+            sample_indices=arrays["sample_index"][...],
             int4=attrs.get("int4"),
         )
-        self.offsets = group["offsets"][...]
+        self.offsets = arrays["offsets"][...]
         self._hidden = group["hidden"]
-        problems = missing_chunks(group, attrs)
+        problems = missing_chunks(arrays, attrs)
         problems += layout_problems(self.offsets, self.lengths, self._hidden.shape[0])
         if problems:  # a reader would return zeros or other samples' rows, silently
             raise ValueError(f"{path}: {'; '.join(problems)}: the part is damaged")
@@ -258,10 +258,10 @@ class ZarrPartReader(PartReader):
             else ShardFiles(Path(path), self.store, inner, self.num_layers, self.hidden_size)
         )
         # Per-token arrays are a few bytes per token: read once rather than per sample.
-        self._ids = group["input_ids"][...]
-        self._mask = group["loss_mask"][...]
+        self._ids = arrays["input_ids"][...]
+        self._mask = arrays["loss_mask"][...]
         # fp8 scales (4 bytes per token and layer) too: zarr's per-sample reads cost far more.
-        self._scale = group["scale"][...] if self.store == "fp8" else None
+        self._scale = arrays["scale"][...] if self.store == "fp8" else None
 
     def read(self, n: int, layers: Sequence[int] | None = None) -> Sample:
         if not 0 <= n < self.num_samples:
@@ -313,17 +313,18 @@ def verify_zarr(path: Path, threads: int = 1) -> list[str]:
         return [*problems, f"store: {e}"]
     if [K, H] != [attrs.get("num_layers"), width]:
         problems.append(f"hidden shape {hidden.shape} disagrees with the group attributes")
-    small = {}
+    small, opened = {}, {}
     for name in SMALL_ARRAYS:
         if name == "scale" and attrs.get("store") != "fp8":
             continue
         try:
-            small[name] = group[name][...]
+            opened[name] = group[name]
+            small[name] = opened[name][...]
         except KeyError:  # its folder gone
             problems.append(f"{name}: missing")
         except Exception as e:
             problems.append(f"{name}: {type(e).__name__}: {e}")
-    problems += missing_chunks(group, attrs)
+    problems += missing_chunks(opened, attrs)
     N = len(small.get("lengths", ()))
     shapes = dict(sample_index=(N,), input_ids=(T,), loss_mask=(T,), scale=(T, K))
     for name, want in shapes.items():
