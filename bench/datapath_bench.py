@@ -50,7 +50,7 @@ from shared.manifest import (  # noqa: E402
     read_manifest,
     write_manifest,
 )
-from train.data.loader import load_catalog  # noqa: E402
+from train.data.catalog import load_catalog  # noqa: E402
 from train.drafters.config import DrafterConfig  # noqa: E402
 
 log = logging.getLogger("datapath_bench")

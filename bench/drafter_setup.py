@@ -32,7 +32,7 @@ from shared.fsio import atomic_write_json  # noqa: E402
 from shared.target_files import EMBED_FILE, EMBED_KEY, LM_HEAD_KEY, target_dir  # noqa: E402
 from train.compiling import configure_compile  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
-from train.data.loader import PartInfo  # noqa: E402
+from train.data.catalog import PartInfo  # noqa: E402
 from train.drafters.anchors import default_gamma  # noqa: E402
 from train.drafters.config import DSPARK_BLOCK_SIZE, DrafterConfig  # noqa: E402
 from train.drafters.objective import LOSSES, TARGET_LOSSES  # noqa: E402

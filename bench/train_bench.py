@@ -50,7 +50,7 @@ from forward_modes import matmul_tflops  # noqa: E402
 from train_flops import flops_summary, mean_context_keys, mean_target_rows, step_flops  # noqa: E402
 
 from train.config import TrainConfig  # noqa: E402
-from train.data.loader import PartInfo  # noqa: E402
+from train.data.catalog import PartInfo  # noqa: E402
 from train.drafters import dflash2_fused as selector_fused  # noqa: E402
 from train.drafters.dflash import num_parameters  # noqa: E402
 from train.drafters.mask import flex_bwd_options  # noqa: E402

@@ -17,6 +17,7 @@ from shared.codec import FORMATS
 from shared.int4 import Int4Scheme, decode_int4, encode_int4
 from shared.manifest import read_manifest
 from tests.cachegen import write_cache
+from train.data.catalog import load_catalog
 from train.data.loader import (
     CacheReadError,
     LoaderState,
@@ -25,7 +26,6 @@ from train.data.loader import (
     collate_row,
     device_batch,
     layer_positions,
-    load_catalog,
     make_loader,
 )
 from train.data.plan import PlanSpec, SampleRef, plan_rows, worker_rows

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from train.data.loader import PartInfo, PlanDataset, checked, device_batch, make_loader
+from train.data.catalog import PartInfo
+from train.data.loader import PlanDataset, checked, device_batch, make_loader
 from train.data.plan import PlanSpec
 from train.metrics import StatSums
 from train.step import forward_loss

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from train.data.catalog import PartInfo
 from train.data.follow import CacheView
-from train.data.loader import PartInfo
 from train.data.plan import PlanSpec, epoch_lengths
 from train.drafters.config import DrafterConfig
 

@@ -30,8 +30,9 @@ from shared.manifest import (
 from shared.stopping import resume_command
 from train.cache_fit import MAX_LENGTH_PROBLEM, OPTION_PROBLEM, fit_cache
 from train.config import TrainConfig
+from train.data.catalog import load_catalog
 from train.data.follow import CacheView, changed_parts, read_view
-from train.data.loader import layer_positions, load_catalog
+from train.data.loader import layer_positions
 from train.data.plan import holdout_lengths, plan_rows
 from train.drafters.anchors import default_gamma
 from train.export_hf import target_record

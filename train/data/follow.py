@@ -20,7 +20,7 @@ from typing import Any
 from shared.lock import holder_running, read_holder
 from shared.manifest import CacheMismatch, Manifest, PartRecord, manifest_path, read_manifest
 from shared.stopping import StopRun
-from train.data.loader import PartInfo, load_catalog
+from train.data.catalog import PartInfo, load_catalog
 
 log = logging.getLogger(__name__)
 

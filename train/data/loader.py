@@ -30,10 +30,10 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from shared.cache import Sample, open_part
 from shared.codec import dequantize_fp8
 from shared.int4 import decode_int4
-from shared.manifest import CacheMismatch, Manifest, PartRecord, read_manifest, repair_commands
-from shared.part import PartReader
+from shared.manifest import CacheMismatch, read_manifest, repair_commands
 from shared.stopping import StopRun, loader_worker_init, worker_died
 from train.data.batch import Batch
+from train.data.catalog import PartInfo
 from train.data.growing import GrowingRows, interleaved_rows
 from train.data.plan import (
     PlanSpec,
@@ -49,53 +49,6 @@ log = logging.getLogger(__name__)
 
 LOADER_STATE_VERSION = 2  # 2: packed rows (1: padded batches of several samples)
 OPEN_PARTS = 4  # zarr parts a worker keeps open (a slice of the shuffled order spans few)
-
-
-@dataclass(frozen=True)
-class PartInfo:
-    path: str
-    lengths: tuple[int, ...]
-
-
-def load_catalog(
-    cache: Path, manifest: Manifest, records: Sequence[PartRecord] | None = None
-) -> tuple[list[PartInfo], list[str]]:
-    """The path and sample lengths of every committed part (or of `records`), plus problems
-    found opening them."""
-    parts, problems = [], []
-    expect_layers, expect_hidden = len(manifest.layer_ids), manifest.target.hidden_size
-    for record in manifest.parts if records is None else records:
-        path = Path(cache) / record.name
-        try:
-            reader = open_part(path)
-        except (OSError, ValueError, KeyError) as e:
-            problems.append(f"part {record.name} cannot be opened ({e})")
-            continue
-        found = (reader.store, reader.num_layers, reader.hidden_size)
-        if found != (manifest.store, expect_layers, expect_hidden):
-            problems.append(
-                f"part {record.name} holds store {found[0]}, {found[1]} layers, hidden "
-                f"{found[2]}; the manifest says {manifest.store}, {expect_layers}, {expect_hidden}"
-            )
-            continue
-        if problem := scheme_problem(reader, record, manifest):
-            problems.append(f"part {record.name}: {problem}")
-            continue
-        parts.append(PartInfo(str(path), tuple(int(n) for n in reader.lengths)))
-    return parts, problems
-
-
-def scheme_problem(reader: PartReader, record: PartRecord, manifest: Manifest) -> str | None:
-    """How an int4 part's own record of its scheme differs from the manifest's (the part's
-    attributes are outside its checksum's reach at reading: a changed seed decodes other
-    states without an error); None when they agree, or nothing is recorded to compare."""
-    if reader.scheme is None:
-        return None
-    want = (record.codec or manifest.codec).get("int4")
-    found = {k: v for k, v in reader.scheme.to_dict().items() if k != "hidden"}
-    if want is None or found == want:
-        return None
-    return f"its int4 scheme {found} is not the manifest's {want}: the part is damaged"
 
 
 class CacheReadError(StopRun):
