@@ -18,6 +18,7 @@ gets the same number of rows; at the end of the pass fewer than world_size rows 
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -107,19 +108,24 @@ def interleaved_rows(num_rows: int, *, rank: int, world_size: int, workers: int)
     return [range(rank + world_size * w, stop, step) for w in range(workers)]
 
 
-def held_out(i: int, fraction: float) -> bool:
-    """Whether sample `i` (in unit order) is held out while following: the samples where
-    ceil(i * fraction) steps up, so that of the first n samples ceil(n * fraction) are held out
-    whatever n is: every 1/fraction-th from the first where that is whole. The fraction is
-    taken as the decimal it was written as, so no rounding moves a step.
+def held_out(first: int, count: int, fraction: float) -> list[bool]:
+    """Whether each of samples first .. first + count - 1 (in unit order) is held out while
+    following: the samples where ceil(i * fraction) steps up, so that of the first n samples
+    ceil(n * fraction) are held out whatever n is: every 1/fraction-th from the first where
+    that is whole. The fraction is taken as the decimal it was written as, so no rounding
+    moves a step.
 
-    >>> [i for i in range(10) if held_out(i, 0.25)], [i for i in range(10) if held_out(i, 0.7)]
-    ([0, 4, 8], [0, 1, 2, 4, 5, 7, 8])
-    >>> sum(held_out(i, 0.3) for i in range(1000)), sum(held_out(i, 0.0) for i in range(1000))
-    (300, 0)
+    >>> [i for i, h in enumerate(held_out(0, 10, 0.25)) if h]
+    [0, 4, 8]
+    >>> [i for i, h in enumerate(held_out(0, 10, 0.7)) if h]
+    [0, 1, 2, 4, 5, 7, 8]
+    >>> sum(held_out(0, 1000, 0.3)), sum(held_out(0, 1000, 0.0)), held_out(4, 3, 0.25)
+    (300, 0, [True, False, False])
     """
     q = Fraction(repr(fraction))
-    return -(-(i + 1) * q.numerator // q.denominator) > -(-i * q.numerator // q.denominator)
+    num, den = q.numerator, q.denominator
+    steps = [-(-i * num // den) for i in range(first, first + count + 1)]  # ceil(i * q)
+    return [b > a for a, b in itertools.pairwise(steps)]
 
 
 def growing_holdout(
@@ -140,7 +146,7 @@ def growing_holdout(
     else:
         first, held = 0, []
         for ls in lengths:
-            held.append([held_out(first + n, fraction) for n in range(len(ls))])
+            held.append(held_out(first, len(ls), fraction))
             first += len(ls)
     train = tuple(
         tuple(0 if h else int(x) for x, h in zip(ls, hs, strict=True))
